@@ -1,0 +1,25 @@
+"""msgpack framing for the wire messages in ``pdtrio.protocol.wire``. Never pickle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from pdtrio.protocol.wire import WireError
+
+MSGPACK_CONTENT_TYPE = "application/msgpack"
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+def pack(message: Any) -> bytes:
+    return _packer.pack(message)
+
+
+def unpack(data: bytes) -> Any:
+    try:
+        # ext types are refused: nothing but plain data crosses the wire
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise WireError(f"undecodable frame: {exc}") from exc

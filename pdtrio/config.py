@@ -1,0 +1,173 @@
+"""Configuration: frozen attrs classes, loaded by cattrs from TOML.
+
+``PDTRIO_CONFIG=path`` names a TOML file; no file means the embedded default
+(one prefill and one decode worker started by the router on loopback).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, final
+
+import attrs
+import cattrs
+from cattrs.v import transform_error
+
+from pdtrio.protocol.flush import FlushConfig
+
+Role = Literal["prefill", "decode", "both"]
+EngineKind = Literal["synthetic", "torch"]
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; the message names the key and the problem."""
+
+
+def _positive(instance: Any, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+@final
+@attrs.frozen(kw_only=True)
+class SyntheticEngineConfig:
+    """The torch-free engine: deterministic tokens at a configurable pace."""
+
+    prefill_s_per_token: float = attrs.field(default=0.0, validator=_non_negative)
+    decode_step_s: float = attrs.field(default=0.005, validator=_non_negative)
+    tokens_per_step: int = attrs.field(default=1, validator=_positive)
+    max_model_len: int = attrs.field(default=8192, validator=_positive)
+    vocab_size: int = attrs.field(default=1000, validator=_positive)
+
+
+@final
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    kind: EngineKind = "torch"
+    model: str = DEFAULT_MODEL
+    num_kv_blocks: int = attrs.field(default=1024, validator=_positive)
+    block_size: int = attrs.field(default=16, validator=_positive)
+    max_batch_size: int = attrs.field(default=32, validator=_positive)
+    max_prefill_tokens: int = attrs.field(default=2048, validator=_positive)
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    synthetic: SyntheticEngineConfig = SyntheticEngineConfig()
+
+
+@final
+@attrs.frozen(kw_only=True)
+class WorkerConfig:
+    role: Role = "both"
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=0, validator=_non_negative)
+    transfer_port: int = attrs.field(default=0, validator=_non_negative)
+    instance_id: str = ""
+    kv_lease_s: float = attrs.field(default=30.0, validator=_positive)
+    kv_transport: Literal["tcp"] = "tcp"
+    engine: EngineConfig = EngineConfig()
+    flush: FlushConfig = FlushConfig()
+
+
+@final
+@attrs.frozen(kw_only=True)
+class InstanceConfig:
+    """A worker the router talks to, given by its HTTP base URL."""
+
+    role: Role
+    url: str
+
+
+@final
+@attrs.frozen(kw_only=True)
+class EmbeddedClusterConfig:
+    """Workers the router starts itself as child processes on loopback."""
+
+    prefill: int = attrs.field(default=1, validator=_non_negative)
+    decode: int = attrs.field(default=1, validator=_non_negative)
+    both: int = attrs.field(default=0, validator=_non_negative)
+    ready_timeout_s: float = attrs.field(default=300.0, validator=_positive)
+    restart_backoff_s: float = attrs.field(default=1.0, validator=_non_negative)
+    worker: WorkerConfig = WorkerConfig()
+
+
+@final
+@attrs.frozen(kw_only=True)
+class RouterConfig:
+    request_timeout_s: float = attrs.field(default=600.0, validator=_positive)
+    prefill_timeout_s: float = attrs.field(default=120.0, validator=_positive)
+    cleanup_grace_s: float = attrs.field(default=2.0, validator=_positive)
+    max_tokens_limit: int = attrs.field(default=1_000_000, validator=_positive)
+    stream_buffer_tokens: int = attrs.field(default=65536, validator=_positive)
+    max_request_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
+    connect_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+
+
+@final
+@attrs.frozen(kw_only=True)
+class PdtrioConfig:
+    router: RouterConfig = RouterConfig()
+    # With ``instances`` empty, the router starts the embedded cluster.
+    instances: tuple[InstanceConfig, ...] = ()
+    embedded: EmbeddedClusterConfig = EmbeddedClusterConfig()
+
+    @property
+    def uses_embedded_cluster(self) -> bool:
+        return not self.instances
+
+
+def _converter() -> cattrs.Converter:
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    return converter
+
+
+def config_from_dict(raw: dict[str, Any], cls: type[Any] = PdtrioConfig) -> Any:
+    try:
+        return _converter().structure(raw, cls)
+    except cattrs.BaseValidationError as exc:
+        problems = "; ".join(_describe(m) for m in transform_error(exc, path="config"))
+        raise ConfigError(f"invalid configuration: {problems}") from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"invalid configuration: {exc}") from None
+
+
+def _describe(message: str) -> str:
+    # cattrs says "... @ config.engine.port"; turn the path into a key name
+    text, _, path = message.partition(" @ ")
+    key = path.removeprefix("config.").removeprefix("config") or "(top level)"
+    key = key.replace("['", ".").replace("']", "")
+    return f"key '{key}': {text}"
+
+
+def load_config_file(path: str | Path) -> PdtrioConfig:
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    config: PdtrioConfig = config_from_dict(raw)
+    return config
+
+
+def load_config_from_env(environ: dict[str, str] | None = None) -> PdtrioConfig:
+    environ = dict(os.environ) if environ is None else environ
+    path = environ.get("PDTRIO_CONFIG")
+    if not path:
+        return PdtrioConfig()
+    return load_config_file(path)
+
+
+def worker_config_to_dict(config: WorkerConfig) -> dict[str, Any]:
+    unstructured: dict[str, Any] = _converter().unstructure(config)
+    return unstructured

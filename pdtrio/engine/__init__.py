@@ -1,0 +1,1 @@
+"""Engines behind the workers. Importing this package does not import torch."""

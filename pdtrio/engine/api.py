@@ -1,0 +1,135 @@
+"""The contract between a worker's trio shell and its engine.
+
+Two engines implement it: the synthetic engine (no torch, for tests and load
+generation) and the torch engine.  Nothing here imports torch.
+
+Blocks belong to a request id.  ``prefill`` leaves the prompt's blocks owned
+by the request until ``free_request``; ``allocate_blocks`` + ``write_blocks``
+is how a decode instance receives them; ``start_decode`` runs the request on
+the blocks it owns, and frees them itself when the request finishes or is
+aborted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, final
+
+import attrs
+import trio
+
+from pdtrio.protocol.kv_layout import KvLayout
+from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.protocol.wire import Prompt
+
+
+class EngineError(Exception):
+    """Base of the errors an engine raises to its shell."""
+
+
+class PromptRejected(EngineError):
+    """The prompt cannot be served (too long, bad template, bad token ids): a 400."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class NoRoom(EngineError):
+    """Not enough free KV blocks right now: try another instance, or 503."""
+
+
+@final
+@attrs.frozen
+class EngineStatistics:
+    running_requests: int
+    kv_blocks_in_use: int
+    kv_blocks_total: int
+    waiting_requests: int = 0
+
+
+@final
+@attrs.frozen
+class PrefillResult:
+    first_token_id: int
+    first_text: str
+    finish_reason: str | None
+    block_ids: tuple[int, ...]  # empty when finish_reason is set: blocks are already free
+    cached_tokens: int
+    remaining_tokens: int  # decode budget left after the first token
+
+
+# One engine step's outputs: token entries in wire form,
+# [request_id, token_ids, text, finish_reason, usage_or_None]
+StepOutputs = list[list[Any]]
+
+
+class Engine(Protocol):
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def layout(self) -> KvLayout: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def statistics(self) -> EngineStatistics: ...
+
+    async def run(
+        self,
+        outputs: trio.MemorySendChannel[StepOutputs],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Run the engine loop until cancelled; decode outputs go to ``outputs``."""
+        ...
+
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids for a prompt (chat template applied). Raises PromptRejected."""
+        ...
+
+    async def prefill(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> PrefillResult:
+        """Compute the prompt's KV and sample the first token. Raises NoRoom, PromptRejected.
+
+        Cancellation frees whatever the request had allocated.
+        """
+        ...
+
+    def free_request(self, request_id: str) -> None:
+        """Free every block the request owns and forget it. Idempotent."""
+        ...
+
+    def allocate_blocks(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
+        """Reserve blocks for ``num_tokens`` of received KV. Raises NoRoom."""
+        ...
+
+    async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
+        """The blocks' bytes, block after block, in the engine's KV layout."""
+        ...
+
+    async def write_blocks(self, block_ids: tuple[int, ...], data: bytes) -> None:
+        """Fill the blocks from bytes produced by ``read_blocks`` on a compatible engine."""
+        ...
+
+    async def start_decode(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        sampling: SamplingParams,
+        remaining_tokens: int,
+        cached_tokens: int,
+    ) -> None:
+        """Join the running batch on the blocks the request owns.
+
+        Outputs come through ``run``'s channel; the last one for the request
+        carries its finish_reason and usage, after which its blocks are free.
+        """
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Stop decoding the request (if it runs) and free its blocks. Idempotent."""
+        ...

@@ -1,0 +1,188 @@
+"""The paged KV cache: preallocated blocks, stored block-major for transfer.
+
+Storage is one tensor of shape
+``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`` (2 is K then
+V), so block ``b`` is the contiguous byte range
+``[b * block_nbytes, (b + 1) * block_nbytes)`` of the tensor: a block moves
+between instances as one memcpy / one RDMA region, all layers together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import final
+
+import attrs
+import numpy as np
+import torch
+
+from pdtrio.engine.api import NoRoom
+from pdtrio.engine.config import ModelConfig
+from pdtrio.protocol.kv_layout import KvLayout
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, the spelling KvLayout uses."""
+    return str(dtype).removeprefix("torch.")
+
+
+@final
+@attrs.frozen
+class KvCacheStatistics:
+    num_blocks: int
+    num_used: int
+    num_free: int
+    block_size: int
+    block_nbytes: int
+
+
+@final
+class BlockAllocator:
+    """Hands out block ids; all or nothing, and a block is freed exactly once."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        # pop() hands out low ids first, which keeps block tables readable
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._in_use = [False] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` free block ids, or NoRoom and nothing allocated."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > len(self._free):
+            raise NoRoom(f"need {n} KV blocks, {len(self._free)} of {self.num_blocks} free")
+        ids = [self._free.pop() for _ in range(n)]
+        for block_id in ids:
+            self._in_use[block_id] = True
+        return ids
+
+    def free(self, ids: Iterable[int]) -> None:
+        """Return blocks; freeing a block that is not allocated is a bug, and frees nothing."""
+        ids = list(ids)
+        seen: set[int] = set()
+        for block_id in ids:
+            if not 0 <= block_id < self.num_blocks:
+                raise ValueError(f"block id {block_id} out of range 0..{self.num_blocks - 1}")
+            if not self._in_use[block_id] or block_id in seen:
+                raise ValueError(f"double free of KV block {block_id}")
+            seen.add(block_id)
+        for block_id in ids:
+            self._in_use[block_id] = False
+        self._free.extend(reversed(ids))
+
+
+@final
+class PagedKvCache:
+    """K and V of every layer for ``num_blocks`` blocks of ``block_size`` positions."""
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.kv = torch.zeros(
+            (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim),
+            dtype=dtype,
+            device=self.device,
+        )
+        self.allocator = BlockAllocator(num_blocks)
+
+    @classmethod
+    def for_model(
+        cls,
+        config: ModelConfig,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> PagedKvCache:
+        return cls(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.kv[0].numel() * self.kv.element_size() if self.num_blocks else 0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def layout(self, model_fingerprint: str) -> KvLayout:
+        return KvLayout(
+            model_fingerprint=model_fingerprint,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            dtype=dtype_name(self.dtype),
+        )
+
+    def statistics(self) -> KvCacheStatistics:
+        return KvCacheStatistics(
+            num_blocks=self.num_blocks,
+            num_used=self.allocator.num_used,
+            num_free=self.allocator.num_free,
+            block_size=self.block_size,
+            block_nbytes=self.block_nbytes,
+        )
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        ids = list(block_ids)
+        for block_id in ids:
+            if not 0 <= block_id < self.num_blocks:
+                raise ValueError(f"block id {block_id} out of range 0..{self.num_blocks - 1}")
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: Sequence[int]) -> bytes:
+        """The raw bytes of these blocks, block after block, in the cache's layout."""
+        blocks = self.kv.index_select(0, self._index(block_ids)).cpu()
+        return blocks.view(torch.uint8).numpy().tobytes()
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: Sequence[int], data: bytes | bytearray | memoryview) -> None:
+        """Fill blocks from bytes made by ``read_blocks`` on a cache of the same layout."""
+        index = self._index(block_ids)
+        source = np.frombuffer(data, dtype=np.uint8)
+        expected = len(index) * self.block_nbytes
+        if source.size != expected:
+            raise ValueError(
+                f"KV data for {len(index)} blocks must be {expected} bytes, got {source.size}"
+            )
+        staging = torch.empty(expected, dtype=torch.uint8)
+        staging.numpy()[:] = source
+        blocks = staging.view(self.dtype).view(len(index), *self.kv.shape[1:])
+        self.kv.index_copy_(0, index, blocks.to(self.device))

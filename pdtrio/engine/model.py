@@ -1,0 +1,407 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) in plain torch, paged.
+
+Parameter names follow the HF ``*ForCausalLM`` checkpoints (``model.layers.N.
+self_attn.q_proj.weight`` ...), so a HF state dict loads as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import final
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdtrio.engine.config import ModelConfig, RopeScaling
+from pdtrio.engine.kv_cache import PagedKvCache
+
+
+@final
+@attrs.frozen
+class SeqInput:
+    """New tokens of one sequence at positions ``start_pos ..``; KV goes to ``block_table``."""
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim // 2], float32, with the checkpoint's scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is not None:
+        inv_freq = _scale_inv_freq(inv_freq, scaling)
+    return inv_freq.to(torch.float32)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "freq_factors":
+        factors = torch.tensor(scaling.freq_factors, dtype=torch.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"rope freq_factors has {factors.numel()} entries, expected {inv_freq.numel()}"
+            )
+        return inv_freq / factors
+    # llama3: keep high frequencies, divide low ones by factor, interpolate between
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, heads, D]; cos/sin [T, 1, D]
+    return x * cos + _rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated q [T, Hq, D], rotated k [T, Hkv, D] and v [T, Hkv, D]."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+@attrs.frozen
+class _PagedPlan:
+    """Index tensors for one forward_paged call, shared by every layer."""
+
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    write_base: torch.Tensor  # [T] row of layer 0's K slot in the flat cache view
+    last_index: torch.Tensor  # [B] row of each sequence's last new token
+    decode_rows: torch.Tensor  # [Bd] token rows of the one-token sequences
+    decode_base: torch.Tensor | None  # [Bd, Lmax] cache rows of their context, padded
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] True where a key is real
+    prefill: list[tuple[int, int, int, torch.Tensor]]  # (row0, n_new, start_pos, base [end])
+
+
+@final
+class CausalLM(nn.Module):
+    """The decoder plus its LM head; ``forward_paged`` is what the engine calls."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _Backbone(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(config), persistent=False)
+
+    @classmethod
+    def build(
+        cls,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> CausalLM:
+        """A model with these weights (HF names), on ``device`` in ``dtype``.
+
+        ``weights`` may be a generator, so a loader can stream tensors one by one;
+        every parameter must be given, and no unknown tensor is accepted.
+        """
+        with torch.device("meta"):
+            model = cls(config)
+        model.rope_inv_freq = rope_inv_freq(config).to(device)
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
+        missing = {name for name, _ in model.named_parameters()}
+        expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        for name, tensor in pairs:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # some tied checkpoints store the copy anyway
+            if name not in expected:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+            if tuple(tensor.shape) != expected[name]:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"model expects {expected[name]}"
+                )
+            owner_name, _, attr = name.rpartition(".")
+            value = tensor.to(device=device, dtype=dtype).contiguous()
+            setattr(model.get_submodule(owner_name), attr, nn.Parameter(value, requires_grad=False))
+            missing.discard(name)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+        model.eval()
+        return model
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.norm(hidden)
+        weight = (
+            self.model.embed_tokens.weight
+            if self.config.tie_word_embeddings
+            else self.lm_head.weight
+        )
+        return F.linear(hidden, weight).float()
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(torch.float32)[:, None] * self.rope_inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    @torch.inference_mode()
+    def forward_reference(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [len, vocab] (float32) of a plain full causal forward, no cache."""
+        ids = self._token_tensor(token_ids)
+        positions = torch.arange(len(token_ids), device=self.device)
+        cos, sin = self._rope(positions)
+        h = self.model.embed_tokens(ids)
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                is_causal=True,
+                enable_gqa=True,
+            )
+            h = h + attn.o_proj(out.transpose(0, 1).reshape(len(token_ids), -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self._logits(h)
+
+    def _token_tensor(self, token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
+        return ids.to(self.device)
+
+    def _plan(self, seqs: Sequence[SeqInput], cache: PagedKvCache) -> _PagedPlan:
+        bs = cache.block_size
+        layer_stride = 2 * bs  # rows between one layer's K slots and the next's
+        block_stride = cache.num_layers * layer_stride
+        all_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        write_base: list[torch.Tensor] = []
+        last_index: list[int] = []
+        decode_rows: list[int] = []
+        decode_bases: list[torch.Tensor] = []
+        prefill: list[tuple[int, int, int, torch.Tensor]] = []
+        row = 0
+        for seq in seqs:
+            n = len(seq.token_ids)
+            if n == 0:
+                raise ValueError("a sequence needs at least one new token")
+            if seq.start_pos < 0:
+                raise ValueError(f"start_pos must be >= 0, got {seq.start_pos}")
+            end = seq.start_pos + n
+            if len(seq.block_table) < cache.blocks_needed(end):
+                raise ValueError(
+                    f"block table of {len(seq.block_table)} blocks cannot hold {end} positions "
+                    f"with block_size {bs}"
+                )
+            table = torch.tensor(seq.block_table[: cache.blocks_needed(end)], dtype=torch.long)
+            if int(table.min()) < 0 or int(table.max()) >= cache.num_blocks:
+                raise ValueError(f"block id out of range 0..{cache.num_blocks - 1}")
+            pos = torch.arange(end)
+            base = table[pos // bs] * block_stride + pos % bs  # layer 0's K row of each position
+            all_ids.extend(seq.token_ids)
+            positions.append(pos[seq.start_pos :])
+            write_base.append(base[seq.start_pos :])
+            last_index.append(row + n - 1)
+            if n == 1:
+                decode_rows.append(row)
+                decode_bases.append(base)
+            else:
+                prefill.append((row, n, seq.start_pos, base.to(cache.device)))
+            row += n
+        decode_base = decode_mask = None
+        if decode_bases:
+            longest = max(len(b) for b in decode_bases)
+            decode_base = torch.zeros(len(decode_bases), longest, dtype=torch.long)
+            decode_mask = torch.zeros(len(decode_bases), 1, 1, longest, dtype=torch.bool)
+            for i, b in enumerate(decode_bases):
+                decode_base[i, : len(b)] = b
+                decode_mask[i, 0, 0, : len(b)] = True
+            decode_base = decode_base.to(cache.device)
+            decode_mask = decode_mask.to(cache.device)
+        device = cache.device
+        return _PagedPlan(
+            token_ids=self._token_tensor(all_ids),
+            positions=torch.cat(positions).to(device),
+            write_base=torch.cat(write_base).to(device),
+            last_index=torch.tensor(last_index, dtype=torch.long, device=device),
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
+            decode_base=decode_base,
+            decode_mask=decode_mask,
+            prefill=prefill,
+        )
+
+    @torch.inference_mode()
+    def forward_paged(self, seqs: Sequence[SeqInput], cache: PagedKvCache) -> torch.Tensor:
+        """Write the new tokens' KV into the cache; logits [len(seqs), vocab] of each last token.
+
+        Linear layers run once over the tokens of all sequences; one-token
+        (decode) sequences share one padded attention call per layer, longer
+        ones attend one by one.
+        """
+        if not seqs:
+            return torch.empty(0, self.config.vocab_size, device=self.device)
+        if cache.dtype != self.dtype or cache.device != self.device:
+            raise ValueError(
+                f"KV cache is {cache.dtype} on {cache.device}, model is {self.dtype} on {self.device}"
+            )
+        if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (
+            self.config.num_layers,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+        ):
+            raise ValueError("KV cache shape does not match the model")
+        plan = self._plan(seqs, cache)
+        bs = cache.block_size
+        heads, kv_heads, head_dim = (
+            self.config.num_heads,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+        )
+        flat = cache.kv.view(-1, kv_heads, head_dim)  # row = ((block*L + layer)*2 + kv)*bs + slot
+        cos, sin = self._rope(plan.positions)
+        h = self.model.embed_tokens(plan.token_ids)
+        total = h.shape[0]
+        for layer_idx, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
+            k_off = layer_idx * 2 * bs
+            flat.index_copy_(0, plan.write_base + k_off, k)
+            flat.index_copy_(0, plan.write_base + k_off + bs, v)
+            out = torch.empty(total, heads, head_dim, dtype=h.dtype, device=h.device)
+            if plan.decode_base is not None:
+                rows = plan.decode_base + k_off
+                batch, longest = rows.shape
+                keys = flat.index_select(0, rows.view(-1)).view(batch, longest, kv_heads, head_dim)
+                values = flat.index_select(0, (rows + bs).view(-1)).view(
+                    batch, longest, kv_heads, head_dim
+                )
+                dq = q.index_select(0, plan.decode_rows)[:, :, None, :]  # [Bd, Hq, 1, D]
+                dout = F.scaled_dot_product_attention(
+                    dq,
+                    keys.transpose(1, 2),
+                    values.transpose(1, 2),
+                    attn_mask=plan.decode_mask,
+                    enable_gqa=True,
+                )
+                out.index_copy_(0, plan.decode_rows, dout[:, :, 0, :])
+            for row0, n, start, base in plan.prefill:
+                keys = flat.index_select(0, base + k_off).transpose(0, 1)
+                values = flat.index_select(0, base + k_off + bs).transpose(0, 1)
+                sq = q[row0 : row0 + n].transpose(0, 1)
+                if start == 0:
+                    sout = F.scaled_dot_product_attention(
+                        sq, keys, values, is_causal=True, enable_gqa=True
+                    )
+                else:
+                    # query i sits at position start + i and sees keys 0 ..= start + i
+                    mask = torch.ones(n, start + n, dtype=torch.bool, device=h.device).tril(start)
+                    sout = F.scaled_dot_product_attention(
+                        sq, keys, values, attn_mask=mask, enable_gqa=True
+                    )
+                out[row0 : row0 + n] = sout.transpose(0, 1)
+            h = h + attn.o_proj(out.view(total, heads * head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self._logits(h.index_select(0, plan.last_index))
+
+
+def random_state_dict(config: ModelConfig, *, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded float32 weights for ``config``, scaled so logits are far from uniform."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in CausalLM(config).named_parameters()}
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif name.endswith(".bias"):
+            weights[name] = 0.1 * torch.randn(shape, generator=gen)
+        elif name == "model.embed_tokens.weight":
+            weights[name] = torch.randn(shape, generator=gen)
+        else:
+            fan_in = shape[-1]
+            weights[name] = torch.randn(shape, generator=gen) / math.sqrt(fan_in)
+    return weights

@@ -1,0 +1,378 @@
+"""The synthetic engine: no torch, deterministic tokens, counted KV blocks.
+
+Output is a pure function of (prompt token ids, seed, position), so a request
+gives the same text disaggregated or colocated.  KV blocks are real bytes
+derived from the prompt, so a handoff that moves the wrong bytes is caught.
+It runs as trio tasks (it does no real work) and is cheap enough to be the
+load generator of the router benchmarks.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import final
+
+import attrs
+import trio
+
+from pdtrio.config import SyntheticEngineConfig
+from pdtrio.engine.api import (
+    EngineError,
+    EngineStatistics,
+    PrefillResult,
+    PromptRejected,
+    StepOutputs,
+)
+from pdtrio.engine.blocks import BlockOwnership
+from pdtrio.protocol.kv_layout import KvLayout
+from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.protocol.wire import ChatPrompt, Prompt, TextPrompt
+
+SYNTHETIC_MODEL_NAME = "synthetic"
+_FIRST_WORD_ID = 300  # ids below are bytes and specials
+_HEAD_DIM = 2  # bytes per token per K or V: keeps blocks small but real
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(*values: int) -> int:
+    """splitmix64 over the values: a stable hash with no global state."""
+    state = 0x9E3779B97F4A7C15
+    for value in values:
+        state = (state ^ (value & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        state ^= state >> 31
+        state = state * 0x94D049BB133111EB & _MASK64
+        state ^= state >> 29
+    return state
+
+
+def prompt_digest(prompt_token_ids: list[int] | tuple[int, ...]) -> int:
+    return zlib.crc32(b"".join(t.to_bytes(4, "little") for t in prompt_token_ids))
+
+
+def synthetic_token(digest: int, seed: int, position: int, vocab_size: int) -> int:
+    return _FIRST_WORD_ID + _mix(digest, seed, position) % max(1, vocab_size - _FIRST_WORD_ID)
+
+
+def synthetic_text(token_id: int) -> str:
+    return f" t{token_id}"
+
+
+def expected_kv_bytes(prompt_token_ids: list[int] | tuple[int, ...], layout: KvLayout) -> bytes:
+    """The bytes a prefill of this prompt leaves in its blocks (padded to whole blocks)."""
+    per_token = bytearray()
+    for position, token in enumerate(prompt_token_ids):
+        key = (token * 131 + position) & 0xFFFF
+        per_token += key.to_bytes(2, "little")
+    # block layout: [K|V][block_size][head_dim bytes]
+    out = bytearray()
+    token_bytes = _HEAD_DIM
+    for start in range(0, len(prompt_token_ids), layout.block_size):
+        chunk = bytes(per_token[start * token_bytes : (start + layout.block_size) * token_bytes])
+        chunk = chunk.ljust(layout.block_size * token_bytes, b"\0")
+        out += chunk  # K
+        out += bytes(b ^ 0x5A for b in chunk)  # V
+    return bytes(out)
+
+
+@attrs.define(eq=False)
+class _Running:
+    request_id: str
+    digest: int
+    seed: int
+    position: int  # position of the next token to generate
+    remaining: int
+    prompt_tokens: int
+    cached_tokens: int
+    generated: int
+    stop: tuple[str, ...]
+    text: str = ""
+    emitted: int = 0
+    token_ids: list[int] = attrs.Factory(list)
+
+
+@final
+class SyntheticEngine:
+    def __init__(
+        self,
+        config: SyntheticEngineConfig,
+        *,
+        num_blocks: int,
+        block_size: int,
+        model_name: str = SYNTHETIC_MODEL_NAME,
+    ) -> None:
+        self._config = config
+        self._model_name = model_name
+        self._blocks = BlockOwnership(num_blocks, block_size)
+        self._layout = KvLayout(
+            model_fingerprint=f"synthetic-v1-vocab{config.vocab_size}",
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=_HEAD_DIM,
+            block_size=block_size,
+            dtype="synthetic",
+        )
+        self._store: dict[int, bytes] = {}
+        self._running: dict[str, _Running] = {}
+        self._work_arrived = trio.Event()
+        self._prefilling = 0
+
+    # --- identity ---------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def layout(self) -> KvLayout:
+        return self._layout
+
+    @property
+    def max_model_len(self) -> int:
+        return self._config.max_model_len
+
+    @property
+    def eos_token_id(self) -> int:
+        return 2
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            running_requests=len(self._running) + self._prefilling,
+            kv_blocks_in_use=self._blocks.num_used,
+            kv_blocks_total=self._blocks.num_blocks,
+        )
+
+    # --- prompts ----------------------------------------------------------------
+
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        await trio.lowlevel.checkpoint()
+        if isinstance(prompt, ChatPrompt):
+            text = "".join(f"<{role}>{content}\n" for role, content in prompt.messages)
+            return [1, *(b + 4 for b in text.encode("utf-8")), 3]
+        if isinstance(prompt, TextPrompt):
+            return [1, *(b + 4 for b in prompt.text.encode("utf-8"))]
+        ids = list(prompt.token_ids)
+        bad = [t for t in ids if t >= self._config.vocab_size]
+        if bad:
+            raise PromptRejected(
+                f"token id {bad[0]} is out of range for a vocabulary of "
+                f"{self._config.vocab_size}",
+                param="prompt",
+            )
+        return ids
+
+    def _budget(self, prompt_tokens: int, sampling: SamplingParams) -> int:
+        limit = self._config.max_model_len
+        if prompt_tokens >= limit:
+            raise PromptRejected(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"prompt has {prompt_tokens} tokens.",
+                param="messages",
+            )
+        if sampling.max_tokens is None:
+            return limit - prompt_tokens
+        if prompt_tokens + sampling.max_tokens > limit:
+            raise PromptRejected(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt_tokens + sampling.max_tokens} tokens ({prompt_tokens} in "
+                f"the prompt, {sampling.max_tokens} for the completion).",
+                param="max_tokens",
+            )
+        return sampling.max_tokens
+
+    # --- prefill ----------------------------------------------------------------
+
+    async def prefill(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> PrefillResult:
+        if not prompt_token_ids:
+            raise PromptRejected("the prompt is empty", param="prompt")
+        budget = self._budget(len(prompt_token_ids), sampling)
+        if self._blocks.num_blocks * self._blocks.block_size < len(prompt_token_ids) + budget:
+            raise PromptRejected(
+                f"the request needs {len(prompt_token_ids) + budget} tokens of KV cache, "
+                f"more than this instance can ever hold "
+                f"({self._blocks.num_blocks * self._blocks.block_size})",
+                param="max_tokens",
+            )
+        block_ids = self._blocks.ensure(request_id, len(prompt_token_ids))
+        self._prefilling += 1
+        try:
+            if self._config.prefill_s_per_token > 0:
+                await trio.sleep(self._config.prefill_s_per_token * len(prompt_token_ids))
+            else:
+                await trio.lowlevel.checkpoint()
+        except BaseException:
+            self._blocks.release(request_id)
+            raise
+        finally:
+            self._prefilling -= 1
+        self._write_store(block_ids, expected_kv_bytes(prompt_token_ids, self._layout))
+        digest = prompt_digest(prompt_token_ids)
+        seed = 0 if sampling.seed is None else sampling.seed
+        first = synthetic_token(digest, seed, len(prompt_token_ids), self._config.vocab_size)
+        state = self._new_state(request_id, prompt_token_ids, sampling, budget, 0)
+        text, finish = self._advance(state, [first])
+        if finish is not None:
+            self._blocks.release(request_id)
+            block_ids = ()
+        return PrefillResult(
+            first_token_id=first,
+            first_text=text,
+            finish_reason=finish,
+            block_ids=block_ids,
+            cached_tokens=0,
+            remaining_tokens=budget - 1,
+        )
+
+    def free_request(self, request_id: str) -> None:
+        self._running.pop(request_id, None)
+        self._blocks.release(request_id)
+
+    # --- KV blocks ----------------------------------------------------------------
+
+    def allocate_blocks(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
+        return self._blocks.ensure(request_id, num_tokens)
+
+    def _write_store(self, block_ids: tuple[int, ...], data: bytes) -> None:
+        size = self._layout.block_nbytes
+        for index, block in enumerate(block_ids):
+            self._store[block] = data[index * size : (index + 1) * size]
+
+    async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
+        await trio.lowlevel.checkpoint()
+        empty = bytes(self._layout.block_nbytes)
+        return b"".join(self._store.get(b, empty) for b in block_ids)
+
+    async def write_blocks(self, block_ids: tuple[int, ...], data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        if len(data) != len(block_ids) * self._layout.block_nbytes:
+            raise EngineError(
+                f"KV data is {len(data)} bytes, expected "
+                f"{len(block_ids) * self._layout.block_nbytes} for {len(block_ids)} blocks"
+            )
+        self._write_store(block_ids, data)
+
+    # --- decode -------------------------------------------------------------------
+
+    def _new_state(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        remaining: int,
+        cached_tokens: int,
+    ) -> _Running:
+        return _Running(
+            request_id=request_id,
+            digest=prompt_digest(prompt_token_ids),
+            seed=0 if sampling.seed is None else sampling.seed,
+            position=len(prompt_token_ids),
+            remaining=remaining,
+            prompt_tokens=len(prompt_token_ids),
+            cached_tokens=cached_tokens,
+            generated=0,
+            stop=sampling.stop,
+        )
+
+    def _advance(self, state: _Running, tokens: list[int]) -> tuple[str, str | None]:
+        """Account for new tokens; returns (text to emit, finish_reason)."""
+        state.generated += len(tokens)
+        state.position += len(tokens)
+        state.remaining -= len(tokens)
+        for token in tokens:
+            state.text += synthetic_text(token)
+        if state.stop:
+            hits = [i for i in (state.text.find(s, state.emitted) for s in state.stop) if i >= 0]
+            if hits:
+                cut = min(hits)
+                out = state.text[state.emitted : cut]
+                state.emitted = cut
+                return out, "stop"
+            hold = max(len(s) for s in state.stop) - 1
+            safe = max(state.emitted, len(state.text) - hold)
+        else:
+            safe = len(state.text)
+        finish = "length" if state.remaining <= 0 else None
+        if finish is not None:
+            safe = len(state.text)
+        out = state.text[state.emitted : safe]
+        state.emitted = safe
+        return out, finish
+
+    async def start_decode(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        sampling: SamplingParams,
+        remaining_tokens: int,
+        cached_tokens: int,
+    ) -> None:
+        await trio.lowlevel.checkpoint()
+        table = self._blocks.owned(request_id)
+        prompt_blocks = -(-len(prompt_token_ids) // self._layout.block_size)
+        if len(table) < prompt_blocks:
+            raise EngineError(f"request {request_id} owns no KV for its prompt")
+        held = await self.read_blocks(tuple(table[:prompt_blocks]))
+        if held != expected_kv_bytes(prompt_token_ids, self._layout):
+            raise EngineError(f"KV blocks of {request_id} do not hold its prompt")
+        if remaining_tokens <= 0:
+            raise EngineError(f"request {request_id} has no token budget left")
+        state = self._new_state(
+            request_id, prompt_token_ids, sampling, remaining_tokens + 1, cached_tokens
+        )
+        # replay the first token so that stop strings spanning it are seen
+        self._advance(state, [first_token_id])
+        self._running[request_id] = state
+        self._work_arrived.set()
+
+    def abort(self, request_id: str) -> None:
+        self.free_request(request_id)
+
+    def _step(self) -> StepOutputs:
+        outputs: StepOutputs = []
+        vocab = self._config.vocab_size
+        per_step = self._config.tokens_per_step
+        finished: list[str] = []
+        for state in self._running.values():
+            count = min(per_step, state.remaining)
+            tokens = [
+                synthetic_token(state.digest, state.seed, state.position + i, vocab)
+                for i in range(count)
+            ]
+            text, finish = self._advance(state, tokens)
+            usage: list[int] | None = None
+            if finish is not None:
+                usage = [state.prompt_tokens, state.generated, state.cached_tokens]
+                finished.append(state.request_id)
+            outputs.append([state.request_id, tokens, text, finish, usage])
+        for request_id in finished:
+            self.free_request(request_id)
+        return outputs
+
+    async def run(
+        self,
+        outputs: trio.MemorySendChannel[StepOutputs],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        step = self._config.decode_step_s
+        task_status.started()
+        async with outputs:
+            next_step = -math.inf
+            while True:
+                if not self._running:
+                    self._work_arrived = trio.Event()
+                    await self._work_arrived.wait()
+                    next_step = trio.current_time()
+                # steady pace: the next step is due one interval after the last
+                next_step = max(next_step + step, trio.current_time()) if step else 0.0
+                if step:
+                    await trio.sleep_until(next_step)
+                else:
+                    await trio.lowlevel.checkpoint()
+                produced = self._step()
+                if produced:
+                    await outputs.send(produced)
+

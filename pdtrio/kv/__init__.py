@@ -1,0 +1,1 @@
+"""KV transfer transports behind one interface (TCP now; NIXL beside it)."""

@@ -1,0 +1,98 @@
+"""The KV layout descriptor and the rule that says two sides may be paired."""
+
+from __future__ import annotations
+
+from typing import Any, final
+
+import attrs
+
+KV_LAYOUT_VERSION = 1
+
+
+@final
+@attrs.frozen
+class KvLayout:
+    """What a KV block is, byte for byte.
+
+    Two instances can hand KV blocks to each other only if every field matches:
+    a block copied between different layouts would be silently wrong.
+    """
+
+    model_fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    parallel: str = "tp1"
+    version: int = KV_LAYOUT_VERSION
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block across all layers, K and V."""
+        return (
+            2
+            * self.num_layers
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * _DTYPE_SIZES.get(self.dtype, 1)
+        )
+
+    def describe(self) -> str:
+        return (
+            f"v{self.version} model={self.model_fingerprint} layers={self.num_layers} "
+            f"kv_heads={self.num_kv_heads} head_dim={self.head_dim} "
+            f"block_size={self.block_size} dtype={self.dtype} parallel={self.parallel}"
+        )
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.version,
+            self.model_fingerprint,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+            self.dtype,
+            self.parallel,
+        ]
+
+    @classmethod
+    def from_wire(cls, raw: list[Any]) -> KvLayout:
+        version, fingerprint, layers, heads, head_dim, block_size, dtype, parallel = raw
+        return cls(
+            model_fingerprint=str(fingerprint),
+            num_layers=int(layers),
+            num_kv_heads=int(heads),
+            head_dim=int(head_dim),
+            block_size=int(block_size),
+            dtype=str(dtype),
+            parallel=str(parallel),
+            version=int(version),
+        )
+
+
+_DTYPE_SIZES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "int8": 1,
+    "synthetic": 1,
+}
+
+
+def layout_mismatch(prefill: KvLayout, decode: KvLayout) -> str | None:
+    """Why these two layouts cannot be paired, naming both sides; None if they can."""
+    if prefill == decode:
+        return None
+    differing = [
+        field.name
+        for field in attrs.fields(KvLayout)
+        if getattr(prefill, field.name) != getattr(decode, field.name)
+    ]
+    return (
+        f"KV layout mismatch in {', '.join(differing)}: "
+        f"prefill has [{prefill.describe()}], decode has [{decode.describe()}]"
+    )

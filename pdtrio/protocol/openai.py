@@ -1,0 +1,717 @@
+"""OpenAI request models, their validation, and the non-streamed response bodies.
+
+Sans-IO: ``parse_*`` take the raw request body and return a frozen request or
+raise :class:`OpenAIError`, never anything else, whatever the bytes are.  The
+router turns the error into a JSON body with its status before the headers go
+out, or into an SSE error event after.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Collection, Sequence
+from typing import Any, Final, final
+
+import attrs
+
+from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.protocol.wire import ChatPrompt, TextPrompt, TokenPrompt, Usage
+
+__all__ = [
+    "CHAT_ROLES",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "OpenAIError",
+    "bad_request",
+    "chat_completion_body",
+    "completion_body",
+    "context_length_exceeded",
+    "gateway_timeout",
+    "models_list_body",
+    "not_found",
+    "not_found_model",
+    "parse_chat_completion_request",
+    "parse_completion_request",
+    "request_too_large",
+    "server_error",
+    "service_unavailable",
+    "usage_body",
+]
+
+CHAT_ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_STOP_SEQUENCES: Final = 4
+_INT64_MIN: Final = -(2**63)
+_INT64_MAX: Final = 2**63 - 1
+# top_k larger than any vocabulary is "off" in effect; the bound keeps it packable.
+_TOP_K_MAX: Final = 2**31 - 1
+
+
+# --- errors ------------------------------------------------------------------
+
+
+@final
+class OpenAIError(Exception):
+    """An error the client sees, with its HTTP status and OpenAI error body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"OpenAIError({self.message!r}, status={self.status}, type={self.type!r}, "
+            f"param={self.param!r}, code={self.code!r})"
+        )
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(message, status=400, param=param, code=code)
+
+
+def not_found(message: str) -> OpenAIError:
+    """An unknown route (OpenAI answers these with invalid_request_error too)."""
+    return OpenAIError(message, status=404, code="not_found")
+
+
+def not_found_model(model: str) -> OpenAIError:
+    return OpenAIError(
+        f"The model {_show(model)} does not exist.",
+        status=404,
+        param="model",
+        code="model_not_found",
+    )
+
+
+def context_length_exceeded(
+    *, prompt_tokens: int, max_tokens: int | None, context_length: int, param: str = "messages"
+) -> OpenAIError:
+    asked = "" if max_tokens is None else f" and {max_tokens} in the completion"
+    return OpenAIError(
+        f"This model's maximum context length is {context_length} tokens. However, you "
+        f"requested {prompt_tokens} tokens in the prompt{asked}. Please reduce the length "
+        "of the prompt or the completion.",
+        status=400,
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def request_too_large(limit_bytes: int) -> OpenAIError:
+    return OpenAIError(
+        f"The request body is larger than the limit of {limit_bytes} bytes.",
+        status=413,
+        code="request_too_large",
+    )
+
+
+def server_error(message: str) -> OpenAIError:
+    return OpenAIError(message, status=500, type="server_error")
+
+
+def service_unavailable(message: str) -> OpenAIError:
+    return OpenAIError(message, status=503, type="server_error", code="service_unavailable")
+
+
+def gateway_timeout(message: str) -> OpenAIError:
+    return OpenAIError(message, status=504, type="server_error", code="timeout")
+
+
+# --- requests ----------------------------------------------------------------
+
+
+@final
+@attrs.frozen
+class ChatCompletionRequest:
+    model: str
+    prompt: ChatPrompt
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    # Already ANDed with include_usage: True only when usage goes on every chunk.
+    continuous_usage_stats: bool
+    user: str | None
+
+
+@final
+@attrs.frozen
+class CompletionRequest:
+    model: str
+    prompt: TextPrompt | TokenPrompt
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    continuous_usage_stats: bool
+    user: str | None
+
+
+def parse_chat_completion_request(
+    body: bytes, *, served_models: Collection[str], max_tokens_limit: int
+) -> ChatCompletionRequest:
+    """Validate a ``POST /v1/chat/completions`` body; raises :class:`OpenAIError`."""
+    obj = _load_object(body)
+    model = _model(obj, served_models)
+    prompt = ChatPrompt(_messages(obj))
+    _reject_unsupported(obj)
+    _reject_truthy_flag(obj, "logprobs", "logprobs are not supported.")
+    _reject_tools(obj)
+    _reject_response_format(obj)
+    sampling = _sampling(obj, max_tokens_limit, allow_completion_alias=True)
+    stream, include_usage, continuous = _streaming(obj)
+    return ChatCompletionRequest(
+        model=model,
+        prompt=prompt,
+        sampling=sampling,
+        stream=stream,
+        include_usage=include_usage,
+        continuous_usage_stats=continuous,
+        user=_opt_str(obj, "user"),
+    )
+
+
+def parse_completion_request(
+    body: bytes, *, served_models: Collection[str], max_tokens_limit: int
+) -> CompletionRequest:
+    """Validate a ``POST /v1/completions`` body; raises :class:`OpenAIError`."""
+    obj = _load_object(body)
+    model = _model(obj, served_models)
+    prompt = _completion_prompt(obj)
+    _reject_unsupported(obj)
+    # Legacy completions take logprobs as a count; any count asks for logprobs.
+    logprobs = obj.get("logprobs")
+    if logprobs is not None and logprobs is not False:
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int):
+            raise _type_error("logprobs", "an integer", logprobs)
+        raise bad_request("logprobs are not supported.", param="logprobs")
+    _reject_truthy_flag(obj, "echo", "echo is not supported.")
+    best_of = _opt_int(obj, "best_of")
+    if best_of is not None and best_of != 1:
+        raise bad_request("best_of other than 1 is not supported.", param="best_of")
+    suffix = obj.get("suffix")
+    if suffix is not None and suffix != "":
+        if not isinstance(suffix, str):
+            raise _type_error("suffix", "a string", suffix)
+        raise bad_request("suffix is not supported.", param="suffix")
+    sampling = _sampling(obj, max_tokens_limit, allow_completion_alias=False)
+    stream, include_usage, continuous = _streaming(obj)
+    return CompletionRequest(
+        model=model,
+        prompt=prompt,
+        sampling=sampling,
+        stream=stream,
+        include_usage=include_usage,
+        continuous_usage_stats=continuous,
+        user=_opt_str(obj, "user"),
+    )
+
+
+# --- response bodies -----------------------------------------------------------
+
+
+def models_list_body(
+    models: Sequence[str], *, created: int, owned_by: str = "pdtrio"
+) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {"id": m, "object": "model", "created": created, "owned_by": owned_by} for m in models
+        ],
+    }
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def chat_completion_body(
+    *,
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    usage: Usage,
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "usage": usage_body(usage),
+    }
+
+
+def completion_body(
+    *,
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    usage: Usage,
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "usage": usage_body(usage),
+    }
+
+
+# --- validation helpers ----------------------------------------------------------
+
+
+def _show(value: str) -> str:
+    """A client string quoted for an error message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _type_error(param: str, expected: str, value: Any) -> OpenAIError:
+    return bad_request(
+        f"Invalid type for '{param}': expected {expected}, but got {_json_type(value)} instead.",
+        param=param,
+        code="invalid_type",
+    )
+
+
+def _missing(param: str) -> OpenAIError:
+    return bad_request(
+        f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+    )
+
+
+def _load_object(body: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError, bad UTF-8 and over-long integers.
+        raise bad_request(
+            f"The request body is not valid JSON: {exc}"[:200], code="invalid_json"
+        ) from None
+    if not isinstance(obj, dict):
+        raise bad_request(
+            f"The request body must be a JSON object, but got {_json_type(obj)}.",
+            code="invalid_json",
+        )
+    return obj
+
+
+def _check_text(value: str, param: str) -> str:
+    # JSON may carry lone surrogates ("\ud800"); they cannot be tokenized or packed.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(
+            f"Invalid value for '{param}': the string contains an unpaired surrogate.",
+            param=param,
+        ) from None
+    return value
+
+
+def _opt_str(obj: dict[str, Any], key: str) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _type_error(key, "a string", value)
+    return _check_text(value, key)
+
+
+def _opt_bool(obj: dict[str, Any], key: str, param: str | None = None) -> bool | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise _type_error(param or key, "a boolean", value)
+    return value
+
+
+def _opt_int(obj: dict[str, Any], key: str) -> int | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(key, "an integer", value)
+    return value
+
+
+def _opt_number(obj: dict[str, Any], key: str) -> float | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _type_error(key, "a number", value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too large for a float
+        number = math.inf
+    if not math.isfinite(number):
+        raise bad_request(f"Invalid value for '{key}': must be a finite number.", param=key)
+    return number
+
+
+def _model(obj: dict[str, Any], served_models: Collection[str]) -> str:
+    model = obj.get("model")
+    if model is None:
+        raise bad_request(
+            "You must provide a model parameter.", param="model", code="missing_required_parameter"
+        )
+    if not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    if model not in served_models:
+        raise not_found_model(model)
+    return model
+
+
+def _messages(obj: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    raw = obj.get("messages")
+    if raw is None:
+        raise _missing("messages")
+    if not isinstance(raw, list):
+        raise _type_error("messages", "an array", raw)
+    if not raw:
+        raise bad_request(
+            "Invalid 'messages': empty array. Expected an array with minimum length 1.",
+            param="messages",
+            code="empty_array",
+        )
+    return tuple(_message(m, f"messages.[{i}]") for i, m in enumerate(raw))
+
+
+def _message(message: Any, where: str) -> tuple[str, str]:
+    if not isinstance(message, dict):
+        raise _type_error(where, "an object", message)
+    role = message.get("role")
+    if role is None:
+        raise _missing(f"{where}.role")
+    if not isinstance(role, str):
+        raise _type_error(f"{where}.role", "a string", role)
+    if role not in CHAT_ROLES:
+        supported = ", ".join(f"'{r}'" for r in sorted(CHAT_ROLES))
+        raise bad_request(
+            f"Invalid value: {_show(role)}. Supported values are: {supported}.",
+            param=f"{where}.role",
+            code="invalid_value",
+        )
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None and tool_calls != []:
+        raise bad_request("Tool calls are not supported.", param=f"{where}.tool_calls")
+    if message.get("function_call") is not None:
+        raise bad_request("Function calls are not supported.", param=f"{where}.function_call")
+    content = message.get("content")
+    where_content = f"{where}.content"
+    if content is None:
+        if role == "assistant":
+            return role, ""
+        raise _missing(where_content)
+    if isinstance(content, str):
+        return role, _check_text(content, where_content)
+    if not isinstance(content, list):
+        raise _type_error(where_content, "a string or an array of content parts", content)
+    return role, "".join(_text_part(p, f"{where_content}.[{j}]") for j, p in enumerate(content))
+
+
+def _text_part(part: Any, where: str) -> str:
+    if not isinstance(part, dict):
+        raise _type_error(where, "an object", part)
+    kind = part.get("type")
+    if kind is None:
+        raise _missing(f"{where}.type")
+    if not isinstance(kind, str):
+        raise _type_error(f"{where}.type", "a string", kind)
+    if kind != "text":
+        raise bad_request(
+            f"Content parts of type {_show(kind)} are not supported; only 'text' parts are.",
+            param=f"{where}.type",
+            code="unsupported_content",
+        )
+    text = part.get("text")
+    if text is None:
+        raise _missing(f"{where}.text")
+    if not isinstance(text, str):
+        raise _type_error(f"{where}.text", "a string", text)
+    return _check_text(text, f"{where}.text")
+
+
+def _completion_prompt(obj: dict[str, Any]) -> TextPrompt | TokenPrompt:
+    raw = obj.get("prompt")
+    if raw is None:
+        raise _missing("prompt")
+    if isinstance(raw, str):
+        return _text_prompt(raw, "prompt")
+    if not isinstance(raw, list):
+        raise _type_error(
+            "prompt", "a string, an array of one string or an array of token ids", raw
+        )
+    if not raw:
+        raise bad_request("The prompt must not be empty.", param="prompt", code="empty_array")
+    first = raw[0]
+    if isinstance(first, str | list):
+        # A list of prompts: only a batch of one is served.
+        if len(raw) > 1:
+            raise bad_request(
+                "Batched prompts (more than one prompt per request) are not supported.",
+                param="prompt",
+            )
+        if isinstance(first, str):
+            return _text_prompt(first, "prompt.[0]")
+        return _token_prompt(first, "prompt.[0]")
+    return _token_prompt(raw, "prompt")
+
+
+def _text_prompt(text: str, where: str) -> TextPrompt:
+    if not text:
+        raise bad_request("The prompt must not be empty.", param=where)
+    return TextPrompt(_check_text(text, where))
+
+
+def _token_prompt(raw: list[Any], where: str) -> TokenPrompt:
+    if not raw:
+        raise bad_request("The prompt must not be empty.", param=where)
+    for i, token in enumerate(raw):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise _type_error(f"{where}.[{i}]", "an integer token id", token)
+        if not 0 <= token <= _INT64_MAX:
+            raise bad_request(
+                f"Invalid value for '{where}.[{i}]': {token} is not a valid token id.",
+                param=f"{where}.[{i}]",
+            )
+    return TokenPrompt(tuple(raw))
+
+
+def _reject_truthy_flag(obj: dict[str, Any], key: str, message: str) -> None:
+    if _opt_bool(obj, key):
+        raise bad_request(message, param=key)
+
+
+def _reject_unsupported(obj: dict[str, Any]) -> None:
+    """Fields both endpoints share that are accepted only at their no-op value."""
+    n = _opt_int(obj, "n")
+    if n is not None:
+        if n > 1:
+            raise bad_request("n > 1 is not supported.", param="n")
+        if n < 1:
+            raise bad_request(f"Invalid value for 'n': {n} is less than 1.", param="n")
+    for key in ("frequency_penalty", "presence_penalty"):
+        penalty = _opt_number(obj, key)
+        if penalty is not None and penalty != 0.0:
+            raise bad_request(f"{key} is not supported (only 0 or null).", param=key)
+    logit_bias = obj.get("logit_bias")
+    if logit_bias is not None and logit_bias != {}:
+        if not isinstance(logit_bias, dict):
+            raise _type_error("logit_bias", "an object", logit_bias)
+        raise bad_request("logit_bias is not supported.", param="logit_bias")
+    top_logprobs = _opt_int(obj, "top_logprobs")
+    if top_logprobs is not None and top_logprobs != 0:
+        raise bad_request("top_logprobs is not supported.", param="top_logprobs")
+
+
+def _reject_tools(obj: dict[str, Any]) -> None:
+    for key in ("tools", "functions"):
+        value = obj.get(key)
+        if value is not None and value != []:
+            if not isinstance(value, list):
+                raise _type_error(key, "an array", value)
+            raise bad_request(f"{key} are not supported.", param=key)
+    for key in ("tool_choice", "function_call"):
+        value = obj.get(key)
+        if value is not None and value != "none":
+            raise bad_request(f"{key} is not supported (only 'none' or null).", param=key)
+
+
+def _reject_response_format(obj: dict[str, Any]) -> None:
+    value = obj.get("response_format")
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise _type_error("response_format", "an object", value)
+    if value.get("type") != "text":
+        raise bad_request(
+            'response_format other than {"type": "text"} is not supported.',
+            param="response_format",
+        )
+
+
+def _token_limit(obj: dict[str, Any], key: str, max_tokens_limit: int) -> int | None:
+    value = _opt_int(obj, key)
+    if value is None:
+        return None
+    if value < 1:
+        raise bad_request(f"Invalid value for '{key}': {value} is less than 1.", param=key)
+    if value > max_tokens_limit:
+        raise bad_request(
+            f"Invalid value for '{key}': {value} is greater than the maximum of {max_tokens_limit}.",
+            param=key,
+        )
+    return value
+
+
+def _stop(obj: dict[str, Any]) -> tuple[str, ...]:
+    raw = obj.get("stop")
+    if raw is None:
+        return ()
+    if isinstance(raw, str):
+        items: list[Any] = [raw]
+        wheres = ["stop"]
+    elif isinstance(raw, list):
+        if len(raw) > MAX_STOP_SEQUENCES:
+            raise bad_request(
+                f"Invalid 'stop': at most {MAX_STOP_SEQUENCES} stop sequences are allowed.",
+                param="stop",
+            )
+        items = raw
+        wheres = [f"stop.[{i}]" for i in range(len(raw))]
+    else:
+        raise _type_error("stop", "a string or an array of strings", raw)
+    for item, where in zip(items, wheres, strict=True):
+        if not isinstance(item, str):
+            raise _type_error(where, "a string", item)
+        if not item:
+            raise bad_request("Stop sequences must not be empty strings.", param="stop")
+        _check_text(item, "stop")
+    return tuple(items)
+
+
+def _sampling(
+    obj: dict[str, Any], max_tokens_limit: int, *, allow_completion_alias: bool
+) -> SamplingParams:
+    max_tokens = _token_limit(obj, "max_tokens", max_tokens_limit)
+    limit_param = "max_tokens"
+    if allow_completion_alias:
+        newer = _token_limit(obj, "max_completion_tokens", max_tokens_limit)
+        if newer is not None:
+            max_tokens, limit_param = newer, "max_completion_tokens"
+    min_tokens = _opt_int(obj, "min_tokens") or 0
+    if min_tokens < 0:
+        raise bad_request(
+            f"Invalid value for 'min_tokens': {min_tokens} is less than 0.", param="min_tokens"
+        )
+    upper = max_tokens if max_tokens is not None else max_tokens_limit
+    if min_tokens > upper:
+        raise bad_request(
+            f"Invalid value for 'min_tokens': {min_tokens} is greater than "
+            f"'{limit_param}' ({upper}).",
+            param="min_tokens",
+        )
+
+    temperature = _opt_number(obj, "temperature")
+    if temperature is None:
+        temperature = 1.0
+    elif not 0.0 <= temperature <= 2.0:
+        raise bad_request(
+            f"Invalid value for 'temperature': {temperature} is not between 0 and 2.",
+            param="temperature",
+        )
+    top_p = _opt_number(obj, "top_p")
+    if top_p is None:
+        top_p = 1.0
+    elif not 0.0 < top_p <= 1.0:
+        raise bad_request(
+            f"Invalid value for 'top_p': {top_p} must be greater than 0 and at most 1.",
+            param="top_p",
+        )
+    top_k = _opt_int(obj, "top_k")
+    if top_k is None or top_k == -1:
+        top_k = 0
+    elif not 0 <= top_k <= _TOP_K_MAX:
+        raise bad_request(
+            f"Invalid value for 'top_k': {top_k}; use -1 or 0 to disable, or a positive count.",
+            param="top_k",
+        )
+    seed = _opt_int(obj, "seed")
+    if seed is not None and not _INT64_MIN <= seed <= _INT64_MAX:
+        raise bad_request(
+            "Invalid value for 'seed': must fit in a signed 64-bit integer.", param="seed"
+        )
+
+    return SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stop=_stop(obj),
+        ignore_eos=bool(_opt_bool(obj, "ignore_eos")),
+    )
+
+
+def _streaming(obj: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats)."""
+    stream = bool(_opt_bool(obj, "stream"))
+    options = obj.get("stream_options")
+    if options is None:
+        return stream, False, False
+    if not stream:
+        raise bad_request(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            param="stream_options",
+        )
+    if not isinstance(options, dict):
+        raise _type_error("stream_options", "an object", options)
+    include_usage = bool(_opt_bool(options, "include_usage", "stream_options.include_usage"))
+    continuous = bool(
+        _opt_bool(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
+    )
+    return stream, include_usage, include_usage and continuous

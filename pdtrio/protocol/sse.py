@@ -1,0 +1,202 @@
+"""The OpenAI streaming shape: text deltas in, ``text/event-stream`` bytes out.
+
+Sans-IO and on the router's hot path: the JSON around each chunk is built once
+per stream, so a content chunk costs one ``json.dumps`` of its text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Final, Literal, final
+
+from pdtrio.protocol.openai import OpenAIError
+
+__all__ = ["DONE_EVENT", "StreamShaper"]
+
+DONE_EVENT: Final = b"data: [DONE]\n\n"
+
+_FINISH_JSON: Final = {"stop": '"stop"', "length": '"length"', "abort": '"abort"'}
+_dumps: Final = json.dumps
+
+
+def _finish_json(finish_reason: str) -> str:
+    encoded = _FINISH_JSON.get(finish_reason)
+    return encoded if encoded is not None else _dumps(finish_reason)
+
+
+@final
+class StreamShaper:
+    """Shapes one streamed completion (``kind`` "chat" or "completion").
+
+    Feed every text delta from the detokenizer to :meth:`delta`, empty ones
+    included (their tokens count for usage), then end with :meth:`done` or
+    :meth:`error`; each returns the bytes to write now.
+    """
+
+    __slots__ = (
+        "_chat",
+        "_closed",
+        "_completion_tokens",
+        "_continuous",
+        "_cached_tokens",
+        "_chunk_end",
+        "_empty_finish_open",
+        "_finished",
+        "_head",
+        "_include_usage",
+        "_null_chunk_end",
+        "_prompt_tokens",
+        "_role_body",
+        "_role_sent",
+        "_text_open",
+        "_text_close",
+    )
+
+    def __init__(
+        self,
+        *,
+        kind: Literal["chat", "completion"],
+        request_id: str,
+        model: str,
+        created: int,
+        include_usage: bool,
+        continuous_usage_stats: bool,
+    ) -> None:
+        if kind not in ("chat", "completion"):
+            raise ValueError(f"unknown stream kind {kind!r}")
+        self._chat = kind == "chat"
+        self._include_usage = include_usage
+        self._continuous = include_usage and continuous_usage_stats
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+        self._completion_tokens = 0
+        self._role_sent = not self._chat  # completions have no role chunk
+        self._finished = False
+        self._closed = False
+
+        obj = "chat.completion.chunk" if self._chat else "text_completion"
+        self._head = (
+            f'data: {{"id":{_dumps(request_id)},"object":"{obj}","created":{int(created)},'
+            f'"model":{_dumps(model)},"choices":'
+        )
+        if self._chat:
+            self._text_open = '[{"index":0,"delta":{"content":'
+            self._text_close = '},"logprobs":null,"finish_reason":'
+            self._empty_finish_open = '[{"index":0,"delta":{},"logprobs":null,"finish_reason":'
+        else:
+            self._text_open = '[{"index":0,"text":'
+            self._text_close = ',"logprobs":null,"finish_reason":'
+            self._empty_finish_open = '[{"index":0,"text":"","logprobs":null,"finish_reason":'
+        self._role_body = (
+            '[{"index":0,"delta":{"role":"assistant","content":""},'
+            '"logprobs":null,"finish_reason":null}]'
+        )
+        # What closes a chunk after its choices, when usage is not running.
+        self._chunk_end = ',"usage":null}\n\n' if include_usage else "}\n\n"
+        # The common case, precomputed: finish_reason null, then the chunk end.
+        self._null_chunk_end = "null}]" + self._chunk_end
+
+    # --- state ------------------------------------------------------------------
+
+    @property
+    def completion_tokens(self) -> int:
+        return self._completion_tokens
+
+    @property
+    def finished(self) -> bool:
+        """A finish_reason was seen."""
+        return self._finished
+
+    @property
+    def closed(self) -> bool:
+        """done() or error() was called; nothing more may be sent."""
+        return self._closed
+
+    def set_prompt_usage(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self._prompt_tokens = prompt_tokens
+        self._cached_tokens = cached_tokens
+
+    # --- events -------------------------------------------------------------------
+
+    def delta(self, text: str, num_tokens: int, finish_reason: str | None) -> bytes:
+        """The bytes to send for ``num_tokens`` more tokens decoding to ``text``.
+
+        b"" when nothing is due: empty text and no finish (an incomplete UTF-8
+        sequence, say).  ``finish_reason`` rides on this last chunk.
+        """
+        if self._closed:
+            raise ValueError("delta() after the stream was closed")
+        if self._finished:
+            raise ValueError("delta() after a finish_reason was sent")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if not text and finish_reason is None:
+            self._completion_tokens += num_tokens
+            return b""
+        out = self._role_chunk() if not self._role_sent else ""
+        self._completion_tokens += num_tokens
+        if finish_reason is None:
+            if self._continuous:
+                return (
+                    out
+                    + self._head
+                    + self._text_open
+                    + _dumps(text)
+                    + self._text_close
+                    + "null}]"
+                    + self._usage_end()
+                ).encode()
+            return (
+                out
+                + self._head
+                + self._text_open
+                + _dumps(text)
+                + self._text_close
+                + self._null_chunk_end
+            ).encode()
+        self._finished = True
+        if text:
+            body = self._text_open + _dumps(text) + self._text_close
+        else:
+            body = self._empty_finish_open
+        end = self._usage_end() if self._continuous else self._chunk_end
+        return (out + self._head + body + _finish_json(finish_reason) + "}]" + end).encode()
+
+    def done(self) -> bytes:
+        """End the stream normally: the usage chunk if asked for, then [DONE]."""
+        self._close()
+        out = self._role_chunk() if not self._role_sent else ""
+        if self._include_usage:
+            out += self._head + '[],"usage":' + self._usage_json() + "}\n\n"
+        return out.encode() + DONE_EVENT
+
+    def error(self, error: OpenAIError) -> bytes:
+        """End the stream with an error event, then [DONE]."""
+        self._close()
+        out = self._role_chunk() if not self._role_sent else ""
+        out += "data: " + _dumps(error.to_body()) + "\n\n"
+        return out.encode() + DONE_EVENT
+
+    # --- internals -------------------------------------------------------------------
+
+    def _close(self) -> None:
+        if self._closed:
+            raise ValueError("the stream is already closed")
+        self._closed = True
+
+    def _role_chunk(self) -> str:
+        self._role_sent = True
+        end = self._usage_end() if self._continuous else self._chunk_end
+        return self._head + self._role_body + end
+
+    def _usage_json(self) -> str:
+        prompt = self._prompt_tokens
+        completion = self._completion_tokens
+        return (
+            f'{{"prompt_tokens":{prompt},"completion_tokens":{completion},'
+            f'"total_tokens":{prompt + completion},'
+            f'"prompt_tokens_details":{{"cached_tokens":{self._cached_tokens}}}}}'
+        )
+
+    def _usage_end(self) -> str:
+        return ',"usage":' + self._usage_json() + "}\n\n"

@@ -1,0 +1,214 @@
+"""The router's long-lived state, owned by the ASGI lifespan.
+
+Holds the one ``httpx.AsyncClient``, the known instances and one decode link
+per decode instance.  Everything long-lived runs in the lifespan's nursery.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, final
+
+import attrs
+import httpx
+import trio
+
+from pdtrio.config import PdtrioConfig, Role
+from pdtrio.protocol.kv_layout import KvLayout
+from pdtrio.protocol.scheduling import Candidate, pick_instance
+from pdtrio.router.cluster import WorkerProcess, embedded_workers
+from pdtrio.router.decode_link import LINK_ERRORS, DecodeLink
+
+log = logging.getLogger("pdtrio.router")
+
+
+@attrs.define(eq=False)
+class Instance:
+    name: str
+    role: Role
+    url: str
+    model: str
+    layout: KvLayout
+    max_model_len: int
+    healthy: bool = True
+    active_prefills: int = 0
+    link: DecodeLink | None = None
+    link_scope: trio.CancelScope | None = None
+
+    @property
+    def serves_prefill(self) -> bool:
+        return self.role in ("prefill", "both")
+
+    @property
+    def serves_decode(self) -> bool:
+        return self.role in ("decode", "both")
+
+
+@final
+class Router:
+    def __init__(self, config: PdtrioConfig, nursery: trio.Nursery, http: httpx.AsyncClient) -> None:
+        self.config = config
+        self.http = http
+        self._nursery = nursery
+        self.instances: dict[str, Instance] = {}
+        self.workers: list[WorkerProcess] = []
+        self._turns = itertools.count()
+        self.counters: Counter[str] = Counter()
+        self.active_requests = 0
+
+    # --- instances ------------------------------------------------------------------
+
+    @property
+    def models(self) -> list[str]:
+        return sorted({i.model for i in self.instances.values()})
+
+    async def add_instance(self, name: str, role: Role, url: str) -> None:
+        """Learn an instance from its /pd/info; open its decode link if it decodes."""
+        response = await self.http.get(f"{url}/pd/info", timeout=self.config.router.connect_timeout_s)
+        response.raise_for_status()
+        info: dict[str, Any] = response.json()
+        old = self.instances.get(name)
+        if old is not None and old.link_scope is not None:
+            old.link_scope.cancel()
+        instance = Instance(
+            name=name,
+            role=role,
+            url=url,
+            model=str(info["model"]),
+            layout=KvLayout.from_wire(info["layout"]),
+            max_model_len=int(info["max_model_len"]),
+        )
+        self.instances[name] = instance
+        if instance.serves_decode:
+            await self._nursery.start(self._keep_link, instance)
+
+    def lose_instance(self, name: str) -> None:
+        instance = self.instances.get(name)
+        if instance is not None:
+            instance.healthy = False
+
+    async def _keep_link(
+        self, instance: Instance, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Hold the websocket to a decode instance open, reconnecting when it breaks.
+
+        The first connection must succeed (start-up fails otherwise).
+        """
+        ws_url = instance.url.replace("http://", "ws://", 1) + "/pd/decode"
+        link = DecodeLink(
+            instance.name, ws_url, max_pending_tokens=self.config.router.stream_buffer_tokens
+        )
+        instance.link = link
+        status = task_status
+        with trio.CancelScope() as scope:
+            instance.link_scope = scope
+            while True:
+                try:
+                    await link.run(task_status=status)
+                except LINK_ERRORS as exc:
+                    if not link.ever_connected:
+                        raise
+                    log.warning("decode link to %s is down: %r", instance.name, exc)
+                status = trio.TASK_STATUS_IGNORED
+                await trio.sleep(0.5)
+
+    def pick_prefill(self, exclude: frozenset[str] = frozenset()) -> Instance | None:
+        candidates = [
+            Candidate(i.name, i.active_prefills, i.healthy)
+            for i in self.instances.values()
+            if i.serves_prefill
+        ]
+        chosen = pick_instance(candidates, turn=next(self._turns), exclude=exclude)
+        return None if chosen is None else self.instances[chosen]
+
+    def pick_decode(self, exclude: frozenset[str] = frozenset()) -> Instance | None:
+        candidates = [
+            Candidate(i.name, i.link.active_requests, i.healthy and i.link.connected)
+            for i in self.instances.values()
+            if i.serves_decode and i.link is not None
+        ]
+        chosen = pick_instance(candidates, turn=next(self._turns), exclude=exclude)
+        return None if chosen is None else self.instances[chosen]
+
+    def health(self) -> dict[str, Any]:
+        prefill = sum(1 for i in self.instances.values() if i.serves_prefill and i.healthy)
+        decode = sum(
+            1
+            for i in self.instances.values()
+            if i.serves_decode and i.healthy and i.link is not None and i.link.connected
+        )
+        return {
+            "status": "ok" if prefill and decode else "unavailable",
+            "prefill_instances": prefill,
+            "decode_instances": decode,
+            "active_requests": self.active_requests,
+        }
+
+    def metrics_text(self) -> str:
+        lines = [
+            "# TYPE pdtrio_requests_active gauge",
+            f"pdtrio_requests_active {self.active_requests}",
+            "# TYPE pdtrio_requests_total counter",
+        ]
+        for outcome, count in sorted(self.counters.items()):
+            if outcome.startswith("outcome:"):
+                lines.append(f'pdtrio_requests_total{{outcome="{outcome[8:]}"}} {count}')
+        lines.append("# TYPE pdtrio_tokens_delivered_total counter")
+        lines.append(f"pdtrio_tokens_delivered_total {self.counters['tokens']}")
+        lines.append("# TYPE pdtrio_decode_frames_received_total counter")
+        for instance in self.instances.values():
+            if instance.link is not None:
+                lines.append(
+                    f'pdtrio_decode_frames_received_total{{instance="{instance.name}"}} '
+                    f"{instance.link.frames_received}"
+                )
+        lines.append("# TYPE pdtrio_worker_restarts_total counter")
+        for worker in self.workers:
+            lines.append(f'pdtrio_worker_restarts_total{{worker="{worker.name}"}} {worker.restarts}')
+        return "\n".join(lines) + "\n"
+
+
+@asynccontextmanager
+async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
+    """Start everything the router needs; stop it all on exit."""
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    async with httpx.AsyncClient(limits=limits, timeout=None) as http:
+        async with trio.open_nursery() as nursery:
+            router = Router(config, nursery, http)
+            if config.uses_embedded_cluster:
+                await _start_embedded(router, nursery)
+            else:
+                for index, instance in enumerate(config.instances):
+                    await router.add_instance(f"{instance.role}-{index}", instance.role, instance.url)
+            try:
+                yield router
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+async def _start_embedded(router: Router, nursery: trio.Nursery) -> None:
+    embedded = router.config.embedded
+    for name, role in embedded_workers(embedded):
+        router.workers.append(
+            WorkerProcess(
+                name,
+                role,
+                embedded.worker,
+                ready_timeout_s=embedded.ready_timeout_s,
+                restart_backoff_s=embedded.restart_backoff_s,
+                on_ready=router.add_instance,
+                on_lost=router.lose_instance,
+            )
+        )
+
+    async def start_one(worker: WorkerProcess) -> None:
+        await nursery.start(worker.supervise)
+
+    # workers load their models in parallel
+    async with trio.open_nursery() as starters:
+        for worker in router.workers:
+            starters.start_soon(start_one, worker)

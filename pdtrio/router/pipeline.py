@@ -1,0 +1,353 @@
+"""One request, one nursery: prefill call, KV handoff, decode stream, cleanup.
+
+The nursery owns the disconnect watcher and the pipeline under one absolute
+deadline.  Whatever ends the request (finish, error, client gone, deadline),
+a shielded and time-bounded cleanup aborts it on decode and releases its KV
+on prefill, so no block outlives it anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Literal, final
+
+import httpx
+import trio
+
+from pdtrio import codec
+from pdtrio.asgi import Receive, Send
+from pdtrio.protocol.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    chat_completion_body,
+    completion_body,
+    gateway_timeout,
+    server_error,
+    service_unavailable,
+)
+from pdtrio.protocol.sse import StreamShaper
+from pdtrio.protocol.wire import (
+    DecodeStart,
+    PrefillReply,
+    PrefillRequest,
+    RejectReason,
+    Usage,
+    WireError,
+)
+from pdtrio.router.core import Instance, Router
+from pdtrio.router.decode_link import DecodeLink, DecodeLinkClosed, DecodeStream
+
+log = logging.getLogger("pdtrio.router.pipeline")
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_MSGPACK_HEADERS = {"content-type": codec.MSGPACK_CONTENT_TYPE, "accept": codec.MSGPACK_CONTENT_TYPE}
+
+
+class _ClientGone(Exception):
+    pass
+
+
+@final
+class RequestPipeline:
+    def __init__(
+        self,
+        router: Router,
+        request: ChatCompletionRequest | CompletionRequest,
+        kind: Literal["chat", "completion"],
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        self.router = router
+        self.request = request
+        self.kind = kind
+        self._receive = receive
+        self._send = send
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        self.request_id = prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.shaper: StreamShaper | None = None
+        if request.stream:
+            self.shaper = StreamShaper(
+                kind=kind,
+                request_id=self.request_id,
+                model=request.model,
+                created=self.created,
+                include_usage=request.include_usage,
+                continuous_usage_stats=request.continuous_usage_stats,
+            )
+        self.headers_sent = False
+        self.client_gone = False
+        # what cleanup must undo
+        self.prefill_instance: Instance | None = None
+        self.prefill_may_hold_kv = False
+        self.decode_link: DecodeLink | None = None
+        self.decode_running = False
+        # non-streaming accumulation
+        self._text_parts: list[str] = []
+        self._finish_reason: str | None = None
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+        self._completion_tokens = 0
+
+    # --- entry ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        router = self.router
+        config = router.config.router
+        deadline = trio.current_time() + config.request_timeout_s
+        error: OpenAIError | None = None
+        router.active_requests += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_disconnect, nursery.cancel_scope)
+                try:
+                    with trio.fail_at(deadline):
+                        await self._pipeline(deadline)
+                except OpenAIError as exc:
+                    error = exc
+                except trio.TooSlowError:
+                    error = gateway_timeout(
+                        f"the request did not complete within {config.request_timeout_s:g}s"
+                    )
+                except _ClientGone:
+                    self.client_gone = True
+                nursery.cancel_scope.cancel()
+        finally:
+            router.active_requests -= 1
+            with trio.move_on_after(config.cleanup_grace_s, shield=True):
+                await self._cleanup()
+        if self.client_gone:
+            router.counters["outcome:disconnected"] += 1
+            return
+        if error is not None:
+            router.counters["outcome:error"] += 1
+            await self._send_error(error)
+        else:
+            router.counters["outcome:ok"] += 1
+
+    async def _watch_disconnect(self, cancel_scope: trio.CancelScope) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.client_gone = True
+                cancel_scope.cancel()
+                return
+
+    # --- the pipeline --------------------------------------------------------------
+
+    async def _pipeline(self, deadline: float) -> None:
+        reply = await self._prefill(deadline)
+        self._prompt_tokens = reply.prompt_tokens
+        self._cached_tokens = reply.cached_tokens
+        if self.shaper is not None:
+            self.shaper.set_prompt_usage(reply.prompt_tokens, reply.cached_tokens)
+        # the first token goes out before decode starts
+        await self._deliver(reply.first_text, 1, reply.finish_reason)
+        if reply.finish_reason is not None:
+            self.prefill_may_hold_kv = False
+            await self._finish()
+            return
+        stream = await self._start_decode(reply)
+        await self._stream_tokens(stream)
+        await self._finish()
+
+    async def _prefill(self, deadline: float) -> PrefillReply:
+        router = self.router
+        request = PrefillRequest(self.request_id, self.request.prompt, self.request.sampling)
+        body = codec.pack(request.to_wire())
+        tried: set[str] = set()
+        while True:
+            instance = router.pick_prefill(frozenset(tried))
+            if instance is None:
+                raise service_unavailable("no prefill instance is available")
+            tried.add(instance.name)
+            self.prefill_instance = instance
+            self.prefill_may_hold_kv = True
+            instance.active_prefills += 1
+            try:
+                with trio.move_on_at(min(deadline, trio.current_time() + router.config.router.prefill_timeout_s)) as timer:
+                    response = await router.http.post(
+                        f"{instance.url}/pd/prefill", content=body, headers=_MSGPACK_HEADERS
+                    )
+                if timer.cancelled_caught:
+                    raise gateway_timeout("prefill did not answer in time")
+            except httpx.ConnectError:
+                # it never saw the request: another instance may
+                self.prefill_may_hold_kv = False
+                router.lose_instance(instance.name)
+                continue
+            except httpx.TransportError as exc:
+                raise service_unavailable(f"prefill instance failed: {exc!r}") from None
+            finally:
+                instance.active_prefills -= 1
+            if response.status_code != 200:
+                self.prefill_may_hold_kv = False
+                raise _worker_error(response, "prefill")
+            try:
+                return PrefillReply.from_wire(codec.unpack(response.content))
+            except WireError as exc:
+                raise server_error(f"prefill sent a malformed reply: {exc}") from None
+
+    async def _start_decode(self, reply: PrefillReply) -> DecodeStream:
+        handle = reply.kv_handle
+        assert handle is not None
+        start = DecodeStart(
+            request_id=self.request_id,
+            prompt_token_ids=reply.prompt_token_ids,
+            first_token_id=reply.first_token_id,
+            sampling=self.request.sampling,
+            remaining_tokens=reply.remaining_tokens,
+            cached_tokens=reply.cached_tokens,
+            kv_handle=handle,
+        )
+        tried: set[str] = set()
+        last_reason = "no decode instance is connected"
+        while True:
+            instance = self.router.pick_decode(frozenset(tried))
+            if instance is None or instance.link is None:
+                raise service_unavailable(f"no decode instance could take the request: {last_reason}")
+            tried.add(instance.name)
+            link = instance.link
+            stream = link.open_stream(self.request_id)
+            self.decode_link = link
+            self.decode_running = True
+            try:
+                await link.send_start(start)
+            except DecodeLinkClosed as exc:
+                link.close_stream(self.request_id)
+                self.decode_running = False
+                last_reason = str(exc)
+                continue
+            while not (stream.accepted or stream.rejection or stream.failure):
+                await stream.wait_update()
+            if stream.accepted:
+                self.prefill_may_hold_kv = False  # decode pulled the blocks and freed them
+                return stream
+            link.close_stream(self.request_id)
+            self.decode_running = False
+            if stream.failure is not None:
+                last_reason = stream.failure
+                raise service_unavailable(f"decode failed to start: {stream.failure}")
+            assert stream.rejection is not None
+            reason, message = stream.rejection
+            last_reason = message
+            if reason == RejectReason.NO_ROOM:
+                continue
+            if reason == RejectReason.LAYOUT_MISMATCH:
+                raise server_error(f"prefill and decode cannot be paired: {message}")
+            if reason == RejectReason.TRANSFER_FAILED:
+                raise service_unavailable(f"the KV handoff failed: {message}")
+            raise server_error(f"decode rejected the request: {message}")
+
+    async def _stream_tokens(self, stream: DecodeStream) -> None:
+        buffer = stream.buffer
+        while True:
+            delta = buffer.take()
+            if delta is not None:
+                await self._deliver(delta.text, delta.num_tokens, delta.finish_reason)
+                if delta.finish_reason is not None:
+                    self.decode_running = False
+                    return
+            if stream.overflowed:
+                raise OpenAIError(
+                    "the client fell too far behind the token stream and was cut off",
+                    status=503,
+                    type="server_error",
+                    code="client_too_slow",
+                )
+            if stream.failure is not None:
+                raise server_error(f"decode failed: {stream.failure}")
+            await stream.wait_update()
+
+    # --- output -------------------------------------------------------------------
+
+    async def _deliver(self, text: str, num_tokens: int, finish_reason: str | None) -> None:
+        self.router.counters["tokens"] += num_tokens
+        if self.shaper is None:
+            if text:
+                self._text_parts.append(text)
+            self._completion_tokens += num_tokens
+            if finish_reason is not None:
+                self._finish_reason = finish_reason
+            return
+        chunk = self.shaper.delta(text, num_tokens, finish_reason)
+        if not self.headers_sent:
+            await self._send_headers()
+        if chunk:
+            await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def _send_headers(self) -> None:
+        self.headers_sent = True
+        await self._send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+
+    async def _finish(self) -> None:
+        if self.shaper is not None:
+            await self._send({"type": "http.response.body", "body": self.shaper.done(), "more_body": False})
+            return
+        usage = Usage(self._prompt_tokens, self._completion_tokens, self._cached_tokens)
+        builder = chat_completion_body if self.kind == "chat" else completion_body
+        payload = builder(
+            request_id=self.request_id,
+            model=self.request.model,
+            created=self.created,
+            text="".join(self._text_parts),
+            finish_reason=self._finish_reason,
+            usage=usage,
+        )
+        from pdtrio.asgi import send_json
+
+        self.headers_sent = True
+        await send_json(self._send, 200, payload)
+
+    async def _send_error(self, error: OpenAIError) -> None:
+        if self.headers_sent:
+            if self.shaper is not None and not self.shaper.closed:
+                await self._send({"type": "http.response.body", "body": self.shaper.error(error), "more_body": False})
+            return
+        from pdtrio.asgi import send_json
+
+        await send_json(self._send, error.status, error.to_body())
+
+    # --- cleanup ------------------------------------------------------------------
+
+    async def _cleanup(self) -> None:
+        link = self.decode_link
+        if link is not None:
+            link.close_stream(self.request_id)
+            if self.decode_running:
+                try:
+                    await link.send_abort(self.request_id)
+                except DecodeLinkClosed:
+                    pass  # the decode side aborts everything of a lost link itself
+        instance = self.prefill_instance
+        if instance is not None and self.prefill_may_hold_kv:
+            try:
+                await self.router.http.post(
+                    f"{instance.url}/pd/release",
+                    content=codec.pack([self.request_id]),
+                    headers=_MSGPACK_HEADERS,
+                )
+            except httpx.HTTPError as exc:
+                log.warning("could not release %s on %s: %r", self.request_id, instance.name, exc)
+
+
+def _worker_error(response: httpx.Response, leg: str) -> OpenAIError:
+    """A worker's error reply as the OpenAIError the client should see."""
+    try:
+        body = response.json()["error"]
+        message = str(body["message"])
+        type_ = str(body.get("type") or "server_error")
+        param = body.get("param")
+    except (ValueError, KeyError, TypeError):
+        message, type_, param = f"{leg} failed with status {response.status_code}", "server_error", None
+    status = response.status_code
+    if status >= 500 and status != 503:
+        status = 502
+    return OpenAIError(message, status=status, type=type_, param=param)

@@ -1,0 +1,1 @@
+"""The worker process: engine, KV transfer and the control API, on trio."""

@@ -1,0 +1,63 @@
+"""Prefill's KV leases: blocks held for a decode that may never come."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import final
+
+import attrs
+import trio
+
+
+@attrs.frozen
+class Lease:
+    request_id: str
+    block_ids: tuple[int, ...]
+    expiry: float  # trio clock
+
+
+@final
+class KvLeases:
+    """Tracks held blocks and frees them on release or at expiry, never later."""
+
+    def __init__(self, free: Callable[[str], None]) -> None:
+        self._free = free
+        self._leases: dict[str, Lease] = {}
+        self._changed = trio.Event()
+        self.expired_count = 0
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def hold(self, request_id: str, block_ids: tuple[int, ...], expiry: float) -> None:
+        self._leases[request_id] = Lease(request_id, block_ids, expiry)
+        self._changed.set()
+
+    def holds(self, request_id: str, block_ids: tuple[int, ...]) -> bool:
+        lease = self._leases.get(request_id)
+        return lease is not None and set(block_ids) <= set(lease.block_ids)
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks now. Returns whether a lease was held."""
+        lease = self._leases.pop(request_id, None)
+        if lease is None:
+            return False
+        self._free(request_id)
+        return True
+
+    def hand_over(self, request_id: str) -> bool:
+        """The blocks stay with the request (colocated decode took them): stop the clock."""
+        return self._leases.pop(request_id, None) is not None
+
+    async def run_expiry(self) -> None:
+        """Free every lease at its expiry; waits on changes, never polls."""
+        while True:
+            self._changed = trio.Event()
+            now = trio.current_time()
+            for lease in [lease for lease in self._leases.values() if lease.expiry <= now]:
+                self.expired_count += 1
+                self.release(lease.request_id)
+            earliest = min((lease.expiry for lease in self._leases.values()), default=math.inf)
+            with trio.move_on_at(earliest):
+                await self._changed.wait()

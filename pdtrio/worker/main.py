@@ -1,0 +1,104 @@
+"""``pdtrio worker``: one worker process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+import trio
+
+from pdtrio.config import (
+    ConfigError,
+    EngineConfig,
+    WorkerConfig,
+    config_from_dict,
+    worker_config_to_dict,
+)
+from pdtrio.engine.api import Engine
+from pdtrio.worker.server import Worker, dump_ready_line
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    if config.kind == "synthetic":
+        from pdtrio.engine.synthetic import SyntheticEngine
+
+        return SyntheticEngine(
+            config.synthetic, num_blocks=config.num_kv_blocks, block_size=config.block_size
+        )
+    try:
+        from pdtrio.engine.torch_engine import TorchEngine
+    except ImportError as exc:
+        raise ConfigError(
+            f"engine.kind = 'torch' needs the worker extras (pip install 'pdtrio[worker]'): {exc}"
+        ) from None
+    return TorchEngine.from_config(config)
+
+
+def parse_args(argv: list[str]) -> tuple[WorkerConfig, bool]:
+    parser = argparse.ArgumentParser(prog="pdtrio worker", description="run one pdtrio worker")
+    parser.add_argument("--role", choices=["prefill", "decode", "both"], default=None)
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--engine", choices=["synthetic", "torch"], default=None)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--config-json", default=None, help="a whole WorkerConfig as JSON")
+    parser.add_argument(
+        "--exit-with-stdin",
+        action="store_true",
+        help="exit when stdin closes (the supervising router died)",
+    )
+    args = parser.parse_args(argv)
+    import json
+
+    raw: dict[str, Any] = json.loads(args.config_json) if args.config_json else {}
+    for key in ("role", "host", "port"):
+        if getattr(args, key) is not None:
+            raw[key] = getattr(args, key)
+    engine = raw.setdefault("engine", {})
+    if args.engine is not None:
+        engine["kind"] = args.engine
+    if args.model is not None:
+        engine["model"] = args.model
+    config: WorkerConfig = config_from_dict(raw, WorkerConfig)
+    return config, args.exit_with_stdin
+
+
+async def _exit_when_stdin_closes(cancel_scope: trio.CancelScope) -> None:
+    stdin = trio.lowlevel.FdStream(os.dup(0))
+    async with stdin:
+        while await stdin.receive_some(4096):
+            pass
+    logging.getLogger("pdtrio.worker").warning("supervisor went away; exiting")
+    cancel_scope.cancel()
+
+
+async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> None:
+    engine = build_engine(config.engine)
+    worker = Worker(config, engine)
+    async with trio.open_nursery() as nursery:
+        if exit_with_stdin:
+            nursery.start_soon(_exit_when_stdin_closes, nursery.cancel_scope)
+        ready = await nursery.start(worker.run)
+        ready["role"] = config.role
+        ready["model"] = engine.model_name
+        # the supervisor reads this line to learn the ports
+        print(dump_ready_line(ready), flush=True)
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config, exit_with_stdin = parse_args(argv)
+        trio.run(serve_worker, config, exit_with_stdin)
+    except ConfigError as exc:
+        print(f"pdtrio worker: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+__all__ = ["main", "worker_config_to_dict"]
