@@ -197,7 +197,7 @@ class FlushPolicy:
         config = self._config
         deadline = self._slots[0].added_at + config.window_s
         if (
-            now >= deadline
+            now > deadline
             or self._finishing
             or len(self._slots) >= config.max_entries
             or self._text_chars >= config.max_bytes_hint
@@ -237,7 +237,7 @@ class FlushPolicy:
         step = slots[0].step
         frame: list[list[Any]] = []
         chars = 0
-        while slots and len(frame) <= config.max_entries:
+        while slots and len(frame) < config.max_entries:
             slot = slots[0]
             if not config.coalesce and slot.step != step:
                 break

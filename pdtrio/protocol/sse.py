@@ -44,12 +44,13 @@ class StreamShaper:
         "_finished",
         "_head",
         "_include_usage",
-        "_null_chunk_end",
         "_prompt_tokens",
         "_role_body",
         "_role_sent",
         "_text_open",
         "_text_close",
+        "_text_prefix",
+        "_text_suffix",
     )
 
     def __init__(
@@ -93,8 +94,9 @@ class StreamShaper:
         )
         # What closes a chunk after its choices, when usage is not running.
         self._chunk_end = ',"usage":null}\n\n' if include_usage else "}\n\n"
-        # The common case, precomputed: finish_reason null, then the chunk end.
-        self._null_chunk_end = "null}]" + self._chunk_end
+        # The common chunk, precomputed around its text: finish_reason null, usage not running.
+        self._text_prefix = self._head + self._text_open
+        self._text_suffix = self._text_close + "null}]" + self._chunk_end
 
     # --- state ------------------------------------------------------------------
 
@@ -146,14 +148,7 @@ class StreamShaper:
                     + "null}]"
                     + self._usage_end()
                 ).encode()
-            return (
-                out
-                + self._head
-                + self._text_open
-                + _dumps(text)
-                + self._text_close
-                + self._null_chunk_end
-            ).encode()
+            return (out + self._text_prefix + _dumps(text) + self._text_suffix).encode()
         self._finished = True
         if text:
             body = self._text_open + _dumps(text) + self._text_close

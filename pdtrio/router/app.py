@@ -46,7 +46,13 @@ def _running_on_trio() -> bool:
 
 @final
 class RouterApp:
-    """``pdtrio.app:app``. All state lives in the lifespan, none in this object."""
+    """``pdtrio.app:app``. All state lives in the lifespan, none in this object.
+
+    ``config`` is for embedding and tests; hypercorn's app reads ``PDTRIO_CONFIG``.
+    """
+
+    def __init__(self, config: Any = None) -> None:
+        self._config = config
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -66,7 +72,7 @@ class RouterApp:
             return
         from pdtrio.router.lifespan import run_lifespan
 
-        await run_lifespan(scope, receive, send)
+        await run_lifespan(scope, receive, send, self._config)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = scope.get("state") or {}

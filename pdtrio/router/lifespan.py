@@ -8,7 +8,7 @@ import httpx
 import trio
 
 from pdtrio.asgi import Receive, Scope, Send
-from pdtrio.config import ConfigError, load_config_from_env
+from pdtrio.config import ConfigError, PdtrioConfig, load_config_from_env
 from pdtrio.router.cluster import WorkerStartFailed
 from pdtrio.router.core import open_router
 from pdtrio.router.decode_link import LINK_ERRORS
@@ -18,10 +18,13 @@ log = logging.getLogger("pdtrio.router")
 _STARTUP_ERRORS = (ConfigError, WorkerStartFailed, httpx.HTTPError, *LINK_ERRORS)
 
 
-async def run_lifespan(scope: Scope, receive: Receive, send: Send) -> None:
+async def run_lifespan(
+    scope: Scope, receive: Receive, send: Send, config: PdtrioConfig | None = None
+) -> None:
     """Called after lifespan.startup was received, on trio."""
     try:
-        config = load_config_from_env()
+        if config is None:
+            config = load_config_from_env()
     except ConfigError as exc:
         await send({"type": "lifespan.startup.failed", "message": str(exc)})
         return

@@ -201,6 +201,7 @@ class Worker:
             )
             return
         reply: PrefillReply | None = None
+        failure: tuple[int, dict[str, Any]] | None = None
         scope = trio.CancelScope()
         self._prefill_scopes[request_id] = scope
         try:
@@ -210,20 +211,26 @@ class Worker:
                     nursery.start_soon(self._cancel_on_disconnect, receive, nursery.cancel_scope)
                     reply = await self._prefill(request)
                     nursery.cancel_scope.cancel()
-        except PromptRejected as exc:
-            await send_json(send, 400, _error_body(exc.message, type_="invalid_request_error", param=exc.param))
-            return
-        except NoRoom as exc:
-            await send_json(send, 503, _error_body(f"prefill has no KV room: {exc}", type_="service_unavailable"))
-            return
-        except EngineError as exc:
-            log.exception("prefill of %s failed", request_id)
-            await send_json(send, 500, _error_body(f"prefill failed: {exc}", type_="internal_server_error"))
-            return
+        except* PromptRejected as group:
+            exc = group.exceptions[0]
+            assert isinstance(exc, PromptRejected)
+            failure = 400, _error_body(exc.message, type_="invalid_request_error", param=exc.param)
+        except* NoRoom as group:
+            failure = 503, _error_body(
+                f"prefill has no KV room: {group.exceptions[0]}", type_="service_unavailable"
+            )
+        except* EngineError as group:
+            log.error("prefill of %s failed: %r", request_id, group.exceptions[0])
+            failure = 500, _error_body(
+                f"prefill failed: {group.exceptions[0]}", type_="internal_server_error"
+            )
         finally:
             del self._prefill_scopes[request_id]
             if reply is None:
                 self.engine.free_request(request_id)
+        if failure is not None:
+            await send_json(send, *failure)
+            return
         if reply is None:
             return  # cancelled: released or the router left
         self.served_prefills += 1

@@ -1,0 +1,1 @@
+"""The sans-IO core: pure state machines and values. No trio, httpx, hypercorn or torch."""

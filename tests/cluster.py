@@ -1,0 +1,128 @@
+"""A real cluster for tests: hypercorn-served router and workers on loopback, in-process."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import httpx
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+
+from pdtrio.config import (
+    EngineConfig,
+    InstanceConfig,
+    PdtrioConfig,
+    RouterConfig,
+    SyntheticEngineConfig,
+    WorkerConfig,
+)
+from pdtrio.engine.synthetic import SyntheticEngine
+from pdtrio.router.app import RouterApp
+from pdtrio.worker.server import Worker
+
+
+@attrs.define
+class Cluster:
+    url: str
+    workers: list[Worker]
+    router_app: RouterApp
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [w.stats() for w in self.workers]
+
+    def blocks_in_use(self) -> int:
+        return sum(w.engine.statistics().kv_blocks_in_use for w in self.workers)
+
+    def busy(self) -> bool:
+        return any(
+            s["kv_blocks_in_use"] or s["running_requests"] or s["kv_leases"] or s["decode_requests"]
+            for s in self.stats()
+        )
+
+
+def synthetic_worker(role: str, **engine_overrides: Any) -> Worker:
+    synthetic = SyntheticEngineConfig(
+        **{k: v for k, v in engine_overrides.items() if k in attrs.fields_dict(SyntheticEngineConfig)}
+    )
+    engine_config = EngineConfig(
+        kind="synthetic",
+        num_kv_blocks=engine_overrides.get("num_kv_blocks", 4096),
+        synthetic=synthetic,
+    )
+    config = WorkerConfig(role=role, engine=engine_config)  # type: ignore[arg-type]
+    engine = SyntheticEngine(
+        synthetic, num_blocks=engine_config.num_kv_blocks, block_size=engine_config.block_size
+    )
+    return Worker(config, engine)
+
+
+async def serve_app(app: Any, nursery: trio.Nursery) -> str:
+    config = HypercornConfig()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.graceful_timeout = 1
+    binds = await nursery.start(serve, app, config)
+    return str(binds[0])
+
+
+@asynccontextmanager
+async def running_cluster(
+    *,
+    roles: tuple[str, ...] = ("prefill", "decode"),
+    router: RouterConfig | None = None,
+    make_worker: Callable[[str], Worker] | None = None,
+    **engine_overrides: Any,
+) -> AsyncIterator[Cluster]:
+    workers = [
+        make_worker(role) if make_worker else synthetic_worker(role, **engine_overrides)
+        for role in roles
+    ]
+    async with trio.open_nursery() as nursery:
+        instances = []
+        for worker in workers:
+            ready = await nursery.start(worker.run)
+            instances.append(
+                InstanceConfig(role=worker.config.role, url=f"http://127.0.0.1:{ready['http_port']}")
+            )
+        config = PdtrioConfig(router=router or RouterConfig(), instances=tuple(instances))
+        app = RouterApp(config)
+        url = await serve_app(app, nursery)
+        yield Cluster(url=url, workers=workers, router_app=app)
+        nursery.cancel_scope.cancel()
+
+
+async def wait_until_idle(cluster: Cluster, timeout: float = 10.0) -> None:
+    """Wait for every worker to hold nothing. Tests only: the workers expose no idle event."""
+    with trio.fail_after(timeout):
+        while cluster.busy():
+            await trio.sleep(0.01)
+
+
+def client(cluster: Cluster, **kwargs: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=cluster.url, timeout=30, **kwargs)
+
+
+async def raw_post_then_hang_up(url: str, path: str, body: bytes, *, events: int) -> bytes:
+    """POST over a bare socket, read ``events`` SSE events, then close the connection.
+
+    A real client going away: no client library in between to drain or retry.
+    """
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        head = (
+            f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n"
+        ).encode()
+        await stream.send_all(head + body)
+        received = b""
+        while received.count(b"\n\n") < events:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                break
+            received += chunk
+        return received

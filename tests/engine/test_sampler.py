@@ -1,0 +1,215 @@
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+
+from pdtrio.engine.sampler import sample, seeded_uniform  # noqa: E402
+from pdtrio.protocol.sampling import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def logits_of(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([[math.log(p) if p > 0 else float("-inf") for p in probs]])
+
+
+def draw_many(probs: list[float], n: int, **params: object) -> Counter[int]:
+    """Tokens drawn by n requests with distinct seeds, all in one batch."""
+    logits = logits_of(probs).expand(n, -1).contiguous()
+    sampling = [SamplingParams(seed=seed, **params) for seed in range(n)]  # type: ignore[arg-type]
+    return Counter(sample(logits, sampling, [7] * n))
+
+
+rows = st.integers(min_value=2, max_value=40).flatmap(
+    lambda vocab: st.lists(
+        st.lists(
+            st.floats(-20, 20, allow_nan=False, width=32), min_size=vocab, max_size=vocab
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+sampling_params = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.3, 0.7, 1.0, 1.5]),
+    top_p=st.sampled_from([1.0, 0.95, 0.5, 0.1]),
+    top_k=st.sampled_from([0, 1, 3, 10]),
+    seed=st.integers(-(2**63), 2**64),
+)
+
+
+# ---------------------------------------------------------------------- greedy
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=rows)
+def test_greedy_is_argmax(rows: list[list[float]]) -> None:
+    logits = torch.tensor(rows)
+    tokens = sample(logits, [GREEDY] * len(rows), list(range(len(rows))))
+    assert tokens == [max(range(len(r)), key=lambda i: (r[i], -i)) for r in rows]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=rows, seed=st.integers(0, 2**32))
+def test_top_k_one_and_tiny_top_p_are_greedy(rows: list[list[float]], seed: int) -> None:
+    logits = torch.tensor(rows)
+    n = len(rows)
+    greedy = sample(logits, [GREEDY] * n, [0] * n)
+    top_k = sample(logits, [SamplingParams(temperature=1.3, top_k=1, seed=seed)] * n, [0] * n)
+    top_p = sample(logits, [SamplingParams(temperature=0.8, top_p=1e-9)] * n, [0] * n)
+    assert top_k == greedy and top_p == greedy
+
+
+def test_tiny_temperature_is_greedy() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.9, -1.0]])
+    assert sample(logits, [SamplingParams(temperature=1e-7, seed=1)], [0]) == [1]
+
+
+# ---------------------------------------------------------------------- determinism
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.data(),
+    rows=rows,
+    params=st.lists(sampling_params, min_size=6, max_size=6),
+    position=st.integers(0, 10_000),
+)
+def test_seeded_draw_ignores_batch_composition_and_order(
+    data: st.DataObject, rows: list[list[float]], params: list[SamplingParams], position: int
+) -> None:
+    logits = torch.tensor(rows)
+    n = len(rows)
+    positions = [position + i for i in range(n)]
+    alone = [
+        sample(logits[i : i + 1], [params[i]], [positions[i]])[0] for i in range(n)
+    ]
+    order = data.draw(st.permutations(range(n)))
+    # The batch also holds unrelated unseeded requests, interleaved.
+    noise = torch.randn(n, logits.shape[1], generator=torch.Generator().manual_seed(position))
+    batch_rows = [logits[i] for i in order] + list(noise)
+    batch_params = [params[i] for i in order] + [SamplingParams()] * n
+    batch_positions = [positions[i] for i in order] + [0] * n
+    together = sample(torch.stack(batch_rows), batch_params, batch_positions)
+    assert [together[order.index(i)] for i in range(n)] == alone
+
+
+def test_seeded_draw_is_inverse_cdf_of_the_keyed_uniform() -> None:
+    probs = [0.25, 0.125, 0.5, 0.125]
+    # Sorted by probability, ties by id: 2, 0, 1, 3 with CDF 0.5, 0.75, 0.875, 1.
+    order, cdf = [2, 0, 1, 3], [0.5, 0.75, 0.875, 1.0]
+    for seed in range(200):
+        for position in (0, 1, 513):
+            u = seeded_uniform(seed, position)
+            expected = order[next(i for i, c in enumerate(cdf) if u < c)]
+            assert sample(logits_of(probs), [SamplingParams(seed=seed)], [position]) == [expected]
+
+
+def test_seeded_uniform_is_fixed() -> None:
+    # The draw is part of the wire contract between prefill and decode: never change it.
+    assert seeded_uniform(0, 0) == pytest.approx(0.2576429771, abs=1e-9)
+    assert seeded_uniform(-1, 5) == seeded_uniform(2**64 - 1, 5)
+    values = {seeded_uniform(42, p) for p in range(1000)}
+    assert len(values) == 1000 and all(0.0 <= v < 1.0 for v in values)
+
+
+def test_seed_and_position_change_the_draw() -> None:
+    probs = [1 / 8] * 8
+    by_seed = Counter(sample(logits_of(probs), [SamplingParams(seed=s)], [3])[0] for s in range(64))
+    by_position = Counter(
+        sample(logits_of(probs), [SamplingParams(seed=9)], [p])[0] for p in range(64)
+    )
+    assert len(by_seed) > 4 and len(by_position) > 4
+
+
+def test_unseeded_draws_follow_the_callers_generator() -> None:
+    logits = torch.zeros(16, 50)
+    params = [SamplingParams()] * 16
+    first = sample(logits, params, [0] * 16, generator=torch.Generator().manual_seed(5))
+    again = sample(logits, params, [0] * 16, generator=torch.Generator().manual_seed(5))
+    other = sample(logits, params, [0] * 16, generator=torch.Generator().manual_seed(6))
+    assert first == again != other
+    assert all(0 <= t < 50 for t in sample(logits, params, [0] * 16))  # no generator: OS entropy
+
+
+def test_seeded_rows_ignore_the_generator() -> None:
+    logits = torch.zeros(4, 50)
+    params = [SamplingParams(seed=s) for s in range(4)]
+    a = sample(logits, params, [1, 2, 3, 4], generator=torch.Generator().manual_seed(1))
+    b = sample(logits, params, [1, 2, 3, 4], generator=torch.Generator().manual_seed(2))
+    assert a == b == sample(logits, params, [1, 2, 3, 4])
+
+
+# ---------------------------------------------------------------------- distribution
+
+
+def test_frequencies_follow_probabilities_and_zero_never_appears() -> None:
+    counts = draw_many([0.05, 0.6, 0.0, 0.3, 0.05], 4000)
+    assert counts[2] == 0
+    assert counts[1] > counts[3] > counts[0] > 0 and counts[3] > counts[4] > 0
+    assert 0.55 < counts[1] / 4000 < 0.65
+
+
+def test_temperature_flattens_and_sharpens() -> None:
+    probs = [0.7, 0.2, 0.1]
+    hot = draw_many(probs, 2000, temperature=3.0)
+    cold = draw_many(probs, 2000, temperature=0.3)
+    assert cold[0] > 1900 and hot[0] < 1200 and hot[2] > 300
+
+
+def test_top_k_keeps_only_the_k_most_likely() -> None:
+    counts = draw_many([0.1, 0.4, 0.2, 0.3], 1000, top_k=2)
+    assert set(counts) == {1, 3}
+
+
+def test_top_p_keeps_the_smallest_head_reaching_p() -> None:
+    # 0.5 + 0.3 reaches 0.7; 0.15 and 0.05 are cut.
+    counts = draw_many([0.15, 0.5, 0.05, 0.3], 1000, top_p=0.7)
+    assert set(counts) == {1, 3}
+    # Exactly reaching p keeps no more than needed.
+    counts = draw_many([0.25, 0.5, 0.25], 1000, top_p=0.5)
+    assert set(counts) == {1}
+
+
+def test_top_k_and_top_p_together() -> None:
+    counts = draw_many([0.3, 0.25, 0.25, 0.2], 1000, top_k=3, top_p=0.9)
+    assert set(counts) == {0, 1, 2}
+
+
+# ---------------------------------------------------------------------- bans
+
+
+def test_banned_tokens_are_never_produced() -> None:
+    logits = torch.tensor([[5.0, 1.0, 0.0], [5.0, 1.0, 0.0], [5.0, 1.0, 0.0]])
+    params = [GREEDY, SamplingParams(seed=3), GREEDY]
+    banned = [frozenset({0}), frozenset({0, 1}), None]
+    assert sample(logits, params, [0, 0, 0], banned_token_ids=banned) == [1, 2, 0]
+    counts = draw_many([0.9, 0.1], 200)
+    assert counts[0] > 0
+    logits = logits_of([0.9, 0.1]).expand(200, -1).contiguous()
+    tokens = sample(
+        logits,
+        [SamplingParams(seed=s) for s in range(200)],
+        [0] * 200,
+        banned_token_ids=[frozenset({0, 99})] * 200,
+    )
+    assert set(tokens) == {1}
+
+
+def test_nothing_left_to_sample_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no token left"):
+        sample(torch.zeros(2, 2), [GREEDY, GREEDY], [0, 0], banned_token_ids=[None, frozenset({0, 1})])
+
+
+def test_shapes_are_checked() -> None:
+    with pytest.raises(ValueError):
+        sample(torch.zeros(2, 3), [GREEDY], [0, 0])
+    with pytest.raises(ValueError):
+        sample(torch.zeros(3), [GREEDY], [0])
+    assert sample(torch.zeros(0, 3), [], []) == []
