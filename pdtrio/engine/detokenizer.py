@@ -47,9 +47,9 @@ class IncrementalDetokenizer:
         # Only the window is kept: ids before prefix_offset are dropped as it slides.
         context = list(prompt_token_ids[-(_PROMPT_CONTEXT + 2) :])
         # A prompt ending inside a character must not lend its bytes to the output.
-        while context and tokenizer.decode(context, skip_special_tokens=skip_special_tokens).endswith(
-            _REPLACEMENT
-        ):
+        while context and tokenizer.decode(
+            context, skip_special_tokens=skip_special_tokens
+        ).endswith(_REPLACEMENT):
             context.pop()
         self._ids = context
         self._read_offset = len(self._ids)
@@ -69,7 +69,9 @@ class IncrementalDetokenizer:
             return ""
         decode = self._tokenizer.decode
         skip = self._skip_special_tokens
-        prefix_text = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        prefix_text = decode(
+            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip
+        )
         new_text = decode(self._ids[self._prefix_offset :], skip_special_tokens=skip)
         if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT)):
             # Nothing visible yet, or the last character is still incomplete.

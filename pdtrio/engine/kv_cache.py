@@ -105,12 +105,12 @@ class PagedKvCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.device = torch.device(device)
         self.kv = torch.zeros(
             (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim),
             dtype=dtype,
-            device=self.device,
+            device=device,
         )
+        self.device = self.kv.device  # "cuda" becomes "cuda:0", as the model's tensors say
         self.allocator = BlockAllocator(num_blocks)
 
     @classmethod

@@ -197,10 +197,9 @@ class FlushPolicy:
         config = self._config
         deadline = self._slots[0].added_at + config.window_s
         if (
-            now > deadline
+            now >= deadline
             or self._finishing
             or len(self._slots) >= config.max_entries
-            or self._text_chars >= config.max_bytes_hint
         ):
             return _FLUSH_NOW
         return WaitUntil(deadline)

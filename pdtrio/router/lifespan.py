@@ -38,10 +38,14 @@ async def run_lifespan(
             while (await receive())["type"] != "lifespan.shutdown":
                 pass
             log.info("router shutting down")
-    except* _STARTUP_ERRORS as group:
+    except* Exception as group:
+        # anything that breaks start-up must stop hypercorn, not leave it half-serving
         if started:
             raise
-        failure = "; ".join(str(e) or repr(e) for e in _leaves(group))
+        leaves = _leaves(group)
+        if not all(isinstance(e, _STARTUP_ERRORS) for e in leaves):
+            log.error("router start-up crashed", exc_info=group)
+        failure = "; ".join(str(e) or repr(e) for e in leaves)
     if failure is not None:
         log.error("router start-up failed: %s", failure)
         await send({"type": "lifespan.startup.failed", "message": f"pdtrio start-up failed: {failure}"})

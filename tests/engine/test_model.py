@@ -131,7 +131,9 @@ def test_mixed_batch_of_prefills_and_decodes_matches_reference() -> None:
         for i, plan in enumerate(chunk_plan):
             if step < len(plan):
                 n = plan[step]
-                seqs.append(SeqInput(prompts[i][positions[i] : positions[i] + n], positions[i], tables[i]))
+                seqs.append(
+                    SeqInput(prompts[i][positions[i] : positions[i] + n], positions[i], tables[i])
+                )
                 owners.append(i)
                 positions[i] += n
         if not seqs:

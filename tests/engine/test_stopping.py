@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,10 +32,10 @@ def run(
     *,
     max_new_tokens: int = 1000,
     tokenizer: Tokenizer = TINY,
-    **sampling: object,
+    **sampling: Any,
 ) -> tuple[list[str], str | None, int]:
     proc = OutputProcessor(
-        tokenizer, PROMPT, SamplingParams(**sampling), max_new_tokens=max_new_tokens  # type: ignore[arg-type]
+        tokenizer, PROMPT, SamplingParams(**sampling), max_new_tokens=max_new_tokens
     )
     pieces: list[str] = []
     reason: str | None = None

@@ -90,7 +90,7 @@ def test_tiny_specials_encode_as_one_id_and_merges_apply() -> None:
     ids = tok.encode("<|im_start|>user\nthe cat<|im_end|>")
     assert ids[0] == 1 and ids[-1] == 2
     assert tok.id_to_token(ids[-3]) == "Ġc"  # merges do something
-    assert len(ids) < len("<|im_start|>user\nthe cat<|im_end|>".encode())
+    assert len(ids) < len(b"<|im_start|>user\nthe cat<|im_end|>")
     assert tok.decode(ids) == "user\nthe cat"
     assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nthe cat<|im_end|>"
 
@@ -145,7 +145,8 @@ def test_from_files_bos_eos_and_no_second_bos(tmp_path: Path) -> None:
 def test_from_files_adds_bos_to_a_chat_template_without_one(tmp_path: Path) -> None:
     path = write_byte_level_tokenizer_json(tmp_path / "tokenizer.json", ["<s>", "</s>"])
     tok = Tokenizer.from_files(
-        path, {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": CHATML}
+        path,
+        {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "chat_template": CHATML},
     )
     ids = tok.encode_chat([("user", "x")])
     assert ids[0] == 0 and ids.count(0) == 1
@@ -247,7 +248,13 @@ def test_smollm2_splits_digits(smollm2: Tokenizer) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["héllo wörld", "日本語のテキスト", "emoji 😀👍🏽 mix", "  leading and\n\ttabs ", "naïve café ñandú"],
+    [
+        "héllo wörld",
+        "日本語のテキスト",
+        "emoji 😀👍🏽 mix",
+        "  leading and\n\ttabs ",
+        "naïve café ñandú",
+    ],
 )
 def test_smollm2_round_trips(smollm2: Tokenizer, text: str) -> None:
     assert smollm2.decode(smollm2.encode(text)) == text

@@ -17,7 +17,8 @@ from pdtrio.protocol.flush import (
 )
 
 Entry = list[Any]
-REQUESTS = ["r0", "r1", "r2", "r3", "r4"]
+REQUESTS = [f"r{i}" for i in range(8)]
+ticks = st.integers(0, 3) | st.integers(0, 40)  # mostly steps close together
 
 
 def entry(
@@ -121,6 +122,18 @@ def test_frames_split_at_the_caps_and_keep_request_order() -> None:
     assert oversized.take() == [entry("b", [2], "g")]
 
 
+def test_what_is_left_after_a_capped_frame_is_held_on_its_own_merits() -> None:
+    policy = FlushPolicy(FlushConfig(window_s=1.0, max_bytes_hint=2))
+    policy.add([entry("a", [1], "xx", "stop"), entry("b", [2], "y")], 0.0)
+    assert policy.decide(0.0, in_flight=True) == WaitForWrite()
+    assert policy.decide(0.1, in_flight=False) == FlushNow()
+    assert policy.take() == [entry("a", [1], "xx", "stop")]
+    assert policy.decide(0.1, in_flight=True) == WaitForWrite()
+    # b neither finishes nor fills a frame: it waits out its own window.
+    assert policy.decide(0.2, in_flight=False) == WaitUntil(1.0)
+    assert policy.decide(1.0, in_flight=False) == FlushNow()
+
+
 def test_without_coalescing_every_step_is_its_own_frame() -> None:
     policy = FlushPolicy(FlushConfig(coalesce=False, window_s=1.0))
     steps = [[entry("a", [1], "x"), entry("b", [2], "y")], [entry("a", [3], "z")]]
@@ -147,8 +160,8 @@ def test_config_is_validated() -> None:
 configs = st.builds(
     FlushConfig,
     window_s=st.sampled_from([0.0, 0.0005, 0.002, 0.01]),
-    max_entries=st.integers(1, 4),
-    max_bytes_hint=st.integers(1, 12),
+    max_entries=st.integers(1, 4) | st.just(64),
+    max_bytes_hint=st.integers(1, 12) | st.just(1024),
     coalesce=st.booleans(),
 )
 
@@ -157,7 +170,7 @@ step_items = st.lists(
         st.sampled_from(REQUESTS),
         st.lists(st.integers(0, 50_000), max_size=3),
         st.text(max_size=4),
-        st.sampled_from([None, None, None, "stop", "length"]),
+        st.sampled_from([None] * 18 + ["stop", "length"]),
         st.none() | st.lists(st.integers(0, 99), min_size=3, max_size=3),
     ),
     min_size=1,
@@ -166,9 +179,9 @@ step_items = st.lists(
 
 operations = st.lists(
     st.one_of(
-        st.tuples(st.just("step"), step_items, st.integers(0, 30)),
-        st.tuples(st.just("decide"), st.booleans(), st.integers(0, 30)),
-        st.tuples(st.just("take"), st.none(), st.integers(0, 30)),
+        st.tuples(st.just("step"), step_items, ticks),
+        st.tuples(st.just("decide"), st.booleans(), ticks),
+        st.tuples(st.just("take"), st.none(), ticks),
     ),
     max_size=40,
 )
@@ -231,6 +244,12 @@ class Harness:
         if self.finishing_pending:
             # (ii) a finishing request is never held once the link is free
             assert decision == FlushNow()
+        stats = self.policy.statistics()
+        if (
+            stats.pending_entries >= self.config.max_entries
+            or stats.pending_text_chars >= self.config.max_bytes_hint
+        ):
+            assert decision == FlushNow()  # a full frame is not held
         oldest = min(self.first_pending.values())
         if self.config.coalesce and self.now >= oldest + self.config.window_s:
             assert decision == FlushNow()
@@ -317,14 +336,12 @@ def test_policy_preserves_streams_and_keeps_its_promises(
     harness.check_streams()
 
 
-WRITE_S = 0.0003  # every simulated frame write takes 0.3 ms
-
-
 class SimulatedSender:
     """A two-task sender: a collector feeds the policy while a writer writes."""
 
-    def __init__(self, harness: Harness) -> None:
+    def __init__(self, harness: Harness, write_s: float) -> None:
         self.harness = harness
+        self.write_s = write_s  # how long every frame takes to write
         self.write_done_at: float | None = None
 
     def run_until(self, until: float) -> None:
@@ -337,7 +354,7 @@ class SimulatedSender:
             decision = h.decide(self.write_done_at is not None)
             if isinstance(decision, FlushNow):
                 h.take()
-                self.write_done_at = h.now + WRITE_S
+                self.write_done_at = h.now + self.write_s
             elif isinstance(decision, WaitUntil) and decision.deadline <= until:
                 h.now = decision.deadline
             elif not (
@@ -350,12 +367,16 @@ class SimulatedSender:
 
 
 @settings(max_examples=300)
-@given(config=configs, steps=st.lists(st.tuples(step_items, st.integers(0, 40)), max_size=30))
+@given(
+    config=configs,
+    write_ticks=st.integers(0, 30),
+    steps=st.lists(st.tuples(step_items, ticks), max_size=30),
+)
 def test_a_simulated_sender_delivers_everything_by_itself(
-    config: FlushConfig, steps: list[tuple[list[tuple[Any, ...]], int]]
+    config: FlushConfig, write_ticks: int, steps: list[tuple[list[tuple[Any, ...]], int]]
 ) -> None:
     harness = Harness(config)
-    sender = SimulatedSender(harness)
+    sender = SimulatedSender(harness, write_ticks * 0.0001)
     for items, ticks in steps:
         sender.run_until(harness.now + ticks * 0.0001)
         harness.add(items)
