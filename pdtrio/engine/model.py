@@ -137,7 +137,7 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class _PagedPlan:
     """Index tensors for one forward_paged call, shared by every layer."""
 

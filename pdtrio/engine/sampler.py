@@ -159,7 +159,7 @@ def _draw_by_full_sort(x: torch.Tensor, draw: _Draw) -> list[int]:
     beyond_k = torch.arange(vocab, device=x.device).unsqueeze(0) >= draw.top_k
     probs = torch.softmax(scaled.masked_fill(beyond_k, float("-inf")), dim=-1)
     # Keep the smallest head whose mass reaches top_p: a token stays while the mass before it < p.
-    outside = probs.cumsum(dim=-1) - probs >= draw.top_p
+    outside = (probs.cumsum(dim=-1) - probs >= draw.top_p) & (draw.top_p < 1.0)
     outside[:, 0] = False
     probs = probs.masked_fill(outside, 0.0)
     cdf = probs.cumsum(dim=-1)
@@ -180,7 +180,6 @@ def _draw_from_head(x: torch.Tensor, draw: _Draw) -> list[int | None]:
     Undecided rows (None) go to the full sort.  Whether a row is decided
     depends only on that row, so the result never depends on the batch.
     """
-    n = x.shape[0]
     device = x.device
     vocab = x.shape[1]
     head_values, head_ids = torch.topk(x, _HEAD_SIZE, dim=-1)
@@ -225,7 +224,9 @@ def _draw_from_head(x: torch.Tensor, draw: _Draw) -> list[int | None]:
     picks = torch.minimum(picks, positive - 1).clamp(0, _HEAD_SIZE - 1)
     chosen = head_ids.gather(1, picks).squeeze(1).tolist()
     ok = decided.squeeze(1).tolist()
-    return [token_id if ok[j] else None for j, token_id in enumerate(chosen)] if n else []
+    return [
+        token_id if decided_row else None for token_id, decided_row in zip(chosen, ok, strict=True)
+    ]
 
 
 def _uniforms(

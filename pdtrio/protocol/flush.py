@@ -200,6 +200,7 @@ class FlushPolicy:
             now >= deadline
             or self._finishing
             or len(self._slots) >= config.max_entries
+            or self._text_chars >= config.max_bytes_hint
         ):
             return _FLUSH_NOW
         return WaitUntil(deadline)

@@ -74,6 +74,7 @@ class KvLayout:
 
 
 _DTYPE_SIZES = {
+    "float64": 8,
     "float32": 4,
     "float16": 2,
     "bfloat16": 2,

@@ -9,10 +9,12 @@ pieces are collected in a list and joined on take.
 Limits: a push that would take the pending token count past
 ``max_pending_tokens`` is refused with :attr:`PushResult.OVERFLOW` (the
 consumer is too slow: the caller ends the stream with an error and aborts
-upstream) and the buffer is failed from then on.  A push into an empty buffer
-is always accepted, whatever its size: the consumer has kept up, and decode
-may legitimately merge many tokens into one entry under load.  So
-``pending_tokens`` never exceeds the limit except by a single push.
+upstream) and the buffer is failed from then on.  A push when no tokens are
+pending is accepted whatever its size (the consumer has kept up; decode may
+merge many tokens into one entry under load), and a push of zero tokens (a
+finish, a usage) never overflows.  So ``pending_tokens`` passes the limit only
+by a single push.  After an overflow, what was pending before it can still be
+taken.
 
 States: open -> finished (a finish was pushed; pending data may still be
 taken), or -> failed (overflow) / closed (the consumer went away).  Pushes into
@@ -114,7 +116,7 @@ class StreamBuffer:
             raise StreamBufferError("push after the stream finished")
         if num_tokens < 0:
             raise StreamBufferError(f"num_tokens must be >= 0, got {num_tokens}")
-        if self._has_delta and self._tokens + num_tokens > self._max_pending_tokens:
+        if self._tokens and num_tokens and self._tokens + num_tokens > self._max_pending_tokens:
             self._failed = True
             return PushResult.OVERFLOW
         if text:

@@ -4,6 +4,7 @@ import math
 from collections import Counter
 from typing import Any
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -213,3 +214,92 @@ def test_shapes_are_checked() -> None:
     with pytest.raises(ValueError):
         sample(torch.zeros(3), [GREEDY], [0])
     assert sample(torch.zeros(0, 3), [], []) == []
+
+
+# ---------------------------------------------------------------------- large vocabularies
+
+
+def reference_draw(row: list[float], params: SamplingParams, u: float) -> int:
+    """The sampler's definition, in plain Python."""
+    order = sorted(range(len(row)), key=lambda i: (-row[i], i))
+    scaled = [row[i] / params.temperature for i in order]
+    if 0 < params.top_k < len(row):
+        scaled = scaled[: params.top_k]
+    top = max(scaled)
+    weights = [math.exp(s - top) for s in scaled]
+    norm = sum(weights)
+    probs = [w / norm for w in weights]
+    if params.top_p < 1.0:
+        kept, mass = [], 0.0
+        for prob in probs:
+            if kept and mass >= params.top_p:
+                break
+            kept.append(prob)
+            mass += prob
+        probs = kept
+    target = u * sum(probs)
+    mass = 0.0
+    for i, prob in enumerate(probs):
+        mass += prob
+        if mass > target:
+            return order[i]
+    return order[len(probs) - 1]
+
+
+def large_rows(n: int, vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1234)
+    scales = torch.tensor([12.0, 6.0, 3.0, 1.0, 0.3])[torch.arange(n) % 5].unsqueeze(1)
+    rows = torch.randn(n, vocab, generator=gen) * scales
+    rows[::7, vocab // 2 :] = float("-inf")  # some rows with a banned half
+    return rows
+
+
+LARGE_PARAMS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.7),
+    SamplingParams(top_k=40),
+    SamplingParams(top_k=2000),
+    SamplingParams(top_p=0.9),
+    SamplingParams(top_p=0.5, temperature=1.3),
+    SamplingParams(top_k=100, top_p=0.95, temperature=0.8),
+]
+
+
+def test_large_vocabulary_draws_follow_the_definition() -> None:
+    n, vocab = 70, 3000
+    rows = large_rows(n, vocab)
+    params = [attrs.evolve(LARGE_PARAMS[i % len(LARGE_PARAMS)], seed=1000 + i) for i in range(n)]
+    positions = list(range(n))
+    tokens = sample(rows, params, positions)
+    expected = [
+        reference_draw(rows[i].tolist(), params[i], seeded_uniform(1000 + i, i)) for i in range(n)
+    ]
+    assert tokens == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 2**32))
+def test_large_vocabulary_draw_ignores_batch(data: st.DataObject, seed: int) -> None:
+    n, vocab = 10, 2500
+    rows = large_rows(n, vocab)
+    params = [
+        attrs.evolve(data.draw(st.sampled_from(LARGE_PARAMS)), seed=seed + i) for i in range(n)
+    ]
+    alone = [sample(rows[i : i + 1], [params[i]], [i])[0] for i in range(n)]
+    order = data.draw(st.permutations(range(n)))
+    together = sample(rows[order], [params[i] for i in order], order)
+    assert [together[order.index(i)] for i in range(n)] == alone
+
+
+def test_ties_at_the_head_boundary_break_by_id() -> None:
+    vocab = 3000
+    row = torch.zeros(1, vocab)
+    high = list(range(2990, 3000))
+    row[0, high] = 5.0
+    logits = row.expand(500, -1).contiguous()
+    tokens = sample(logits, [SamplingParams(seed=s, top_k=15) for s in range(500)], [0] * 500)
+    # The 10 high logits, then the 5 lowest ids among the equal rest.
+    assert set(tokens) <= {*high, 0, 1, 2, 3, 4}
+    assert set(tokens) & {0, 1, 2, 3, 4}
+    unfiltered = sample(logits, [SamplingParams(seed=s) for s in range(500)], [0] * 500)
+    assert set(unfiltered) & set(high) and len(set(unfiltered) - set(high)) > 100

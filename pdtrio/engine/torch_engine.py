@@ -1,0 +1,436 @@
+"""The torch engine: a real model, a paged KV cache, continuous batching.
+
+The model runs on its own thread.  The trio side hands it work through a
+thread-safe queue and gets results back through ``trio.from_thread`` (prefill
+results) and the bounded outputs channel (decode steps), so the trio loop
+never waits on torch.  Each loop iteration is one forward pass over every
+waiting prefill (up to a token budget) and every running decode sequence;
+requests join and leave between steps.  Aborted requests leave before the
+next step, so no token is computed that nobody will receive.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, final
+
+import attrs
+import torch
+import trio
+
+from pdtrio.config import EngineConfig
+from pdtrio.engine.api import (
+    EngineError,
+    EngineStatistics,
+    NoRoom,
+    PrefillResult,
+    PromptRejected,
+    StepOutputs,
+)
+from pdtrio.engine.blocks import BlockOwnership, blocks_needed
+from pdtrio.engine.builtin import load_builtin
+from pdtrio.engine.loaders import LoadedModel, load_gguf, load_hf_checkpoint
+from pdtrio.engine.model import SeqInput
+from pdtrio.engine.sampler import sample
+from pdtrio.engine.stopping import OutputProcessor
+from pdtrio.engine.tokenizer import Tokenizer
+from pdtrio.protocol.kv_layout import KvLayout
+from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.protocol.wire import ChatPrompt, Prompt, TextPrompt
+
+log = logging.getLogger("pdtrio.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    dtype = _DTYPES.get(config.dtype)
+    if dtype is None:
+        raise EngineError(f"unsupported dtype {config.dtype!r} (one of {', '.join(_DTYPES)})")
+    name = config.model
+    if name.endswith(".gguf"):
+        return load_gguf(name, device=config.device, dtype=dtype)
+    if "/" in name:
+        return load_hf_checkpoint(name, device=config.device, dtype=dtype)
+    return load_builtin(name, device=config.device, dtype=dtype)
+
+
+@attrs.define(eq=False)
+class _PrefillJob:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    budget: int
+    block_table: list[int]
+    deliver: Callable[[Any], None]  # runs on the trio thread with the result or an exception
+
+
+@attrs.define(eq=False)
+class _DecodeSeq:
+    request_id: str
+    sampling: SamplingParams
+    block_table: list[int]
+    processor: OutputProcessor
+    last_token: int
+    position: int  # position of last_token
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@attrs.frozen
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+@final
+class TorchEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        if loaded.tokenizer is None:
+            raise EngineError(f"model {loaded.name} has no tokenizer")
+        self._loaded = loaded
+        self._tokenizer: Tokenizer = loaded.tokenizer
+        self._config = config
+        self._cache = loaded.new_kv_cache(num_blocks=config.num_kv_blocks, block_size=config.block_size)
+        self._layout = self._cache.layout(loaded.fingerprint)
+        self._lock = threading.Lock()
+        self._blocks = BlockOwnership(config.num_kv_blocks, config.block_size)  # under _lock
+        self._in_engine: set[str] = set()  # requests the engine thread may touch; under _lock
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._running_count = 0
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(config.seed)
+        self._tokenize_limiter = trio.CapacityLimiter(1)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> TorchEngine:
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        return cls(load_model(config), config)
+
+    # --- identity -------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._loaded.name
+
+    @property
+    def layout(self) -> KvLayout:
+        return self._layout
+
+    @property
+    def max_model_len(self) -> int:
+        return self._loaded.config.max_position_embeddings
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    def statistics(self) -> EngineStatistics:
+        with self._lock:
+            return EngineStatistics(
+                running_requests=len(self._in_engine),
+                kv_blocks_in_use=self._blocks.num_used,
+                kv_blocks_total=self._blocks.num_blocks,
+            )
+
+    # --- prompts ----------------------------------------------------------------------
+
+    async def tokenize(self, prompt: Prompt) -> list[int]:
+        tokenizer = self._tokenizer
+        if isinstance(prompt, ChatPrompt):
+            return await trio.to_thread.run_sync(
+                tokenizer.encode_chat, list(prompt.messages), limiter=self._tokenize_limiter
+            )
+        if isinstance(prompt, TextPrompt):
+            return await trio.to_thread.run_sync(
+                tokenizer.encode, prompt.text, limiter=self._tokenize_limiter
+            )
+        ids = list(prompt.token_ids)
+        vocab = self._loaded.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise PromptRejected(
+                f"token id {bad[0]} is out of range for a vocabulary of {vocab}", param="prompt"
+            )
+        return ids
+
+    def _budget(self, prompt_tokens: int, sampling: SamplingParams) -> int:
+        limit = self.max_model_len
+        if prompt_tokens == 0:
+            raise PromptRejected("the prompt is empty", param="prompt")
+        if prompt_tokens >= limit:
+            raise PromptRejected(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"has {prompt_tokens} tokens.",
+                param="messages",
+            )
+        budget = limit - prompt_tokens if sampling.max_tokens is None else sampling.max_tokens
+        if prompt_tokens + budget > limit:
+            raise PromptRejected(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_tokens + budget} tokens ({prompt_tokens} in the prompt, {budget} for "
+                f"the completion).",
+                param="max_tokens",
+            )
+        capacity = self._blocks.num_blocks * self._blocks.block_size
+        if prompt_tokens + budget > capacity:
+            raise PromptRejected(
+                f"the request needs {prompt_tokens + budget} tokens of KV cache, more than this "
+                f"instance can ever hold ({capacity})",
+                param="max_tokens",
+            )
+        return budget
+
+    # --- prefill ----------------------------------------------------------------------
+
+    async def prefill(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> PrefillResult:
+        budget = self._budget(len(prompt_token_ids), sampling)
+        with self._lock:
+            table = list(self._blocks.ensure(request_id, len(prompt_token_ids)))
+            self._in_engine.add(request_id)
+        done = trio.Event()
+        outcome: list[Any] = []
+        token = trio.lowlevel.current_trio_token()
+
+        def deliver(result: Any) -> None:
+            outcome.append(result)
+            done.set()
+
+        job = _PrefillJob(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            budget,
+            table,
+            lambda result: token.run_sync_soon(deliver, result),
+        )
+        self._inbox.put(job)
+        try:
+            await done.wait()
+        except BaseException:
+            # the engine thread drops the job and frees its blocks at its next step
+            self._inbox.put(_Abort(request_id))
+            raise
+        result = outcome[0]
+        if isinstance(result, BaseException):
+            self.free_request(request_id)
+            raise result
+        assert isinstance(result, PrefillResult)
+        return result
+
+    # --- blocks -------------------------------------------------------------------------
+
+    def free_request(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._in_engine:
+                self._inbox.put(_Abort(request_id))  # the thread frees it between steps
+                return
+            self._blocks.release(request_id)
+
+    def allocate_blocks(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
+        with self._lock:
+            return self._blocks.ensure(request_id, num_tokens)
+
+    async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
+        return await trio.to_thread.run_sync(self._cache.read_blocks, block_ids)
+
+    async def write_blocks(self, block_ids: tuple[int, ...], data: bytes) -> None:
+        try:
+            await trio.to_thread.run_sync(self._cache.write_blocks, block_ids, data)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from exc
+
+    # --- decode -------------------------------------------------------------------------
+
+    async def start_decode(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        sampling: SamplingParams,
+        remaining_tokens: int,
+        cached_tokens: int,
+    ) -> None:
+        if remaining_tokens <= 0:
+            raise EngineError(f"request {request_id} has no token budget left")
+        with self._lock:
+            table = list(self._blocks.owned(request_id))
+            needed = blocks_needed(len(prompt_token_ids) + remaining_tokens + 1, self._blocks.block_size)
+            if len(table) < needed:
+                raise EngineError(f"request {request_id} owns {len(table)} blocks, needs {needed}")
+            self._in_engine.add(request_id)
+        processor = OutputProcessor(
+            self._tokenizer, prompt_token_ids, sampling, max_new_tokens=remaining_tokens + 1
+        )
+        processor.push(first_token_id)  # replay: the first token's text went out from prefill
+        seq = _DecodeSeq(
+            request_id=request_id,
+            sampling=sampling,
+            block_table=table,
+            processor=processor,
+            last_token=first_token_id,
+            position=len(prompt_token_ids),
+            prompt_tokens=len(prompt_token_ids),
+            cached_tokens=cached_tokens,
+        )
+        self._inbox.put(seq)
+        await trio.lowlevel.checkpoint()
+
+    def abort(self, request_id: str) -> None:
+        self.free_request(request_id)
+
+    # --- the engine thread ----------------------------------------------------------------
+
+    async def run(
+        self,
+        outputs: trio.MemorySendChannel[StepOutputs],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        token = trio.lowlevel.current_trio_token()
+        crashed: list[BaseException] = []
+
+        def send_outputs(entries: StepOutputs) -> None:
+            trio.from_thread.run(outputs.send, entries, trio_token=token)
+
+        def thread_main() -> None:
+            try:
+                with torch.inference_mode():
+                    self._loop(send_outputs)
+            except (trio.RunFinishedError, trio.Cancelled):
+                pass
+            except BaseException as exc:  # reported to the trio side below
+                crashed.append(exc)
+                token.run_sync_soon(lambda: None)
+
+        thread = threading.Thread(target=thread_main, name="pdtrio-engine", daemon=True)
+        async with outputs:
+            thread.start()
+            task_status.started()
+            try:
+                await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
+            finally:
+                self._inbox.put(_STOP)
+        if crashed:
+            raise EngineError(f"the engine thread crashed: {crashed[0]!r}") from crashed[0]
+
+    def _loop(self, send_outputs: Callable[[StepOutputs], None]) -> None:
+        prefills: list[_PrefillJob] = []
+        running: dict[str, _DecodeSeq] = {}
+        max_batch = self._config.max_batch_size
+        prefill_budget = self._config.max_prefill_tokens
+        while True:
+            # block only when there is nothing to compute: a wait, not a poll
+            items = [self._inbox.get()] if not prefills and not running else []
+            while True:
+                try:
+                    items.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item is _STOP:
+                    return
+                if isinstance(item, _PrefillJob):
+                    prefills.append(item)
+                elif isinstance(item, _DecodeSeq):
+                    running[item.request_id] = item
+                elif isinstance(item, _Abort):
+                    kept = [job for job in prefills if job.request_id != item.request_id]
+                    for job in prefills:
+                        if job.request_id == item.request_id:
+                            job.deliver(EngineError("aborted"))
+                    prefills = kept
+                    running.pop(item.request_id, None)
+                    self._forget(item.request_id)
+            if not prefills and not running:
+                continue
+            # this step: waiting prompts up to the token budget, then every running sequence
+            step_prefills: list[_PrefillJob] = []
+            used = 0
+            for job in prefills:
+                if step_prefills and used + len(job.prompt_token_ids) > prefill_budget:
+                    break
+                step_prefills.append(job)
+                used += len(job.prompt_token_ids)
+            prefills = prefills[len(step_prefills) :]
+            step_decodes = list(running.values())[:max_batch]
+            seqs = [SeqInput(job.prompt_token_ids, 0, job.block_table) for job in step_prefills]
+            seqs += [SeqInput([s.last_token], s.position, s.block_table) for s in step_decodes]
+            params = [job.sampling for job in step_prefills] + [s.sampling for s in step_decodes]
+            positions = [len(job.prompt_token_ids) for job in step_prefills]
+            positions += [s.position + 1 for s in step_decodes]
+            banned = [self._banned(job.sampling, 0) for job in step_prefills]
+            banned += [self._banned(s.sampling, s.processor.num_generated) for s in step_decodes]
+            try:
+                logits = self._loaded.model.forward_paged(seqs, self._cache)
+                tokens = sample(logits, params, positions, banned_token_ids=banned, generator=self._generator)
+            except (RuntimeError, ValueError) as exc:
+                log.exception("engine step failed")
+                for job in step_prefills:
+                    job.deliver(EngineError(f"prefill step failed: {exc}"))
+                    self._forget(job.request_id)
+                step_failed = [[s.request_id, [], "", "abort", None] for s in step_decodes]
+                for s in step_decodes:
+                    running.pop(s.request_id, None)
+                    self._forget(s.request_id)
+                if step_failed:
+                    send_outputs(step_failed)
+                continue
+            for job, first in zip(step_prefills, tokens[: len(step_prefills)], strict=True):
+                self._finish_prefill(job, first)
+            entries: StepOutputs = []
+            for seq, token_id in zip(step_decodes, tokens[len(step_prefills) :], strict=True):
+                text, finish = seq.processor.push(token_id)
+                seq.last_token = token_id
+                seq.position += 1
+                usage = None
+                if finish is not None:
+                    generated = seq.processor.num_generated
+                    usage = [seq.prompt_tokens, generated, seq.cached_tokens]
+                    running.pop(seq.request_id, None)
+                    self._forget(seq.request_id)
+                entries.append([seq.request_id, [token_id], text, finish, usage])
+            if entries:
+                send_outputs(entries)
+
+    def _banned(self, sampling: SamplingParams, generated: int) -> frozenset[int] | None:
+        if generated < sampling.min_tokens:
+            return self._tokenizer.eos_token_ids
+        return None
+
+    def _finish_prefill(self, job: _PrefillJob, first: int) -> None:
+        processor = OutputProcessor(
+            self._tokenizer, job.prompt_token_ids, job.sampling, max_new_tokens=job.budget
+        )
+        text, finish = processor.push(first)
+        with self._lock:
+            self._in_engine.discard(job.request_id)
+            table = tuple(self._blocks.owned(job.request_id))
+            if finish is not None:
+                self._blocks.release(job.request_id)
+                table = ()
+        job.deliver(
+            PrefillResult(
+                first_token_id=first,
+                first_text=text,
+                finish_reason=finish,
+                block_ids=table,
+                cached_tokens=0,
+                remaining_tokens=job.budget - 1,
+            )
+        )
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._in_engine.discard(request_id)
+            self._blocks.release(request_id)
+
+
+__all__ = ["TorchEngine", "load_model", "NoRoom"]
