@@ -120,9 +120,23 @@ async def raw_post_then_hang_up(url: str, path: str, body: bytes, *, events: int
         ).encode()
         await stream.send_all(head + body)
         received = b""
-        while received.count(b"\n\n") < events:
+        while received.count(b"\n\n") < events and not _response_complete(received):
             chunk = await stream.receive_some(65536)
             if not chunk:
                 break
             received += chunk
         return received
+
+
+def _response_complete(received: bytes) -> bool:
+    """The whole response is in (the connection stays open: HTTP/1.1 keep-alive)."""
+    if b"data: [DONE]\n\n" in received:
+        return True
+    head, sep, body = received.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return False

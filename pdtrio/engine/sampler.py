@@ -10,6 +10,9 @@ passes, or from the OS when there is none; there is no global random state.
 
 Per row: ban → temperature → top-k → top-p → inverse CDF over the kept
 tokens, sorted by logit (ties by id).  ``temperature`` below 1e-5 is greedy.
+With a large vocabulary a row is first tried on its top ``_HEAD_SIZE``
+logits, which decide the same draw without a full sort whenever the kept
+tokens (or the drawn one) lie strictly inside that head.
 """
 
 from __future__ import annotations
@@ -122,13 +125,12 @@ def sample(
     if unresolved:
         index = torch.tensor(unresolved, device=device)
         subset = x if len(unresolved) == len(sampled) else x.index_select(0, index)
-        for j, token_id in zip(
-            unresolved, _draw_by_full_sort(subset, draw.select(index)), strict=True
-        ):
-            chosen[j] = token_id
-    for row, token_id in zip(sampled, chosen, strict=True):
-        assert token_id is not None
-        result[row] = token_id
+        full = _draw_by_full_sort(subset, draw.select(index))
+        for j, drawn in zip(unresolved, full, strict=True):
+            chosen[j] = drawn
+    for row, picked in zip(sampled, chosen, strict=True):
+        assert picked is not None
+        result[row] = picked
     return result
 
 

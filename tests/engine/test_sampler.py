@@ -47,7 +47,7 @@ sampling_params = st.builds(
 # ---------------------------------------------------------------------- greedy
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(rows=rows)
 def test_greedy_is_argmax(rows: list[list[float]]) -> None:
     logits = torch.tensor(rows)
@@ -55,7 +55,7 @@ def test_greedy_is_argmax(rows: list[list[float]]) -> None:
     assert tokens == [max(range(len(r)), key=lambda i: (r[i], -i)) for r in rows]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(rows=rows, seed=st.integers(0, 2**32))
 def test_top_k_one_and_tiny_top_p_are_greedy(rows: list[list[float]], seed: int) -> None:
     logits = torch.tensor(rows)
@@ -74,7 +74,7 @@ def test_tiny_temperature_is_greedy() -> None:
 # ---------------------------------------------------------------------- determinism
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     data=st.data(),
     rows=rows,
@@ -277,7 +277,7 @@ def test_large_vocabulary_draws_follow_the_definition() -> None:
     assert tokens == expected
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(data=st.data(), seed=st.integers(0, 2**32))
 def test_large_vocabulary_draw_ignores_batch(data: st.DataObject, seed: int) -> None:
     n, vocab = 10, 2500
@@ -295,7 +295,7 @@ def test_ties_at_the_head_boundary_break_by_id() -> None:
     vocab = 3000
     row = torch.zeros(1, vocab)
     high = list(range(2990, 3000))
-    row[0, high] = 5.0
+    row[0, high] = 2.0
     logits = row.expand(500, -1).contiguous()
     tokens = sample(logits, [SamplingParams(seed=s, top_k=15) for s in range(500)], [0] * 500)
     # The 10 high logits, then the 5 lowest ids among the equal rest.

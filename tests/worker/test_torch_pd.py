@@ -1,0 +1,150 @@
+"""A real model served disaggregated says exactly what it says colocated."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import trio
+
+pytest.importorskip("torch")
+
+from pdtrio.config import EngineConfig, WorkerConfig  # noqa: E402
+from pdtrio.engine.torch_engine import TorchEngine  # noqa: E402
+from pdtrio.worker.server import Worker  # noqa: E402
+from tests.cluster import client, raw_post_then_hang_up, running_cluster, wait_until_idle  # noqa: E402
+
+TINY = EngineConfig(kind="torch", model="tiny-random", dtype="float64", num_kv_blocks=512, max_batch_size=16)
+
+
+def tiny_worker(role: str, engine: EngineConfig = TINY) -> Worker:
+    return Worker(WorkerConfig(role=role, engine=engine), TorchEngine.from_config(engine))  # type: ignore[arg-type]
+
+
+def _prompts(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    words = ["pd", "trio", "kv", "cache", "héllo", "日本", "decode", "prefill", "🙂", "block"]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(1, 40))) for _ in range(count)]
+
+
+async def _complete_all(url_cluster, bodies: list[dict], stagger: float) -> list[dict]:
+    results: list[dict] = [{}] * len(bodies)
+    async with client(url_cluster) as http:
+        async with trio.open_nursery() as nursery:
+            for index, body in enumerate(bodies):
+
+                async def one(index: int = index, body: dict = body) -> None:
+                    await trio.sleep(stagger * index)  # requests join a running batch
+                    response = await http.post("/v1/completions", json=body)
+                    assert response.status_code == 200, response.text
+                    results[index] = response.json()
+
+                nursery.start_soon(one)
+    return results
+
+
+@pytest.mark.parametrize("concurrency", [1, 3, 8])
+async def test_disaggregated_equals_colocated_on_tiny_random(concurrency: int) -> None:
+    prompts = _prompts(8, seed=concurrency)
+    bodies = []
+    for index, prompt in enumerate(prompts):
+        body = {"model": "tiny-random", "prompt": prompt, "max_tokens": 12, "ignore_eos": True}
+        if index % 2:
+            body |= {"temperature": 0.9, "top_p": 0.9, "top_k": 50, "seed": index}
+        else:
+            body |= {"temperature": 0}
+        bodies.append(body)
+    outputs = {}
+    for roles in (("prefill", "decode"), ("both",)):
+        async with running_cluster(roles=roles, make_worker=tiny_worker) as cluster:
+            replies = []
+            for start in range(0, len(bodies), concurrency):
+                replies += await _complete_all(cluster, bodies[start : start + concurrency], 0.01)
+            await wait_until_idle(cluster)
+        outputs[roles] = [r["choices"][0]["text"] for r in replies]
+        assert all(r["usage"]["completion_tokens"] == 12 for r in replies)
+    assert outputs[("prefill", "decode")] == outputs[("both",)]
+
+
+async def test_stop_strings_and_min_tokens_agree_between_modes() -> None:
+    base = {"model": "tiny-random", "prompt": "stop here", "temperature": 0, "max_tokens": 30}
+    outputs = {}
+    for roles in (("prefill", "decode"), ("both",)):
+        async with running_cluster(roles=roles, make_worker=tiny_worker) as cluster:
+            async with client(cluster) as http:
+                whole = (await http.post("/v1/completions", json=base)).json()["choices"][0]
+                text = whole["text"]
+                stop = text[len(text) // 2 : len(text) // 2 + 2] if len(text) > 4 else "zz"
+                cut = (await http.post("/v1/completions", json={**base, "stop": [stop]})).json()
+                outputs[roles] = (text, cut["choices"][0])
+            await wait_until_idle(cluster)
+    assert outputs[("prefill", "decode")] == outputs[("both",)]
+    text, cut = outputs[("both",)]
+    if len(text) > 4:
+        assert cut["finish_reason"] == "stop"
+        assert text.startswith(cut["text"])
+
+
+async def test_random_disconnects_leave_no_blocks_with_the_torch_engine() -> None:
+    rng = random.Random(7)
+    async with running_cluster(make_worker=tiny_worker) as cluster:
+        async with trio.open_nursery() as nursery:
+            for _ in range(12):
+                body = json.dumps(
+                    {"model": "tiny-random", "prompt": "x " * rng.randint(1, 60), "max_tokens": 200,
+                     "stream": True, "ignore_eos": True}
+                ).encode()
+                nursery.start_soon(
+                    lambda body=body, cut=rng.randint(0, 30): raw_post_then_hang_up(
+                        cluster.url, "/v1/completions", body, events=cut
+                    )
+                )
+        await wait_until_idle(cluster, timeout=30)
+
+
+async def test_layout_mismatch_is_a_clear_error_naming_both_sides() -> None:
+    other = EngineConfig(kind="torch", model="tiny-random", dtype="float32", num_kv_blocks=512)
+
+    def make(role: str) -> Worker:
+        return tiny_worker(role, TINY if role == "prefill" else other)
+
+    async with running_cluster(make_worker=make) as cluster:
+        async with client(cluster) as http:
+            response = await http.post(
+                "/v1/completions", json={"model": "tiny-random", "prompt": "hello", "max_tokens": 5}
+            )
+        await wait_until_idle(cluster)
+    assert response.status_code == 500
+    message = response.json()["error"]["message"]
+    assert "dtype" in message and "float64" in message and "float32" in message
+    assert "prefill has" in message and "decode has" in message
+
+
+async def test_prompt_beyond_context_is_rejected_before_prefill_runs() -> None:
+    async with running_cluster(make_worker=tiny_worker) as cluster:
+        async with client(cluster) as http:
+            response = await http.post(
+                "/v1/completions", json={"model": "tiny-random", "prompt": "word " * 3000}
+            )
+        assert cluster.workers[0].served_prefills == 0
+    assert response.status_code == 400
+    assert "maximum context length" in response.json()["error"]["message"]
+
+
+async def test_no_room_on_one_decode_goes_to_another() -> None:
+    small = EngineConfig(kind="torch", model="tiny-random", dtype="float64", num_kv_blocks=2)
+
+    def make(role: str) -> Worker:
+        return tiny_worker(role, small if role == "both" else TINY)
+
+    # a decode instance and a `both` instance with no room: the router retries
+    async with running_cluster(roles=("prefill", "both", "decode"), make_worker=make) as cluster:
+        async with client(cluster) as http:
+            for _ in range(4):
+                response = await http.post(
+                    "/v1/completions",
+                    json={"model": "tiny-random", "prompt": "y " * 40, "max_tokens": 40, "temperature": 0},
+                )
+                assert response.status_code == 200, response.text
+        await wait_until_idle(cluster)
