@@ -1,0 +1,135 @@
+"""PD (prefill + decode workers) against one colocated `both` worker, same run.
+
+    python -m benchmarks.pd_vs_colocated [--json PATH] [--requests 16] [--quick]
+
+Concurrency 1, ignore_eos, token-id prompts of exactly ISL tokens, OSL output
+tokens; 2 warm-up requests then N measured, PD and colocated interleaved
+request by request so that machine noise hits both alike.  TTFT is the time to
+the first SSE event carrying text or a finish; TPOT is (last event - first
+event) / (tokens - 1); decode steps/s is its inverse (one token per step at
+concurrency 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks._procs import router_process, worker_process
+
+CASES = [
+    # (model, ISL, OSL, kv blocks)
+    ("tiny-random", 128, 128, 1024),
+    ("tiny-random", 1024, 128, 1024),
+    ("smollm2-135m-instruct", 256, 64, 256),
+]
+
+
+def _worker_config(role: str, model: str, blocks: int) -> dict[str, Any]:
+    return {"role": role, "engine": {"kind": "torch", "model": model, "num_kv_blocks": blocks, "max_batch_size": 8}}
+
+
+def _one_request(http: httpx.Client, url: str, model: str, prompt: list[int], osl: int) -> dict[str, float]:
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": osl, "ignore_eos": True, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first = last = None
+    tokens = 0
+    with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            event = json.loads(line[6:])
+            if event.get("usage") and not event["choices"]:
+                tokens = event["usage"]["completion_tokens"]
+                continue
+            choice = event["choices"][0]
+            if choice["text"] or choice["finish_reason"]:
+                first = first if first is not None else now
+                last = now
+    assert first is not None and last is not None and tokens == osl, (tokens, osl)
+    tpot = (last - first) / (tokens - 1)
+    return {"ttft_ms": (first - start) * 1e3, "tpot_ms": tpot * 1e3, "steps_per_s": 1 / tpot}
+
+
+def run_case(model: str, isl: int, osl: int, blocks: int, requests: int, warmup: int) -> dict[str, Any]:
+    rng = random.Random(isl * 7 + osl)
+    # tiny-random's ids 3..258 are raw bytes: printable ASCII keeps every token visible text
+    vocab_low, vocab_high = (0x20 + 3, 0x7E + 3) if model == "tiny-random" else (100, 40000)
+    prompts = [[rng.randint(vocab_low, vocab_high) for _ in range(isl)] for _ in range(warmup + requests)]
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        prefill, _ = stack.enter_context(worker_process(_worker_config("prefill", model, blocks)))
+        decode, _ = stack.enter_context(worker_process(_worker_config("decode", model, blocks)))
+        both, _ = stack.enter_context(worker_process(_worker_config("both", model, blocks)))
+        pd_url, _ = stack.enter_context(router_process([("prefill", prefill), ("decode", decode)], Path(tmp)))
+        colo_url, _ = stack.enter_context(router_process([("both", both)], Path(tmp)))
+        samples: dict[str, list[dict[str, float]]] = {"pd": [], "colocated": []}
+        with httpx.Client(timeout=600) as http:
+            for index, prompt in enumerate(prompts):
+                order = [("pd", pd_url), ("colocated", colo_url)]
+                if index % 2:
+                    order.reverse()  # neither mode always runs first
+                for mode, url in order:
+                    result = _one_request(http, url, model, prompt, osl)
+                    if index >= warmup:
+                        samples[mode].append(result)
+    summary: dict[str, Any] = {"model": model, "isl": isl, "osl": osl, "requests": requests}
+    for mode, rows in samples.items():
+        summary[mode] = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+    summary["tpot_diff_pct"] = 100 * (summary["pd"]["tpot_ms"] / summary["colocated"]["tpot_ms"] - 1)
+    summary["ttft_diff_pct"] = 100 * (summary["pd"]["ttft_ms"] / summary["colocated"]["ttft_ms"] - 1)
+    return summary
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    header = (
+        f"{'model':<22} {'ISL':>5} {'OSL':>4} | {'mode':<9} {'TTFT p50 ms':>11} {'TPOT p50 ms':>11} "
+        f"{'steps/s':>8} | {'dTTFT %':>8} {'dTPOT %':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        for mode in ("colocated", "pd"):
+            m = r[mode]
+            diff = f"{r['ttft_diff_pct']:>+8.1f} {r['tpot_diff_pct']:>+8.1f}" if mode == "pd" else f"{'':>8} {'':>8}"
+            print(
+                f"{r['model']:<22} {r['isl']:>5} {r['osl']:>4} | {mode:<9} {m['ttft_ms']:>11.2f} "
+                f"{m['tpot_ms']:>11.3f} {m['steps_per_s']:>8.1f} | {diff}"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny-random ISL 128 only, 4 requests")
+    args = parser.parse_args(argv)
+    cases = CASES[:1] if args.quick else CASES
+    requests = 4 if args.quick else args.requests
+    results = []
+    for model, isl, osl, blocks in cases:
+        print(f"running {model} ISL {isl} OSL {osl} ...", file=sys.stderr, flush=True)
+        results.append(run_case(model, isl, osl, blocks, requests, args.warmup))
+    print_table(results)
+    if args.json:
+        args.json.write_text(json.dumps({"benchmark": "pd_vs_colocated", "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
