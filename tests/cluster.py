@@ -21,6 +21,7 @@ from pdtrio.config import (
     WorkerConfig,
 )
 from pdtrio.engine.synthetic import SyntheticEngine
+from pdtrio.protocol.flush import FlushConfig
 from pdtrio.router.app import RouterApp
 from pdtrio.worker.server import Worker
 
@@ -44,7 +45,7 @@ class Cluster:
         )
 
 
-def synthetic_worker(role: str, **engine_overrides: Any) -> Worker:
+def synthetic_worker(role: str, *, flush: FlushConfig | None = None, **engine_overrides: Any) -> Worker:
     synthetic = SyntheticEngineConfig(
         **{k: v for k, v in engine_overrides.items() if k in attrs.fields_dict(SyntheticEngineConfig)}
     )
@@ -53,7 +54,7 @@ def synthetic_worker(role: str, **engine_overrides: Any) -> Worker:
         num_kv_blocks=engine_overrides.get("num_kv_blocks", 4096),
         synthetic=synthetic,
     )
-    config = WorkerConfig(role=role, engine=engine_config)  # type: ignore[arg-type]
+    config = WorkerConfig(role=role, engine=engine_config, flush=flush or FlushConfig())  # type: ignore[arg-type]
     engine = SyntheticEngine(
         synthetic, num_blocks=engine_config.num_kv_blocks, block_size=engine_config.block_size
     )
@@ -95,10 +96,14 @@ async def running_cluster(
         nursery.cancel_scope.cancel()
 
 
-async def wait_until_idle(cluster: Cluster, timeout: float = 10.0) -> None:
-    """Wait for every worker to hold nothing. Tests only: the workers expose no idle event."""
-    with trio.fail_after(timeout):
-        while cluster.busy():
+async def wait_until_idle(cluster: Cluster, deadline_s: float = 10.0) -> None:
+    """Wait for every worker to hold nothing, as a user watching /pd/stats would.
+
+    The only polling loop in the tree: the statistics are the observable contract,
+    and the cleanup they check runs across the engine thread and the link tasks.
+    """
+    with trio.fail_after(deadline_s):
+        while cluster.busy():  # noqa: ASYNC110
             await trio.sleep(0.01)
 
 

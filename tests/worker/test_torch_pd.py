@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from functools import partial
 
 import pytest
 import trio
@@ -96,11 +97,9 @@ async def test_random_disconnects_leave_no_blocks_with_the_torch_engine() -> Non
                      "stream": True, "ignore_eos": True}
                 ).encode()
                 nursery.start_soon(
-                    lambda body=body, cut=rng.randint(0, 30): raw_post_then_hang_up(
-                        cluster.url, "/v1/completions", body, events=cut
-                    )
+                    partial(raw_post_then_hang_up, cluster.url, "/v1/completions", body, events=rng.randint(0, 30))
                 )
-        await wait_until_idle(cluster, timeout=30)
+        await wait_until_idle(cluster, deadline_s=30)
 
 
 async def test_layout_mismatch_is_a_clear_error_naming_both_sides() -> None:
