@@ -60,6 +60,7 @@ class _Link:
         ](256)
         self.requests: dict[str, trio.CancelScope] = {}
         self.frames_sent = 0
+        self._in_flight = 0  # frames handed to the writer and not yet written
 
     async def send_control(self, message: Any) -> None:
         await self.outbox_send.send(_Control(message.to_wire()))
@@ -67,43 +68,46 @@ class _Link:
     async def run_sender(self) -> None:
         """Collect engine outputs under the flush policy; a writer task sends frames.
 
-        The writer reports each finished write back through the outbox, so
-        the policy knows when a frame is in flight: tokens that arrive
-        meanwhile merge into the next frame instead of queueing as frames.
+        The writer counts its finished writes in ``_in_flight`` and pokes the
+        outbox (never blocking on it), so the policy knows when a frame is in
+        flight: tokens that arrive meanwhile merge into the next frame instead
+        of queueing as frames.
         """
         policy = FlushPolicy(self.worker.config.flush)
         receive = self.outbox_receive
         frames_send, frames_receive = trio.open_memory_channel[list[Any]](4)
-        in_flight = 0
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._run_writer, frames_receive)
             while True:
-                decision = policy.decide(trio.current_time(), in_flight=in_flight > 0)
+                decision = policy.decide(trio.current_time(), in_flight=self._in_flight > 0)
                 if isinstance(decision, FlushNow):
+                    self._in_flight += 1
                     await frames_send.send(token_frame_wire(policy.take()))
-                    in_flight += 1
                     continue
                 deadline = decision.deadline if isinstance(decision, WaitUntil) else math.inf
                 with trio.move_on_at(deadline):
                     item = await receive.receive()
-                    if item is _WRITE_DONE:
-                        in_flight -= 1
-                    elif isinstance(item, _Control):
+                    if isinstance(item, _Control):
                         # control messages keep their order relative to tokens
                         while policy.has_pending:
+                            self._in_flight += 1
                             await frames_send.send(token_frame_wire(policy.take()))
-                            in_flight += 1
+                        self._in_flight += 1
                         await frames_send.send(item.wire)
-                        in_flight += 1
-                    else:
+                    elif item is not _WRITE_DONE:
                         policy.add(item, trio.current_time())
 
     async def _run_writer(self, frames: trio.MemoryReceiveChannel[list[Any]]) -> None:
-        done = self.outbox_send.clone()
+        poke = self.outbox_send.clone()
         async for message in frames:
             await self._send({"type": "websocket.send", "bytes": codec.pack(message)})
             self.frames_sent += 1
-            await done.send(_WRITE_DONE)
+            self._in_flight -= 1
+            try:
+                # wake the collector; a full outbox wakes it anyway, so never wait here
+                poke.send_nowait(_WRITE_DONE)
+            except trio.WouldBlock:
+                pass
 
     async def run_reader(self, receive: Receive, nursery: trio.Nursery) -> None:
         while True:
