@@ -233,3 +233,30 @@ def test_default_command_serves_smollm2_and_it_knows_paris() -> None:
             process.kill()
             process.wait()
         process.stdout.close()  # type: ignore[union-attr]
+
+
+def test_decode_dying_mid_stream_ends_the_stream_with_an_error(
+    router: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    url, process = router
+    workers = _children(process.pid)
+    decode_pid = next(
+        pid for pid in workers if b'"decode"' in Path(f"/proc/{pid}/cmdline").read_bytes()
+    )
+    body = {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": "a long one"}],
+        "max_tokens": 5000,
+        "stream": True,
+    }
+    events: list[str] = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
+        for line in response.iter_lines():
+            if line:
+                events.append(line)
+            if len(events) == 5:
+                os.kill(decode_pid, signal.SIGKILL)
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][6:])["error"]
+    assert error["message"] and error["type"]
+    assert len(events) < 5000
