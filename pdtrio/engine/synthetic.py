@@ -25,6 +25,7 @@ from pdtrio.engine.api import (
     StepOutputs,
 )
 from pdtrio.engine.blocks import BlockOwnership
+from pdtrio.engine.budget import token_budget
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.wire import ChatPrompt, Prompt, TextPrompt
@@ -162,39 +163,19 @@ class SyntheticEngine:
         return ids
 
     def _budget(self, prompt_tokens: int, sampling: SamplingParams) -> int:
-        limit = self._config.max_model_len
-        if prompt_tokens >= limit:
-            raise PromptRejected(
-                f"This model's maximum context length is {limit} tokens. However, your "
-                f"prompt has {prompt_tokens} tokens.",
-                param="messages",
-            )
-        if sampling.max_tokens is None:
-            return limit - prompt_tokens
-        if prompt_tokens + sampling.max_tokens > limit:
-            raise PromptRejected(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {prompt_tokens + sampling.max_tokens} tokens ({prompt_tokens} in "
-                f"the prompt, {sampling.max_tokens} for the completion).",
-                param="max_tokens",
-            )
-        return sampling.max_tokens
+        return token_budget(
+            prompt_tokens,
+            sampling.max_tokens,
+            max_model_len=self._config.max_model_len,
+            kv_capacity_tokens=self._blocks.num_blocks * self._blocks.block_size,
+        )
 
     # --- prefill ----------------------------------------------------------------
 
     async def prefill(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> PrefillResult:
-        if not prompt_token_ids:
-            raise PromptRejected("the prompt is empty", param="prompt")
         budget = self._budget(len(prompt_token_ids), sampling)
-        if self._blocks.num_blocks * self._blocks.block_size < len(prompt_token_ids) + budget:
-            raise PromptRejected(
-                f"the request needs {len(prompt_token_ids) + budget} tokens of KV cache, "
-                f"more than this instance can ever hold "
-                f"({self._blocks.num_blocks * self._blocks.block_size})",
-                param="max_tokens",
-            )
         block_ids = self._blocks.ensure(request_id, len(prompt_token_ids))
         self._prefilling += 1
         try:

@@ -31,6 +31,7 @@ from pdtrio.engine.api import (
     StepOutputs,
 )
 from pdtrio.engine.blocks import BlockOwnership, blocks_needed
+from pdtrio.engine.budget import token_budget
 from pdtrio.engine.builtin import load_builtin
 from pdtrio.engine.loaders import LoadedModel, load_gguf, load_hf_checkpoint
 from pdtrio.engine.model import SeqInput
@@ -160,31 +161,12 @@ class TorchEngine:
         return ids
 
     def _budget(self, prompt_tokens: int, sampling: SamplingParams) -> int:
-        limit = self.max_model_len
-        if prompt_tokens == 0:
-            raise PromptRejected("the prompt is empty", param="prompt")
-        if prompt_tokens >= limit:
-            raise PromptRejected(
-                f"This model's maximum context length is {limit} tokens. However, your prompt "
-                f"has {prompt_tokens} tokens.",
-                param="messages",
-            )
-        budget = limit - prompt_tokens if sampling.max_tokens is None else sampling.max_tokens
-        if prompt_tokens + budget > limit:
-            raise PromptRejected(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_tokens + budget} tokens ({prompt_tokens} in the prompt, {budget} for "
-                f"the completion).",
-                param="max_tokens",
-            )
-        capacity = self._blocks.num_blocks * self._blocks.block_size
-        if prompt_tokens + budget > capacity:
-            raise PromptRejected(
-                f"the request needs {prompt_tokens + budget} tokens of KV cache, more than this "
-                f"instance can ever hold ({capacity})",
-                param="max_tokens",
-            )
-        return budget
+        return token_budget(
+            prompt_tokens,
+            sampling.max_tokens,
+            max_model_len=self.max_model_len,
+            kv_capacity_tokens=self._blocks.num_blocks * self._blocks.block_size,
+        )
 
     # --- prefill ----------------------------------------------------------------------
 
