@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import httpx
 import msgpack
 import trio
@@ -16,6 +17,7 @@ from pdtrio.protocol.wire import (
     PrefillRequest,
     TextPrompt,
 )
+from pdtrio.worker.server import Worker
 from tests.cluster import synthetic_worker
 
 PICKLE_MARKERS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
@@ -110,3 +112,44 @@ async def test_a_start_with_a_foreign_layout_is_rejected_naming_both() -> None:
     assert message[0] == MessageKind.REJECTED
     assert message[2] == "layout_mismatch"
     assert "vocab1000" in message[3] and "vocab2000" in message[3]
+
+
+async def test_an_unreachable_kv_endpoint_is_rejected_and_frees_decode_blocks() -> None:
+    prefill = synthetic_worker("prefill")
+    decode = synthetic_worker("decode")
+    async with trio.open_nursery() as nursery:
+        prefill_ready = await nursery.start(prefill.run)
+        decode_ready = await nursery.start(decode.run)
+        reply = await _prefill(f"http://127.0.0.1:{prefill_ready['http_port']}", "gone", "hi", 5)
+        assert reply.kv_handle is not None
+        with trio.socket.socket() as placeholder:  # a port with nobody listening
+            await placeholder.bind(("127.0.0.1", 0))
+            dead_port = placeholder.getsockname()[1]
+        handle = attrs.evolve(reply.kv_handle, transfer_port=dead_port)
+        async with trio_websocket.open_websocket_url(
+            f"ws://127.0.0.1:{decode_ready['http_port']}/pd/decode"
+        ) as ws:
+            start = DecodeStart("gone", reply.prompt_token_ids, reply.first_token_id, SamplingParams(),
+                                reply.remaining_tokens, 0, handle)
+            await ws.send_message(msgpack.packb(start.to_wire()))
+            message = _strict_unpack(await ws.get_message())  # type: ignore[arg-type]
+        assert message[0] == MessageKind.REJECTED and message[2] == "transfer_failed"
+        assert decode.engine.statistics().kv_blocks_in_use == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_lease_nobody_claims_is_freed_when_it_expires() -> None:
+    base = synthetic_worker("prefill")
+    prefill = Worker(attrs.evolve(base.config, kv_lease_s=0.2), base.engine)
+    async with trio.open_nursery() as nursery:
+        ready = await nursery.start(prefill.run)
+        reply = await _prefill(f"http://127.0.0.1:{ready['http_port']}", "orphan", "hello there", 5)
+        assert reply.kv_handle is not None
+        assert prefill.engine.statistics().kv_blocks_in_use == len(reply.kv_handle.block_ids)
+        with trio.fail_after(10):
+            while len(prefill.leases):  # noqa: ASYNC110 - observing the expiry from outside
+                await trio.sleep(0.02)
+        assert prefill.engine.statistics().kv_blocks_in_use == 0
+        assert prefill.stats()["kv_leases_expired"] == 1
+        nursery.cancel_scope.cancel()
+
