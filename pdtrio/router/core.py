@@ -56,7 +56,9 @@ class Router:
         self._nursery = nursery
         self.instances: dict[str, Instance] = {}
         self.workers: list[WorkerProcess] = []
-        self._turns = itertools.count()
+        # separate turns per role: a shared counter would advance in lockstep and pin ties
+        self._prefill_turns = itertools.count()
+        self._decode_turns = itertools.count()
         self.counters: Counter[str] = Counter()
         self.active_requests = 0
 
@@ -87,9 +89,26 @@ class Router:
             await self._nursery.start(self._keep_link, instance)
 
     def lose_instance(self, name: str) -> None:
+        """Stop routing to an instance until its /health answers again."""
         instance = self.instances.get(name)
-        if instance is not None:
+        if instance is not None and instance.healthy:
             instance.healthy = False
+            if not self.workers:
+                # static instances come back by themselves; embedded ones are re-added on restart
+                self._nursery.start_soon(self._wait_recovered, instance)
+
+    async def _wait_recovered(self, instance: Instance) -> None:
+        backoff = 0.2
+        while self.instances.get(instance.name) is instance and not instance.healthy:
+            await trio.sleep(backoff)  # a retry timer against another machine, not a poll of our own state
+            backoff = min(backoff * 2, 5.0)
+            try:
+                response = await self.http.get(f"{instance.url}/health", timeout=2)
+            except httpx.HTTPError:
+                continue
+            if response.status_code == 200:
+                log.info("instance %s is back", instance.name)
+                instance.healthy = True
 
     async def _keep_link(
         self, instance: Instance, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -122,7 +141,7 @@ class Router:
             for i in self.instances.values()
             if i.serves_prefill
         ]
-        chosen = pick_instance(candidates, turn=next(self._turns), exclude=exclude)
+        chosen = pick_instance(candidates, turn=next(self._prefill_turns), exclude=exclude)
         return None if chosen is None else self.instances[chosen]
 
     def pick_decode(self, exclude: frozenset[str] = frozenset()) -> Instance | None:
@@ -131,7 +150,7 @@ class Router:
             for i in self.instances.values()
             if i.serves_decode and i.link is not None
         ]
-        chosen = pick_instance(candidates, turn=next(self._turns), exclude=exclude)
+        chosen = pick_instance(candidates, turn=next(self._decode_turns), exclude=exclude)
         return None if chosen is None else self.instances[chosen]
 
     def health(self) -> dict[str, Any]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 
+import httpx
+
 import trio
 
 from pdtrio.config import RouterConfig
@@ -85,3 +87,54 @@ async def test_decode_without_room_answers_503_and_leaks_nothing() -> None:
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "service_unavailable"
         await wait_until_idle(cluster)
+
+
+
+async def test_a_dead_prefill_is_skipped_and_taken_back_when_it_returns() -> None:
+    import attrs
+
+    from pdtrio.config import InstanceConfig, PdtrioConfig
+    from pdtrio.router.app import RouterApp
+    from pdtrio.worker.server import Worker
+    from tests.cluster import serve_app, synthetic_worker
+
+    async with trio.open_nursery() as nursery:
+        decode = synthetic_worker("decode")
+        decode_port = (await nursery.start(decode.run))["http_port"]
+        steady = synthetic_worker("prefill")
+        steady_port = (await nursery.start(steady.run))["http_port"]
+        flaky_scope = trio.CancelScope()
+        flaky = synthetic_worker("prefill")
+
+        async def run_flaky(worker: Worker, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with flaky_scope:
+                await worker.run(task_status=task_status)
+
+        flaky_port = (await nursery.start(run_flaky, flaky))["http_port"]
+        app = RouterApp(
+            PdtrioConfig(
+                instances=(
+                    InstanceConfig(role="prefill", url=f"http://127.0.0.1:{steady_port}"),
+                    InstanceConfig(role="prefill", url=f"http://127.0.0.1:{flaky_port}"),
+                    InstanceConfig(role="decode", url=f"http://127.0.0.1:{decode_port}"),
+                )
+            )
+        )
+        url = await serve_app(app, nursery)
+        flaky_scope.cancel()  # one prefill instance goes away
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            body = {"model": "synthetic", "prompt": "still served", "max_tokens": 3}
+            for _ in range(6):
+                response = await http.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+            assert (await http.get("/health")).json()["prefill_instances"] == 1
+            # it comes back on the same address; the router takes it back
+            back = Worker(attrs.evolve(flaky.config, port=flaky_port), flaky.engine)
+            await nursery.start(back.run)
+            with trio.fail_after(30):
+                while (await http.get("/health")).json()["prefill_instances"] != 2:  # noqa: ASYNC110
+                    await trio.sleep(0.1)
+            for _ in range(4):
+                assert (await http.post("/v1/completions", json=body)).status_code == 200
+        assert back.served_prefills > 0
+        nursery.cancel_scope.cancel()
