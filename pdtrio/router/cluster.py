@@ -71,36 +71,49 @@ class WorkerProcess:
             await trio.sleep(self.restart_backoff_s)
 
     async def _run_once(self, task_status: trio.TaskStatus[None]) -> None:
-        async with trio.open_nursery() as nursery:
-            process: trio.Process = await nursery.start(
-                _run_process, self.command()
+        processes: list[trio.Process] = []
+        try:
+            async with trio.open_nursery() as nursery:
+                process: trio.Process = await nursery.start(_run_process, self.command())
+                processes.append(process)
+                self.pid = process.pid
+                try:
+                    await self._serve(process, nursery, task_status)
+                finally:
+                    self._on_lost(self.name)
+                    nursery.cancel_scope.cancel()
+        finally:
+            # the pipes close only once nothing reads them any more
+            with trio.CancelScope(shield=True):
+                for process in processes:
+                    for pipe in (process.stdout, process.stdin):
+                        if pipe is not None:
+                            await pipe.aclose()
+
+    async def _serve(
+        self, process: trio.Process, nursery: trio.Nursery, task_status: trio.TaskStatus[None]
+    ) -> None:
+        assert process.stdout is not None
+        with trio.move_on_after(self.ready_timeout_s) as timer:
+            ready = await _read_ready_line(process.stdout)
+        if timer.cancelled_caught:
+            raise WorkerStartFailed(
+                f"worker {self.name} was not ready after {self.ready_timeout_s:.0f}s"
             )
-            self.pid = process.pid
-            try:
-                assert process.stdout is not None
-                with trio.move_on_after(self.ready_timeout_s) as timer:
-                    ready = await _read_ready_line(process.stdout)
-                if timer.cancelled_caught:
-                    raise WorkerStartFailed(
-                        f"worker {self.name} was not ready after {self.ready_timeout_s:.0f}s"
-                    )
-                if ready is None:
-                    await process.wait()
-                    raise WorkerStartFailed(
-                        f"worker {self.name} ({self.role}) exited with status "
-                        f"{process.returncode} before it was ready"
-                    )
-                url = f"http://{self.worker_config.host}:{ready['http_port']}"
-                log.info("worker %s (%s) ready at %s, pid %d", self.name, self.role, url, process.pid)
-                await self._on_ready(self.name, self.role, url)
-                task_status.started()
-                # keep its stdout drained so it never blocks on a full pipe
-                nursery.start_soon(_drain, process.stdout)
-                await process.wait()
-                log.error("worker %s exited with status %s", self.name, process.returncode)
-            finally:
-                self._on_lost(self.name)
-                nursery.cancel_scope.cancel()
+        if ready is None:
+            await process.wait()
+            raise WorkerStartFailed(
+                f"worker {self.name} ({self.role}) exited with status "
+                f"{process.returncode} before it was ready"
+            )
+        url = f"http://{self.worker_config.host}:{ready['http_port']}"
+        log.info("worker %s (%s) ready at %s, pid %d", self.name, self.role, url, process.pid)
+        await self._on_ready(self.name, self.role, url)
+        task_status.started()
+        # keep its stdout drained so it never blocks on a full pipe
+        nursery.start_soon(_drain, process.stdout)
+        await process.wait()
+        log.error("worker %s exited with status %s", self.name, process.returncode)
 
 
 async def _run_process(
@@ -133,10 +146,6 @@ async def _stop_process(process: trio.Process) -> None:
     if process.returncode is None:
         process.kill()
         await process.wait()
-    if process.stdout is not None:
-        await process.stdout.aclose()
-    if process.stdin is not None:
-        await process.stdin.aclose()
 
 
 async def _read_ready_line(stdout: trio.abc.ReceiveStream) -> dict[str, Any] | None:

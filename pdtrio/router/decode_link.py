@@ -11,16 +11,21 @@ from __future__ import annotations
 import logging
 from typing import Any, final
 
+import msgpack
 import trio
-import trio_websocket
 
 from pdtrio import codec
-from pdtrio.protocol.stream_buffer import PushResult, StreamBuffer
+from pdtrio.protocol.stream_buffer import PushResult, StreamBuffer, StreamBufferError
 from pdtrio.protocol.wire import (
     DecodeAbort,
     DecodeStart,
     MessageKind,
-    WireError,
+)
+from pdtrio.router.ws_client import (
+    ConnectionClosed,
+    HandshakeError,
+    WebSocketClient,
+    connect_websocket,
 )
 
 log = logging.getLogger("pdtrio.router.decode_link")
@@ -29,6 +34,22 @@ _TOKENS = int(MessageKind.TOKENS)
 _ACCEPTED = int(MessageKind.ACCEPTED)
 _REJECTED = int(MessageKind.REJECTED)
 _FAILED = int(MessageKind.FAILED)
+_OVERFLOW = PushResult.OVERFLOW
+
+_CONNECT_TIMEOUT_S = 10.0
+_MAX_MESSAGE_SIZE = 64 * 1024 * 1024
+# one read of the link takes up to this much; every frame in it is dispatched
+# before the reader yields, so a stream's consumer wakes once per read, not per frame
+_RECEIVE_SIZE = 64 * 1024
+# what a frame that is not msgpack, or not the shape we expect, raises on the way in
+_BAD_FRAME = (
+    ValueError,  # msgpack: ExtraData, FormatError, StackError, bad UTF-8
+    IndexError,
+    TypeError,
+    KeyError,
+    AttributeError,
+    StreamBufferError,
+)
 
 
 class DecodeLinkClosed(Exception):
@@ -39,42 +60,71 @@ class DecodeLinkClosed(Exception):
 LINK_ERRORS = (
     OSError,
     trio.BrokenResourceError,
-    trio_websocket.HandshakeError,
-    trio_websocket.ConnectionClosed,
+    HandshakeError,
+    ConnectionClosed,
 )
 
 
 @final
 class DecodeStream:
-    """One request's view of the link: acceptance, then merged token deltas."""
+    """One request's view of the link: acceptance, then merged token deltas.
+
+    One task at a time waits on it (the request's pipeline); the link's
+    reader calls :meth:`notify` after each change.
+    """
 
     __slots__ = (
         "request_id",
         "buffer",
-        "wakeup",
         "accepted",
         "rejection",
         "failure",
         "overflowed",
+        "_updated",
+        "_waiter",
     )
 
     def __init__(self, request_id: str, max_pending_tokens: int) -> None:
         self.request_id = request_id
         self.buffer = StreamBuffer(max_pending_tokens=max_pending_tokens)
-        self.wakeup = trio.Event()
         self.accepted = False
         self.rejection: tuple[str, str] | None = None  # (reason, message)
         self.failure: str | None = None
         self.overflowed = False
+        self._updated = False
+        self._waiter: trio.lowlevel.Task | None = None
+
+    def notify(self) -> None:
+        """Something new arrived: wake the waiter (never blocks)."""
+        self._updated = True
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(waiter)
 
     async def wait_update(self) -> None:
-        """Wait until something new arrived (tokens, acceptance, failure)."""
-        await self.wakeup.wait()
-        self.wakeup = trio.Event()
+        """Wait until something new arrived (tokens, acceptance, failure).
+
+        Returns at once (after a checkpoint) when something arrived since the
+        last wait.  A trio.Event per wait would cost an allocation per wake-up.
+        """
+        if not self._updated:
+            if self._waiter is not None:
+                raise RuntimeError(f"another task is already waiting on {self.request_id}")
+            self._waiter = trio.lowlevel.current_task()
+
+            def abort(_: Any) -> trio.lowlevel.Abort:
+                self._waiter = None
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        else:
+            await trio.lowlevel.checkpoint()
+        self._updated = False
 
     @property
     def has_update(self) -> bool:
-        return self.wakeup.is_set()
+        return self._updated
 
 
 @final
@@ -83,7 +133,7 @@ class DecodeLink:
         self.instance_id = instance_id
         self.url = url
         self.max_pending_tokens = max_pending_tokens
-        self._ws: trio_websocket.WebSocketConnection | None = None
+        self._ws: WebSocketClient | None = None
         self._streams: dict[str, DecodeStream] = {}
         self.ever_connected = False
         self.frames_received = 0
@@ -101,74 +151,76 @@ class DecodeLink:
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Connect and read frames until the link breaks (then the caller reconnects)."""
+        ws: WebSocketClient | None = None
         try:
-            async with trio_websocket.open_websocket_url(
-                self.url,
-                max_message_size=64 * 1024 * 1024,
-                message_queue_size=64,
-                connect_timeout=10,
-                disconnect_timeout=2,
-            ) as ws:
-                self._ws = ws
-                self.ever_connected = True
-                task_status.started()
-                await self._read(ws)
+            with trio.move_on_after(_CONNECT_TIMEOUT_S) as timer:
+                ws = await connect_websocket(
+                    self.url, max_message_size=_MAX_MESSAGE_SIZE, receive_size=_RECEIVE_SIZE
+                )
+            if ws is None or timer.cancelled_caught:
+                raise HandshakeError(f"{self.url}: no websocket within {_CONNECT_TIMEOUT_S:g}s")
+            self._ws = ws
+            self.ever_connected = True
+            task_status.started()
+            await self._read(ws)
         finally:
             self._ws = None
             self._fail_all("the connection to decode instance was lost")
+            if ws is not None:
+                await ws.aclose()
 
-    async def _read(self, ws: trio_websocket.WebSocketConnection) -> None:
+    async def _read(self, ws: WebSocketClient) -> None:
         streams = self._streams
+        unpackb = msgpack.unpackb
+        dispatch_entries = self.dispatch_entries
         while True:
             try:
-                data = await ws.get_message()
-            except trio_websocket.ConnectionClosed:
+                batch = await ws.receive_messages()
+            except ConnectionClosed:
                 return
-            if isinstance(data, str):
-                continue
-            try:
-                message = codec.unpack(data)
-                kind = message[0]
-            except (WireError, IndexError, TypeError, KeyError):
-                log.warning("bad frame from %s", self.instance_id)
-                continue
-            self.frames_received += 1
-            if kind == _TOKENS:
-                self.dispatch_entries(message[1])
-            elif kind == _ACCEPTED:
-                stream = streams.get(message[1])
-                if stream is not None:
-                    stream.accepted = True
-                    stream.wakeup.set()
-            elif kind == _REJECTED:
-                stream = streams.get(message[1])
-                if stream is not None:
-                    stream.rejection = (str(message[2]), str(message[3]))
-                    stream.wakeup.set()
-            elif kind == _FAILED:
-                stream = streams.get(message[1])
-                if stream is not None:
-                    stream.failure = str(message[2])
-                    stream.wakeup.set()
+            self.frames_received += len(batch)
+            # every frame of the read goes to its streams before anyone else runs
+            for data in batch:
+                try:
+                    # the options of pdtrio.codec.unpack, without its call
+                    message = unpackb(data, raw=False, strict_map_key=True, use_list=True)
+                    kind = message[0]
+                    if kind == _TOKENS:
+                        dispatch_entries(message[1])
+                        continue
+                    stream = streams.get(message[1])
+                    if stream is None:
+                        continue
+                    if kind == _ACCEPTED:
+                        stream.accepted = True
+                    elif kind == _REJECTED:
+                        stream.rejection = (str(message[2]), str(message[3]))
+                    elif kind == _FAILED:
+                        stream.failure = str(message[2])
+                    else:
+                        continue
+                    stream.notify()
+                except _BAD_FRAME as exc:
+                    log.warning("bad frame from %s: %r", self.instance_id, exc)
 
     def dispatch_entries(self, entries: list[list[Any]]) -> None:
         """Hand each entry to its stream; never waits (the hot path)."""
-        streams = self._streams
+        get = self._streams.get
         self.entries_received += len(entries)
         for entry in entries:
-            stream = streams.get(entry[0])
+            stream = get(entry[0])
             if stream is None:
                 continue  # aborted or already gone
-            result = stream.buffer.push(entry[2], len(entry[1]), entry[3], entry[4])
-            if result is PushResult.OVERFLOW:
+            if stream.buffer.push(entry[2], len(entry[1]), entry[3], entry[4]) is _OVERFLOW:
                 stream.overflowed = True
-            stream.wakeup.set()
+            if not stream._updated:
+                stream.notify()
 
     def _fail_all(self, message: str) -> None:
         for stream in self._streams.values():
             if stream.failure is None:
                 stream.failure = message
-            stream.wakeup.set()
+            stream.notify()
 
     def open_stream(self, request_id: str) -> DecodeStream:
         stream = DecodeStream(request_id, self.max_pending_tokens)
@@ -190,5 +242,5 @@ class DecodeLink:
             raise DecodeLinkClosed(f"decode instance {self.instance_id} is not connected")
         try:
             await ws.send_message(codec.pack(message))
-        except trio_websocket.ConnectionClosed as exc:
+        except ConnectionClosed as exc:
             raise DecodeLinkClosed(f"decode instance {self.instance_id} closed the link") from exc

@@ -6,7 +6,6 @@ import json
 import random
 
 import httpx
-
 import trio
 
 from pdtrio.config import RouterConfig
