@@ -87,9 +87,7 @@ class _Running:
     cached_tokens: int
     generated: int
     stop: tuple[str, ...]
-    text: str = ""
-    emitted: int = 0
-    token_ids: list[int] = attrs.Factory(list)
+    pending: str = ""  # generated text held back: it may begin a stop string
 
 
 @final
@@ -257,29 +255,27 @@ class SyntheticEngine:
         )
 
     def _advance(self, state: _Running, tokens: list[int]) -> tuple[str, str | None]:
-        """Account for new tokens; returns (text to emit, finish_reason)."""
+        """Account for new tokens; returns (text to emit, finish_reason).
+
+        Only text not yet emitted is kept: the tail that may still begin a stop string.
+        """
         state.generated += len(tokens)
         state.position += len(tokens)
         state.remaining -= len(tokens)
-        for token in tokens:
-            state.text += synthetic_text(token)
-        if state.stop:
-            hits = [i for i in (state.text.find(s, state.emitted) for s in state.stop) if i >= 0]
-            if hits:
-                cut = min(hits)
-                out = state.text[state.emitted : cut]
-                state.emitted = cut
-                return out, "stop"
-            hold = max(len(s) for s in state.stop) - 1
-            safe = max(state.emitted, len(state.text) - hold)
-        else:
-            safe = len(state.text)
+        pending = state.pending + "".join([synthetic_text(t) for t in tokens])
         finish = "length" if state.remaining <= 0 else None
+        if not state.stop:
+            return pending, finish
+        hits = [i for i in (pending.find(s) for s in state.stop) if i >= 0]
+        if hits:
+            state.pending = ""
+            return pending[: min(hits)], "stop"
         if finish is not None:
-            safe = len(state.text)
-        out = state.text[state.emitted : safe]
-        state.emitted = safe
-        return out, finish
+            state.pending = ""
+            return pending, finish
+        safe = max(0, len(pending) - (max(len(s) for s in state.stop) - 1))
+        state.pending = pending[safe:]
+        return pending[:safe], None
 
     async def start_decode(
         self,

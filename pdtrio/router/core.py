@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, final
 
@@ -61,6 +61,10 @@ class Router:
         self._decode_turns = itertools.count()
         self.counters: Counter[str] = Counter()
         self.active_requests = 0
+
+    def start_background(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run ``fn`` in the lifespan's nursery: work that must not wait on a request's task."""
+        self._nursery.start_soon(fn)
 
     # --- instances ------------------------------------------------------------------
 
@@ -176,6 +180,8 @@ class Router:
         for outcome, count in sorted(self.counters.items()):
             if outcome.startswith("outcome:"):
                 lines.append(f'pdtrio_requests_total{{outcome="{outcome[8:]}"}} {count}')
+        lines.append("# TYPE pdtrio_slow_clients_cut_off_total counter")
+        lines.append(f"pdtrio_slow_clients_cut_off_total {self.counters['cut_off_slow_clients']}")
         lines.append("# TYPE pdtrio_tokens_delivered_total counter")
         lines.append(f"pdtrio_tokens_delivered_total {self.counters['tokens']}")
         lines.append("# TYPE pdtrio_decode_frames_received_total counter")

@@ -9,6 +9,7 @@ the others; the stream's own writer drains its buffer.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, final
 
 import msgpack
@@ -80,6 +81,8 @@ class DecodeStream:
         "rejection",
         "failure",
         "overflowed",
+        "cutoff",
+        "on_overflow",
         "_updated",
         "_waiter",
     )
@@ -91,6 +94,11 @@ class DecodeStream:
         self.rejection: tuple[str, str] | None = None  # (reason, message)
         self.failure: str | None = None
         self.overflowed = False
+        # the consumer's scope: cancelled on overflow, even while it is stuck writing to its client
+        self.cutoff: trio.CancelScope | None = None
+        # called once on overflow: the consumer may be stuck in a write nobody can cancel
+        # (hypercorn shields its socket sends), so upstream is released from here
+        self.on_overflow: Callable[[], None] | None = None
         self._updated = False
         self._waiter: trio.lowlevel.Task | None = None
 
@@ -213,6 +221,11 @@ class DecodeLink:
                 continue  # aborted or already gone
             if stream.buffer.push(entry[2], len(entry[1]), entry[3], entry[4]) is _OVERFLOW:
                 stream.overflowed = True
+                if stream.cutoff is not None:
+                    stream.cutoff.cancel()
+                if stream.on_overflow is not None:
+                    stream.on_overflow()
+                    stream.on_overflow = None
             if not stream._updated:
                 stream.notify()
 

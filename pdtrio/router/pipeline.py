@@ -84,6 +84,7 @@ class RequestPipeline:
             )
         self.headers_sent = False
         self.client_gone = False
+        self._writing = False  # a body write is under way (a cancelled one leaves the wire torn)
         # what cleanup must undo
         self.prefill_instance: Instance | None = None
         self.prefill_may_hold_kv = False
@@ -248,23 +249,28 @@ class RequestPipeline:
 
     async def _stream_tokens(self, stream: DecodeStream) -> None:
         buffer = stream.buffer
-        while True:
-            delta = buffer.take()
-            if delta is not None:
-                await self._deliver(delta.text, delta.num_tokens, delta.finish_reason)
-                if delta.finish_reason is not None:
-                    self.decode_running = False
-                    return
-            if stream.overflowed:
-                raise OpenAIError(
-                    "the client fell too far behind the token stream and was cut off",
-                    status=503,
-                    type="server_error",
-                    code="client_too_slow",
-                )
-            if stream.failure is not None:
-                raise server_error(f"decode failed: {stream.failure}")
-            await stream.wait_update()
+        stream.on_overflow = self._release_upstream_now
+        with trio.CancelScope() as cutoff:
+            stream.cutoff = cutoff
+            while True:
+                delta = buffer.take()
+                if delta is not None:
+                    await self._deliver(delta.text, delta.num_tokens, delta.finish_reason)
+                    if delta.finish_reason is not None:
+                        self.decode_running = False
+                        return
+                if stream.overflowed:
+                    break
+                if stream.failure is not None:
+                    raise server_error(f"decode failed: {stream.failure}")
+                await stream.wait_update()
+        # the client fell behind past its buffer: end it (upstream is already released)
+        raise OpenAIError(
+            "the client fell too far behind the token stream and was cut off",
+            status=503,
+            type="server_error",
+            code="client_too_slow",
+        )
 
     # --- output -------------------------------------------------------------------
 
@@ -281,7 +287,9 @@ class RequestPipeline:
         if not self.headers_sent:
             await self._send_headers()
         if chunk:
+            self._writing = True
             await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self._writing = False
 
     async def _send_headers(self) -> None:
         self.headers_sent = True
@@ -308,8 +316,14 @@ class RequestPipeline:
 
     async def _send_error(self, error: OpenAIError) -> None:
         if self.headers_sent:
+            if self._writing:
+                return  # a write was cut mid-way: more bytes would corrupt the stream; hang up
             if self.shaper is not None and not self.shaper.closed:
-                await self._send({"type": "http.response.body", "body": self.shaper.error(error), "more_body": False})
+                # a client that is not reading must not hold this task: bounded
+                with trio.move_on_after(self.router.config.router.cleanup_grace_s):
+                    await self._send(
+                        {"type": "http.response.body", "body": self.shaper.error(error), "more_body": False}
+                    )
             return
         from pdtrio.asgi import send_json
 
@@ -317,17 +331,33 @@ class RequestPipeline:
 
     # --- cleanup ------------------------------------------------------------------
 
+    def _release_upstream_now(self) -> None:
+        """A slow client overflowed its buffer: free decode and prefill at once.
+
+        This task may be stuck writing to that client for as long as it does not
+        read, so the release runs in the router's nursery instead.
+        """
+        self.router.counters["cut_off_slow_clients"] += 1
+        self.router.start_background(self._bounded_cleanup)
+
+    async def _bounded_cleanup(self) -> None:
+        with trio.move_on_after(self.router.config.router.cleanup_grace_s):
+            await self._cleanup()
+
     async def _cleanup(self) -> None:
+        """Abort on decode and release on prefill; idempotent."""
         link = self.decode_link
         if link is not None:
             link.close_stream(self.request_id)
             if self.decode_running:
+                self.decode_running = False
                 try:
                     await link.send_abort(self.request_id)
                 except DecodeLinkClosed:
                     pass  # the decode side aborts everything of a lost link itself
         instance = self.prefill_instance
         if instance is not None and self.prefill_may_hold_kv:
+            self.prefill_may_hold_kv = False
             try:
                 await self.router.http.post(
                     f"{instance.url}/pd/release",

@@ -1,0 +1,72 @@
+"""A client that stops reading is cut off; the other streams on its decode link never wait for it."""
+
+from __future__ import annotations
+
+import json
+import socket
+from functools import partial
+
+import trio
+
+from pdtrio.config import RouterConfig
+from tests.cluster import client, running_cluster, synthetic_worker, wait_until_idle
+
+
+async def _open_stalled_stream(url: str, max_tokens: int) -> trio.SocketStream:
+    """POST a streaming request, then never read: a client frozen mid-stream."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+    # a small window; the kernel still buffers a few MB, so the stream must outgrow that
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await sock.connect((host, int(port)))
+    stream = trio.SocketStream(sock)
+    body = json.dumps(
+        {"model": "synthetic", "prompt": "firehose", "max_tokens": max_tokens, "stream": True}
+    ).encode()
+    await stream.send_all(
+        f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return stream
+
+
+async def test_a_stalled_client_is_cut_off_without_stalling_its_link() -> None:
+    make = partial(
+        synthetic_worker,
+        decode_step_s=0.001,
+        tokens_per_step=512,
+        max_model_len=3_100_000,
+        num_kv_blocks=200_000,
+    )
+    router = RouterConfig(stream_buffer_tokens=5000, max_tokens_limit=5_000_000)
+    async with running_cluster(make_worker=make, router=router) as cluster:
+        stalled = await _open_stalled_stream(cluster.url, max_tokens=3_000_000)
+        async with stalled:
+            # while the stalled stream backs up, another stream on the same link completes
+            async with client(cluster) as http:
+                with trio.fail_after(60):  # liveness bound, not a timing assertion
+                    response = await http.post(
+                        "/v1/completions",
+                        json={"model": "synthetic", "prompt": "meanwhile", "max_tokens": 3000, "stream": True},
+                    )
+            assert response.status_code == 200
+            assert response.text.endswith("data: [DONE]\n\n")
+            assert '"finish_reason":"length"' in response.text
+            # the stalled request is aborted upstream while its client still has not read a byte
+            await wait_until_idle(cluster, deadline_s=60)
+            assert cluster.workers[1].stats()["decode_requests"] == 0
+            async with client(cluster) as http:
+                metrics = (await http.get("/metrics")).text
+            assert "pdtrio_slow_clients_cut_off_total 1" in metrics
+            # its task may still wait on the frozen socket, but it holds nothing upstream
+            # what the frozen client finds once it reads: no normal end; an error if any end at all
+            received = b""
+            with trio.move_on_after(10):
+                while chunk := await stalled.receive_some(1 << 20):
+                    received += chunk
+        text = received.decode(errors="replace")
+        assert text.startswith("HTTP/1.1 200")
+        assert '"finish_reason":"length"' not in text
+        if "data: [DONE]" in text:
+            assert '"error"' in text and "too far behind" in text
