@@ -85,17 +85,21 @@ class _Link:
                     await frames_send.send(token_frame_wire(policy.take()))
                     continue
                 deadline = decision.deadline if isinstance(decision, WaitUntil) else math.inf
+                item: Any = None
+                # only the wait is bounded: a hand-over cut by the deadline would lose a frame
                 with trio.move_on_at(deadline):
                     item = await receive.receive()
-                    if isinstance(item, _Control):
-                        # control messages keep their order relative to tokens
-                        while policy.has_pending:
-                            self._in_flight += 1
-                            await frames_send.send(token_frame_wire(policy.take()))
+                if item is None or item is _WRITE_DONE:
+                    continue
+                if isinstance(item, _Control):
+                    # control messages keep their order relative to tokens
+                    while policy.has_pending:
                         self._in_flight += 1
-                        await frames_send.send(item.wire)
-                    elif item is not _WRITE_DONE:
-                        policy.add(item, trio.current_time())
+                        await frames_send.send(token_frame_wire(policy.take()))
+                    self._in_flight += 1
+                    await frames_send.send(item.wire)
+                else:
+                    policy.add(item, trio.current_time())
 
     async def _run_writer(self, frames: trio.MemoryReceiveChannel[list[Any]]) -> None:
         poke = self.outbox_send.clone()
