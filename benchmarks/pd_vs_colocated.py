@@ -6,8 +6,9 @@ Concurrency 1, ignore_eos, token-id prompts of exactly ISL tokens, OSL output
 tokens; 2 warm-up requests then N measured, PD and colocated interleaved
 request by request so that machine noise hits both alike.  TTFT is the time to
 the first SSE event carrying text or a finish; TPOT is (last event - first
-event) / (tokens - 1); decode steps/s is its inverse (one token per step at
-concurrency 1).
+event) / (tokens - 1), so in PD it carries the KV handoff in its first gap;
+ITL p50 is the median gap between events, which leaves that out; decode
+steps/s is 1 / TPOT (one token per step at concurrency 1).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def _one_request(http: httpx.Client, url: str, model: str, prompt: list[int], os
     start = time.perf_counter()
     first = last = None
     tokens = 0
+    arrivals: list[float] = []
     with http.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -61,9 +63,18 @@ def _one_request(http: httpx.Client, url: str, model: str, prompt: list[int], os
             if choice["text"] or choice["finish_reason"]:
                 first = first if first is not None else now
                 last = now
+                arrivals.append(now)
     assert first is not None and last is not None and tokens == osl, (tokens, osl)
     tpot = (last - first) / (tokens - 1)
-    return {"ttft_ms": (first - start) * 1e3, "tpot_ms": tpot * 1e3, "steps_per_s": 1 / tpot}
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    # the median gap leaves out the first one, which in PD includes the KV handoff
+    itl = statistics.median(gaps) if gaps else tpot
+    return {
+        "ttft_ms": (first - start) * 1e3,
+        "tpot_ms": tpot * 1e3,
+        "itl_p50_ms": itl * 1e3,
+        "steps_per_s": 1 / tpot,
+    }
 
 
 def run_case(model: str, isl: int, osl: int, blocks: int, requests: int, warmup: int) -> dict[str, Any]:
@@ -92,23 +103,28 @@ def run_case(model: str, isl: int, osl: int, blocks: int, requests: int, warmup:
         summary[mode] = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     summary["tpot_diff_pct"] = 100 * (summary["pd"]["tpot_ms"] / summary["colocated"]["tpot_ms"] - 1)
     summary["ttft_diff_pct"] = 100 * (summary["pd"]["ttft_ms"] / summary["colocated"]["ttft_ms"] - 1)
+    summary["itl_diff_pct"] = 100 * (summary["pd"]["itl_p50_ms"] / summary["colocated"]["itl_p50_ms"] - 1)
     return summary
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
     header = (
         f"{'model':<22} {'ISL':>5} {'OSL':>4} | {'mode':<9} {'TTFT p50 ms':>11} {'TPOT p50 ms':>11} "
-        f"{'steps/s':>8} | {'dTTFT %':>8} {'dTPOT %':>8}"
+        f"{'ITL p50 ms':>10} {'steps/s':>8} | {'dTTFT %':>8} {'dTPOT %':>8} {'dITL %':>7}"
     )
     print(header)
     print("-" * len(header))
     for r in results:
         for mode in ("colocated", "pd"):
             m = r[mode]
-            diff = f"{r['ttft_diff_pct']:>+8.1f} {r['tpot_diff_pct']:>+8.1f}" if mode == "pd" else f"{'':>8} {'':>8}"
+            diff = (
+                f"{r['ttft_diff_pct']:>+8.1f} {r['tpot_diff_pct']:>+8.1f} {r['itl_diff_pct']:>+7.1f}"
+                if mode == "pd"
+                else ""
+            )
             print(
                 f"{r['model']:<22} {r['isl']:>5} {r['osl']:>4} | {mode:<9} {m['ttft_ms']:>11.2f} "
-                f"{m['tpot_ms']:>11.3f} {m['steps_per_s']:>8.1f} | {diff}"
+                f"{m['tpot_ms']:>11.3f} {m['itl_p50_ms']:>10.3f} {m['steps_per_s']:>8.1f} | {diff}"
             )
 
 
