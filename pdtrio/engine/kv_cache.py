@@ -9,16 +9,18 @@ between instances as one memcpy / one RDMA region, all layers together.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import final
 
 import attrs
 import numpy as np
 import torch
 
-from pdtrio.engine.api import NoRoom
+from pdtrio.engine.blocks import BlockAllocator
 from pdtrio.engine.config import ModelConfig
 from pdtrio.protocol.kv_layout import KvLayout
+
+__all__ = ["BlockAllocator", "KvCacheStatistics", "PagedKvCache", "dtype_name"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -34,52 +36,6 @@ class KvCacheStatistics:
     num_free: int
     block_size: int
     block_nbytes: int
-
-
-@final
-class BlockAllocator:
-    """Hands out block ids; all or nothing, and a block is freed exactly once."""
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        self.num_blocks = num_blocks
-        # pop() hands out low ids first, which keeps block tables readable
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self._in_use = [False] * num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        """``n`` free block ids, or NoRoom and nothing allocated."""
-        if n < 0:
-            raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
-            raise NoRoom(f"need {n} KV blocks, {len(self._free)} of {self.num_blocks} free")
-        ids = [self._free.pop() for _ in range(n)]
-        for block_id in ids:
-            self._in_use[block_id] = True
-        return ids
-
-    def free(self, ids: Iterable[int]) -> None:
-        """Return blocks; freeing a block that is not allocated is a bug, and frees nothing."""
-        ids = list(ids)
-        seen: set[int] = set()
-        for block_id in ids:
-            if not 0 <= block_id < self.num_blocks:
-                raise ValueError(f"block id {block_id} out of range 0..{self.num_blocks - 1}")
-            if not self._in_use[block_id] or block_id in seen:
-                raise ValueError(f"double free of KV block {block_id}")
-            seen.add(block_id)
-        for block_id in ids:
-            self._in_use[block_id] = False
-        self._free.extend(reversed(ids))
 
 
 @final

@@ -24,7 +24,7 @@ from pdtrio.engine.api import (
     PromptRejected,
     StepOutputs,
 )
-from pdtrio.engine.blocks import BlockOwnership
+from pdtrio.engine.blocks import BlockAllocator, BlockOwnership
 from pdtrio.engine.budget import token_budget
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
@@ -102,7 +102,7 @@ class SyntheticEngine:
     ) -> None:
         self._config = config
         self._model_name = model_name
-        self._blocks = BlockOwnership(num_blocks, block_size)
+        self._blocks = BlockOwnership(BlockAllocator(num_blocks), block_size)
         self._layout = KvLayout(
             model_fingerprint=f"synthetic-v1-vocab{config.vocab_size}",
             num_layers=1,

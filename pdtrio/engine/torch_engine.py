@@ -25,7 +25,6 @@ from pdtrio.config import EngineConfig
 from pdtrio.engine.api import (
     EngineError,
     EngineStatistics,
-    NoRoom,
     PrefillResult,
     PromptRejected,
     StepOutputs,
@@ -100,7 +99,8 @@ class TorchEngine:
         self._cache = loaded.new_kv_cache(num_blocks=config.num_kv_blocks, block_size=config.block_size)
         self._layout = self._cache.layout(loaded.fingerprint)
         self._lock = threading.Lock()
-        self._blocks = BlockOwnership(config.num_kv_blocks, config.block_size)  # under _lock
+        # one free list: the cache's own allocator (its statistics stay true)
+        self._blocks = BlockOwnership(self._cache.allocator, config.block_size)  # under _lock
         self._in_engine: set[str] = set()  # requests the engine thread may touch; under _lock
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._running_count = 0
@@ -415,4 +415,4 @@ class TorchEngine:
             self._blocks.release(request_id)
 
 
-__all__ = ["TorchEngine", "load_model", "NoRoom"]
+__all__ = ["TorchEngine", "load_model"]
