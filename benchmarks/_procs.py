@@ -109,9 +109,8 @@ def router_process(
 
 def _descendants(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
-    children = [int(p) for p in out.stdout.split()]
-    # hypercorn runs the app in a spawned child; its resource tracker is a sibling
-    return [c for c in children if b"hypercorn" in Path(f"/proc/{c}/cmdline").read_bytes() or True]
+    # hypercorn runs the app in a spawned child (multiprocessing spawn)
+    return [int(p) for p in out.stdout.split()]
 
 
 def process_cpu_seconds(pid: int) -> float:

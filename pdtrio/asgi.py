@@ -54,9 +54,3 @@ async def send_json(send: Send, status: int, payload: Any) -> None:
     body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
     await send_bytes(send, status, body, b"application/json")
 
-
-def header(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return bytes(value)
-    return None

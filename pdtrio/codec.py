@@ -10,11 +10,8 @@ from pdtrio.protocol.wire import WireError
 
 MSGPACK_CONTENT_TYPE = "application/msgpack"
 
-_packer = msgpack.Packer(use_bin_type=True)
-
-
 def pack(message: Any) -> bytes:
-    return _packer.pack(message)
+    return msgpack.packb(message, use_bin_type=True)
 
 
 def unpack(data: bytes) -> Any:

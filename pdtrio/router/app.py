@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any, final
@@ -24,7 +23,6 @@ from pdtrio.protocol.openai import (
     parse_chat_completion_request,
     parse_completion_request,
     request_too_large,
-    server_error,
     service_unavailable,
 )
 
@@ -122,6 +120,3 @@ class RouterApp:
         pipeline = RequestPipeline(router, request, "chat" if chat else "completion", receive, send)
         await pipeline.run()
 
-
-def describe_error(exc: BaseException) -> str:
-    return json.dumps(server_error(str(exc)).to_body())

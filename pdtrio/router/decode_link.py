@@ -130,9 +130,6 @@ class DecodeStream:
             await trio.lowlevel.checkpoint()
         self._updated = False
 
-    @property
-    def has_update(self) -> bool:
-        return self._updated
 
 
 @final

@@ -17,7 +17,7 @@ import httpx
 import trio
 
 from pdtrio import codec
-from pdtrio.asgi import Receive, Send
+from pdtrio.asgi import Receive, Send, send_json
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,10 +48,6 @@ _SSE_HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 _MSGPACK_HEADERS = {"content-type": codec.MSGPACK_CONTENT_TYPE, "accept": codec.MSGPACK_CONTENT_TYPE}
-
-
-class _ClientGone(Exception):
-    pass
 
 
 @final
@@ -117,8 +113,6 @@ class RequestPipeline:
                     error = gateway_timeout(
                         f"the request did not complete within {config.request_timeout_s:g}s"
                     )
-                except _ClientGone:
-                    self.client_gone = True
                 nursery.cancel_scope.cancel()
         finally:
             router.active_requests -= 1
@@ -309,8 +303,6 @@ class RequestPipeline:
             finish_reason=self._finish_reason,
             usage=usage,
         )
-        from pdtrio.asgi import send_json
-
         self.headers_sent = True
         await send_json(self._send, 200, payload)
 
@@ -325,8 +317,6 @@ class RequestPipeline:
                         {"type": "http.response.body", "body": self.shaper.error(error), "more_body": False}
                     )
             return
-        from pdtrio.asgi import send_json
-
         await send_json(self._send, error.status, error.to_body())
 
     # --- cleanup ------------------------------------------------------------------

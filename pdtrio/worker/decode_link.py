@@ -274,7 +274,5 @@ class DecodeLinkServer:
             self._links.discard(link)
             link.outbox_send.close()
             # the router went away: every request it started here ends now
-            for request_id in list(link.requests):
-                link.abort(request_id)
             for request_id in [rid for rid, owner in self.owner.items() if owner is link]:
                 link.abort(request_id)

@@ -15,7 +15,6 @@ from pdtrio.config import (
     EngineConfig,
     WorkerConfig,
     config_from_dict,
-    worker_config_to_dict,
 )
 from pdtrio.engine.api import Engine
 from pdtrio.worker.server import Worker, dump_ready_line
@@ -100,5 +99,3 @@ def main(argv: list[str]) -> int:
         return 0
     return 0
 
-
-__all__ = ["main", "worker_config_to_dict"]

@@ -77,6 +77,17 @@ def _alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGINT (hypercorn's graceful stop), then SIGKILL if it lingers; close its pipe."""
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    process.stdout.close()  # type: ignore[union-attr]
+
+
 @pytest.fixture
 def router() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     port = _free_port()
@@ -86,13 +97,7 @@ def router() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
         _wait_healthy(url, process)
         yield url, process
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        process.stdout.close()  # type: ignore[union-attr]
+        _stop(process)
 
 
 def test_embedded_cluster_serves_and_stops_its_workers(router: tuple[str, subprocess.Popen[bytes]]) -> None:
@@ -226,13 +231,7 @@ def test_default_command_serves_smollm2_and_it_knows_paris() -> None:
         assert "Paris" in text
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 20
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        process.stdout.close()  # type: ignore[union-attr]
+        _stop(process)
 
 
 def test_decode_dying_mid_stream_ends_the_stream_with_an_error(
