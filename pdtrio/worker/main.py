@@ -28,7 +28,7 @@ def build_engine(config: EngineConfig) -> Engine:
             config.synthetic, num_blocks=config.num_kv_blocks, block_size=config.block_size
         )
     try:
-        from pdtrio.engine.torch_engine import TorchEngine
+        from pdtrio.engine.torch.engine import TorchEngine
     except ImportError as exc:
         raise ConfigError(
             f"engine.kind = 'torch' needs the worker extras (pip install 'pdtrio[worker]'): {exc}"

@@ -9,8 +9,8 @@ import torch
 
 from pdtrio.engine.api import NoRoom
 from pdtrio.engine.config import ModelConfig
-from pdtrio.engine.kv_cache import BlockAllocator, PagedKvCache
-from pdtrio.engine.model import CausalLM, SeqInput, random_state_dict
+from pdtrio.engine.torch.kv_cache import BlockAllocator, PagedKvCache
+from pdtrio.engine.torch.model import CausalLM, SeqInput, random_state_dict
 from pdtrio.protocol.kv_layout import KvLayout
 
 CONFIG = ModelConfig(

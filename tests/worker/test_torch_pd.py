@@ -12,7 +12,7 @@ import trio
 pytest.importorskip("torch")
 
 from pdtrio.config import EngineConfig, WorkerConfig  # noqa: E402
-from pdtrio.engine.torch_engine import TorchEngine  # noqa: E402
+from pdtrio.engine.torch.engine import TorchEngine  # noqa: E402
 from pdtrio.worker.server import Worker  # noqa: E402
 from tests.cluster import client, raw_post_then_hang_up, running_cluster, wait_until_idle  # noqa: E402
 

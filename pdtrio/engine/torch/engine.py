@@ -31,10 +31,10 @@ from pdtrio.engine.api import (
 )
 from pdtrio.engine.blocks import BlockOwnership, blocks_needed
 from pdtrio.engine.budget import token_budget
-from pdtrio.engine.builtin import load_builtin
-from pdtrio.engine.loaders import LoadedModel, load_gguf, load_hf_checkpoint
-from pdtrio.engine.model import SeqInput
-from pdtrio.engine.sampler import sample
+from pdtrio.engine.torch.builtin import load_builtin
+from pdtrio.engine.torch.loaders import LoadedModel, load_gguf, load_hf_checkpoint
+from pdtrio.engine.torch.model import SeqInput
+from pdtrio.engine.torch.sampler import sample
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.engine.tokenizer import Tokenizer
 from pdtrio.protocol.kv_layout import KvLayout

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdtrio.engine.config import ModelConfig, RopeScaling
-from pdtrio.engine.kv_cache import PagedKvCache
+from pdtrio.engine.torch.kv_cache import PagedKvCache
 
 
 @final

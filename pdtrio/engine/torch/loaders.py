@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from pdtrio.engine.config import ModelConfig, RopeScaling, UnsupportedModel
-from pdtrio.engine.kv_cache import PagedKvCache
-from pdtrio.engine.model import CausalLM
+from pdtrio.engine.torch.kv_cache import PagedKvCache
+from pdtrio.engine.torch.model import CausalLM
 
 if TYPE_CHECKING:
     from pdtrio.engine.tokenizer import Tokenizer

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from pdtrio.engine.config import ModelConfig
-from pdtrio.engine.loaders import LoadedModel, fingerprint_of, load_gguf
-from pdtrio.engine.model import CausalLM, random_state_dict
+from pdtrio.engine.torch.loaders import LoadedModel, fingerprint_of, load_gguf
+from pdtrio.engine.torch.model import CausalLM, random_state_dict
 
 TINY_RANDOM = "tiny-random"
 SMOLLM2_135M_INSTRUCT = "smollm2-135m-instruct"
