@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, final
-
-import attrs
+import msgspec
 
 KV_LAYOUT_VERSION = 1
 
 
-@final
-@attrs.frozen
-class KvLayout:
+class KvLayout(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """What a KV block is, byte for byte.
 
     Two instances can hand KV blocks to each other only if every field matches:
@@ -46,32 +42,6 @@ class KvLayout:
             f"block_size={self.block_size} dtype={self.dtype} parallel={self.parallel}"
         )
 
-    def to_wire(self) -> list[Any]:
-        return [
-            self.version,
-            self.model_fingerprint,
-            self.num_layers,
-            self.num_kv_heads,
-            self.head_dim,
-            self.block_size,
-            self.dtype,
-            self.parallel,
-        ]
-
-    @classmethod
-    def from_wire(cls, raw: list[Any]) -> KvLayout:
-        version, fingerprint, layers, heads, head_dim, block_size, dtype, parallel = raw
-        return cls(
-            model_fingerprint=str(fingerprint),
-            num_layers=int(layers),
-            num_kv_heads=int(heads),
-            head_dim=int(head_dim),
-            block_size=int(block_size),
-            dtype=str(dtype),
-            parallel=str(parallel),
-            version=int(version),
-        )
-
 
 _DTYPE_SIZES = {
     "float64": 8,
@@ -89,9 +59,9 @@ def layout_mismatch(prefill: KvLayout, decode: KvLayout) -> str | None:
     if prefill == decode:
         return None
     differing = [
-        field.name
-        for field in attrs.fields(KvLayout)
-        if getattr(prefill, field.name) != getattr(decode, field.name)
+        name
+        for name in KvLayout.__struct_fields__
+        if getattr(prefill, name) != getattr(decode, name)
     ]
     return (
         f"KV layout mismatch in {', '.join(differing)}: "
