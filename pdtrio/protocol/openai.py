@@ -18,27 +18,6 @@ import attrs
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.wire import ChatPrompt, TextPrompt, TokenPrompt, Usage
 
-__all__ = [
-    "CHAT_ROLES",
-    "ChatCompletionRequest",
-    "CompletionRequest",
-    "OpenAIError",
-    "bad_request",
-    "chat_completion_body",
-    "completion_body",
-    "context_length_exceeded",
-    "gateway_timeout",
-    "models_list_body",
-    "not_found",
-    "not_found_model",
-    "parse_chat_completion_request",
-    "parse_completion_request",
-    "request_too_large",
-    "server_error",
-    "service_unavailable",
-    "usage_body",
-]
-
 CHAT_ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES: Final = 4
 _INT64_MIN: Final = -(2**63)
@@ -71,20 +50,20 @@ class OpenAIError(Exception):
         self.code = code
 
     def to_body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return error_body(self.message, type_=self.type, param=self.param, code=self.code)
 
     def __repr__(self) -> str:
         return (
             f"OpenAIError({self.message!r}, status={self.status}, type={self.type!r}, "
             f"param={self.param!r}, code={self.code!r})"
         )
+
+
+def error_body(
+    message: str, *, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The one error body, the router's and the workers' alike."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -148,6 +127,7 @@ class ChatCompletionRequest:
     model: str
     prompt: ChatPrompt
     sampling: SamplingParams
+    max_tokens: int | None  # the client's completion limit; prefill turns it into the budget
     stream: bool
     include_usage: bool
     # Already ANDed with include_usage: True only when usage goes on every chunk.
@@ -161,6 +141,7 @@ class CompletionRequest:
     model: str
     prompt: TextPrompt | TokenPrompt
     sampling: SamplingParams
+    max_tokens: int | None  # the client's completion limit; prefill turns it into the budget
     stream: bool
     include_usage: bool
     continuous_usage_stats: bool
@@ -178,12 +159,13 @@ def parse_chat_completion_request(
     _reject_truthy_flag(obj, "logprobs", "logprobs are not supported.")
     _reject_tools(obj)
     _reject_response_format(obj)
-    sampling = _sampling(obj, max_tokens_limit, allow_completion_alias=True)
+    sampling, max_tokens = _sampling(obj, max_tokens_limit, allow_completion_alias=True)
     stream, include_usage, continuous = _streaming(obj)
     return ChatCompletionRequest(
         model=model,
         prompt=prompt,
         sampling=sampling,
+        max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
         continuous_usage_stats=continuous,
@@ -214,12 +196,13 @@ def parse_completion_request(
         if not isinstance(suffix, str):
             raise _type_error("suffix", "a string", suffix)
         raise bad_request("suffix is not supported.", param="suffix")
-    sampling = _sampling(obj, max_tokens_limit, allow_completion_alias=False)
+    sampling, max_tokens = _sampling(obj, max_tokens_limit, allow_completion_alias=False)
     stream, include_usage, continuous = _streaming(obj)
     return CompletionRequest(
         model=model,
         prompt=prompt,
         sampling=sampling,
+        max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
         continuous_usage_stats=continuous,
@@ -635,7 +618,8 @@ def _stop(obj: dict[str, Any]) -> tuple[str, ...]:
 
 def _sampling(
     obj: dict[str, Any], max_tokens_limit: int, *, allow_completion_alias: bool
-) -> SamplingParams:
+) -> tuple[SamplingParams, int | None]:
+    """The sampling parameters and the client's max_tokens (None: not set)."""
     max_tokens = _token_limit(obj, "max_tokens", max_tokens_limit)
     limit_param = "max_tokens"
     if allow_completion_alias:
@@ -685,16 +669,16 @@ def _sampling(
             "Invalid value for 'seed': must fit in a signed 64-bit integer.", param="seed"
         )
 
-    return SamplingParams(
+    sampling = SamplingParams(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
         seed=seed,
-        max_tokens=max_tokens,
         min_tokens=min_tokens,
         stop=_stop(obj),
         ignore_eos=bool(_opt_bool(obj, "ignore_eos")),
     )
+    return sampling, max_tokens
 
 
 def _streaming(obj: dict[str, Any]) -> tuple[bool, bool, bool]:

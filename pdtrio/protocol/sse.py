@@ -10,8 +10,7 @@ import json
 from typing import Final, Literal, final
 
 from pdtrio.protocol.openai import OpenAIError
-
-__all__ = ["DONE_EVENT", "StreamShaper"]
+from pdtrio.protocol.wire import Usage
 
 DONE_EVENT: Final = b"data: [DONE]\n\n"
 
@@ -120,8 +119,13 @@ class StreamShaper:
 
     # --- events -------------------------------------------------------------------
 
-    def delta(self, text: str, num_tokens: int, finish_reason: str | None) -> bytes:
+    def delta(
+        self, text: str, num_tokens: int, finish_reason: str | None, usage: Usage | None = None
+    ) -> bytes:
         """The bytes to send for ``num_tokens`` more tokens decoding to ``text``.
+
+        ``usage``, the engine's final count, comes with the finish and replaces
+        the running count (which only serves ``continuous_usage_stats``).
 
         b"" when nothing is due: empty text and no finish (an incomplete UTF-8
         sequence, say).  ``finish_reason`` rides on this last chunk.
@@ -132,11 +136,16 @@ class StreamShaper:
             raise ValueError("delta() after a finish_reason was sent")
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        if not text and finish_reason is None:
+        if usage is None:
             self._completion_tokens += num_tokens
+        else:
+            # decode's count is authoritative (it covers tokens a stop string cut)
+            self._prompt_tokens = usage.prompt_tokens
+            self._completion_tokens = usage.completion_tokens
+            self._cached_tokens = usage.cached_tokens
+        if not text and finish_reason is None:
             return b""
         out = self._role_chunk() if not self._role_sent else ""
-        self._completion_tokens += num_tokens
         if finish_reason is None:
             if self._continuous:
                 return (

@@ -26,9 +26,11 @@ programming error and raises :class:`StreamBufferError`.
 from __future__ import annotations
 
 import enum
-from typing import Any, final
+from typing import final
 
 import attrs
+
+from pdtrio.protocol.wire import Usage
 
 
 class StreamBufferError(RuntimeError):
@@ -49,7 +51,7 @@ class PendingDelta:
     text: str
     num_tokens: int
     finish_reason: str | None
-    usage: Any | None
+    usage: Usage | None
 
 
 @final
@@ -75,7 +77,7 @@ class StreamBuffer:
         self._tokens = 0
         self._has_delta = False  # something was pushed since the last take
         self._finish_reason: str | None = None
-        self._usage: Any | None = None
+        self._usage: Usage | None = None
         self._finished = False
         self._failed = False
         self._closed = False
@@ -108,7 +110,7 @@ class StreamBuffer:
         text: str,
         num_tokens: int,
         finish_reason: str | None,
-        usage: Any | None,
+        usage: Usage | None,
     ) -> PushResult:
         if self._failed or self._closed:
             return PushResult.DISCARDED

@@ -36,7 +36,7 @@ class WorkerProcess:
         *,
         ready_timeout_s: float,
         restart_backoff_s: float,
-        on_ready: Callable[[str, Role, str], Awaitable[None]],
+        on_ready: Callable[[Role, str, str], Awaitable[None]],
         on_lost: Callable[[str], None],
     ) -> None:
         self.name = name
@@ -108,7 +108,7 @@ class WorkerProcess:
             )
         url = f"http://{self.worker_config.host}:{ready['http_port']}"
         log.info("worker %s (%s) ready at %s, pid %d", self.name, self.role, url, process.pid)
-        await self._on_ready(self.name, self.role, url)
+        await self._on_ready(self.role, url, self.name)
         task_status.started()
         # keep its stdout drained so it never blocks on a full pipe
         nursery.start_soon(_drain, process.stdout)

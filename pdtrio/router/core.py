@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, final
 
@@ -24,6 +24,10 @@ from pdtrio.router.cluster import WorkerProcess, embedded_workers
 from pdtrio.router.decode_link import LINK_ERRORS, DecodeLink
 
 log = logging.getLogger("pdtrio.router")
+
+
+class RouterStartFailed(Exception):
+    """The router cannot serve with what it was given (instances, configuration)."""
 
 
 @attrs.define(eq=False)
@@ -62,21 +66,28 @@ class Router:
         self.counters: Counter[str] = Counter()
         self.active_requests = 0
 
-    def start_background(self, fn: Callable[[], Awaitable[None]]) -> None:
-        """Run ``fn`` in the lifespan's nursery: work that must not wait on a request's task."""
-        self._nursery.start_soon(fn)
-
     # --- instances ------------------------------------------------------------------
 
     @property
     def models(self) -> list[str]:
         return sorted({i.model for i in self.instances.values()})
 
-    async def add_instance(self, name: str, role: Role, url: str) -> None:
-        """Learn an instance from its /pd/info; open its decode link if it decodes."""
+    async def add_instance(self, role: Role, url: str, name: str | None = None) -> None:
+        """Learn an instance from its /pd/info; open its decode link if it decodes.
+
+        The instance's identity is the one it was registered with (``name``, which
+        the embedded cluster also gives the worker), else the one the worker reports.
+        """
         response = await self.http.get(f"{url}/pd/info", timeout=self.config.router.connect_timeout_s)
         response.raise_for_status()
         info: dict[str, Any] = response.json()
+        reported = str(info["instance_id"])
+        if name is None:
+            name = reported
+        elif name != reported:
+            raise RouterStartFailed(
+                f"the worker at {url} says it is {reported!r}, but was registered as {name!r}"
+            )
         old = self.instances.get(name)
         if old is not None and old.link_scope is not None:
             old.link_scope.cancel()
@@ -180,8 +191,9 @@ class Router:
         for outcome, count in sorted(self.counters.items()):
             if outcome.startswith("outcome:"):
                 lines.append(f'pdtrio_requests_total{{outcome="{outcome[8:]}"}} {count}')
+        cut_off = sum(i.link.clients_cut_off for i in self.instances.values() if i.link is not None)
         lines.append("# TYPE pdtrio_slow_clients_cut_off_total counter")
-        lines.append(f"pdtrio_slow_clients_cut_off_total {self.counters['cut_off_slow_clients']}")
+        lines.append(f"pdtrio_slow_clients_cut_off_total {cut_off}")
         lines.append("# TYPE pdtrio_tokens_delivered_total counter")
         lines.append(f"pdtrio_tokens_delivered_total {self.counters['tokens']}")
         lines.append("# TYPE pdtrio_decode_frames_received_total counter")
@@ -207,8 +219,8 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
             if config.uses_embedded_cluster:
                 await _start_embedded(router, nursery)
             else:
-                for index, instance in enumerate(config.instances):
-                    await router.add_instance(f"{instance.role}-{index}", instance.role, instance.url)
+                for instance in config.instances:
+                    await router.add_instance(instance.role, instance.url)
             try:
                 yield router
             finally:

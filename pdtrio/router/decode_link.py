@@ -1,26 +1,36 @@
 """Router side of the router <-> decode websocket: one link per decode instance.
 
 All requests to one decode instance share the link.  A single reader task
-decodes each frame and hands each entry to its stream's bounded buffer
+decodes each frame and hands each token entry to its stream's bounded buffer
 without ever awaiting the stream's consumer, so a slow client cannot stall
-the others; the stream's own writer drains its buffer.
+the others; the stream's own task drains its buffer.
+
+The link owns aborts: whoever ends a request here (its pipeline's cleanup, or
+the reader cutting off a client that fell too far behind) calls
+:meth:`DecodeLink.abort`, which never blocks; the link's writer task sends the
+abort frames.  A stream the link ended is marked failed, so its consumer ends
+with an error as soon as it looks.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any, final
+from typing import final
 
-import msgpack
 import trio
 
-from pdtrio import codec
-from pdtrio.protocol.stream_buffer import PushResult, StreamBuffer, StreamBufferError
+from pdtrio.protocol.stream_buffer import PushResult, StreamBuffer
 from pdtrio.protocol.wire import (
+    DECODE_ERRORS,
     DecodeAbort,
+    DecodeAccepted,
+    DecodeRejected,
     DecodeStart,
-    MessageKind,
+    RejectReason,
+    TokenEntry,
+    TokenFrame,
+    encode,
+    from_decode_decoder,
 )
 from pdtrio.router.ws_client import (
     ConnectionClosed,
@@ -31,39 +41,25 @@ from pdtrio.router.ws_client import (
 
 log = logging.getLogger("pdtrio.router.decode_link")
 
-_TOKENS = int(MessageKind.TOKENS)
-_ACCEPTED = int(MessageKind.ACCEPTED)
-_REJECTED = int(MessageKind.REJECTED)
-_FAILED = int(MessageKind.FAILED)
 _OVERFLOW = PushResult.OVERFLOW
-
 _CONNECT_TIMEOUT_S = 10.0
 _MAX_MESSAGE_SIZE = 64 * 1024 * 1024
 # one read of the link takes up to this much; every frame in it is dispatched
 # before the reader yields, so a stream's consumer wakes once per read, not per frame
 _RECEIVE_SIZE = 64 * 1024
-# what a frame that is not msgpack, or not the shape we expect, raises on the way in
-_BAD_FRAME = (
-    ValueError,  # msgpack: ExtraData, FormatError, StackError, bad UTF-8
-    IndexError,
-    TypeError,
-    KeyError,
-    AttributeError,
-    StreamBufferError,
-)
+CUT_OFF_MESSAGE = "the client fell too far behind the token stream and was cut off"
 
 
-class DecodeLinkClosed(Exception):
+class DecodeLinkError(Exception):
+    """Base of the decode link's errors."""
+
+
+class DecodeLinkClosed(DecodeLinkError):
     """The link to the decode instance is down."""
 
 
-# what a broken or refused websocket raises
-LINK_ERRORS = (
-    OSError,
-    trio.BrokenResourceError,
-    HandshakeError,
-    ConnectionClosed,
-)
+# what a broken or refused websocket raises out of DecodeLink.run
+LINK_ERRORS = (OSError, trio.BrokenResourceError, HandshakeError, ConnectionClosed)
 
 
 @final
@@ -74,62 +70,31 @@ class DecodeStream:
     reader calls :meth:`notify` after each change.
     """
 
-    __slots__ = (
-        "request_id",
-        "buffer",
-        "accepted",
-        "rejection",
-        "failure",
-        "overflowed",
-        "cutoff",
-        "on_overflow",
-        "_updated",
-        "_waiter",
-    )
+    __slots__ = ("request_id", "buffer", "accepted", "rejection", "failure", "cut_off", "_updated", "_lot")
 
     def __init__(self, request_id: str, max_pending_tokens: int) -> None:
         self.request_id = request_id
         self.buffer = StreamBuffer(max_pending_tokens=max_pending_tokens)
         self.accepted = False
-        self.rejection: tuple[str, str] | None = None  # (reason, message)
+        self.rejection: DecodeRejected | None = None
         self.failure: str | None = None
-        self.overflowed = False
-        # the consumer's scope: cancelled on overflow, even while it is stuck writing to its client
-        self.cutoff: trio.CancelScope | None = None
-        # called once on overflow: the consumer may be stuck in a write nobody can cancel
-        # (hypercorn shields its socket sends), so upstream is released from here
-        self.on_overflow: Callable[[], None] | None = None
+        self.cut_off = False  # the link ended it: its client fell too far behind
         self._updated = False
-        self._waiter: trio.lowlevel.Task | None = None
+        self._lot = trio.lowlevel.ParkingLot()
 
     def notify(self) -> None:
         """Something new arrived: wake the waiter (never blocks)."""
         self._updated = True
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            trio.lowlevel.reschedule(waiter)
+        if self._lot:
+            self._lot.unpark_all()
 
     async def wait_update(self) -> None:
-        """Wait until something new arrived (tokens, acceptance, failure).
-
-        Returns at once (after a checkpoint) when something arrived since the
-        last wait.  A trio.Event per wait would cost an allocation per wake-up.
-        """
-        if not self._updated:
-            if self._waiter is not None:
-                raise RuntimeError(f"another task is already waiting on {self.request_id}")
-            self._waiter = trio.lowlevel.current_task()
-
-            def abort(_: Any) -> trio.lowlevel.Abort:
-                self._waiter = None
-                return trio.lowlevel.Abort.SUCCEEDED
-
-            await trio.lowlevel.wait_task_rescheduled(abort)
-        else:
+        """Wait until something new arrived (tokens, an answer, a failure) since the last wait."""
+        if self._updated:
             await trio.lowlevel.checkpoint()
+        else:
+            await self._lot.park()
         self._updated = False
-
 
 
 @final
@@ -140,9 +105,13 @@ class DecodeLink:
         self.max_pending_tokens = max_pending_tokens
         self._ws: WebSocketClient | None = None
         self._streams: dict[str, DecodeStream] = {}
+        # aborts waiting for the writer: bounded by the streams this link ever held at once
+        self._aborts: list[str] = []
+        self._aborts_waiting = trio.lowlevel.ParkingLot()
         self.ever_connected = False
         self.frames_received = 0
         self.entries_received = 0
+        self.clients_cut_off = 0
 
     @property
     def connected(self) -> bool:
@@ -152,32 +121,34 @@ class DecodeLink:
     def active_requests(self) -> int:
         return len(self._streams)
 
-    async def run(
-        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        """Connect and read frames until the link breaks (then the caller reconnects)."""
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Connect, then read frames and write aborts until the link breaks (the caller reconnects)."""
         ws: WebSocketClient | None = None
         try:
-            with trio.move_on_after(_CONNECT_TIMEOUT_S) as timer:
+            with trio.move_on_after(_CONNECT_TIMEOUT_S):
                 ws = await connect_websocket(
                     self.url, max_message_size=_MAX_MESSAGE_SIZE, receive_size=_RECEIVE_SIZE
                 )
-            if ws is None or timer.cancelled_caught:
+            if ws is None:
                 raise HandshakeError(f"{self.url}: no websocket within {_CONNECT_TIMEOUT_S:g}s")
             self._ws = ws
             self.ever_connected = True
+            self._aborts.clear()  # the decode side aborted everything of the old link itself
             task_status.started()
-            await self._read(ws)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._write_aborts, ws)
+                await self._read(ws)
+                nursery.cancel_scope.cancel()
         finally:
             self._ws = None
-            self._fail_all("the connection to decode instance was lost")
+            self._fail_all("the connection to the decode instance was lost")
             if ws is not None:
                 await ws.aclose()
 
     async def _read(self, ws: WebSocketClient) -> None:
         streams = self._streams
-        unpackb = msgpack.unpackb
-        dispatch_entries = self.dispatch_entries
+        decode = from_decode_decoder.decode_raw
+        dispatch_entries = self._dispatch_entries
         while True:
             try:
                 batch = await ws.receive_messages()
@@ -186,71 +157,111 @@ class DecodeLink:
             self.frames_received += len(batch)
             # every frame of the read goes to its streams before anyone else runs
             for data in batch:
+                if isinstance(data, str):
+                    log.warning("decode instance %s sent a text frame", self.instance_id)
+                    continue
                 try:
-                    # the options of pdtrio.codec.unpack, without its call
-                    message = unpackb(data, raw=False, strict_map_key=True, use_list=True)
-                    kind = message[0]
-                    if kind == _TOKENS:
-                        dispatch_entries(message[1])
-                        continue
-                    stream = streams.get(message[1])
-                    if stream is None:
-                        continue
-                    if kind == _ACCEPTED:
-                        stream.accepted = True
-                    elif kind == _REJECTED:
-                        stream.rejection = (str(message[2]), str(message[3]))
-                    elif kind == _FAILED:
-                        stream.failure = str(message[2])
-                    else:
-                        continue
-                    stream.notify()
-                except _BAD_FRAME as exc:
-                    log.warning("bad frame from %s: %r", self.instance_id, exc)
+                    message = decode(data)
+                except DECODE_ERRORS as exc:
+                    log.warning("bad frame from decode instance %s: %s", self.instance_id, exc)
+                    continue
+                if type(message) is TokenFrame:
+                    dispatch_entries(message.entries)
+                    continue
+                stream = streams.get(message.request_id)
+                if stream is None:
+                    continue  # already ended here
+                if type(message) is DecodeAccepted:
+                    stream.accepted = True
+                elif type(message) is DecodeRejected:
+                    stream.rejection = message
+                    del streams[message.request_id]
+                else:  # DecodeFailed: decode holds nothing of it any more
+                    stream.failure = message.message
+                    del streams[message.request_id]
+                stream.notify()
 
-    def dispatch_entries(self, entries: list[list[Any]]) -> None:
+    def _dispatch_entries(self, entries: list[TokenEntry]) -> None:
         """Hand each entry to its stream; never waits (the hot path)."""
-        get = self._streams.get
+        streams = self._streams
+        get = streams.get
         self.entries_received += len(entries)
         for entry in entries:
-            stream = get(entry[0])
+            stream = get(entry.request_id)
             if stream is None:
                 continue  # aborted or already gone
-            if stream.buffer.push(entry[2], len(entry[1]), entry[3], entry[4]) is _OVERFLOW:
-                stream.overflowed = True
-                if stream.cutoff is not None:
-                    stream.cutoff.cancel()
-                if stream.on_overflow is not None:
-                    stream.on_overflow()
-                    stream.on_overflow = None
+            finish_reason = entry.finish_reason
+            result = stream.buffer.push(entry.text, len(entry.token_ids), finish_reason, entry.usage)
+            if result is _OVERFLOW:
+                self.clients_cut_off += 1
+                self._end(stream, CUT_OFF_MESSAGE, abort=True)
+                stream.cut_off = True
+            elif finish_reason is not None:
+                del streams[entry.request_id]  # finished on decode: nothing to abort
             if not stream._updated:
                 stream.notify()
 
+    def _end(self, stream: DecodeStream, failure: str, *, abort: bool) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+            if abort and self._ws is not None:
+                self._aborts.append(stream.request_id)
+                self._aborts_waiting.unpark_all()
+        if stream.failure is None:
+            stream.failure = failure
+        stream.notify()
+
     def _fail_all(self, message: str) -> None:
-        for stream in self._streams.values():
+        streams = list(self._streams.values())
+        self._streams.clear()
+        for stream in streams:
             if stream.failure is None:
                 stream.failure = message
             stream.notify()
 
-    def open_stream(self, request_id: str) -> DecodeStream:
-        stream = DecodeStream(request_id, self.max_pending_tokens)
-        self._streams[request_id] = stream
-        return stream
+    async def _write_aborts(self, ws: WebSocketClient) -> None:
+        while True:
+            if not self._aborts:
+                await self._aborts_waiting.park()
+                continue
+            request_id = self._aborts.pop(0)
+            try:
+                await ws.send_message(encode(DecodeAbort(request_id)))
+            except ConnectionClosed:
+                return  # the reader sees the close; decode aborts a lost link's requests itself
 
-    def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    # --- the pipeline's side --------------------------------------------------------
 
-    async def send_start(self, start: DecodeStart) -> None:
-        await self._send(start.to_wire())
+    async def start(self, start: DecodeStart) -> DecodeStream:
+        """Send the start; the stream then reports decode's answer and tokens.
 
-    async def send_abort(self, request_id: str) -> None:
-        await self._send(DecodeAbort(request_id).to_wire())
-
-    async def _send(self, message: list[Any]) -> None:
+        Raises :class:`DecodeLinkClosed` when the start could not be sent.
+        """
         ws = self._ws
         if ws is None:
             raise DecodeLinkClosed(f"decode instance {self.instance_id} is not connected")
+        if start.request_id in self._streams:
+            raise DecodeLinkError(f"request {start.request_id} is already running on this link")
+        stream = DecodeStream(start.request_id, self.max_pending_tokens)
+        self._streams[start.request_id] = stream
         try:
-            await ws.send_message(codec.pack(message))
+            await ws.send_message(encode(start))
         except ConnectionClosed as exc:
+            self._streams.pop(start.request_id, None)
             raise DecodeLinkClosed(f"decode instance {self.instance_id} closed the link") from exc
+        except BaseException:
+            # cancelled mid-send: decode may or may not have the start; abort to be sure
+            self.abort(start.request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """End the request on decode if it is still running there; never blocks, idempotent."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._end(stream, "the request was aborted", abort=True)
+
+
+def rejection_is_retryable(rejection: DecodeRejected) -> bool:
+    """Whether another decode instance may take a request this one rejected."""
+    return rejection.reason in (RejectReason.NO_ROOM, RejectReason.SHUTTING_DOWN)

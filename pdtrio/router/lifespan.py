@@ -5,17 +5,16 @@ from __future__ import annotations
 import logging
 
 import httpx
-import trio
 
 from pdtrio.asgi import Receive, Scope, Send
 from pdtrio.config import ConfigError, PdtrioConfig, load_config_from_env
 from pdtrio.router.cluster import WorkerStartFailed
-from pdtrio.router.core import open_router
+from pdtrio.router.core import RouterStartFailed, open_router
 from pdtrio.router.decode_link import LINK_ERRORS
 
 log = logging.getLogger("pdtrio.router")
 
-_STARTUP_ERRORS = (ConfigError, WorkerStartFailed, httpx.HTTPError, *LINK_ERRORS)
+_STARTUP_ERRORS = (ConfigError, WorkerStartFailed, RouterStartFailed, httpx.HTTPError, *LINK_ERRORS)
 
 
 async def run_lifespan(
@@ -63,4 +62,3 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     return leaves
 
 
-__all__ = ["run_lifespan", "trio"]

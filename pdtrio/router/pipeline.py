@@ -16,8 +16,8 @@ from typing import Literal, final
 import httpx
 import trio
 
-from pdtrio import codec
 from pdtrio.asgi import Receive, Send, send_json
+from pdtrio.protocol.lifecycle import Cleanup, Event, RequestLifecycle
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,15 +30,26 @@ from pdtrio.protocol.openai import (
 )
 from pdtrio.protocol.sse import StreamShaper
 from pdtrio.protocol.wire import (
+    MSGPACK_CONTENT_TYPE,
+    Decoder,
     DecodeStart,
+    KvHandle,
     PrefillReply,
     PrefillRequest,
     RejectReason,
+    ReleaseRequest,
     Usage,
     WireError,
+    encode,
 )
 from pdtrio.router.core import Instance, Router
-from pdtrio.router.decode_link import DecodeLink, DecodeLinkClosed, DecodeStream
+from pdtrio.router.decode_link import (
+    CUT_OFF_MESSAGE,
+    DecodeLink,
+    DecodeLinkClosed,
+    DecodeStream,
+    rejection_is_retryable,
+)
 
 log = logging.getLogger("pdtrio.router.pipeline")
 
@@ -47,7 +58,8 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-_MSGPACK_HEADERS = {"content-type": codec.MSGPACK_CONTENT_TYPE, "accept": codec.MSGPACK_CONTENT_TYPE}
+_MSGPACK_HEADERS = {"content-type": MSGPACK_CONTENT_TYPE, "accept": MSGPACK_CONTENT_TYPE}
+_prefill_reply_decoder: Decoder[PrefillReply] = Decoder(PrefillReply)
 
 
 @final
@@ -81,17 +93,14 @@ class RequestPipeline:
         self.headers_sent = False
         self.client_gone = False
         self._writing = False  # a body write is under way (a cancelled one leaves the wire torn)
-        # what cleanup must undo
+        # what cleanup must undo, and where
+        self.lifecycle = RequestLifecycle()
         self.prefill_instance: Instance | None = None
-        self.prefill_may_hold_kv = False
         self.decode_link: DecodeLink | None = None
-        self.decode_running = False
         # non-streaming accumulation
         self._text_parts: list[str] = []
         self._finish_reason: str | None = None
-        self._prompt_tokens = 0
-        self._cached_tokens = 0
-        self._completion_tokens = 0
+        self._usage: Usage | None = None
 
     # --- entry ------------------------------------------------------------------
 
@@ -139,24 +148,25 @@ class RequestPipeline:
 
     async def _pipeline(self, deadline: float) -> None:
         reply = await self._prefill(deadline)
-        self._prompt_tokens = reply.prompt_tokens
-        self._cached_tokens = reply.cached_tokens
         if self.shaper is not None:
             self.shaper.set_prompt_usage(reply.prompt_tokens, reply.cached_tokens)
         # the first token goes out before decode starts
-        await self._deliver(reply.first_text, 1, reply.finish_reason)
-        if reply.finish_reason is not None:
-            self.prefill_may_hold_kv = False
+        await self._deliver(reply.first_text, 1, reply.finish_reason, reply.usage)
+        if reply.kv_handle is None:
             await self._finish()
             return
-        stream = await self._start_decode(reply)
+        stream = await self._start_decode(reply, reply.kv_handle)
         await self._stream_tokens(stream)
         await self._finish()
 
     async def _prefill(self, deadline: float) -> PrefillReply:
         router = self.router
-        request = PrefillRequest(self.request_id, self.request.prompt, self.request.sampling)
-        body = codec.pack(request.to_wire())
+        lifecycle = self.lifecycle
+        request = self.request
+        body = encode(
+            PrefillRequest(self.request_id, request.prompt, request.sampling, request.max_tokens)
+        )
+        prefill_timeout_s = router.config.router.prefill_timeout_s
         tried: set[str] = set()
         while True:
             instance = router.pick_prefill(frozenset(tried))
@@ -164,10 +174,10 @@ class RequestPipeline:
                 raise service_unavailable("no prefill instance is available")
             tried.add(instance.name)
             self.prefill_instance = instance
-            self.prefill_may_hold_kv = True
+            lifecycle.handle(Event.PREFILL_SENT)
             instance.active_prefills += 1
             try:
-                with trio.move_on_at(min(deadline, trio.current_time() + router.config.router.prefill_timeout_s)) as timer:
+                with trio.move_on_at(min(deadline, trio.current_time() + prefill_timeout_s)) as timer:
                     response = await router.http.post(
                         f"{instance.url}/pd/prefill", content=body, headers=_MSGPACK_HEADERS
                     )
@@ -175,7 +185,7 @@ class RequestPipeline:
                     raise gateway_timeout("prefill did not answer in time")
             except httpx.ConnectError:
                 # it never saw the request: another instance may
-                self.prefill_may_hold_kv = False
+                lifecycle.handle(Event.PREFILL_NOT_SENT)
                 router.lose_instance(instance.name)
                 continue
             except httpx.TransportError as exc:
@@ -183,22 +193,24 @@ class RequestPipeline:
             finally:
                 instance.active_prefills -= 1
             if response.status_code != 200:
-                self.prefill_may_hold_kv = False
+                lifecycle.handle(Event.PREFILL_FAILED)
                 raise _worker_error(response, "prefill")
             try:
-                return PrefillReply.from_wire(codec.unpack(response.content))
+                reply = _prefill_reply_decoder.decode(response.content)
             except WireError as exc:
                 raise server_error(f"prefill sent a malformed reply: {exc}") from None
+            lifecycle.handle(Event.PREFILLED if reply.kv_handle else Event.FINISHED_AT_PREFILL)
+            return reply
 
-    async def _start_decode(self, reply: PrefillReply) -> DecodeStream:
-        handle = reply.kv_handle
-        assert handle is not None
+    async def _start_decode(self, reply: PrefillReply, handle: KvHandle) -> DecodeStream:
+        lifecycle = self.lifecycle
         start = DecodeStart(
             request_id=self.request_id,
             prompt_token_ids=reply.prompt_token_ids,
             first_token_id=reply.first_token_id,
             sampling=self.request.sampling,
-            remaining_tokens=reply.remaining_tokens,
+            token_budget=reply.token_budget,
+            tokens_generated=1,
             cached_tokens=reply.cached_tokens,
             kv_handle=handle,
         )
@@ -210,74 +222,69 @@ class RequestPipeline:
                 raise service_unavailable(f"no decode instance could take the request: {last_reason}")
             tried.add(instance.name)
             link = instance.link
-            stream = link.open_stream(self.request_id)
             self.decode_link = link
-            self.decode_running = True
+            lifecycle.handle(Event.DECODE_START_SENT)
             try:
-                await link.send_start(start)
+                stream = await link.start(start)
             except DecodeLinkClosed as exc:
-                link.close_stream(self.request_id)
-                self.decode_running = False
+                lifecycle.handle(Event.DECODE_NOT_STARTED)
                 last_reason = str(exc)
                 continue
             while not (stream.accepted or stream.rejection or stream.failure):
                 await stream.wait_update()
             if stream.accepted:
-                self.prefill_may_hold_kv = False  # decode pulled the blocks and freed them
+                lifecycle.handle(Event.DECODE_ACCEPTED)
                 return stream
-            link.close_stream(self.request_id)
-            self.decode_running = False
             if stream.failure is not None:
-                last_reason = stream.failure
+                lifecycle.handle(Event.DECODE_ENDED)
                 raise service_unavailable(f"decode failed to start: {stream.failure}")
-            assert stream.rejection is not None
-            reason, message = stream.rejection
-            last_reason = message
-            if reason == RejectReason.NO_ROOM:
+            rejection = stream.rejection
+            assert rejection is not None
+            lifecycle.handle(Event.DECODE_NOT_STARTED)
+            last_reason = rejection.message
+            if rejection_is_retryable(rejection):
                 continue
-            if reason == RejectReason.LAYOUT_MISMATCH:
-                raise server_error(f"prefill and decode cannot be paired: {message}")
-            if reason == RejectReason.TRANSFER_FAILED:
-                raise service_unavailable(f"the KV handoff failed: {message}")
-            raise server_error(f"decode rejected the request: {message}")
+            if rejection.reason == RejectReason.LAYOUT_MISMATCH:
+                raise server_error(f"prefill and decode cannot be paired: {rejection.message}")
+            if rejection.reason == RejectReason.TRANSFER_FAILED:
+                raise service_unavailable(f"the KV handoff failed: {rejection.message}")
+            raise server_error(f"decode rejected the request: {rejection.message}")
 
     async def _stream_tokens(self, stream: DecodeStream) -> None:
         buffer = stream.buffer
-        stream.on_overflow = self._release_upstream_now
-        with trio.CancelScope() as cutoff:
-            stream.cutoff = cutoff
-            while True:
-                delta = buffer.take()
-                if delta is not None:
-                    await self._deliver(delta.text, delta.num_tokens, delta.finish_reason)
-                    if delta.finish_reason is not None:
-                        self.decode_running = False
-                        return
-                if stream.overflowed:
-                    break
-                if stream.failure is not None:
-                    raise server_error(f"decode failed: {stream.failure}")
-                await stream.wait_update()
-        # the client fell behind past its buffer: end it (upstream is already released)
-        raise OpenAIError(
-            "the client fell too far behind the token stream and was cut off",
-            status=503,
-            type="server_error",
-            code="client_too_slow",
-        )
+        while True:
+            delta = buffer.take()
+            if delta is not None:
+                await self._deliver(delta.text, delta.num_tokens, delta.finish_reason, delta.usage)
+                if delta.finish_reason is not None:
+                    self.lifecycle.handle(Event.DECODE_ENDED)
+                    return
+            if stream.failure is not None:
+                # decode holds nothing of it any more: it failed there, or the link aborted it
+                self.lifecycle.handle(Event.DECODE_ENDED)
+                if stream.cut_off:
+                    raise OpenAIError(
+                        CUT_OFF_MESSAGE, status=503, type="server_error", code="client_too_slow"
+                    )
+                raise server_error(f"decode failed: {stream.failure}")
+            await stream.wait_update()
 
     # --- output -------------------------------------------------------------------
 
-    async def _deliver(self, text: str, num_tokens: int, finish_reason: str | None) -> None:
+    async def _deliver(
+        self, text: str, num_tokens: int, finish_reason: str | None, usage: Usage | None
+    ) -> None:
         self.router.counters["tokens"] += num_tokens
+        if finish_reason is not None and usage is None:
+            raise server_error("the engine finished the request without its token counts")
         if self.shaper is None:
             if text:
                 self._text_parts.append(text)
-            self._completion_tokens += num_tokens
             if finish_reason is not None:
                 self._finish_reason = finish_reason
+                self._usage = usage
             return
-        chunk = self.shaper.delta(text, num_tokens, finish_reason)
+        chunk = self.shaper.delta(text, num_tokens, finish_reason, usage)
         if not self.headers_sent:
             await self._send_headers()
         if chunk:
@@ -293,7 +300,8 @@ class RequestPipeline:
         if self.shaper is not None:
             await self._send({"type": "http.response.body", "body": self.shaper.done(), "more_body": False})
             return
-        usage = Usage(self._prompt_tokens, self._completion_tokens, self._cached_tokens)
+        usage = self._usage
+        assert usage is not None  # _deliver refused a finish without it
         builder = chat_completion_body if self.kind == "chat" else completion_body
         payload = builder(
             request_id=self.request_id,
@@ -321,41 +329,22 @@ class RequestPipeline:
 
     # --- cleanup ------------------------------------------------------------------
 
-    def _release_upstream_now(self) -> None:
-        """A slow client overflowed its buffer: free decode and prefill at once.
-
-        This task may be stuck writing to that client for as long as it does not
-        read, so the release runs in the router's nursery instead.
-        """
-        self.router.counters["cut_off_slow_clients"] += 1
-        self.router.start_background(self._bounded_cleanup)
-
-    async def _bounded_cleanup(self) -> None:
-        with trio.move_on_after(self.router.config.router.cleanup_grace_s):
-            await self._cleanup()
-
     async def _cleanup(self) -> None:
-        """Abort on decode and release on prefill; idempotent."""
-        link = self.decode_link
-        if link is not None:
-            link.close_stream(self.request_id)
-            if self.decode_running:
-                self.decode_running = False
-                try:
-                    await link.send_abort(self.request_id)
-                except DecodeLinkClosed:
-                    pass  # the decode side aborts everything of a lost link itself
+        """Do what the lifecycle says is owed: abort on decode, release on prefill."""
+        owed = self.lifecycle.owed()
+        if owed & Cleanup.ABORT_ON_DECODE and self.decode_link is not None:
+            self.decode_link.abort(self.request_id)
         instance = self.prefill_instance
-        if instance is not None and self.prefill_may_hold_kv:
-            self.prefill_may_hold_kv = False
+        if owed & Cleanup.RELEASE_ON_PREFILL and instance is not None:
             try:
                 await self.router.http.post(
                     f"{instance.url}/pd/release",
-                    content=codec.pack([self.request_id]),
+                    content=encode(ReleaseRequest(self.request_id)),
                     headers=_MSGPACK_HEADERS,
                 )
             except httpx.HTTPError as exc:
                 log.warning("could not release %s on %s: %r", self.request_id, instance.name, exc)
+        self.lifecycle.handle(Event.CLEANED)
 
 
 def _worker_error(response: httpx.Response, leg: str) -> OpenAIError:

@@ -77,6 +77,7 @@ def test_minimal_chat_defaults() -> None:
         model=MODEL,
         prompt=ChatPrompt((("user", "hi"),)),
         sampling=SamplingParams(),
+        max_tokens=None,
         stream=False,
         include_usage=False,
         continuous_usage_stats=False,
@@ -90,6 +91,7 @@ def test_minimal_completion_defaults() -> None:
         model=MODEL,
         prompt=TextPrompt("once upon"),
         sampling=SamplingParams(),
+        max_tokens=None,
         stream=False,
         include_usage=False,
         continuous_usage_stats=False,
@@ -136,12 +138,12 @@ def test_full_sampling() -> None:
         ignore_eos=True,
         user="u1",
     )
+    assert request.max_tokens == 10
     assert request.sampling == SamplingParams(
         temperature=0.0,
         top_p=0.5,
         top_k=40,
         seed=-7,
-        max_tokens=10,
         min_tokens=3,
         stop=("\n", "END"),
         ignore_eos=True,
@@ -151,9 +153,9 @@ def test_full_sampling() -> None:
 
 
 def test_max_completion_tokens_takes_precedence() -> None:
-    assert chat(max_tokens=100, max_completion_tokens=7).sampling.max_tokens == 7
-    assert chat(max_completion_tokens=LIMIT).sampling.max_tokens == LIMIT
-    assert chat(max_tokens=None, max_completion_tokens=None).sampling.max_tokens is None
+    assert chat(max_tokens=100, max_completion_tokens=7).max_tokens == 7
+    assert chat(max_completion_tokens=LIMIT).max_tokens == LIMIT
+    assert chat(max_tokens=None, max_completion_tokens=None).max_tokens is None
 
 
 @pytest.mark.parametrize(("top_k", "stored"), [(-1, 0), (0, 0), (1, 1), (None, 0)])
@@ -616,7 +618,7 @@ def test_valid_requests_round_trip(text: str, max_tokens: int, temperature: floa
         temperature=temperature,
     )
     assert request.prompt.messages == (("user", text),)
-    assert request.sampling.max_tokens == max_tokens
+    assert request.max_tokens == max_tokens
     assert request.sampling.temperature == temperature
 
 

@@ -1,0 +1,120 @@
+"""One request's lifecycle on the router, and what its cleanup owes at any moment.
+
+A request touches up to two instances: prefill may hold its KV blocks (from
+the moment the prefill call is sent until decode pulls them or prefill is told
+to release them) and decode may run it (from the moment the start is sent
+until it finishes, fails or is aborted).  Whatever ends the request, cleanup
+asks :meth:`RequestLifecycle.owed` and does exactly that, then reports
+:attr:`Event.CLEANED`; so cleanup is idempotent by construction, not by
+booleans flipped in many places.
+
+The whole rule is the two tables below: ``_TRANSITIONS`` (state, event) ->
+state, and ``_OWED`` state -> cleanup.  An event that the table does not
+list for the current state is a bug in the caller: :class:`LifecycleError`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final, final
+
+
+class State(enum.Enum):
+    NEW = "new"
+    """Nothing sent anywhere yet."""
+    PREFILLING = "prefilling"
+    """The prefill call is out: prefill may be allocating blocks for it."""
+    PREFILLED = "prefilled"
+    """Prefill answered with a KV handle: it holds the blocks under a lease."""
+    DECODE_STARTING = "decode_starting"
+    """The start is out to decode, not answered yet: both sides may hold blocks."""
+    DECODING = "decoding"
+    """Decode accepted: it pulled the blocks (prefill released them) and runs the request."""
+    DONE = "done"
+    """Nothing is held anywhere: finished, failed upstream, or cleaned up."""
+
+
+class Event(enum.Enum):
+    PREFILL_SENT = "prefill_sent"
+    PREFILL_NOT_SENT = "prefill_not_sent"
+    """The instance was unreachable: it never saw the request (try another)."""
+    PREFILL_FAILED = "prefill_failed"
+    """Prefill answered with an error: it freed whatever it had allocated."""
+    PREFILLED = "prefilled"
+    """Prefill answered with a KV handle."""
+    FINISHED_AT_PREFILL = "finished_at_prefill"
+    """Generation ended at the first token: prefill kept no blocks."""
+    DECODE_START_SENT = "decode_start_sent"
+    DECODE_NOT_STARTED = "decode_not_started"
+    """The start could not be sent, or decode rejected it: decode holds nothing."""
+    DECODE_ACCEPTED = "decode_accepted"
+    DECODE_ENDED = "decode_ended"
+    """Decode sent the finish, reported a failure, or the link aborted the request
+    itself (a slow client): nothing is left on decode or prefill."""
+    CLEANED = "cleaned"
+    """Cleanup did what :meth:`RequestLifecycle.owed` said."""
+
+
+class Cleanup(enum.Flag):
+    NOTHING = 0
+    RELEASE_ON_PREFILL = enum.auto()
+    ABORT_ON_DECODE = enum.auto()
+
+
+class LifecycleError(RuntimeError):
+    """An event that cannot happen in the current state: a bug in the caller."""
+
+
+_TRANSITIONS: Final[dict[tuple[State, Event], State]] = {
+    (State.NEW, Event.PREFILL_SENT): State.PREFILLING,
+    (State.PREFILLING, Event.PREFILL_NOT_SENT): State.NEW,
+    (State.PREFILLING, Event.PREFILL_FAILED): State.DONE,
+    (State.PREFILLING, Event.PREFILLED): State.PREFILLED,
+    (State.PREFILLING, Event.FINISHED_AT_PREFILL): State.DONE,
+    (State.PREFILLED, Event.DECODE_START_SENT): State.DECODE_STARTING,
+    (State.DECODE_STARTING, Event.DECODE_NOT_STARTED): State.PREFILLED,
+    (State.DECODE_STARTING, Event.DECODE_ACCEPTED): State.DECODING,
+    # decode may fail a start it has not answered yet (e.g. its link broke)
+    (State.DECODE_STARTING, Event.DECODE_ENDED): State.PREFILLED,
+    (State.DECODING, Event.DECODE_ENDED): State.DONE,
+}
+# cleanup may come at any moment, and more than once
+for _state in State:
+    _TRANSITIONS[(_state, Event.CLEANED)] = State.DONE
+
+_OWED: Final[dict[State, Cleanup]] = {
+    State.NEW: Cleanup.NOTHING,
+    # a cancelled prefill call may have left blocks behind: release is harmless if not
+    State.PREFILLING: Cleanup.RELEASE_ON_PREFILL,
+    State.PREFILLED: Cleanup.RELEASE_ON_PREFILL,
+    # decode may have pulled the blocks, or not yet: abort there, release here
+    State.DECODE_STARTING: Cleanup.RELEASE_ON_PREFILL | Cleanup.ABORT_ON_DECODE,
+    State.DECODING: Cleanup.ABORT_ON_DECODE,
+    State.DONE: Cleanup.NOTHING,
+}
+
+
+@final
+class RequestLifecycle:
+    """Where one request stands; answers what cleanup owes."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self) -> None:
+        self._state = State.NEW
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    def handle(self, event: Event) -> State:
+        """Apply ``event``; returns the new state. Raises :class:`LifecycleError`."""
+        try:
+            self._state = _TRANSITIONS[(self._state, event)]
+        except KeyError:
+            raise LifecycleError(f"{event.name} cannot happen in state {self._state.name}") from None
+        return self._state
+
+    def owed(self) -> Cleanup:
+        """What cleanup must do now."""
+        return _OWED[self._state]

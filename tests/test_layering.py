@@ -1,0 +1,111 @@
+"""The package's layering, read from its source: no import cycles, no I/O in the core."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pdtrio
+
+PACKAGE_ROOT = Path(pdtrio.__file__).resolve().parent
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module this file imports, wherever the import statement stands."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            # `from pdtrio.x import y` may name a submodule y
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PACKAGE_ROOT.rglob("*.py")}
+    return {
+        name: {m for m in _imports(path) if m in modules and m != name}
+        for name, path in modules.items()
+    }
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_graph_is_read_from_the_real_package() -> None:
+    graph = _graph()
+    assert "pdtrio.router.pipeline" in graph
+    assert "pdtrio.protocol.wire" in graph["pdtrio.router.pipeline"]
+
+
+def test_no_import_cycle_anywhere_in_the_package() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    return {name.split(".")[0] for name in _imports(path)}
+
+
+def test_the_sans_io_core_imports_no_io_library() -> None:
+    forbidden = {"trio", "httpx", "hypercorn", "torch", "asyncio", "anyio", "socket"}
+    for path in (PACKAGE_ROOT / "protocol").rglob("*.py"):
+        assert not _top_level_imports(path) & forbidden, path
+
+
+def test_no_asyncio_and_no_pickle_anywhere() -> None:
+    for path in PACKAGE_ROOT.rglob("*.py"):
+        assert not _top_level_imports(path) & {"asyncio", "pickle", "cloudpickle"}, path
+
+
+def test_only_the_torch_engine_imports_torch() -> None:
+    torch_package = PACKAGE_ROOT / "engine" / "torch"
+    for path in PACKAGE_ROOT.rglob("*.py"):
+        if torch_package in path.parents:
+            continue
+        assert "torch" not in _top_level_imports(path), path
