@@ -73,7 +73,6 @@ class WorkerConfig:
     transfer_port: int = attrs.field(default=0, validator=_non_negative)
     instance_id: str = ""
     kv_lease_s: float = attrs.field(default=30.0, validator=_positive)
-    kv_transport: Literal["tcp"] = "tcp"
     engine: EngineConfig = EngineConfig()
     flush: FlushConfig = FlushConfig()
 

@@ -54,7 +54,7 @@ class _Positional(
     """Base of every wire message: a msgpack array of the fields, in order."""
 
 
-class Usage(_Positional):
+class Usage(_Positional, frozen=True):
     """Token counts of a finished request, as the engine that ran it counted them."""
 
     prompt_tokens: int
@@ -66,7 +66,7 @@ class Usage(_Positional):
         return self.prompt_tokens + self.completion_tokens
 
 
-class KvHandle(_Positional):
+class KvHandle(_Positional, frozen=True):
     """Where a request's prefilled KV blocks live and for how long."""
 
     request_id: str
@@ -82,17 +82,17 @@ class KvHandle(_Positional):
 # --- prompts -----------------------------------------------------------------
 
 
-class ChatPrompt(_Positional, tag="chat"):
+class ChatPrompt(_Positional, frozen=True, tag="chat"):
     """Chat messages as (role, text) pairs; text parts are already joined."""
 
     messages: tuple[tuple[str, str], ...]
 
 
-class TextPrompt(_Positional, tag="text"):
+class TextPrompt(_Positional, frozen=True, tag="text"):
     text: str
 
 
-class TokenPrompt(_Positional, tag="tokens"):
+class TokenPrompt(_Positional, frozen=True, tag="tokens"):
     token_ids: tuple[int, ...]
 
 
@@ -102,7 +102,7 @@ Prompt = ChatPrompt | TextPrompt | TokenPrompt
 # --- router -> prefill ----------------------------------------------------------
 
 
-class PrefillRequest(_Positional):
+class PrefillRequest(_Positional, frozen=True):
     """Prefill the prompt and sample the first token.
 
     ``max_tokens`` is the client's limit (None: the configured default); prefill
@@ -115,7 +115,7 @@ class PrefillRequest(_Positional):
     max_tokens: int | None = None
 
 
-class PrefillReply(_Positional):
+class PrefillReply(_Positional, frozen=True):
     """The prompt is in the cache; here is the first token and where the KV lives.
 
     ``token_budget`` is the request's whole completion budget, the first token
@@ -138,20 +138,20 @@ class PrefillReply(_Positional):
         return len(self.prompt_token_ids)
 
 
-class ReleaseRequest(_Positional):
+class ReleaseRequest(_Positional, frozen=True):
     """Free a request's KV blocks on prefill (decode has them, or nobody will)."""
 
     request_id: str
 
 
-class ReleaseReply(_Positional):
+class ReleaseReply(_Positional, frozen=True):
     released: bool
 
 
 # --- router <-> decode (websocket frames) --------------------------------------
 
 
-class DecodeStart(_Positional, tag=int(MessageKind.START)):
+class DecodeStart(_Positional, frozen=True, tag=int(MessageKind.START)):
     """Run a prefilled request.
 
     ``token_budget`` is the whole completion budget; ``tokens_generated`` how
@@ -168,28 +168,28 @@ class DecodeStart(_Positional, tag=int(MessageKind.START)):
     kv_handle: KvHandle
 
 
-class DecodeAbort(_Positional, tag=int(MessageKind.ABORT)):
+class DecodeAbort(_Positional, frozen=True, tag=int(MessageKind.ABORT)):
     request_id: str
 
 
-class DecodeAccepted(_Positional, tag=int(MessageKind.ACCEPTED)):
+class DecodeAccepted(_Positional, frozen=True, tag=int(MessageKind.ACCEPTED)):
     request_id: str
 
 
-class DecodeRejected(_Positional, tag=int(MessageKind.REJECTED)):
+class DecodeRejected(_Positional, frozen=True, tag=int(MessageKind.REJECTED)):
     request_id: str
     reason: RejectReason
     message: str
 
 
-class DecodeFailed(_Positional, tag=int(MessageKind.FAILED)):
+class DecodeFailed(_Positional, frozen=True, tag=int(MessageKind.FAILED)):
     """A running request failed on decode after it was accepted."""
 
     request_id: str
     message: str
 
 
-class TokenEntry(_Positional):
+class TokenEntry(_Positional, frozen=True):
     """New output of one request: the hot path, built by the engine, read by the router.
 
     ``usage`` is set on the entry that carries ``finish_reason``: decode's
@@ -203,7 +203,7 @@ class TokenEntry(_Positional):
     usage: Usage | None = None
 
 
-class TokenFrame(_Positional, tag=int(MessageKind.TOKENS)):
+class TokenFrame(_Positional, frozen=True, tag=int(MessageKind.TOKENS)):
     entries: list[TokenEntry]
 
 
@@ -214,14 +214,14 @@ FromDecode = DecodeAccepted | DecodeRejected | DecodeFailed | TokenFrame
 # --- decode <- prefill (KV transfer port) --------------------------------------
 
 
-class TransferRequest(_Positional):
+class TransferRequest(_Positional, frozen=True):
     """Decode asks prefill for a request's blocks."""
 
     request_id: str
     block_ids: tuple[int, ...]
 
 
-class TransferAnswer(_Positional):
+class TransferAnswer(_Positional, frozen=True):
     """``nbytes`` of block data follow when ``granted``; else ``reason`` says why not."""
 
     granted: bool
@@ -229,7 +229,7 @@ class TransferAnswer(_Positional):
     reason: str = ""
 
 
-class TransferDone(_Positional):
+class TransferDone(_Positional, frozen=True):
     """Decode holds the bytes: prefill may free the blocks."""
 
     request_id: str

@@ -15,6 +15,7 @@ from typing import Any, final
 
 import attrs
 import httpx
+import msgspec
 import trio
 
 from pdtrio.config import PdtrioConfig, Role
@@ -96,7 +97,7 @@ class Router:
             role=role,
             url=url,
             model=str(info["model"]),
-            layout=KvLayout.from_wire(info["layout"]),
+            layout=msgspec.convert(info["layout"], KvLayout),
             max_model_len=int(info["max_model_len"]),
         )
         self.instances[name] = instance
