@@ -8,18 +8,22 @@ by the request until ``free_request``; ``allocate_blocks`` + ``write_blocks``
 is how a decode instance receives them; ``start_decode`` runs the request on
 the blocks it owns, and frees them itself when the request finishes or is
 aborted.
+
+The token budget is computed once, by ``prefill`` (``engine.budget.token_budget``),
+and handed to ``start_decode`` with how much of it is spent; usage is counted
+by the engine that finishes the request, and travels on its last output.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, final
+from typing import Protocol, final
 
 import attrs
 import trio
 
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import Prompt
+from pdtrio.protocol.wire import Prompt, TokenEntry, Usage
 
 
 class EngineError(Exception):
@@ -45,7 +49,6 @@ class EngineStatistics:
     running_requests: int
     kv_blocks_in_use: int
     kv_blocks_total: int
-    waiting_requests: int = 0
 
 
 @final
@@ -56,12 +59,25 @@ class PrefillResult:
     finish_reason: str | None
     block_ids: tuple[int, ...]  # empty when finish_reason is set: blocks are already free
     cached_tokens: int
-    remaining_tokens: int  # decode budget left after the first token
+    token_budget: int  # the whole completion budget, the first token included
+    usage: Usage | None  # set when finish_reason is
 
 
-# One engine step's outputs: token entries in wire form,
-# [request_id, token_ids, text, finish_reason, usage_or_None]
-StepOutputs = list[list[Any]]
+# One engine step's outputs: at most one entry per request that produced something.
+StepOutputs = list[TokenEntry]
+
+
+@final
+@attrs.frozen
+class StepFailed:
+    """A step failed: these requests ended (their blocks are free) and produce nothing more."""
+
+    request_ids: tuple[str, ...]
+    message: str
+
+
+# What an engine's ``run`` sends, in order: a step's outputs or the requests a step lost.
+EngineOutput = StepOutputs | StepFailed
 
 
 class Engine(Protocol):
@@ -78,7 +94,7 @@ class Engine(Protocol):
 
     async def run(
         self,
-        outputs: trio.MemorySendChannel[StepOutputs],
+        outputs: trio.MemorySendChannel[EngineOutput],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -90,11 +106,17 @@ class Engine(Protocol):
         ...
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        max_tokens: int | None,
     ) -> PrefillResult:
         """Compute the prompt's KV and sample the first token. Raises NoRoom, PromptRejected.
 
-        Cancellation frees whatever the request had allocated.
+        ``max_tokens`` is the client's limit (None: as many as the context allows);
+        the result's ``token_budget`` is the request's whole budget.  Cancellation
+        frees whatever the request had allocated.
         """
         ...
 
@@ -120,13 +142,16 @@ class Engine(Protocol):
         prompt_token_ids: list[int],
         first_token_id: int,
         sampling: SamplingParams,
-        remaining_tokens: int,
+        token_budget: int,
+        tokens_generated: int,
         cached_tokens: int,
     ) -> None:
-        """Join the running batch on the blocks the request owns.
+        """Join the running batch on the blocks the request owns. Raises EngineError.
 
-        Outputs come through ``run``'s channel; the last one for the request
-        carries its finish_reason and usage, after which its blocks are free.
+        ``first_token_id`` is the last of the ``tokens_generated`` tokens already
+        spent from ``token_budget`` (its text went out from prefill).  Outputs
+        come through ``run``'s channel; the last one for the request carries
+        its finish_reason and usage, after which its blocks are free.
         """
         ...
 

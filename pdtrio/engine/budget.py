@@ -1,4 +1,9 @@
-"""How many tokens a request may generate, or why it cannot run at all."""
+"""How many tokens a request may generate, or why it cannot run at all.
+
+The budget is computed once, by prefill, and covers every generated token,
+the first one (sampled by prefill) included; decode is told how much of it
+is spent and asks :func:`tokens_left`.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,9 @@ from pdtrio.engine.api import PromptRejected
 def token_budget(
     prompt_tokens: int, max_tokens: int | None, *, max_model_len: int, kv_capacity_tokens: int
 ) -> int:
-    """The completion budget; PromptRejected (a 400) if the request can never fit."""
+    """The whole completion budget; PromptRejected (a 400) if the request can never fit."""
+    if max_tokens is not None and max_tokens < 1:
+        raise PromptRejected(f"max_tokens must be at least 1, not {max_tokens}", param="max_tokens")
     if prompt_tokens == 0:
         raise PromptRejected("the prompt is empty", param="prompt")
     if prompt_tokens >= max_model_len:
@@ -32,3 +39,8 @@ def token_budget(
             param="max_tokens",
         )
     return budget
+
+
+def tokens_left(token_budget: int, tokens_generated: int) -> int:
+    """How many more tokens a request may generate (<= 0: none)."""
+    return token_budget - tokens_generated

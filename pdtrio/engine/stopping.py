@@ -1,165 +1,121 @@
 """When a request stops, and which text a client sees on the way.
 
+Torch-free and tokenizer-free: both engines use it, the synthetic one over
+its made-up words, the torch one over an ``IncrementalDetokenizer``.
+
 ``OutputProcessor`` takes a request's generated tokens one at a time and
 returns the text to send now and, on the last one, why generation ended.  It
-is a pure function of (tokenizer, prompt, sampling, budget, token ids pushed):
-a decode instance that receives a request from prefill rebuilds the state by
-pushing the first token again and discarding what it returns.
+is a pure function of (text stream, sampling, budget, token ids pushed).  A
+decode instance that receives a request from prefill rebuilds the state with
+``replay(first_token_id)``: the token's text feeds the detokenizer and the
+stop-string hold-back (a stop string may begin in it), but it is not counted
+again and nothing is sent for it.
 
 The rules, in the order they are checked for each token:
 
-- EOS (any of ``tokenizer.eos_token_ids``) once ``min_tokens`` tokens came
-  before it, unless ``ignore_eos``: finish with ``"stop"``; EOS has no text.
-  An EOS the sampler let through earlier (it masks EOS before ``min_tokens``)
-  is an ordinary token.
+- EOS (any of ``eos_token_ids``) once ``min_tokens`` tokens came before it,
+  unless ``ignore_eos``: finish with ``"stop"``; EOS has no text.  An EOS the
+  sampler let through earlier (it masks EOS before ``min_tokens``) is an
+  ordinary token.
 - A stop string that ends in the new text, once more than ``min_tokens``
   tokens have been generated (vLLM's rule: stop strings that complete earlier
   are ordinary text): the output is cut right before its earliest start, and
   generation finishes with ``"stop"``.
-- The ``max_new_tokens``-th token finishes with ``"length"``.
+- The token that spends the last of the budget finishes with ``"length"``.
 
 Text that may still become the start of a stop string is held back until it
-cannot; on finish, held-back text that is not part of a stop string is sent.
+cannot (:class:`StopStringHoldBack`); on finish, held-back text that is not
+part of a stop string is sent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import final
+from collections.abc import Iterable
+from typing import Protocol, final
 
-from pdtrio.engine.detokenizer import IncrementalDetokenizer
-from pdtrio.engine.tokenizer import Tokenizer
+from pdtrio.engine.budget import tokens_left
 from pdtrio.protocol.sampling import SamplingParams
 
-__all__ = ["OutputProcessor"]
+__all__ = ["FINISH_LENGTH", "FINISH_STOP", "OutputProcessor", "StopStringHoldBack", "TextStream"]
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 
 
-@final
-class OutputProcessor:
-    """One request's stop rules and text stream.
+class TextStream(Protocol):
+    """Token ids to text deltas (``IncrementalDetokenizer`` is one)."""
 
-    ``push(token_id)`` returns ``(text_to_emit_now, finish_reason_or_None)``.
-    Concatenating every emitted text gives the detokenized output cut at the
-    first stop string.  Pushing after the finish is an error.
+    def push(self, token_id: int) -> str:
+        """The text this token completes ("" if none yet)."""
+        ...
+
+    def flush(self) -> str:
+        """Text still held back by the stream itself, at the end."""
+        ...
+
+
+@final
+class StopStringHoldBack:
+    """A request's outgoing text: held back while it may begin a stop string, cut at the first.
+
+    ``push`` returns the text that is safe to send now; ``finish`` returns all
+    that is left.  With ``match``, a stop string that ends in the new text cuts
+    the output right before the stop string's earliest start; then the second
+    value is True and nothing is held any more.
     """
 
-    __slots__ = (
-        "_detokenizer",
-        "_eos_token_ids",
-        "_finish_reason",
-        "_ignore_eos",
-        "_max_new_tokens",
-        "_min_tokens",
-        "_num_generated",
-        "_pending",
-        "_stop",
-        "_stop_reason",
-    )
+    __slots__ = ("_pending", "_stops")
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_token_ids: Sequence[int],
-        sampling: SamplingParams,
-        *,
-        max_new_tokens: int,
-    ) -> None:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
-        self._eos_token_ids = tokenizer.eos_token_ids
-        self._ignore_eos = sampling.ignore_eos
-        self._min_tokens = max(sampling.min_tokens, 0)
-        self._max_new_tokens = max_new_tokens
-        self._stop = tuple(dict.fromkeys(s for s in sampling.stop if s))
-        self._num_generated = 0
-        # Detokenized text not sent yet: a possible start of a stop string.
-        self._pending = ""
-        self._finish_reason: str | None = None
-        self._stop_reason: str | None = None
+    def __init__(self, stops: Iterable[str]) -> None:
+        self._stops = tuple(dict.fromkeys(s for s in stops if s))
+        self._pending = ""  # text not sent yet: a possible start of a stop string
 
-    @property
-    def num_generated(self) -> int:
-        """Tokens pushed so far, EOS included (the usage's completion_tokens)."""
-        return self._num_generated
+    def push(self, delta: str, *, match: bool = True) -> tuple[str, bool]:
+        if not self._stops:
+            return delta, False
+        cut = self._append(delta, match)
+        if cut is not None:
+            return self._cut(cut), True
+        return self._release_safe(), False
 
-    @property
-    def finish_reason(self) -> str | None:
-        return self._finish_reason
-
-    @property
-    def stop_reason(self) -> str | None:
-        """The stop string that ended generation, if one did."""
-        return self._stop_reason
-
-    def push(self, token_id: int) -> tuple[str, str | None]:
-        if self._finish_reason is not None:
-            raise RuntimeError(f"request already finished ({self._finish_reason})")
-        self._num_generated += 1
-        past_min = self._num_generated > self._min_tokens
-
-        if past_min and not self._ignore_eos and token_id in self._eos_token_ids:
-            # EOS itself is invisible; a trailing incomplete character is flushed.
-            return self._finish(self._detokenizer.flush(), FINISH_STOP, check_stop=True)
-
-        delta = self._detokenizer.push(token_id)
-        if self._num_generated >= self._max_new_tokens:
-            return self._finish(
-                delta + self._detokenizer.flush(), FINISH_LENGTH, check_stop=past_min
-            )
-        if past_min:
-            cut = self._find_stop(delta)
-            if cut is not None:
-                return self._stop_at(cut)
-        else:
-            self._pending += delta
-        return self._emit_safe(), None
-
-    def _finish(self, delta: str, reason: str, *, check_stop: bool) -> tuple[str, str | None]:
-        if check_stop:
-            cut = self._find_stop(delta)
-            if cut is not None:
-                return self._stop_at(cut)
-        else:
-            self._pending += delta
+    def finish(self, delta: str, *, match: bool = True) -> tuple[str, bool]:
+        if not self._stops:
+            return delta, False
+        cut = self._append(delta, match)
+        if cut is not None:
+            return self._cut(cut), True
         text, self._pending = self._pending, ""
-        self._finish_reason = reason
-        return text, reason
+        return text, False
 
-    def _find_stop(self, delta: str) -> int | None:
-        """Append ``delta`` to the pending text; index in it where a stop string starts.
+    def _append(self, delta: str, match: bool) -> int | None:
+        """Append ``delta``; the index where a stop string ending inside it starts.
 
         Only matches that end inside ``delta`` count: earlier text was checked
-        when it arrived (or came before ``min_tokens``).  Held-back text
-        covers every possible start, so no match starts before ``_pending``.
+        when it arrived (or was not to be matched).  Held-back text covers
+        every possible start, so no match starts before the pending text.
         """
         old_len = len(self._pending)
         self._pending += delta
-        if not delta:
+        if not match or not delta:
             return None
         best: int | None = None
-        for stop in self._stop:
+        for stop in self._stops:
             start = self._pending.find(stop, max(0, old_len - len(stop) + 1))
             if start != -1 and (best is None or start < best):
                 best = start
-                self._stop_reason = stop
         return best
 
-    def _stop_at(self, cut: int) -> tuple[str, str | None]:
-        text = self._pending[:cut]
+    def _cut(self, index: int) -> str:
+        text = self._pending[:index]
         self._pending = ""
-        self._finish_reason = FINISH_STOP
-        return text, FINISH_STOP
+        return text
 
-    def _emit_safe(self) -> str:
-        """Send the pending text except a tail that may begin a stop string."""
+    def _release_safe(self) -> str:
+        """The pending text except a tail that may begin a stop string."""
         pending = self._pending
         hold = 0
-        for stop in self._stop:
-            # Longest proper prefix of ``stop`` that the pending text ends with.
+        for stop in self._stops:
+            # the longest proper prefix of ``stop`` that the pending text ends with
             for k in range(min(len(stop) - 1, len(pending)), hold, -1):
                 if pending.endswith(stop[:k]):
                     hold = k
@@ -169,3 +125,85 @@ class OutputProcessor:
         else:
             text, self._pending = pending, ""
         return text
+
+
+@final
+class OutputProcessor:
+    """One request's stop rules and text stream.
+
+    ``push(token_id)`` returns ``(text_to_emit_now, finish_reason_or_None)``.
+    Concatenating every emitted text gives the streamed text cut at the first
+    stop string.  Pushing after the finish is an error.  ``tokens_generated``
+    tokens of ``token_budget`` were spent before this processor (and are
+    counted in ``num_generated``).
+    """
+
+    __slots__ = (
+        "_eos_token_ids",
+        "_finish_reason",
+        "_hold_back",
+        "_ignore_eos",
+        "_min_tokens",
+        "_num_generated",
+        "_text",
+        "_token_budget",
+    )
+
+    def __init__(
+        self,
+        text: TextStream,
+        sampling: SamplingParams,
+        *,
+        token_budget: int,
+        tokens_generated: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        if tokens_generated < 0 or tokens_left(token_budget, tokens_generated) < 1:
+            raise ValueError(
+                f"no token left to generate: budget {token_budget}, {tokens_generated} spent"
+            )
+        self._text = text
+        self._hold_back = StopStringHoldBack(sampling.stop)
+        self._eos_token_ids = eos_token_ids
+        self._ignore_eos = sampling.ignore_eos
+        self._min_tokens = max(sampling.min_tokens, 0)
+        self._token_budget = token_budget
+        self._num_generated = tokens_generated
+        self._finish_reason: str | None = None
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated so far, EOS and replayed ones included (usage's completion_tokens)."""
+        return self._num_generated
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._finish_reason
+
+    def replay(self, token_id: int) -> None:
+        """Feed a token generated, counted and sent elsewhere: its text is context only."""
+        self._hold_back.push(self._text.push(token_id), match=False)
+
+    def push(self, token_id: int) -> tuple[str, str | None]:
+        if self._finish_reason is not None:
+            raise RuntimeError(f"request already finished ({self._finish_reason})")
+        self._num_generated += 1
+        past_min = self._num_generated > self._min_tokens
+
+        if past_min and not self._ignore_eos and token_id in self._eos_token_ids:
+            # EOS itself is invisible; a trailing incomplete character is flushed
+            text, _ = self._hold_back.finish(self._text.flush())
+            return self._finish(text, FINISH_STOP)
+
+        delta = self._text.push(token_id)
+        if tokens_left(self._token_budget, self._num_generated) <= 0:
+            text, stopped = self._hold_back.finish(delta + self._text.flush(), match=past_min)
+            return self._finish(text, FINISH_STOP if stopped else FINISH_LENGTH)
+        text, stopped = self._hold_back.push(delta, match=past_min)
+        if stopped:
+            return self._finish(text, FINISH_STOP)
+        return text, None
+
+    def _finish(self, text: str, reason: str) -> tuple[str, str | None]:
+        self._finish_reason = reason
+        return text, reason

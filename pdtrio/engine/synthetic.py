@@ -19,16 +19,18 @@ import trio
 from pdtrio.config import SyntheticEngineConfig
 from pdtrio.engine.api import (
     EngineError,
+    EngineOutput,
     EngineStatistics,
     PrefillResult,
     PromptRejected,
     StepOutputs,
 )
-from pdtrio.engine.blocks import BlockAllocator, BlockOwnership
-from pdtrio.engine.budget import token_budget
+from pdtrio.engine.blocks import BlockAllocator, BlockOwnership, blocks_needed
+from pdtrio.engine.budget import token_budget, tokens_left
+from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import ChatPrompt, Prompt, TextPrompt
+from pdtrio.protocol.wire import ChatPrompt, Prompt, TextPrompt, TokenEntry, Usage
 
 SYNTHETIC_MODEL_NAME = "synthetic"
 _FIRST_WORD_ID = 300  # ids below are bytes and specials
@@ -76,18 +78,31 @@ def expected_kv_bytes(prompt_token_ids: list[int] | tuple[int, ...], layout: KvL
     return bytes(out)
 
 
+@final
+class _SyntheticText:
+    """The made-up words as a text stream: each token is its own word."""
+
+    __slots__ = ()
+
+    def push(self, token_id: int) -> str:
+        return synthetic_text(token_id)
+
+    def flush(self) -> str:
+        return ""
+
+
+_TEXT = _SyntheticText()
+
+
 @attrs.define(eq=False)
 class _Running:
     request_id: str
     digest: int
     seed: int
     position: int  # position of the next token to generate
-    remaining: int
     prompt_tokens: int
     cached_tokens: int
-    generated: int
-    stop: tuple[str, ...]
-    pending: str = ""  # generated text held back: it may begin a stop string
+    processor: OutputProcessor
 
 
 @final
@@ -130,10 +145,6 @@ class SyntheticEngine:
     def max_model_len(self) -> int:
         return self._config.max_model_len
 
-    @property
-    def eos_token_id(self) -> int:
-        return 2
-
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
             running_requests=len(self._running) + self._prefilling,
@@ -151,29 +162,29 @@ class SyntheticEngine:
         if isinstance(prompt, TextPrompt):
             return [1, *(b + 4 for b in prompt.text.encode("utf-8"))]
         ids = list(prompt.token_ids)
-        bad = [t for t in ids if t >= self._config.vocab_size]
+        bad = [t for t in ids if not 0 <= t < self._config.vocab_size]
         if bad:
             raise PromptRejected(
-                f"token id {bad[0]} is out of range for a vocabulary of "
-                f"{self._config.vocab_size}",
+                f"token id {bad[0]} is out of range for a vocabulary of {self._config.vocab_size}",
                 param="prompt",
             )
         return ids
 
-    def _budget(self, prompt_tokens: int, sampling: SamplingParams) -> int:
-        return token_budget(
-            prompt_tokens,
-            sampling.max_tokens,
-            max_model_len=self._config.max_model_len,
-            kv_capacity_tokens=self._blocks.num_blocks * self._blocks.block_size,
-        )
-
     # --- prefill ----------------------------------------------------------------
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        max_tokens: int | None,
     ) -> PrefillResult:
-        budget = self._budget(len(prompt_token_ids), sampling)
+        budget = token_budget(
+            len(prompt_token_ids),
+            max_tokens,
+            max_model_len=self._config.max_model_len,
+            kv_capacity_tokens=self._blocks.num_blocks * self._blocks.block_size,
+        )
         block_ids = self._blocks.ensure(request_id, len(prompt_token_ids))
         self._prefilling += 1
         try:
@@ -187,21 +198,24 @@ class SyntheticEngine:
         finally:
             self._prefilling -= 1
         self._write_store(block_ids, expected_kv_bytes(prompt_token_ids, self._layout))
-        digest = prompt_digest(prompt_token_ids)
         seed = 0 if sampling.seed is None else sampling.seed
+        digest = prompt_digest(prompt_token_ids)
         first = synthetic_token(digest, seed, len(prompt_token_ids), self._config.vocab_size)
-        state = self._new_state(request_id, prompt_token_ids, sampling, budget, 0)
-        text, finish = self._advance(state, [first])
+        processor = OutputProcessor(_TEXT, sampling, token_budget=budget)
+        text, finish = processor.push(first)
+        usage: Usage | None = None
         if finish is not None:
             self._blocks.release(request_id)
             block_ids = ()
+            usage = Usage(len(prompt_token_ids), processor.num_generated, 0)
         return PrefillResult(
             first_token_id=first,
             first_text=text,
             finish_reason=finish,
             block_ids=block_ids,
             cached_tokens=0,
-            remaining_tokens=budget - 1,
+            token_budget=budget,
+            usage=usage,
         )
 
     def free_request(self, request_id: str) -> None:
@@ -234,74 +248,45 @@ class SyntheticEngine:
 
     # --- decode -------------------------------------------------------------------
 
-    def _new_state(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        remaining: int,
-        cached_tokens: int,
-    ) -> _Running:
-        return _Running(
-            request_id=request_id,
-            digest=prompt_digest(prompt_token_ids),
-            seed=0 if sampling.seed is None else sampling.seed,
-            position=len(prompt_token_ids),
-            remaining=remaining,
-            prompt_tokens=len(prompt_token_ids),
-            cached_tokens=cached_tokens,
-            generated=0,
-            stop=sampling.stop,
-        )
-
-    def _advance(self, state: _Running, tokens: list[int]) -> tuple[str, str | None]:
-        """Account for new tokens; returns (text to emit, finish_reason).
-
-        Only text not yet emitted is kept: the tail that may still begin a stop string.
-        """
-        state.generated += len(tokens)
-        state.position += len(tokens)
-        state.remaining -= len(tokens)
-        pending = state.pending + "".join([synthetic_text(t) for t in tokens])
-        finish = "length" if state.remaining <= 0 else None
-        if not state.stop:
-            return pending, finish
-        hits = [i for i in (pending.find(s) for s in state.stop) if i >= 0]
-        if hits:
-            state.pending = ""
-            return pending[: min(hits)], "stop"
-        if finish is not None:
-            state.pending = ""
-            return pending, finish
-        safe = max(0, len(pending) - (max(len(s) for s in state.stop) - 1))
-        state.pending = pending[safe:]
-        return pending[:safe], None
-
     async def start_decode(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         first_token_id: int,
         sampling: SamplingParams,
-        remaining_tokens: int,
+        token_budget: int,
+        tokens_generated: int,
         cached_tokens: int,
     ) -> None:
         await trio.lowlevel.checkpoint()
+        if tokens_generated < 1 or tokens_left(token_budget, tokens_generated) <= 0:
+            raise EngineError(
+                f"request {request_id} has no token budget left "
+                f"({tokens_generated} of {token_budget} spent)"
+            )
+        if not all(0 <= t < self._config.vocab_size for t in (*prompt_token_ids, first_token_id)):
+            raise EngineError(f"request {request_id} has token ids out of the vocabulary")
         table = self._blocks.owned(request_id)
-        prompt_blocks = -(-len(prompt_token_ids) // self._layout.block_size)
+        prompt_blocks = blocks_needed(len(prompt_token_ids), self._layout.block_size)
         if len(table) < prompt_blocks:
             raise EngineError(f"request {request_id} owns no KV for its prompt")
         held = await self.read_blocks(tuple(table[:prompt_blocks]))
         if held != expected_kv_bytes(prompt_token_ids, self._layout):
             raise EngineError(f"KV blocks of {request_id} do not hold its prompt")
-        if remaining_tokens <= 0:
-            raise EngineError(f"request {request_id} has no token budget left")
-        state = self._new_state(
-            request_id, prompt_token_ids, sampling, remaining_tokens + 1, cached_tokens
+        processor = OutputProcessor(
+            _TEXT, sampling, token_budget=token_budget, tokens_generated=tokens_generated
         )
-        # replay the first token so that stop strings spanning it are seen
-        self._advance(state, [first_token_id])
-        self._running[request_id] = state
+        # the first token's text went out from prefill; a stop string may begin in it
+        processor.replay(first_token_id)
+        self._running[request_id] = _Running(
+            request_id=request_id,
+            digest=prompt_digest(prompt_token_ids),
+            seed=0 if sampling.seed is None else sampling.seed,
+            position=len(prompt_token_ids) + tokens_generated,
+            prompt_tokens=len(prompt_token_ids),
+            cached_tokens=cached_tokens,
+            processor=processor,
+        )
         self._work_arrived.set()
 
     def abort(self, request_id: str) -> None:
@@ -313,24 +298,28 @@ class SyntheticEngine:
         per_step = self._config.tokens_per_step
         finished: list[str] = []
         for state in self._running.values():
-            count = min(per_step, state.remaining)
-            tokens = [
-                synthetic_token(state.digest, state.seed, state.position + i, vocab)
-                for i in range(count)
-            ]
-            text, finish = self._advance(state, tokens)
-            usage: list[int] | None = None
+            processor = state.processor
+            tokens: list[int] = []
+            texts: list[str] = []
+            finish: str | None = None
+            while finish is None and len(tokens) < per_step:
+                token = synthetic_token(state.digest, state.seed, state.position, vocab)
+                state.position += 1
+                tokens.append(token)
+                text, finish = processor.push(token)
+                texts.append(text)
+            usage: Usage | None = None
             if finish is not None:
-                usage = [state.prompt_tokens, state.generated, state.cached_tokens]
+                usage = Usage(state.prompt_tokens, processor.num_generated, state.cached_tokens)
                 finished.append(state.request_id)
-            outputs.append([state.request_id, tokens, text, finish, usage])
+            outputs.append(TokenEntry(state.request_id, tokens, "".join(texts), finish, usage))
         for request_id in finished:
             self.free_request(request_id)
         return outputs
 
     async def run(
         self,
-        outputs: trio.MemorySendChannel[StepOutputs],
+        outputs: trio.MemorySendChannel[EngineOutput],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -352,4 +341,3 @@ class SyntheticEngine:
                 produced = self._step()
                 if produced:
                     await outputs.send(produced)
-

@@ -6,12 +6,11 @@ from typing import Protocol
 
 import trio
 
-from pdtrio.engine.api import Engine
 from pdtrio.protocol.wire import KvHandle
 
 
 class KvTransferError(Exception):
-    """The blocks could not be moved (peer gone, lease expired, bad length)."""
+    """The blocks could not be moved (peer gone, lease expired, bad length, bad bytes)."""
 
 
 class KvBlockSource(Protocol):
@@ -23,6 +22,14 @@ class KvBlockSource(Protocol):
 
     def release(self, request_id: str) -> bool:
         """Decode has the bytes: free the blocks."""
+        ...
+
+
+class KvBlockSink(Protocol):
+    """Where pulled blocks land: the decode engine."""
+
+    async def write_blocks(self, block_ids: tuple[int, ...], data: bytes) -> None:
+        """Fill the blocks; EngineError if the bytes do not fit them."""
         ...
 
 
@@ -39,7 +46,7 @@ class KvTransport(Protocol):
         ...
 
     async def pull(
-        self, handle: KvHandle, engine: Engine, dest_block_ids: tuple[int, ...]
+        self, handle: KvHandle, sink: KvBlockSink, dest_block_ids: tuple[int, ...]
     ) -> None:
-        """Copy the handle's blocks into ``dest_block_ids`` of ``engine``."""
+        """Copy the handle's blocks into ``dest_block_ids`` of ``sink``. Raises KvTransferError."""
         ...

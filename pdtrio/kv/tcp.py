@@ -1,24 +1,35 @@
 """The plain-TCP KV transport.
 
-Decode connects to prefill's transfer endpoint and asks for a request's
-blocks; prefill answers with a header and the raw block bytes.  Headers are
-length-prefixed msgpack; the body is the engine's block bytes, unframed.
+Decode connects to prefill's transfer endpoint and sends a
+``TransferRequest``; prefill answers with a ``TransferAnswer`` and, when
+granted, the raw block bytes; decode acknowledges with ``TransferDone`` once
+the bytes are in its own blocks, and prefill frees them.  Messages are
+length-prefixed msgpack (``pdtrio.protocol.wire``); the body is the engine's
+block bytes, unframed.
 """
 
 from __future__ import annotations
 
+import logging
 import struct
-from typing import Any, final
+from typing import Any, TypeVar, final
 
 import trio
 
-from pdtrio import codec
-from pdtrio.engine.api import Engine
-from pdtrio.kv.api import KvBlockSource, KvTransferError
-from pdtrio.protocol.wire import KvHandle, WireError
+from pdtrio.engine.api import EngineError
+from pdtrio.kv.api import KvBlockSink, KvBlockSource, KvTransferError
+from pdtrio.protocol import wire
+from pdtrio.protocol.wire import KvHandle, TransferAnswer, TransferDone, TransferRequest, WireError
+
+log = logging.getLogger("pdtrio.kv")
 
 _LENGTH = struct.Struct("!I")
-_MAX_HEADER = 1 << 20
+_MAX_MESSAGE = 1 << 20
+_T = TypeVar("_T")
+
+_request_decoder: wire.Decoder[TransferRequest] = wire.Decoder(TransferRequest)
+_answer_decoder: wire.Decoder[TransferAnswer] = wire.Decoder(TransferAnswer)
+_done_decoder: wire.Decoder[TransferDone] = wire.Decoder(TransferDone)
 
 
 async def _receive_exactly(stream: trio.abc.ReceiveStream, size: int) -> bytearray:
@@ -31,16 +42,17 @@ async def _receive_exactly(stream: trio.abc.ReceiveStream, size: int) -> bytearr
     return buffer
 
 
-async def _send_header(stream: trio.abc.SendStream, header: Any) -> None:
-    body = codec.pack(header)
+async def _send_message(stream: trio.abc.SendStream, message: Any) -> None:
+    body = wire.encode(message)
     await stream.send_all(_LENGTH.pack(len(body)) + body)
 
 
-async def _receive_header(stream: trio.abc.ReceiveStream) -> Any:
+async def _receive_message(stream: trio.abc.ReceiveStream, decoder: wire.Decoder[_T]) -> _T:
+    """The next message; KvTransferError if the peer left, WireError if it is not one."""
     (size,) = _LENGTH.unpack(await _receive_exactly(stream, _LENGTH.size))
-    if size > _MAX_HEADER:
-        raise KvTransferError(f"header of {size} bytes is too large")
-    return codec.unpack(bytes(await _receive_exactly(stream, size)))
+    if size > _MAX_MESSAGE:
+        raise WireError(f"a message of {size} bytes is too large")
+    return decoder.decode(await _receive_exactly(stream, size))
 
 
 @final
@@ -56,25 +68,10 @@ class TcpKvTransport:
         async def handle(stream: trio.SocketStream) -> None:
             async with stream:
                 try:
-                    request = await _receive_header(stream)
-                    request_id, block_ids = str(request[0]), tuple(int(b) for b in request[1])
-                except (KvTransferError, WireError, TypeError, ValueError, IndexError):
-                    return
-                except trio.BrokenResourceError:
-                    return
-                if not source.holds(request_id, block_ids):
-                    await _send_header(stream, [False, f"no lease held for {request_id}"])
-                    return
-                data = await source.read_blocks(block_ids)
-                try:
-                    await _send_header(stream, [True, len(data)])
-                    await stream.send_all(data)
-                    # decode acknowledges once the bytes are its own: free them here
-                    ack = await _receive_header(stream)
-                except (trio.BrokenResourceError, KvTransferError, WireError):
-                    return  # no ack: the lease, or the router's release, frees them
-                if ack == ["done"]:
-                    source.release(request_id)
+                    await _serve_one(source, stream)
+                except (KvTransferError, WireError, trio.BrokenResourceError) as exc:
+                    # no ack: the lease, or the router's release, frees the blocks
+                    log.warning("KV transfer to a decode instance failed: %s", exc)
 
         listeners = await trio.open_tcp_listeners(port, host=host)
         bound = listeners[0].socket.getsockname()
@@ -83,7 +80,7 @@ class TcpKvTransport:
             task_status.started((host, int(bound[1])))
 
     async def pull(
-        self, handle: KvHandle, engine: Engine, dest_block_ids: tuple[int, ...]
+        self, handle: KvHandle, sink: KvBlockSink, dest_block_ids: tuple[int, ...]
     ) -> None:
         if len(dest_block_ids) != len(handle.block_ids):
             raise KvTransferError(
@@ -97,16 +94,36 @@ class TcpKvTransport:
             ) from exc
         async with stream:
             try:
-                await _send_header(stream, [handle.request_id, list(handle.block_ids)])
-                header = await _receive_header(stream)
-                if not header[0]:
-                    raise KvTransferError(f"prefill refused the transfer: {header[1]}")
+                await _send_message(stream, TransferRequest(handle.request_id, handle.block_ids))
+                answer = await _receive_message(stream, _answer_decoder)
+                if not answer.granted:
+                    raise KvTransferError(f"prefill refused the transfer: {answer.reason}")
                 expected = len(handle.block_ids) * handle.layout.block_nbytes
-                size = int(header[1])
-                if size != expected:
-                    raise KvTransferError(f"prefill sent {size} bytes, expected {expected}")
-                data = await _receive_exactly(stream, size)
-                await engine.write_blocks(dest_block_ids, bytes(data))
-                await _send_header(stream, ["done"])
+                if answer.nbytes != expected:
+                    raise KvTransferError(
+                        f"prefill offers {answer.nbytes} bytes, expected {expected}"
+                    )
+                data = await _receive_exactly(stream, expected)
+                try:
+                    await sink.write_blocks(dest_block_ids, bytes(data))
+                except EngineError as exc:
+                    raise KvTransferError(f"the received KV does not fit: {exc}") from exc
+                await _send_message(stream, TransferDone(handle.request_id))
             except (trio.BrokenResourceError, WireError) as exc:
                 raise KvTransferError(f"KV transfer broke: {exc}") from exc
+
+
+async def _serve_one(source: KvBlockSource, stream: trio.SocketStream) -> None:
+    request = await _receive_message(stream, _request_decoder)
+    request_id = request.request_id
+    if not source.holds(request_id, request.block_ids):
+        answer = TransferAnswer(False, reason=f"no lease held for {request_id}")
+        await _send_message(stream, answer)
+        return
+    data = await source.read_blocks(request.block_ids)
+    await _send_message(stream, TransferAnswer(True, nbytes=len(data)))
+    await stream.send_all(data)
+    done = await _receive_message(stream, _done_decoder)
+    if done.request_id != request_id:
+        raise WireError(f"acknowledged {done.request_id!r}, not {request_id!r}")
+    source.release(request_id)

@@ -1,8 +1,8 @@
 """When the decode side sends a token frame: the coalescing flush policy.
 
-The decode sender drains the engine's step outputs (each a list of wire token
-entries ``[request_id, token_ids, text, finish_reason, usage]``, one per
-running request) into a :class:`FlushPolicy`, and asks it what to do with
+The decode sender drains the engine's step outputs (each a list of
+:class:`~pdtrio.protocol.wire.TokenEntry`, at most one per running request)
+into a :class:`FlushPolicy`, and asks it what to do with
 :meth:`FlushPolicy.decide`, telling it whether a frame is being written.
 
 The rule
@@ -12,9 +12,10 @@ The rule
   once: a lone stream pays no wait, ever.
 * **Frame in flight: accumulate.**  The sender never writes two frames at once,
   so while one is in flight the answer is :class:`WaitForWrite`.  Entries of
-  the same request merge into one entry (token ids and text concatenated,
-  ``finish_reason`` and ``usage`` from the later step that has them), so under
-  load frames grow with the time the previous one took to write.
+  the same request merge into one new entry (token ids and text concatenated,
+  ``finish_reason`` and ``usage`` from the later step that has them; an entry
+  nothing merged into goes out as it came), so under load frames grow with the
+  time the previous one took to write.
 * **Write done, batch queued: hold up to the window.**  A batch that had to
   queue behind a frame (``decide(..., in_flight=True)`` saw it) is sent when
   the link is free *and* one of: its oldest entry has waited ``window_s``; it
@@ -40,9 +41,11 @@ the step channel closes, the shell sends what is left with ``take()`` until
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, final
+from typing import final
 
 import attrs
+
+from pdtrio.protocol.wire import TokenEntry, Usage
 
 
 @final
@@ -105,31 +108,42 @@ class FlushStatistics:
 
 @attrs.define(eq=False)
 class _Slot:
-    """One pending entry; becomes our own copy once a second step merges in."""
+    """One pending entry; once a later one merges in, the parts of a new entry."""
 
-    entry: list[Any]
+    entry: TokenEntry
     added_at: float
     step: int
     text_len: int
-    text_parts: list[str] | None = None  # set once merged: the entry is then ours
+    finish_reason: str | None
+    # set once merged: our own token list and text pieces (the inputs are never mutated)
+    token_ids: list[int] | None = None
+    text_parts: list[str] | None = None
+    usage: Usage | None = None
 
-    def merge(self, later: list[Any]) -> None:
-        if self.text_parts is None:
-            rid, token_ids, text, finish, usage = self.entry
-            self.entry = [rid, list(token_ids), text, finish, usage]
-            self.text_parts = [text]
-        self.entry[1].extend(later[1])
-        self.text_parts.append(later[2])
-        self.text_len += len(later[2])
-        if later[3] is not None:
-            self.entry[3] = later[3]
-        if later[4] is not None:
-            self.entry[4] = later[4]
+    def merge(self, later: TokenEntry) -> None:
+        if self.token_ids is None or self.text_parts is None:
+            first = self.entry
+            self.token_ids = list(first.token_ids)
+            self.text_parts = [first.text]
+            self.usage = first.usage
+        self.token_ids.extend(later.token_ids)
+        self.text_parts.append(later.text)
+        self.text_len += len(later.text)
+        if later.finish_reason is not None:
+            self.finish_reason = later.finish_reason
+        if later.usage is not None:
+            self.usage = later.usage
 
-    def wire(self) -> list[Any]:
-        if self.text_parts is not None:
-            self.entry[2] = "".join(self.text_parts)
-        return self.entry
+    def take(self) -> TokenEntry:
+        if self.token_ids is None or self.text_parts is None:
+            return self.entry
+        return TokenEntry(
+            self.entry.request_id,
+            self.token_ids,
+            "".join(self.text_parts),
+            self.finish_reason,
+            self.usage,
+        )
 
 
 @final
@@ -160,28 +174,28 @@ class FlushPolicy:
     def has_pending(self) -> bool:
         return bool(self._slots)
 
-    def add(self, entries: list[list[Any]], now: float) -> None:
-        """Queue one engine step's entries. The lists are never mutated."""
+    def add(self, entries: list[TokenEntry], now: float) -> None:
+        """Queue one engine step's entries. Neither they nor their token lists are mutated."""
         if not entries:
             return
         self._step += 1
         coalesce = self._config.coalesce
         for entry in entries:
-            text_len = len(entry[2])
+            text_len = len(entry.text)
             self._text_chars += text_len
-            slot = self._by_request.get(entry[0]) if coalesce else None
+            slot = self._by_request.get(entry.request_id) if coalesce else None
             if slot is not None:
-                finished_before = slot.entry[3] is not None
+                finished_before = slot.finish_reason is not None
                 slot.merge(entry)
-                if not finished_before and slot.entry[3] is not None:
+                if not finished_before and slot.finish_reason is not None:
                     self._finishing += 1
                 self._entries_merged += 1
                 continue
-            slot = _Slot(entry, now, self._step, text_len)
+            slot = _Slot(entry, now, self._step, text_len, entry.finish_reason)
             self._slots.append(slot)
             if coalesce:
-                self._by_request[entry[0]] = slot
-            if entry[3] is not None:
+                self._by_request[entry.request_id] = slot
+            if entry.finish_reason is not None:
                 self._finishing += 1
 
     def decide(self, now: float, *, in_flight: bool) -> FlushDecision:
@@ -205,7 +219,7 @@ class FlushPolicy:
             return _FLUSH_NOW
         return WaitUntil(deadline)
 
-    def take(self) -> list[list[Any]]:
+    def take(self) -> list[TokenEntry]:
         """The entries of the frame to send now: all pending, or the prefix
         that fits the caps (one step at most without coalescing). Empty when
         nothing is pending."""
@@ -218,7 +232,7 @@ class FlushPolicy:
             and len(slots) <= config.max_entries
             and self._text_chars <= config.max_bytes_hint
         ):
-            frame = [slot.wire() for slot in slots]
+            frame = [slot.take() for slot in slots]
             slots.clear()
             self._by_request.clear()
             self._text_chars = 0
@@ -231,11 +245,11 @@ class FlushPolicy:
         self._entries_taken += len(frame)
         return frame
 
-    def _take_prefix(self) -> list[list[Any]]:
+    def _take_prefix(self) -> list[TokenEntry]:
         config = self._config
         slots = self._slots
         step = slots[0].step
-        frame: list[list[Any]] = []
+        frame: list[TokenEntry] = []
         chars = 0
         while slots and len(frame) < config.max_entries:
             slot = slots[0]
@@ -245,12 +259,11 @@ class FlushPolicy:
                 break
             slots.popleft()
             chars += slot.text_len
-            entry = slot.wire()
             if config.coalesce:
-                del self._by_request[entry[0]]
-            if entry[3] is not None:
+                del self._by_request[slot.entry.request_id]
+            if slot.finish_reason is not None:
                 self._finishing -= 1
-            frame.append(entry)
+            frame.append(slot.take())
         self._text_chars -= chars
         return frame
 

@@ -1,26 +1,28 @@
-"""Decode side of the router <-> decode websocket.
+"""Decode side of the router <-> decode websocket: it only moves messages.
 
-One link per connected router.  A reader takes ``start``/``abort`` frames; a
-single sender writes every frame, so writes never interleave.  Engine outputs
-reach the sender through a bounded channel and leave in coalesced token
-frames under the ``FlushPolicy`` (pdtrio.protocol.flush).
+One link per connected router.  A reader takes ``DecodeStart``/``DecodeAbort``
+frames; admission (``worker.admission``) decides on each start; a single
+sender writes every frame, so writes never interleave.  Engine outputs reach
+the sender through a bounded channel and leave in coalesced token frames
+under the ``FlushPolicy`` (pdtrio.protocol.flush).
+
+A link only ever touches the requests it started, and each of them ends with
+exactly one of: its finish entry, ``DecodeRejected``, ``DecodeFailed``, or the
+router's own abort.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, final
+from typing import final
 
-import attrs
 import trio
 
-from pdtrio import codec
 from pdtrio.asgi import Receive, Scope, Send
-from pdtrio.engine.api import EngineError, NoRoom, StepOutputs
-from pdtrio.kv.api import KvTransferError
-from pdtrio.protocol.flush import FlushNow, FlushPolicy, WaitUntil
-from pdtrio.protocol.kv_layout import layout_mismatch
+from pdtrio.engine.api import Engine, EngineError, EngineOutput, StepFailed, StepOutputs
+from pdtrio.protocol import wire
+from pdtrio.protocol.flush import FlushConfig, FlushNow, FlushPolicy, WaitUntil
 from pdtrio.protocol.wire import (
     DecodeAbort,
     DecodeAccepted,
@@ -28,42 +30,33 @@ from pdtrio.protocol.wire import (
     DecodeRejected,
     DecodeStart,
     RejectReason,
+    TokenFrame,
     WireError,
-    decode_message,
-    token_frame_wire,
 )
-
-if TYPE_CHECKING:
-    from pdtrio.worker.server import Worker
+from pdtrio.worker.admission import DecodeAdmission, Rejected
 
 log = logging.getLogger("pdtrio.worker.decode")
 
-
-@attrs.frozen
-class _Control:
-    """A non-token message, sent in order with the token frames."""
-
-    wire: list[Any]
-
-
-_WRITE_DONE: Any = object()
+_Control = DecodeAccepted | DecodeRejected | DecodeFailed
+# What reaches the sender: a step's entries, a control message, or None: a write finished.
+_Outgoing = StepOutputs | _Control | None
+_Frame = TokenFrame | _Control
 
 
 @final
 class _Link:
     def __init__(self, server: DecodeLinkServer, send: Send) -> None:
-        self.server = server
-        self.worker = server.worker
+        self._server = server
+        self._engine = server.engine
         self._send = send
-        self.outbox_send, self.outbox_receive = trio.open_memory_channel[
-            Any
-        ](256)
-        self.requests: dict[str, trio.CancelScope] = {}
-        self.frames_sent = 0
+        self.outbox_send, self._outbox_receive = trio.open_memory_channel[_Outgoing](256)
+        # the requests this link started and that have not ended: the scope of a
+        # start still in progress, None once the engine runs the request
+        self.requests: dict[str, trio.CancelScope | None] = {}
         self._in_flight = 0  # frames handed to the writer and not yet written
 
-    async def send_control(self, message: Any) -> None:
-        await self.outbox_send.send(_Control(message.to_wire()))
+    async def send_control(self, message: _Control) -> None:
+        await self.outbox_send.send(message)
 
     async def run_sender(self) -> None:
         """Collect engine outputs under the flush policy; a writer task sends frames.
@@ -73,152 +66,142 @@ class _Link:
         flight: tokens that arrive meanwhile merge into the next frame instead
         of queueing as frames.
         """
-        policy = FlushPolicy(self.worker.config.flush)
-        receive = self.outbox_receive
-        frames_send, frames_receive = trio.open_memory_channel[list[Any]](4)
+        policy = FlushPolicy(self._server.flush)
+        receive = self._outbox_receive
+        frames_send, frames_receive = trio.open_memory_channel[_Frame](4)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._run_writer, frames_receive)
             while True:
                 decision = policy.decide(trio.current_time(), in_flight=self._in_flight > 0)
                 if isinstance(decision, FlushNow):
                     self._in_flight += 1
-                    await frames_send.send(token_frame_wire(policy.take()))
+                    await frames_send.send(TokenFrame(policy.take()))
                     continue
                 deadline = decision.deadline if isinstance(decision, WaitUntil) else math.inf
-                item: Any = None
+                item: _Outgoing = None
                 # only the wait is bounded: a hand-over cut by the deadline would lose a frame
                 with trio.move_on_at(deadline):
                     item = await receive.receive()
-                if item is None or item is _WRITE_DONE:
+                if item is None:
                     continue
-                if isinstance(item, _Control):
-                    # control messages keep their order relative to tokens
-                    while policy.has_pending:
-                        self._in_flight += 1
-                        await frames_send.send(token_frame_wire(policy.take()))
-                    self._in_flight += 1
-                    await frames_send.send(item.wire)
-                else:
+                if isinstance(item, list):
                     policy.add(item, trio.current_time())
+                    continue
+                # control messages keep their order relative to tokens
+                while policy.has_pending:
+                    self._in_flight += 1
+                    await frames_send.send(TokenFrame(policy.take()))
+                self._in_flight += 1
+                await frames_send.send(item)
 
-    async def _run_writer(self, frames: trio.MemoryReceiveChannel[list[Any]]) -> None:
+    async def _run_writer(self, frames: trio.MemoryReceiveChannel[_Frame]) -> None:
         poke = self.outbox_send.clone()
-        async for message in frames:
-            await self._send({"type": "websocket.send", "bytes": codec.pack(message)})
-            self.frames_sent += 1
+        async for frame in frames:
+            await self._send({"type": "websocket.send", "bytes": wire.encode(frame)})
             self._in_flight -= 1
             try:
                 # wake the collector; a full outbox wakes it anyway, so never wait here
-                poke.send_nowait(_WRITE_DONE)
+                poke.send_nowait(None)
             except trio.WouldBlock:
                 pass
 
     async def run_reader(self, receive: Receive, nursery: trio.Nursery) -> None:
+        decode = wire.to_decode_decoder.decode
         while True:
             message = await receive()
             if message["type"] == "websocket.disconnect":
                 return
             data = message.get("bytes")
             if data is None:
+                log.warning("dropping a text frame from the router")
                 continue
             try:
-                parsed = decode_message(codec.unpack(data))
+                parsed = decode(data)
             except WireError as exc:
                 log.warning("dropping a bad frame from the router: %s", exc)
                 continue
-            if isinstance(parsed, DecodeStart):
-                scope = trio.CancelScope()
-                if parsed.request_id in self.server.owner:
-                    await self.send_control(
-                        DecodeRejected(
-                            parsed.request_id,
-                            RejectReason.BAD_REQUEST,
-                            f"request {parsed.request_id} is already running here",
-                        )
-                    )
-                    continue
-                self.requests[parsed.request_id] = scope
-                self.server.owner[parsed.request_id] = self
-                nursery.start_soon(self._start_request, parsed, scope)
-            elif isinstance(parsed, DecodeAbort):
+            if isinstance(parsed, DecodeAbort):
                 self.abort(parsed.request_id)
+                continue
+            request_id = parsed.request_id
+            if request_id in self._server.owner:
+                message_text = f"request {request_id} is already running here"
+                await self.send_control(
+                    DecodeRejected(request_id, RejectReason.BAD_REQUEST, message_text)
+                )
+                continue
+            scope = trio.CancelScope()
+            self.requests[request_id] = scope
+            self._server.owner[request_id] = self
+            nursery.start_soon(self._start, parsed, scope)
 
     def abort(self, request_id: str) -> None:
-        scope = self.requests.pop(request_id, None)
+        """The router gave up on a request: only one this link started."""
+        if request_id not in self.requests:
+            return
+        scope = self.requests[request_id]
         if scope is not None:
-            scope.cancel()
-        self.server.owner.pop(request_id, None)
-        self.worker.engine.abort(request_id)
+            scope.cancel()  # the start unwinds, frees what it took, and forgets the request
+            return
+        self.forget(request_id)
+        self._engine.abort(request_id)
 
-    def finished(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-        self.server.owner.pop(request_id, None)
+    def forget(self, request_id: str) -> None:
+        """The request ended here; the link is told (or asked for it) separately."""
+        if request_id in self.requests:
+            del self.requests[request_id]
+            del self._server.owner[request_id]
 
-    async def _start_request(self, start: DecodeStart, scope: trio.CancelScope) -> None:
-        worker = self.worker
-        engine = worker.engine
+    async def _start(self, start: DecodeStart, scope: trio.CancelScope) -> None:
         request_id = start.request_id
-        handle = start.kv_handle
-        started = False
-        accepted = False
-        rejection: DecodeRejected | None = None
-        with scope:
-            try:
-                mismatch = layout_mismatch(handle.layout, engine.layout)
-                if mismatch is not None:
-                    raise _Reject(RejectReason.LAYOUT_MISMATCH, mismatch)
-                total_tokens = len(start.prompt_token_ids) + start.remaining_tokens + 1
-                if handle.instance_id == worker.instance_id:
-                    # colocated: the prefill blocks are already ours, no copy
-                    if not worker.leases.hand_over(request_id):
-                        raise _Reject(RejectReason.TRANSFER_FAILED, "the KV lease has expired")
-                    engine.allocate_blocks(request_id, total_tokens)
+        accepted = started = False
+        ending: _Control | None = None
+        try:
+            with scope:
+                decision = await self._server.admission.admit(start)
+                if isinstance(decision, Rejected):
+                    ending = DecodeRejected(request_id, decision.reason, decision.message)
                 else:
-                    blocks = engine.allocate_blocks(request_id, total_tokens)
-                    await worker.transport.pull(handle, engine, blocks[: len(handle.block_ids)])
-                await self.send_control(DecodeAccepted(request_id))
-                accepted = True
-                await engine.start_decode(
-                    request_id,
-                    list(start.prompt_token_ids),
-                    start.first_token_id,
-                    start.sampling,
-                    start.remaining_tokens,
-                    start.cached_tokens,
-                )
-                started = True
-            except _Reject as exc:
-                rejection = DecodeRejected(request_id, exc.reason, exc.message)
-            except NoRoom as exc:
-                rejection = DecodeRejected(request_id, RejectReason.NO_ROOM, str(exc))
-            except KvTransferError as exc:
-                rejection = DecodeRejected(request_id, RejectReason.TRANSFER_FAILED, str(exc))
-            except EngineError as exc:
-                rejection = DecodeRejected(request_id, RejectReason.BAD_REQUEST, str(exc))
-            finally:
-                if not started:
-                    engine.free_request(request_id)
-                    self.finished(request_id)
-        if rejection is not None and accepted:
-            await self.send_control(DecodeFailed(request_id, rejection.message))
-        elif rejection is not None:
-            await self.send_control(rejection)
-        elif not started and not scope.cancelled_caught:
-            await self.send_control(DecodeFailed(request_id, "decode start did not complete"))
-
-
-class _Reject(Exception):
-    def __init__(self, reason: RejectReason, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
+                    accepted = True
+                    await self.send_control(DecodeAccepted(request_id))
+                    try:
+                        await self._engine.start_decode(
+                            request_id,
+                            list(start.prompt_token_ids),
+                            start.first_token_id,
+                            start.sampling,
+                            start.token_budget,
+                            start.tokens_generated,
+                            start.cached_tokens,
+                        )
+                        started = True
+                    except EngineError as exc:
+                        log.error("decode of %s did not start: %s", request_id, exc)
+                        ending = DecodeFailed(request_id, f"decode did not start: {exc}")
+        finally:
+            if not started:
+                if accepted:  # (admission frees what it took on any other way out)
+                    self._engine.free_request(request_id)
+                self.forget(request_id)
+            elif scope.cancel_called:
+                # aborted just as it started: nothing was cancelled, so end it here
+                self._engine.abort(request_id)
+                self.forget(request_id)
+            elif request_id in self.requests:  # (not already finished)
+                self.requests[request_id] = None
+        if ending is not None:
+            await self.send_control(ending)
 
 
 @final
 class DecodeLinkServer:
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.owner: dict[str, _Link] = {}
+    """Every router's link to this decode instance, and the routing of engine outputs."""
+
+    def __init__(self, admission: DecodeAdmission, engine: Engine, flush: FlushConfig) -> None:
+        self.admission = admission
+        self.engine = engine
+        self.flush = flush
+        self.owner: dict[str, _Link] = {}  # request id -> the link that started it
         self._links: set[_Link] = set()
 
     @property
@@ -229,19 +212,21 @@ class DecodeLinkServer:
     def request_count(self) -> int:
         return len(self.owner)
 
-    async def dispatch_outputs(self, outputs: trio.MemoryReceiveChannel[StepOutputs]) -> None:
+    async def dispatch_outputs(self, outputs: trio.MemoryReceiveChannel[EngineOutput]) -> None:
         """Route each engine step's entries to the link that started each request."""
         async with outputs:
             async for step in outputs:
+                if isinstance(step, StepFailed):
+                    await self._fail(step)
+                    continue
                 owner = self.owner
                 if len(self._links) == 1:
                     (link,) = self._links
-                    entries = [e for e in step if owner.get(e[0]) is link]
-                    await self._deliver(link, entries)
+                    await self._deliver(link, [e for e in step if owner.get(e.request_id) is link])
                     continue
                 per_link: dict[_Link, StepOutputs] = {}
                 for entry in step:
-                    target = owner.get(entry[0])
+                    target = owner.get(entry.request_id)
                     if target is not None:
                         per_link.setdefault(target, []).append(entry)
                 for target, entries in per_link.items():
@@ -251,12 +236,23 @@ class DecodeLinkServer:
         if not entries:
             return
         for entry in entries:
-            if entry[3] is not None:
-                link.finished(entry[0])
+            if entry.finish_reason is not None:
+                link.forget(entry.request_id)
         try:
             await link.outbox_send.send(entries)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the link is gone; its requests were aborted
+
+    async def _fail(self, failed: StepFailed) -> None:
+        for request_id in failed.request_ids:
+            link = self.owner.get(request_id)
+            if link is None:
+                continue
+            link.forget(request_id)
+            try:
+                await link.send_control(DecodeFailed(request_id, failed.message))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the link is gone
 
     async def serve_websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = await receive()
@@ -274,5 +270,5 @@ class DecodeLinkServer:
             self._links.discard(link)
             link.outbox_send.close()
             # the router went away: every request it started here ends now
-            for request_id in [rid for rid, owner in self.owner.items() if owner is link]:
+            for request_id in list(link.requests):
                 link.abort(request_id)

@@ -10,6 +10,7 @@ import attrs
 import trio
 
 
+@final
 @attrs.frozen
 class Lease:
     request_id: str

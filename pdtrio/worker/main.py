@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -33,7 +34,9 @@ def build_engine(config: EngineConfig) -> Engine:
         raise ConfigError(
             f"engine.kind = 'torch' needs the worker extras (pip install 'pdtrio[worker]'): {exc}"
         ) from None
-    return TorchEngine.from_config(config)
+    # (the torch engine is outside mypy's files, see pyproject: Any to it)
+    engine: Engine = TorchEngine.from_config(config)
+    return engine
 
 
 def parse_args(argv: list[str]) -> tuple[WorkerConfig, bool]:
@@ -50,8 +53,6 @@ def parse_args(argv: list[str]) -> tuple[WorkerConfig, bool]:
         help="exit when stdin closes (the supervising router died)",
     )
     args = parser.parse_args(argv)
-    import json
-
     raw: dict[str, Any] = json.loads(args.config_json) if args.config_json else {}
     for key in ("role", "host", "port"):
         if getattr(args, key) is not None:
@@ -98,4 +99,3 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 0
     return 0
-

@@ -3,7 +3,8 @@
 Roles: ``prefill`` serves ``POST /pd/prefill``; ``decode`` serves the
 ``/pd/decode`` websocket; ``both`` serves both and hands KV to itself without
 a copy.  ``GET /pd/stats`` exposes the counts tests use to prove that nothing
-leaks.
+leaks.  Bodies are msgpack (``pdtrio.protocol.wire``) on the way in and out;
+errors are OpenAI-style JSON bodies.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from typing import Any, final
 
+import msgspec
 import trio
 
-from pdtrio import codec
 from pdtrio.asgi import (
     BodyTooLarge,
     ClientDisconnected,
@@ -28,20 +28,35 @@ from pdtrio.asgi import (
     send_json,
 )
 from pdtrio.config import WorkerConfig
-from pdtrio.engine.api import Engine, EngineError, NoRoom, PromptRejected, StepOutputs
+from pdtrio.engine.api import Engine, EngineError, EngineOutput, NoRoom, PromptRejected
 from pdtrio.kv.api import KvTransport
 from pdtrio.kv.tcp import TcpKvTransport
-from pdtrio.protocol.wire import KvHandle, PrefillReply, PrefillRequest, WireError
+from pdtrio.protocol import wire
+from pdtrio.protocol.openai import error_body
+from pdtrio.protocol.wire import (
+    KvHandle,
+    PrefillReply,
+    PrefillRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    WireError,
+)
+from pdtrio.worker.admission import DecodeAdmission
 from pdtrio.worker.decode_link import DecodeLinkServer
 from pdtrio.worker.leases import KvLeases
 
 log = logging.getLogger("pdtrio.worker")
 
-_MAX_CONTROL_BODY = 64 * 1024 * 1024
+_MAX_PREFILL_BODY = 64 * 1024 * 1024
+_MAX_RELEASE_BODY = 4096
+_MSGPACK = wire.MSGPACK_CONTENT_TYPE.encode()
+_prefill_request_decoder: wire.Decoder[PrefillRequest] = wire.Decoder(PrefillRequest)
+_release_request_decoder: wire.Decoder[ReleaseRequest] = wire.Decoder(ReleaseRequest)
 
 
-def _error_body(message: str, *, type_: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": None}}
+def default_instance_id(role: str, host: str, http_port: int) -> str:
+    """The id of an instance nobody named: stable across restarts on the same address."""
+    return f"{role}@{host}:{http_port}"
 
 
 @final
@@ -52,11 +67,12 @@ class Worker:
         self.config = config
         self.engine = engine
         self.transport: KvTransport = transport or TcpKvTransport()
-        self.instance_id = config.instance_id or f"{config.role}-{uuid.uuid4().hex[:8]}"
+        # empty until the worker serves: the default names the bound HTTP port
+        self.instance_id = config.instance_id
         self.leases = KvLeases(engine.free_request)
         self.transfer_endpoint: tuple[str, int] = (config.host, 0)
         self.http_port = 0
-        self.links = DecodeLinkServer(self)
+        self.links: DecodeLinkServer | None = None  # set once the instance id is known
         self._prefill_scopes: dict[str, trio.CancelScope] = {}
         self.served_prefills = 0
 
@@ -75,27 +91,34 @@ class Worker:
         *,
         task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Run until cancelled. Reports {"http_port", "transfer_port"} once serving."""
+        """Run until cancelled. Reports {"http_port", "transfer_port", "instance_id"}."""
         from hypercorn.config import Config as HypercornConfig
         from hypercorn.trio import serve
 
-        outputs_send, outputs_receive = trio.open_memory_channel[StepOutputs](64)
+        config = self.config
+        outputs_send, outputs_receive = trio.open_memory_channel[EngineOutput](64)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run, outputs_send)
-            nursery.start_soon(self.links.dispatch_outputs, outputs_receive)
             nursery.start_soon(self.leases.run_expiry)
             if self.serves_prefill:
                 self.transfer_endpoint = await nursery.start(
-                    self.transport.serve, self, self.config.host, self.config.transfer_port
+                    self.transport.serve, self, config.host, config.transfer_port
                 )
             hyper = HypercornConfig()
-            hyper.bind = [f"{self.config.host}:{self.config.port}"]
+            hyper.bind = [f"{config.host}:{config.port}"]
             hyper.accesslog = None
             hyper.errorlog = logging.getLogger("pdtrio.worker.hypercorn")
             hyper.keep_alive_timeout = 300
             hyper.websocket_max_message_size = 64 * 1024 * 1024
+            # until the id is known every route but /health answers 503 (see asgi)
             binds = await nursery.start(serve, self.asgi, hyper)
             self.http_port = int(binds[0].rsplit(":", 1)[1])
+            if not self.instance_id:
+                self.instance_id = default_instance_id(config.role, config.host, self.http_port)
+            admission = DecodeAdmission(self.engine, self.leases, self.transport, self.instance_id)
+            links = DecodeLinkServer(admission, self.engine, config.flush)
+            nursery.start_soon(links.dispatch_outputs, outputs_receive)
+            self.links = links
             task_status.started(
                 {
                     "http_port": self.http_port,
@@ -126,16 +149,23 @@ class Worker:
             await self._lifespan(receive, send)
             return
         path = scope["path"]
+        links = self.links
         if kind == "websocket":
-            if path == "/pd/decode" and self.serves_decode:
-                await self.links.serve_websocket(scope, receive, send)
+            if path != "/pd/decode" or not self.serves_decode:
+                await send({"type": "websocket.close", "code": 1008})  # policy: no such link
+            elif links is None:
+                await send({"type": "websocket.close", "code": 1013})  # try again later
             else:
-                await send({"type": "websocket.close", "code": 1008})
+                await links.serve_websocket(scope, receive, send)
             return
         method = scope["method"]
         try:
             if path == "/health" and method == "GET":
                 await send_json(send, 200, {"status": "ok"})
+            elif links is None:
+                await send_json(
+                    send, 503, error_body("the worker is starting", type_="service_unavailable")
+                )
             elif path == "/pd/info" and method == "GET":
                 await send_json(send, 200, self.info())
             elif path == "/pd/stats" and method == "GET":
@@ -143,18 +173,23 @@ class Worker:
             elif path == "/pd/prefill" and method == "POST" and self.serves_prefill:
                 await self._handle_prefill(receive, send)
             elif path == "/pd/release" and method == "POST":
-                body = await read_body(receive, 4096)
-                request_id = str(codec.unpack(body)[0])
-                released = self.release(request_id)
-                await send_bytes(send, 200, codec.pack([released]), codec.MSGPACK_CONTENT_TYPE.encode())
+                await self._handle_release(receive, send)
             else:
                 await send_json(
-                    send, 404, _error_body(f"no route {method} {path}", type_="not_found_error")
+                    send, 404, error_body(f"no route {method} {path}", type_="not_found_error")
                 )
         except ClientDisconnected:
             return
-        except (WireError, BodyTooLarge, IndexError, TypeError) as exc:
-            await send_json(send, 400, _error_body(f"bad request: {exc}", type_="invalid_request_error"))
+        except BodyTooLarge:
+            await send_json(
+                send,
+                413,
+                error_body("the request body is too large", type_="invalid_request_error"),
+            )
+        except WireError as exc:
+            await send_json(
+                send, 400, error_body(f"malformed request: {exc}", type_="invalid_request_error")
+            )
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -171,12 +206,14 @@ class Worker:
             "role": self.config.role,
             "model": self.engine.model_name,
             "max_model_len": self.engine.max_model_len,
-            "layout": self.engine.layout.to_wire(),
+            # the wire form (a list): msgspec.convert(info["layout"], KvLayout) reads it
+            "layout": msgspec.to_builtins(self.engine.layout),
             "transfer_endpoint": list(self.transfer_endpoint),
         }
 
     def stats(self) -> dict[str, Any]:
         engine = self.engine.statistics()
+        links = self.links
         return {
             "instance_id": self.instance_id,
             "role": self.config.role,
@@ -185,23 +222,27 @@ class Worker:
             "kv_blocks_total": engine.kv_blocks_total,
             "kv_leases": len(self.leases),
             "kv_leases_expired": self.leases.expired_count,
-            "decode_links": self.links.link_count,
-            "decode_requests": self.links.request_count,
+            "decode_links": 0 if links is None else links.link_count,
+            "decode_requests": 0 if links is None else links.request_count,
             "prefills_in_progress": len(self._prefill_scopes),
             "served_prefills": self.served_prefills,
         }
 
+    async def _handle_release(self, receive: Receive, send: Send) -> None:
+        body = await read_body(receive, _MAX_RELEASE_BODY)
+        request = _release_request_decoder.decode(body)
+        released = self.release(request.request_id)
+        await send_bytes(send, 200, wire.encode(ReleaseReply(released)), _MSGPACK)
+
     async def _handle_prefill(self, receive: Receive, send: Send) -> None:
-        body = await read_body(receive, _MAX_CONTROL_BODY)
-        request = PrefillRequest.from_wire(codec.unpack(body))
+        body = await read_body(receive, _MAX_PREFILL_BODY)
+        request = _prefill_request_decoder.decode(body)
         request_id = request.request_id
-        if request_id in self._prefill_scopes or self.leases.holds(request_id, ()):
-            await send_json(
-                send, 409, _error_body(f"request {request_id} is already known", type_="invalid_request_error")
-            )
+        if self._knows(request_id):
+            message = f"request {request_id} is already known"
+            await send_json(send, 409, error_body(message, type_="invalid_request_error"))
             return
-        reply: PrefillReply | None = None
-        failure: tuple[int, dict[str, Any]] | None = None
+        outcome: PrefillReply | tuple[int, dict[str, Any]] | None = None
         scope = trio.CancelScope()
         self._prefill_scopes[request_id] = scope
         try:
@@ -209,51 +250,64 @@ class Worker:
                 async with trio.open_nursery() as nursery:
                     # the router hanging up cancels the prefill and frees its blocks
                     nursery.start_soon(self._cancel_on_disconnect, receive, nursery.cancel_scope)
-                    reply = await self._prefill(request)
+                    outcome = await self._prefill_or_error(request)
                     nursery.cancel_scope.cancel()
-        except* PromptRejected as group:
-            exc = group.exceptions[0]
-            assert isinstance(exc, PromptRejected)
-            failure = 400, _error_body(exc.message, type_="invalid_request_error", param=exc.param)
-        except* NoRoom as group:
-            failure = 503, _error_body(
-                f"prefill has no KV room: {group.exceptions[0]}", type_="service_unavailable"
-            )
-        except* EngineError as group:
-            log.error("prefill of %s failed: %r", request_id, group.exceptions[0])
-            failure = 500, _error_body(
-                f"prefill failed: {group.exceptions[0]}", type_="internal_server_error"
-            )
         finally:
             del self._prefill_scopes[request_id]
-            if reply is None:
+            if not isinstance(outcome, PrefillReply):
                 self.engine.free_request(request_id)
-        if failure is not None:
-            await send_json(send, *failure)
+        if outcome is None:
+            return  # cancelled: released, or the router left
+        if not isinstance(outcome, PrefillReply):
+            await send_json(send, *outcome)
             return
-        if reply is None:
-            return  # cancelled: released or the router left
         self.served_prefills += 1
         try:
-            await send_bytes(send, 200, codec.pack(reply.to_wire()), codec.MSGPACK_CONTENT_TYPE.encode())
+            await send_bytes(send, 200, wire.encode(outcome), _MSGPACK)
         except BaseException:
-            self.leases.release(request_id)
+            self.leases.release(request_id)  # nobody will come for the blocks
             raise
+
+    def _knows(self, request_id: str) -> bool:
+        """Whether the id is in use here: a second request would share its blocks."""
+        links = self.links
+        return (
+            request_id in self._prefill_scopes
+            or self.leases.holds(request_id, ())
+            or (links is not None and request_id in links.owner)
+        )
 
     async def _cancel_on_disconnect(self, receive: Receive, scope: trio.CancelScope) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         scope.cancel()
 
+    async def _prefill_or_error(
+        self, request: PrefillRequest
+    ) -> PrefillReply | tuple[int, dict[str, Any]]:
+        """The reply, or the error response (status, body) the engine's error maps to."""
+        try:
+            return await self._prefill(request)
+        except PromptRejected as exc:
+            return 400, error_body(exc.message, type_="invalid_request_error", param=exc.param)
+        except NoRoom as exc:
+            return 503, error_body(f"prefill has no KV room: {exc}", type_="service_unavailable")
+        except EngineError as exc:
+            log.error("prefill of %s failed: %r", request.request_id, exc)
+            return 500, error_body(f"prefill failed: {exc}", type_="internal_server_error")
+
     async def _prefill(self, request: PrefillRequest) -> PrefillReply:
+        request_id = request.request_id
         token_ids = await self.engine.tokenize(request.prompt)
-        result = await self.engine.prefill(request.request_id, token_ids, request.sampling)
+        result = await self.engine.prefill(
+            request_id, token_ids, request.sampling, request.max_tokens
+        )
         handle: KvHandle | None = None
         if result.finish_reason is None:
             lease_s = self.config.kv_lease_s
-            self.leases.hold(request.request_id, result.block_ids, trio.current_time() + lease_s)
+            self.leases.hold(request_id, result.block_ids, trio.current_time() + lease_s)
             handle = KvHandle(
-                request_id=request.request_id,
+                request_id=request_id,
                 instance_id=self.instance_id,
                 transfer_host=self.transfer_endpoint[0],
                 transfer_port=self.transfer_endpoint[1],
@@ -263,14 +317,15 @@ class Worker:
                 lease_expiry=time.time() + lease_s,
             )
         return PrefillReply(
-            request_id=request.request_id,
+            request_id=request_id,
             prompt_token_ids=tuple(token_ids),
             cached_tokens=result.cached_tokens,
             first_token_id=result.first_token_id,
             first_text=result.first_text,
             finish_reason=result.finish_reason,
-            remaining_tokens=result.remaining_tokens,
+            token_budget=result.token_budget,
             kv_handle=handle,
+            usage=result.usage,
         )
 
 

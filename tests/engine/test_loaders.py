@@ -14,13 +14,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from pdtrio.engine.config import ModelConfig, RopeScaling, UnsupportedModel
 from pdtrio.engine.torch.builtin import (
     BuiltinModelUnavailable,
     builtin_names,
     load_builtin,
     tiny_random_config,
 )
-from pdtrio.engine.config import ModelConfig, RopeScaling, UnsupportedModel
 from pdtrio.engine.torch.loaders import LoadedModel, load_gguf, load_hf_checkpoint
 from pdtrio.engine.torch.model import CausalLM, SeqInput, random_state_dict
 

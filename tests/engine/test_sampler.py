@@ -4,7 +4,7 @@ import math
 from collections import Counter
 from typing import Any
 
-import attrs
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -268,7 +268,10 @@ LARGE_PARAMS = [
 def test_large_vocabulary_draws_follow_the_definition() -> None:
     n, vocab = 70, 3000
     rows = large_rows(n, vocab)
-    params = [attrs.evolve(LARGE_PARAMS[i % len(LARGE_PARAMS)], seed=1000 + i) for i in range(n)]
+    params = [
+        msgspec.structs.replace(LARGE_PARAMS[i % len(LARGE_PARAMS)], seed=1000 + i)
+        for i in range(n)
+    ]
     positions = list(range(n))
     tokens = sample(rows, params, positions)
     expected = [
@@ -283,7 +286,8 @@ def test_large_vocabulary_draw_ignores_batch(data: st.DataObject, seed: int) -> 
     n, vocab = 10, 2500
     rows = large_rows(n, vocab)
     params = [
-        attrs.evolve(data.draw(st.sampled_from(LARGE_PARAMS)), seed=seed + i) for i in range(n)
+        msgspec.structs.replace(data.draw(st.sampled_from(LARGE_PARAMS)), seed=seed + i)
+        for i in range(n)
     ]
     alone = [sample(rows[i : i + 1], [params[i]], [i])[0] for i in range(n)]
     order = data.draw(st.permutations(range(n)))

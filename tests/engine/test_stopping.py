@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("tokenizers")
 
+from pdtrio.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from pdtrio.engine.stopping import OutputProcessor  # noqa: E402
 from pdtrio.engine.tokenizer import Tokenizer, tiny_tokenizer  # noqa: E402
 from pdtrio.protocol.sampling import SamplingParams  # noqa: E402
@@ -27,6 +28,22 @@ def _byte_token(b: int) -> int:
     return 3 + b
 
 
+def processor(
+    sampling: SamplingParams,
+    *,
+    max_new_tokens: int,
+    tokens_generated: int = 0,
+    tokenizer: Tokenizer = TINY,
+) -> OutputProcessor:
+    return OutputProcessor(
+        IncrementalDetokenizer(tokenizer, PROMPT),
+        sampling,
+        token_budget=max_new_tokens,
+        tokens_generated=tokens_generated,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
+
+
 def run(
     ids: list[int],
     *,
@@ -34,9 +51,7 @@ def run(
     tokenizer: Tokenizer = TINY,
     **sampling: Any,
 ) -> tuple[list[str], str | None, int]:
-    proc = OutputProcessor(
-        tokenizer, PROMPT, SamplingParams(**sampling), max_new_tokens=max_new_tokens
-    )
+    proc = processor(SamplingParams(**sampling), max_new_tokens=max_new_tokens, tokenizer=tokenizer)
     pieces: list[str] = []
     reason: str | None = None
     for token_id in ids:
@@ -89,7 +104,7 @@ def test_length_flushes_an_unfinished_character() -> None:
 
 
 def test_push_after_finish_is_an_error() -> None:
-    proc = OutputProcessor(TINY, PROMPT, SamplingParams(), max_new_tokens=1)
+    proc = processor(SamplingParams(), max_new_tokens=1)
     assert proc.push(TINY.encode("a")[0]) == ("a", "length")
     with pytest.raises(RuntimeError):
         proc.push(TINY.encode("b")[0])
@@ -165,23 +180,26 @@ def test_stop_strings_need_min_tokens_first() -> None:
     assert "".join(pieces) == "x" and reason == "stop"
 
 
-def test_stop_reason_names_the_matched_string() -> None:
-    proc = OutputProcessor(TINY, PROMPT, SamplingParams(stop=("zz", "b")), max_new_tokens=10)
-    for token_id in byte_ids("ab"):
-        _, reason = proc.push(token_id)
-    assert reason == "stop" and proc.stop_reason == "b"
+def test_a_processor_with_no_budget_left_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        processor(SamplingParams(), max_new_tokens=0)
+    with pytest.raises(ValueError):
+        processor(SamplingParams(), max_new_tokens=3, tokens_generated=3)
 
 
-def test_replay_from_the_first_token() -> None:
-    """A decode instance rebuilds the state by pushing the first token again."""
+@pytest.mark.parametrize("text", ["a cat dog", "cat dog", "ab"])
+def test_replay_of_the_first_token_continues_where_prefill_stopped(text: str) -> None:
+    """Decode rebuilds the state by replaying the first token, without counting it again."""
     sampling = SamplingParams(stop=("cat dog",), min_tokens=2)
-    ids = byte_ids("a cat dog")
-    prefill = OutputProcessor(TINY, PROMPT, sampling, max_new_tokens=20)
+    ids = byte_ids(text)
+    prefill = processor(sampling, max_new_tokens=len(ids))
     whole = [prefill.push(i) for i in ids]
-    decode = OutputProcessor(TINY, PROMPT, sampling, max_new_tokens=20)
-    decode.push(ids[0])
+    decode = processor(sampling, max_new_tokens=len(ids), tokens_generated=1)
+    decode.replay(ids[0])
+    assert decode.num_generated == 1
     assert [decode.push(i) for i in ids[1:]] == whole[1:]
-    assert decode.num_generated == prefill.num_generated
+    assert decode.num_generated == prefill.num_generated == len(ids)
+    assert decode.finish_reason == prefill.finish_reason is not None
 
 
 # ---------------------------------------------------------------------- property
@@ -256,7 +274,7 @@ def test_emitted_text_matches_reference(
     ids: list[int], stops: list[str], min_tokens: int, max_new: int, ignore_eos: bool
 ) -> None:
     sampling = SamplingParams(stop=tuple(stops), min_tokens=min_tokens, ignore_eos=ignore_eos)
-    proc = OutputProcessor(TINY, PROMPT, sampling, max_new_tokens=max_new)
+    proc = processor(sampling, max_new_tokens=max_new)
     emitted = ""
     reason = None
     for token_id in ids:

@@ -15,8 +15,9 @@ from pdtrio.protocol.flush import (
     WaitForWrite,
     WaitUntil,
 )
+from pdtrio.protocol.wire import TokenEntry, Usage
 
-Entry = list[Any]
+Entry = TokenEntry
 REQUESTS = [f"r{i}" for i in range(8)]
 ticks = st.integers(0, 3) | st.integers(0, 40)  # mostly steps close together
 
@@ -26,9 +27,9 @@ def entry(
     ids: list[int],
     text: str,
     finish: str | None = None,
-    usage: list[int] | None = None,
+    usage: Usage | None = None,
 ) -> Entry:
-    return [rid, ids, text, finish, usage]
+    return TokenEntry(rid, ids, text, finish, usage)
 
 
 # --- examples ------------------------------------------------------------------
@@ -67,7 +68,7 @@ def test_a_finishing_request_ends_the_hold() -> None:
     policy.add([entry("a", [1], "x")], 0.0)
     assert policy.decide(0.0, in_flight=True) == WaitForWrite()
     assert policy.decide(0.1, in_flight=False) == WaitUntil(1.0)
-    policy.add([entry("b", [2], "y", "stop", [3, 1, 0])], 0.2)
+    policy.add([entry("b", [2], "y", "stop", Usage(3, 1, 0))], 0.2)
     assert policy.decide(0.2, in_flight=True) == WaitForWrite()
     assert policy.decide(0.2, in_flight=False) == FlushNow()
 
@@ -91,20 +92,30 @@ def test_a_full_frame_ends_the_hold() -> None:
 
 def test_merge_takes_finish_and_usage_from_the_later_step_and_keeps_inputs() -> None:
     policy = FlushPolicy(FlushConfig())
-    first = [entry("a", [1, 2], "he", None, [5, 2, 0]), entry("b", [9], "x")]
+    first = [entry("a", [1, 2], "he", None, Usage(5, 2, 0)), entry("b", [9], "x")]
     second = [entry("a", [3], "llo", "stop", None), entry("c", [4], "new")]
     inputs = copy.deepcopy([first, second])
     policy.add(first, 0.0)
     policy.add(second, 0.0)
     assert policy.pending_entries == 3
     assert policy.take() == [
-        entry("a", [1, 2, 3], "hello", "stop", [5, 2, 0]),
+        entry("a", [1, 2, 3], "hello", "stop", Usage(5, 2, 0)),
         entry("b", [9], "x"),
         entry("c", [4], "new"),
     ]
     assert [first, second] == inputs
     stats = policy.statistics()
     assert (stats.frames_taken, stats.entries_taken, stats.entries_merged) == (1, 3, 1)
+
+
+def test_an_unmerged_entry_goes_out_as_it_came_and_the_later_usage_wins() -> None:
+    policy = FlushPolicy(FlushConfig())
+    alone = entry("b", [9], "x")
+    policy.add([entry("a", [1], "x", None, Usage(4, 1, 0)), alone], 0.0)
+    policy.add([entry("a", [2], "y", "length", Usage(4, 2, 1))], 0.0)
+    frame = policy.take()
+    assert frame[1] is alone  # no copy on the hot path when nothing merged
+    assert frame[0] == entry("a", [1, 2], "xy", "length", Usage(4, 2, 1))
 
 
 def test_frames_split_at_the_caps_and_keep_request_order() -> None:
@@ -171,7 +182,7 @@ step_items = st.lists(
         st.lists(st.integers(0, 50_000), max_size=3),
         st.text(max_size=4),
         st.sampled_from([None] * 18 + ["stop", "length"]),
-        st.none() | st.lists(st.integers(0, 99), min_size=3, max_size=3),
+        st.none() | st.builds(Usage, st.integers(0, 99), st.integers(0, 99), st.integers(0, 99)),
     ),
     min_size=1,
     max_size=5,
@@ -221,9 +232,9 @@ class Harness:
         self.policy.add(step, self.now)
         self.pending_steps.append(list(step))
         for e in step:
-            self.first_pending.setdefault(e[0], self.now)
-            if e[3] is not None:
-                self.finishing_pending.add(e[0])
+            self.first_pending.setdefault(e.request_id, self.now)
+            if e.finish_reason is not None:
+                self.finishing_pending.add(e.request_id)
         return True
 
     def decide(self, in_flight: bool) -> object:
@@ -268,9 +279,9 @@ class Harness:
         # (vi) caps hold unless one entry alone is past the text cap
         assert len(frame) <= config.max_entries
         if len(frame) > 1:
-            assert sum(len(e[2]) for e in frame) <= config.max_bytes_hint
+            assert sum(len(e.text) for e in frame) <= config.max_bytes_hint
         if config.coalesce:
-            rids = [e[0] for e in frame]
+            rids = [e.request_id for e in frame]
             assert len(set(rids)) == len(rids)
             for rid in rids:
                 del self.first_pending[rid]
@@ -306,7 +317,14 @@ class Harness:
 def reassemble(frames: list[list[Entry]]) -> dict[str, tuple[list[int], str, Any, Any]]:
     streams: dict[str, tuple[list[int], str, Any, Any]] = {}
     for frame in frames:
-        for rid, ids, text, finish, usage in frame:
+        for e in frame:
+            rid, ids, text, finish, usage = (
+                e.request_id,
+                e.token_ids,
+                e.text,
+                e.finish_reason,
+                e.usage,
+            )
             old_ids, old_text, old_finish, old_usage = streams.get(rid, ([], "", None, None))
             streams[rid] = (
                 old_ids + list(ids),

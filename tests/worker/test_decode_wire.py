@@ -1,97 +1,234 @@
-"""The router <-> worker wire, spoken by hand: msgpack frames only, never pickle."""
+"""The router <-> worker wire, spoken by hand: msgpack frames only, never pickle.
+
+Nothing here uses pdtrio's own encoders or decoders: messages are built as
+plain lists, packed and unpacked with the independent ``msgpack`` package,
+and read by position, so a change of shape on either side shows up here.
+"""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import attrs
 import httpx
 import msgpack
+import pytest
 import trio
 import trio_websocket
 
-from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import (
-    DecodeAbort,
-    DecodeStart,
-    MessageKind,
-    PrefillReply,
-    PrefillRequest,
-    TextPrompt,
-)
+from pdtrio.engine.api import EngineOutput, StepFailed
 from pdtrio.worker.server import Worker
 from tests.cluster import synthetic_worker
 
 PICKLE_MARKERS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+MSGPACK = {"content-type": "application/msgpack"}
+
+# decode-link message tags: the first element of every frame
+START, ABORT, ACCEPTED, REJECTED, TOKENS, FAILED = 1, 2, 3, 4, 5, 6
+
+# PrefillReply: [request_id, prompt_token_ids, cached_tokens, first_token_id,
+#                first_text, finish_reason, token_budget, kv_handle, usage]
+R_ID, R_PROMPT, R_CACHED, R_FIRST, R_TEXT, R_FINISH, R_BUDGET, R_HANDLE, R_USAGE = range(9)
+# KvHandle: [request_id, instance_id, host, port, block_ids, num_tokens, layout, lease_expiry]
+H_INSTANCE, H_PORT, H_BLOCKS = 1, 3, 4
+# TokenEntry: [request_id, token_ids, text, finish_reason, usage]; Usage: [prompt, completion, cached]
+E_ID, E_TOKENS, E_TEXT, E_FINISH, E_USAGE = range(5)
 
 
-def _strict_unpack(data: bytes):
+def _strict_unpack(data: bytes) -> Any:
     def no_ext(code: int, payload: bytes) -> None:
         raise AssertionError(f"msgpack ext type {code} on the wire")
 
     return msgpack.unpackb(data, raw=False, ext_hook=no_ext)
 
 
-async def _prefill(url: str, request_id: str, prompt: str, max_tokens: int) -> PrefillReply:
-    request = PrefillRequest(request_id, TextPrompt(prompt), SamplingParams(max_tokens=max_tokens))
+def prefill_request(
+    request_id: str, prompt: Any, *, max_tokens: int | None, sampling: list[Any] | None = None
+) -> bytes:
+    # [request_id, prompt, sampling, max_tokens]; a prompt is [kind, body];
+    # sampling is [temperature, top_p, top_k, seed, min_tokens, stop, ignore_eos], trailing
+    # defaults may be left out
+    return msgpack.packb([request_id, prompt, sampling or [], max_tokens])
+
+
+def decode_start(reply: list[Any], *, sampling: list[Any] | None = None) -> bytes:
+    # [START, request_id, prompt_token_ids, first_token_id, sampling, token_budget,
+    #  tokens_generated, cached_tokens, kv_handle]
+    return msgpack.packb(
+        [
+            START,
+            reply[R_ID],
+            reply[R_PROMPT],
+            reply[R_FIRST],
+            sampling or [],
+            reply[R_BUDGET],
+            1,
+            reply[R_CACHED],
+            reply[R_HANDLE],
+        ]
+    )
+
+
+async def post(url: str, body: bytes) -> httpx.Response:
     async with httpx.AsyncClient() as http:
-        response = await http.post(
-            f"{url}/pd/prefill",
-            content=msgpack.packb(request.to_wire()),
-            headers={"content-type": "application/msgpack"},
-        )
-    assert response.status_code == 200
+        return await http.post(url, content=body, headers=MSGPACK)
+
+
+async def _prefill(
+    url: str, request_id: str, prompt: str, max_tokens: int, sampling: list[Any] | None = None
+) -> list[Any]:
+    response = await post(
+        f"{url}/pd/prefill",
+        prefill_request(request_id, ["text", prompt], max_tokens=max_tokens, sampling=sampling),
+    )
+    assert response.status_code == 200, response.text
     assert response.headers["content-type"] == "application/msgpack"
     assert not response.content.startswith(PICKLE_MARKERS)
-    return PrefillReply.from_wire(_strict_unpack(response.content))
+    reply = _strict_unpack(response.content)
+    assert isinstance(reply, list) and reply[R_ID] == request_id
+    return reply
 
 
-async def test_decode_frames_are_plain_msgpack_and_abort_frees_blocks() -> None:
+@attrs.define
+class Pair:
+    prefill: Worker
+    decode: Worker
+    prefill_url: str
+    ws_url: str
+
+
+@asynccontextmanager
+async def running_pair(**decode_overrides: Any) -> AsyncIterator[Pair]:
     prefill = synthetic_worker("prefill")
-    decode = synthetic_worker("decode", decode_step_s=0.001)
+    decode = synthetic_worker("decode", **decode_overrides)
     async with trio.open_nursery() as nursery:
         prefill_ready = await nursery.start(prefill.run)
         decode_ready = await nursery.start(decode.run)
-        prefill_url = f"http://127.0.0.1:{prefill_ready['http_port']}"
-        ws_url = f"ws://127.0.0.1:{decode_ready['http_port']}/pd/decode"
-        replies = [await _prefill(prefill_url, f"req-{i}", f"prompt {i}", 20) for i in range(3)]
-        frames: list[bytes] = []
-        async with trio_websocket.open_websocket_url(ws_url) as ws:
-            for reply in replies:
-                start = DecodeStart(
-                    reply.request_id,
-                    reply.prompt_token_ids,
-                    reply.first_token_id,
-                    SamplingParams(max_tokens=20),
-                    reply.remaining_tokens,
-                    reply.cached_tokens,
-                    reply.kv_handle,  # type: ignore[arg-type]
-                )
-                await ws.send_message(msgpack.packb(start.to_wire()))
-            await ws.send_message(msgpack.packb(DecodeAbort("req-2").to_wire()))
-            finished: set[str] = set()
-            with trio.fail_after(30):
-                while finished != {"req-0", "req-1"}:
-                    data = await ws.get_message()
-                    assert isinstance(data, bytes)
-                    frames.append(data)
-                    message = _strict_unpack(data)
-                    if message[0] == MessageKind.TOKENS:
-                        finished |= {e[0] for e in message[1] if e[3] is not None}
-        # the aborted request may never have been pulled: releasing it is the router's cleanup
-        async with httpx.AsyncClient() as http:
-            released = await http.post(
-                f"{prefill_url}/pd/release",
-                content=msgpack.packb(["req-2"]),
-                headers={"content-type": "application/msgpack"},
-            )
-        assert released.status_code == 200
+        yield Pair(
+            prefill,
+            decode,
+            f"http://127.0.0.1:{prefill_ready['http_port']}",
+            f"ws://127.0.0.1:{decode_ready['http_port']}/pd/decode",
+        )
         nursery.cancel_scope.cancel()
+
+
+async def _tokens_until_finished(
+    ws: trio_websocket.WebSocketConnection, request_ids: set[str], frames: list[bytes]
+) -> dict[str, list[Any]]:
+    """Every entry of the requests, merged per request, until each has finished."""
+    streams: dict[str, list[Any]] = {}
+    with trio.fail_after(30):
+        while not request_ids <= {r for r, e in streams.items() if e[E_FINISH] is not None}:
+            data = await ws.get_message()
+            assert isinstance(data, bytes)
+            frames.append(data)
+            message = _strict_unpack(data)
+            assert message[0] in (ACCEPTED, TOKENS), message
+            if message[0] != TOKENS:
+                continue
+            for entry in message[1]:
+                merged = streams.setdefault(entry[E_ID], [entry[E_ID], [], "", None, None])
+                merged[E_TOKENS] += entry[E_TOKENS]
+                merged[E_TEXT] += entry[E_TEXT]
+                merged[E_FINISH] = entry[E_FINISH]
+                merged[E_USAGE] = entry[E_USAGE]
+    return streams
+
+
+async def test_decode_frames_are_plain_msgpack_and_abort_frees_blocks() -> None:
+    async with running_pair(decode_step_s=0.001) as pair:
+        replies = [
+            await _prefill(pair.prefill_url, f"req-{i}", f"prompt {i}", 20) for i in range(3)
+        ]
+        frames: list[bytes] = []
+        async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
+            for reply in replies:
+                await ws.send_message(decode_start(reply))
+            await ws.send_message(msgpack.packb([ABORT, "req-2"]))
+            streams = await _tokens_until_finished(ws, {"req-0", "req-1"}, frames)
+        # the aborted request may never have been pulled: releasing it is the router's cleanup
+        released = await post(f"{pair.prefill_url}/pd/release", msgpack.packb(["req-2"]))
+        assert released.status_code == 200
+        assert _strict_unpack(released.content) in ([True], [False])
     assert frames and not any(f.startswith(PICKLE_MARKERS) for f in frames)
     kinds = [_strict_unpack(f)[0] for f in frames]
-    assert MessageKind.ACCEPTED in kinds and MessageKind.TOKENS in kinds
+    assert ACCEPTED in kinds and TOKENS in kinds
+    for reply in replies[:2]:
+        stream = streams[reply[R_ID]]
+        assert reply[R_BUDGET] == 20 and reply[R_USAGE] is None
+        # decode counts every token of the budget, prefill's first one included
+        assert stream[E_FINISH] == "length"
+        assert len(stream[E_TOKENS]) == 19
+        assert stream[E_USAGE] == [len(reply[R_PROMPT]), 20, 0]
     # prefill released each request's blocks once decode pulled them; decode freed its own
-    assert prefill.engine.statistics().kv_blocks_in_use == 0
-    assert decode.engine.statistics().kv_blocks_in_use == 0
-    assert len(prefill.leases) == 0
+    assert pair.prefill.engine.statistics().kv_blocks_in_use == 0
+    assert pair.decode.engine.statistics().kv_blocks_in_use == 0
+    assert len(pair.prefill.leases) == 0
+
+
+async def test_a_stop_string_spanning_the_first_token_is_cut_and_counted() -> None:
+    async with running_pair(decode_step_s=0.001) as pair:
+        whole = await _prefill(pair.prefill_url, "whole", "hello", 6)
+        async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
+            await ws.send_message(decode_start(whole))
+            text = (await _tokens_until_finished(ws, {"whole"}, []))["whole"][E_TEXT]
+            full = whole[R_TEXT] + text
+            # a stop string that begins in the first token's text and ends in the second's
+            cut = len(whole[R_TEXT]) - 1
+            stop = full[cut : cut + 4]
+            sampling = [1.0, 1.0, 0, None, 0, [stop]]
+            reply = await _prefill(pair.prefill_url, "cut", "hello", 6, sampling)
+            assert reply[R_TEXT] + stop[0] == whole[R_TEXT]  # held back: it may begin the stop
+            await ws.send_message(decode_start(reply, sampling=sampling))
+            stream = (await _tokens_until_finished(ws, {"cut"}, []))["cut"]
+    assert stream[E_FINISH] == "stop"
+    assert reply[R_TEXT] + stream[E_TEXT] == full[:cut]
+    assert stream[E_USAGE] == [len(reply[R_PROMPT]), 2, 0]  # the first token counted once
+
+
+async def test_a_request_finished_by_prefill_carries_its_usage_and_holds_nothing() -> None:
+    async with running_pair() as pair:
+        reply = await _prefill(pair.prefill_url, "short", "hi", 1)
+        assert reply[R_FINISH] == "length" and reply[R_BUDGET] == 1
+        assert reply[R_HANDLE] is None
+        assert reply[R_USAGE] == [len(reply[R_PROMPT]), 1, 0]
+        assert pair.prefill.engine.statistics().kv_blocks_in_use == 0
+        assert len(pair.prefill.leases) == 0
+
+
+async def test_one_link_cannot_abort_another_links_request() -> None:
+    async with running_pair(decode_step_s=0.002) as pair:
+        reply = await _prefill(pair.prefill_url, "mine", "prompt", 30)
+        async with (
+            trio_websocket.open_websocket_url(pair.ws_url) as owner,
+            trio_websocket.open_websocket_url(pair.ws_url) as other,
+        ):
+            await owner.send_message(decode_start(reply))
+            assert _strict_unpack(await owner.get_message())[:2] == [ACCEPTED, "mine"]
+            await other.send_message(msgpack.packb([ABORT, "mine"]))
+            stream = (await _tokens_until_finished(owner, {"mine"}, []))["mine"]
+        assert stream[E_FINISH] == "length" and stream[E_USAGE][1] == 30
+        assert pair.decode.stats()["decode_requests"] == 0
+
+
+async def test_a_start_for_a_running_request_is_rejected() -> None:
+    async with running_pair(decode_step_s=0.01) as pair:
+        reply = await _prefill(pair.prefill_url, "twice", "prompt", 50)
+        async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
+            await ws.send_message(decode_start(reply))
+            assert _strict_unpack(await ws.get_message())[:2] == [ACCEPTED, "twice"]
+            await ws.send_message(decode_start(reply))
+            while (message := _strict_unpack(await ws.get_message()))[0] == TOKENS:
+                pass
+            assert message[:3] == [REJECTED, "twice", "bad_request"]
+            await ws.send_message(msgpack.packb([ABORT, "twice"]))
+        with trio.fail_after(5):
+            while pair.decode.stats()["decode_requests"]:  # noqa: ASYNC110 - observing from outside
+                await trio.sleep(0.01)
+        assert pair.decode.engine.statistics().kv_blocks_in_use == 0
 
 
 async def test_a_start_with_a_foreign_layout_is_rejected_naming_both() -> None:
@@ -104,38 +241,40 @@ async def test_a_start_with_a_foreign_layout_is_rejected_naming_both() -> None:
         async with trio_websocket.open_websocket_url(
             f"ws://127.0.0.1:{decode_ready['http_port']}/pd/decode"
         ) as ws:
-            start = DecodeStart("r", reply.prompt_token_ids, reply.first_token_id, SamplingParams(),
-                                reply.remaining_tokens, 0, reply.kv_handle)  # type: ignore[arg-type]
-            await ws.send_message(msgpack.packb(start.to_wire()))
-            message = _strict_unpack(await ws.get_message())  # type: ignore[arg-type]
+            await ws.send_message(decode_start(reply))
+            message = _strict_unpack(await ws.get_message())
         nursery.cancel_scope.cancel()
-    assert message[0] == MessageKind.REJECTED
+    assert message[0] == REJECTED
     assert message[2] == "layout_mismatch"
     assert "vocab1000" in message[3] and "vocab2000" in message[3]
+    assert "prefill has" in message[3] and "decode has" in message[3]
 
 
 async def test_an_unreachable_kv_endpoint_is_rejected_and_frees_decode_blocks() -> None:
-    prefill = synthetic_worker("prefill")
-    decode = synthetic_worker("decode")
-    async with trio.open_nursery() as nursery:
-        prefill_ready = await nursery.start(prefill.run)
-        decode_ready = await nursery.start(decode.run)
-        reply = await _prefill(f"http://127.0.0.1:{prefill_ready['http_port']}", "gone", "hi", 5)
-        assert reply.kv_handle is not None
+    async with running_pair() as pair:
+        reply = await _prefill(pair.prefill_url, "gone", "hi", 5)
+        assert reply[R_HANDLE] is not None
         with trio.socket.socket() as placeholder:  # a port with nobody listening
             await placeholder.bind(("127.0.0.1", 0))
-            dead_port = placeholder.getsockname()[1]
-        handle = attrs.evolve(reply.kv_handle, transfer_port=dead_port)
-        async with trio_websocket.open_websocket_url(
-            f"ws://127.0.0.1:{decode_ready['http_port']}/pd/decode"
-        ) as ws:
-            start = DecodeStart("gone", reply.prompt_token_ids, reply.first_token_id, SamplingParams(),
-                                reply.remaining_tokens, 0, handle)
-            await ws.send_message(msgpack.packb(start.to_wire()))
-            message = _strict_unpack(await ws.get_message())  # type: ignore[arg-type]
-        assert message[0] == MessageKind.REJECTED and message[2] == "transfer_failed"
-        assert decode.engine.statistics().kv_blocks_in_use == 0
-        nursery.cancel_scope.cancel()
+            reply[R_HANDLE][H_PORT] = placeholder.getsockname()[1]
+        async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
+            await ws.send_message(decode_start(reply))
+            message = _strict_unpack(await ws.get_message())
+        assert message[0] == REJECTED and message[2] == "transfer_failed"
+        assert pair.decode.engine.statistics().kv_blocks_in_use == 0
+
+
+async def test_a_start_whose_handle_does_not_match_its_prompt_is_a_bad_request() -> None:
+    async with running_pair() as pair:
+        reply = await _prefill(pair.prefill_url, "odd", "hi there", 5)
+        reply[R_HANDLE][H_BLOCKS] = reply[R_HANDLE][H_BLOCKS] * 3
+        async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
+            await ws.send_message(msgpack.packb([START, "odd"]))  # not a start: dropped
+            await ws.send_message(decode_start(reply))
+            message = _strict_unpack(await ws.get_message())
+        assert message[:3] == [REJECTED, "odd", "bad_request"]
+        assert "blocks" in message[3]
+        assert pair.decode.engine.statistics().kv_blocks_in_use == 0
 
 
 async def test_a_lease_nobody_claims_is_freed_when_it_expires() -> None:
@@ -144,8 +283,8 @@ async def test_a_lease_nobody_claims_is_freed_when_it_expires() -> None:
     async with trio.open_nursery() as nursery:
         ready = await nursery.start(prefill.run)
         reply = await _prefill(f"http://127.0.0.1:{ready['http_port']}", "orphan", "hello there", 5)
-        assert reply.kv_handle is not None
-        assert prefill.engine.statistics().kv_blocks_in_use == len(reply.kv_handle.block_ids)
+        assert reply[R_HANDLE] is not None
+        assert prefill.engine.statistics().kv_blocks_in_use == len(reply[R_HANDLE][H_BLOCKS])
         with trio.fail_after(10):
             while len(prefill.leases):  # noqa: ASYNC110 - observing the expiry from outside
                 await trio.sleep(0.02)
@@ -153,3 +292,105 @@ async def test_a_lease_nobody_claims_is_freed_when_it_expires() -> None:
         assert prefill.stats()["kv_leases_expired"] == 1
         nursery.cancel_scope.cancel()
 
+
+async def test_the_default_instance_id_names_role_host_and_port() -> None:
+    async with running_pair() as pair:
+        async with httpx.AsyncClient() as http:
+            info = (await http.get(f"{pair.prefill_url}/pd/info")).json()
+        port = pair.prefill_url.rsplit(":", 1)[1]
+        assert info["instance_id"] == f"prefill@127.0.0.1:{port}"
+        reply = await _prefill(pair.prefill_url, "who", "hi", 5)
+        assert reply[R_HANDLE][H_INSTANCE] == info["instance_id"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "says"),
+    [
+        ("/pd/release", b"\xc1", 400, "malformed"),
+        ("/pd/release", msgpack.packb([1, 2, 3]), 400, "malformed"),
+        ("/pd/release", msgpack.packb({"request_id": "x"}), 400, "malformed"),
+        ("/pd/prefill", msgpack.packb(["r", ["text"], [], None]), 400, "malformed"),
+        ("/pd/prefill", msgpack.packb(["r", ["tokens", [5, -1]], [], None]), 400, "-1"),
+        ("/pd/prefill", msgpack.packb(["r", ["tokens", [5, 10**9]], [], None]), 400, "range"),
+        ("/pd/prefill", msgpack.packb(["r", ["tokens", []], [], None]), 400, "empty"),
+        ("/pd/prefill", msgpack.packb(["r", ["text", "hi"], [], 0]), 400, "max_tokens"),
+        ("/pd/prefill", msgpack.packb(["r", ["text", "hi"], [], 10**7]), 400, "context length"),
+    ],
+)
+async def test_bad_control_bodies_are_400s_with_a_message(
+    path: str, body: bytes, status: int, says: str
+) -> None:
+    async with running_pair() as pair:
+        response = await post(f"{pair.prefill_url}{path}", body)
+        assert pair.prefill.engine.statistics().kv_blocks_in_use == 0
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert says in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+class LosingEngine:
+    """The synthetic engine, with a way to make a step lose a request (as a torch step can)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.inject: trio.MemorySendChannel[EngineOutput] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def run(
+        self,
+        outputs: trio.MemorySendChannel[EngineOutput],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        self.inject = outputs.clone()
+        await self.inner.run(outputs, task_status=task_status)
+
+    async def lose(self, request_id: str) -> None:
+        assert self.inject is not None
+        self.inner.abort(request_id)
+        await self.inject.send(StepFailed((request_id,), "decode step failed: boom"))
+
+
+async def test_a_request_the_engine_loses_ends_with_decode_failed_on_its_link() -> None:
+    prefill = synthetic_worker("prefill")
+    base = synthetic_worker("decode", decode_step_s=0.01)
+    engine = LosingEngine(base.engine)
+    decode = Worker(base.config, engine)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        prefill_ready = await nursery.start(prefill.run)
+        decode_ready = await nursery.start(decode.run)
+        url = f"http://127.0.0.1:{prefill_ready['http_port']}"
+        reply = await _prefill(url, "lost", "prompt", 100)
+        async with trio_websocket.open_websocket_url(
+            f"ws://127.0.0.1:{decode_ready['http_port']}/pd/decode"
+        ) as ws:
+            await ws.send_message(decode_start(reply))
+            assert _strict_unpack(await ws.get_message())[:2] == [ACCEPTED, "lost"]
+            await engine.lose("lost")
+            with trio.fail_after(10):
+                while (message := _strict_unpack(await ws.get_message()))[0] == TOKENS:
+                    assert all(e[E_FINISH] is None for e in message[1])
+        assert message == [FAILED, "lost", "decode step failed: boom"]
+        assert decode.stats()["decode_requests"] == 0
+        assert base.engine.statistics().kv_blocks_in_use == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_start_with_foreign_token_ids_fails_alone_and_the_link_goes_on() -> None:
+    async with running_pair(decode_step_s=0.001) as pair:
+        bad = await _prefill(pair.prefill_url, "bad", "prompt", 5)
+        good = await _prefill(pair.prefill_url, "good", "prompt", 5)
+        bad[R_PROMPT][-1] = -1
+        async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
+            await ws.send_message(decode_start(bad))
+            assert _strict_unpack(await ws.get_message())[:2] == [ACCEPTED, "bad"]
+            failed = _strict_unpack(await ws.get_message())
+            assert failed[:2] == [FAILED, "bad"] and "vocabulary" in failed[2]
+            await ws.send_message(decode_start(good))
+            stream = (await _tokens_until_finished(ws, {"good"}, []))["good"]
+        assert stream[E_FINISH] == "length"
+        assert pair.decode.stats()["decode_requests"] == 0
+        assert pair.decode.engine.statistics().kv_blocks_in_use == 0

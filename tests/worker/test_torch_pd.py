@@ -16,7 +16,9 @@ from pdtrio.engine.torch.engine import TorchEngine  # noqa: E402
 from pdtrio.worker.server import Worker  # noqa: E402
 from tests.cluster import client, raw_post_then_hang_up, running_cluster, wait_until_idle  # noqa: E402
 
-TINY = EngineConfig(kind="torch", model="tiny-random", dtype="float64", num_kv_blocks=512, max_batch_size=16)
+TINY = EngineConfig(
+    kind="torch", model="tiny-random", dtype="float64", num_kv_blocks=512, max_batch_size=16
+)
 
 
 def tiny_worker(role: str, engine: EngineConfig = TINY) -> Worker:
@@ -93,11 +95,22 @@ async def test_random_disconnects_leave_no_blocks_with_the_torch_engine() -> Non
         async with trio.open_nursery() as nursery:
             for _ in range(12):
                 body = json.dumps(
-                    {"model": "tiny-random", "prompt": "x " * rng.randint(1, 60), "max_tokens": 200,
-                     "stream": True, "ignore_eos": True}
+                    {
+                        "model": "tiny-random",
+                        "prompt": "x " * rng.randint(1, 60),
+                        "max_tokens": 200,
+                        "stream": True,
+                        "ignore_eos": True,
+                    }
                 ).encode()
                 nursery.start_soon(
-                    partial(raw_post_then_hang_up, cluster.url, "/v1/completions", body, events=rng.randint(0, 30))
+                    partial(
+                        raw_post_then_hang_up,
+                        cluster.url,
+                        "/v1/completions",
+                        body,
+                        events=rng.randint(0, 30),
+                    )
                 )
         await wait_until_idle(cluster, deadline_s=30)
 
@@ -143,7 +156,12 @@ async def test_no_room_on_one_decode_goes_to_another() -> None:
             for _ in range(4):
                 response = await http.post(
                     "/v1/completions",
-                    json={"model": "tiny-random", "prompt": "y " * 40, "max_tokens": 40, "temperature": 0},
+                    json={
+                        "model": "tiny-random",
+                        "prompt": "y " * 40,
+                        "max_tokens": 40,
+                        "temperature": 0,
+                    },
                 )
                 assert response.status_code == 200, response.text
         await wait_until_idle(cluster)

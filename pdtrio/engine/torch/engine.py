@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, final
+from typing import final
 
 import attrs
 import torch
@@ -24,26 +24,34 @@ import trio
 from pdtrio.config import EngineConfig
 from pdtrio.engine.api import (
     EngineError,
+    EngineOutput,
     EngineStatistics,
     PrefillResult,
     PromptRejected,
+    StepFailed,
     StepOutputs,
 )
 from pdtrio.engine.blocks import BlockOwnership, blocks_needed
-from pdtrio.engine.budget import token_budget
+from pdtrio.engine.budget import token_budget, tokens_left
+from pdtrio.engine.detokenizer import IncrementalDetokenizer
+from pdtrio.engine.stopping import OutputProcessor
+from pdtrio.engine.tokenizer import Tokenizer
 from pdtrio.engine.torch.builtin import load_builtin
 from pdtrio.engine.torch.loaders import LoadedModel, load_gguf, load_hf_checkpoint
 from pdtrio.engine.torch.model import SeqInput
 from pdtrio.engine.torch.sampler import sample
-from pdtrio.engine.stopping import OutputProcessor
-from pdtrio.engine.tokenizer import Tokenizer
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import ChatPrompt, Prompt, TextPrompt
+from pdtrio.protocol.wire import ChatPrompt, Prompt, TextPrompt, TokenEntry, Usage
 
 log = logging.getLogger("pdtrio.engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
@@ -65,7 +73,8 @@ class _PrefillJob:
     sampling: SamplingParams
     budget: int
     block_table: list[int]
-    deliver: Callable[[Any], None]  # runs on the trio thread with the result or an exception
+    # hands the result or an exception to the waiting trio task (called on the engine thread)
+    deliver: Callable[[PrefillResult | BaseException], None]
 
 
 @attrs.define(eq=False)
@@ -85,7 +94,13 @@ class _Abort:
     request_id: str
 
 
-_STOP = object()
+@final
+class _Stop:
+    """Tells the engine thread of one run to return (one per run: a stale one is ignored)."""
+
+
+# How long a finished run waits for its engine thread to see the stop (one step at most).
+_STOP_GRACE_S = 30.0
 
 
 @final
@@ -96,17 +111,21 @@ class TorchEngine:
         self._loaded = loaded
         self._tokenizer: Tokenizer = loaded.tokenizer
         self._config = config
-        self._cache = loaded.new_kv_cache(num_blocks=config.num_kv_blocks, block_size=config.block_size)
+        self._cache = loaded.new_kv_cache(
+            num_blocks=config.num_kv_blocks, block_size=config.block_size
+        )
         self._layout = self._cache.layout(loaded.fingerprint)
         self._lock = threading.Lock()
         # one free list: the cache's own allocator (its statistics stay true)
         self._blocks = BlockOwnership(self._cache.allocator, config.block_size)  # under _lock
         self._in_engine: set[str] = set()  # requests the engine thread may touch; under _lock
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._running_count = 0
+        self._inbox: queue.SimpleQueue[_PrefillJob | _DecodeSeq | _Abort | _Stop] = (
+            queue.SimpleQueue()
+        )
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(config.seed)
         self._tokenize_limiter = trio.CapacityLimiter(1)
+        self._thread: threading.Thread | None = None  # the engine thread of the latest run
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> TorchEngine:
@@ -160,28 +179,29 @@ class TorchEngine:
             )
         return ids
 
-    def _budget(self, prompt_tokens: int, sampling: SamplingParams) -> int:
-        return token_budget(
-            prompt_tokens,
-            sampling.max_tokens,
-            max_model_len=self.max_model_len,
-            kv_capacity_tokens=self._blocks.num_blocks * self._blocks.block_size,
-        )
-
     # --- prefill ----------------------------------------------------------------------
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        max_tokens: int | None,
     ) -> PrefillResult:
-        budget = self._budget(len(prompt_token_ids), sampling)
+        budget = token_budget(
+            len(prompt_token_ids),
+            max_tokens,
+            max_model_len=self.max_model_len,
+            kv_capacity_tokens=self._blocks.num_blocks * self._blocks.block_size,
+        )
         with self._lock:
             table = list(self._blocks.ensure(request_id, len(prompt_token_ids)))
             self._in_engine.add(request_id)
         done = trio.Event()
-        outcome: list[Any] = []
+        outcome: list[PrefillResult | BaseException] = []
         token = trio.lowlevel.current_trio_token()
 
-        def deliver(result: Any) -> None:
+        def deliver(result: PrefillResult | BaseException) -> None:
             outcome.append(result)
             done.set()
 
@@ -204,7 +224,6 @@ class TorchEngine:
         if isinstance(result, BaseException):
             self.free_request(request_id)
             raise result
-        assert isinstance(result, PrefillResult)
         return result
 
     # --- blocks -------------------------------------------------------------------------
@@ -237,28 +256,42 @@ class TorchEngine:
         prompt_token_ids: list[int],
         first_token_id: int,
         sampling: SamplingParams,
-        remaining_tokens: int,
+        token_budget: int,
+        tokens_generated: int,
         cached_tokens: int,
     ) -> None:
-        if remaining_tokens <= 0:
-            raise EngineError(f"request {request_id} has no token budget left")
+        if tokens_generated < 1 or tokens_left(token_budget, tokens_generated) <= 0:
+            raise EngineError(
+                f"request {request_id} has no token budget left "
+                f"({tokens_generated} of {token_budget} spent)"
+            )
+        vocab = self._loaded.config.vocab_size
+        if not all(0 <= t < vocab for t in (*prompt_token_ids, first_token_id)):
+            raise EngineError(f"request {request_id} has token ids out of the vocabulary")
+        processor = OutputProcessor(
+            IncrementalDetokenizer(self._tokenizer, prompt_token_ids),
+            sampling,
+            token_budget=token_budget,
+            tokens_generated=tokens_generated,
+            eos_token_ids=self._tokenizer.eos_token_ids,
+        )
+        # the first token's text went out from prefill; a stop string may begin in it
+        processor.replay(first_token_id)
+        # KV holds the prompt and every generated token but the last
+        position = len(prompt_token_ids) + tokens_generated - 1
         with self._lock:
             table = list(self._blocks.owned(request_id))
-            needed = blocks_needed(len(prompt_token_ids) + remaining_tokens + 1, self._blocks.block_size)
+            needed = blocks_needed(len(prompt_token_ids) + token_budget, self._blocks.block_size)
             if len(table) < needed:
                 raise EngineError(f"request {request_id} owns {len(table)} blocks, needs {needed}")
             self._in_engine.add(request_id)
-        processor = OutputProcessor(
-            self._tokenizer, prompt_token_ids, sampling, max_new_tokens=remaining_tokens + 1
-        )
-        processor.push(first_token_id)  # replay: the first token's text went out from prefill
         seq = _DecodeSeq(
             request_id=request_id,
             sampling=sampling,
             block_table=table,
             processor=processor,
             last_token=first_token_id,
-            position=len(prompt_token_ids),
+            position=position,
             prompt_tokens=len(prompt_token_ids),
             cached_tokens=cached_tokens,
         )
@@ -272,20 +305,25 @@ class TorchEngine:
 
     async def run(
         self,
-        outputs: trio.MemorySendChannel[StepOutputs],
+        outputs: trio.MemorySendChannel[EngineOutput],
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        previous = self._thread
+        if previous is not None and previous.is_alive():
+            # two engine threads must never share the inbox: let the last run's one finish
+            await trio.to_thread.run_sync(previous.join, abandon_on_cancel=True)
         token = trio.lowlevel.current_trio_token()
         crashed: list[BaseException] = []
+        stop = _Stop()
 
-        def send_outputs(entries: StepOutputs) -> None:
+        def send_outputs(entries: EngineOutput) -> None:
             trio.from_thread.run(outputs.send, entries, trio_token=token)
 
         def thread_main() -> None:
             try:
                 with torch.inference_mode():
-                    self._loop(send_outputs)
+                    self._loop(send_outputs, stop)
             except (trio.RunFinishedError, trio.Cancelled):
                 pass
             except BaseException as exc:  # reported to the trio side below
@@ -293,17 +331,21 @@ class TorchEngine:
                 token.run_sync_soon(lambda: None)
 
         thread = threading.Thread(target=thread_main, name="pdtrio-engine", daemon=True)
-        async with outputs:
-            thread.start()
-            task_status.started()
-            try:
+        self._thread = thread
+        thread.start()
+        try:
+            async with outputs:
+                task_status.started()
                 await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
-            finally:
-                self._inbox.put(_STOP)
+        finally:
+            self._inbox.put(stop)
+            # outputs is closed: a send the thread waits in fails, so it ends within a step
+            with trio.move_on_after(_STOP_GRACE_S, shield=True):
+                await trio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
         if crashed:
             raise EngineError(f"the engine thread crashed: {crashed[0]!r}") from crashed[0]
 
-    def _loop(self, send_outputs: Callable[[StepOutputs], None]) -> None:
+    def _loop(self, send_outputs: Callable[[EngineOutput], None], stop: _Stop) -> None:
         prefills: list[_PrefillJob] = []
         running: dict[str, _DecodeSeq] = {}
         max_batch = self._config.max_batch_size
@@ -317,8 +359,10 @@ class TorchEngine:
                 except queue.Empty:
                     break
             for item in items:
-                if item is _STOP:
+                if item is stop:
                     return
+                if isinstance(item, _Stop):
+                    continue  # an earlier run's, whose thread ended some other way
                 if isinstance(item, _PrefillJob):
                     prefills.append(item)
                 elif isinstance(item, _DecodeSeq):
@@ -352,18 +396,20 @@ class TorchEngine:
             banned += [self._banned(s.sampling, s.processor.num_generated) for s in step_decodes]
             try:
                 logits = self._loaded.model.forward_paged(seqs, self._cache)
-                tokens = sample(logits, params, positions, banned_token_ids=banned, generator=self._generator)
+                tokens = sample(
+                    logits, params, positions, banned_token_ids=banned, generator=self._generator
+                )
             except (RuntimeError, ValueError) as exc:
                 log.exception("engine step failed")
                 for job in step_prefills:
                     job.deliver(EngineError(f"prefill step failed: {exc}"))
                     self._forget(job.request_id)
-                step_failed = [[s.request_id, [], "", "abort", None] for s in step_decodes]
                 for s in step_decodes:
                     running.pop(s.request_id, None)
                     self._forget(s.request_id)
-                if step_failed:
-                    send_outputs(step_failed)
+                if step_decodes:
+                    lost = tuple(s.request_id for s in step_decodes)
+                    send_outputs(StepFailed(lost, f"decode step failed: {exc}"))
                 continue
             for job, first in zip(step_prefills, tokens[: len(step_prefills)], strict=True):
                 self._finish_prefill(job, first)
@@ -372,13 +418,13 @@ class TorchEngine:
                 text, finish = seq.processor.push(token_id)
                 seq.last_token = token_id
                 seq.position += 1
-                usage = None
+                usage: Usage | None = None
                 if finish is not None:
                     generated = seq.processor.num_generated
-                    usage = [seq.prompt_tokens, generated, seq.cached_tokens]
+                    usage = Usage(seq.prompt_tokens, generated, seq.cached_tokens)
                     running.pop(seq.request_id, None)
                     self._forget(seq.request_id)
-                entries.append([seq.request_id, [token_id], text, finish, usage])
+                entries.append(TokenEntry(seq.request_id, [token_id], text, finish, usage))
             if entries:
                 send_outputs(entries)
 
@@ -389,15 +435,20 @@ class TorchEngine:
 
     def _finish_prefill(self, job: _PrefillJob, first: int) -> None:
         processor = OutputProcessor(
-            self._tokenizer, job.prompt_token_ids, job.sampling, max_new_tokens=job.budget
+            IncrementalDetokenizer(self._tokenizer, job.prompt_token_ids),
+            job.sampling,
+            token_budget=job.budget,
+            eos_token_ids=self._tokenizer.eos_token_ids,
         )
         text, finish = processor.push(first)
+        usage: Usage | None = None
         with self._lock:
             self._in_engine.discard(job.request_id)
             table = tuple(self._blocks.owned(job.request_id))
             if finish is not None:
                 self._blocks.release(job.request_id)
                 table = ()
+                usage = Usage(len(job.prompt_token_ids), processor.num_generated, 0)
         job.deliver(
             PrefillResult(
                 first_token_id=first,
@@ -405,7 +456,8 @@ class TorchEngine:
                 finish_reason=finish,
                 block_ids=table,
                 cached_tokens=0,
-                remaining_tokens=job.budget - 1,
+                token_budget=job.budget,
+                usage=usage,
             )
         )
 

@@ -1,0 +1,110 @@
+"""Whether a decode instance takes a prefilled request, and getting its KV here if so.
+
+Admission checks the start (layout, budget, handle), reserves blocks for the
+whole request, and moves the prompt's KV into them: over the transport from
+another instance, or by taking over the prefill lease when prefill ran here.
+It answers with a value, never an exception, and leaves nothing allocated
+unless it accepts.  The decode link decides what to send; admission sends
+nothing.
+"""
+
+from __future__ import annotations
+
+from typing import final
+
+import attrs
+
+from pdtrio.engine.api import Engine, NoRoom
+from pdtrio.engine.blocks import blocks_needed
+from pdtrio.engine.budget import tokens_left
+from pdtrio.kv.api import KvTransferError, KvTransport
+from pdtrio.protocol.kv_layout import layout_mismatch
+from pdtrio.protocol.wire import DecodeStart, RejectReason
+from pdtrio.worker.leases import KvLeases
+
+
+@final
+@attrs.frozen
+class Accepted:
+    """The engine owns blocks for the whole request, the prompt's KV in them."""
+
+
+@final
+@attrs.frozen
+class Rejected:
+    """Nothing is allocated for the request; ``message`` says why, for the client."""
+
+    reason: RejectReason
+    message: str
+
+
+Decision = Accepted | Rejected
+
+_ACCEPTED = Accepted()
+
+
+@final
+class DecodeAdmission:
+    def __init__(
+        self, engine: Engine, leases: KvLeases, transport: KvTransport, instance_id: str
+    ) -> None:
+        self._engine = engine
+        self._leases = leases
+        self._transport = transport
+        self._instance_id = instance_id
+
+    async def admit(self, start: DecodeStart) -> Decision:
+        """Accept the request with its KV in place, or reject it; frees all on the way out.
+
+        Cancellation (the router aborted) frees whatever was allocated, too.
+        """
+        engine = self._engine
+        handle = start.kv_handle
+        mismatch = layout_mismatch(handle.layout, engine.layout)
+        if mismatch is not None:
+            return Rejected(RejectReason.LAYOUT_MISMATCH, mismatch)
+        problem = _malformed(start)
+        if problem is not None:
+            return Rejected(RejectReason.BAD_REQUEST, problem)
+        request_id = start.request_id
+        total_tokens = len(start.prompt_token_ids) + start.token_budget
+        accepted = False
+        try:
+            if handle.instance_id == self._instance_id:
+                # prefill ran here: its blocks become the request's, no copy
+                if not self._leases.hand_over(request_id):
+                    return Rejected(RejectReason.TRANSFER_FAILED, "the KV lease has expired")
+                engine.allocate_blocks(request_id, total_tokens)
+            else:
+                blocks = engine.allocate_blocks(request_id, total_tokens)
+                await self._transport.pull(handle, engine, blocks[: len(handle.block_ids)])
+            accepted = True
+            return _ACCEPTED
+        except NoRoom as exc:
+            return Rejected(RejectReason.NO_ROOM, f"decode has no KV room: {exc}")
+        except KvTransferError as exc:
+            return Rejected(RejectReason.TRANSFER_FAILED, str(exc))
+        finally:
+            if not accepted:
+                engine.free_request(request_id)
+
+
+def _malformed(start: DecodeStart) -> str | None:
+    """What makes the start impossible to run, whatever instance gets it."""
+    handle = start.kv_handle
+    prompt_tokens = len(start.prompt_token_ids)
+    if handle.request_id != start.request_id:
+        return f"the KV handle is for {handle.request_id!r}, not {start.request_id!r}"
+    if handle.num_tokens != prompt_tokens:
+        return f"the KV handle holds {handle.num_tokens} tokens, the prompt has {prompt_tokens}"
+    expected_blocks = blocks_needed(prompt_tokens, handle.layout.block_size)
+    if len(handle.block_ids) != expected_blocks:
+        return f"the KV handle names {len(handle.block_ids)} blocks, expected {expected_blocks}"
+    if start.tokens_generated < 1 or tokens_left(start.token_budget, start.tokens_generated) < 1:
+        return (
+            f"no token left to generate: {start.tokens_generated} of a budget of "
+            f"{start.token_budget} spent"
+        )
+    if not 0 <= start.cached_tokens <= prompt_tokens:
+        return f"cached_tokens {start.cached_tokens} is not within the prompt's {prompt_tokens}"
+    return None

@@ -1,0 +1,127 @@
+"""The torch engine behind the engine API: a handed-over request goes on exactly as colocated."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import trio
+
+pytest.importorskip("torch")
+
+from pdtrio.config import EngineConfig  # noqa: E402
+from pdtrio.engine.api import EngineError, EngineOutput, StepFailed  # noqa: E402
+from pdtrio.engine.torch.engine import TorchEngine  # noqa: E402
+from pdtrio.protocol.sampling import SamplingParams  # noqa: E402
+from pdtrio.protocol.wire import TextPrompt, TokenEntry, Usage  # noqa: E402
+
+TINY = EngineConfig(kind="torch", model="tiny-random", dtype="float64", num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[TorchEngine, TorchEngine]:
+    return TorchEngine.from_config(TINY), TorchEngine.from_config(TINY)
+
+
+@asynccontextmanager
+async def running(
+    engine: TorchEngine,
+) -> AsyncIterator[trio.MemoryReceiveChannel[EngineOutput]]:
+    send, receive = trio.open_memory_channel[EngineOutput](16)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run, send)
+        yield receive
+        nursery.cancel_scope.cancel()
+
+
+async def complete(
+    prefill: TorchEngine, decode: TorchEngine, sampling: SamplingParams, max_tokens: int
+) -> tuple[str, str | None, Usage | None, list[int]]:
+    """Prefill on one engine, hand the KV over (unless it is the same one), decode to the end."""
+    async with AsyncExitStack() as stack:
+        outputs = await stack.enter_async_context(running(decode))
+        if prefill is not decode:
+            await stack.enter_async_context(running(prefill))
+        ids = await prefill.tokenize(TextPrompt("the torch engine says"))
+        result = await prefill.prefill("r", ids, sampling, max_tokens)
+        if result.finish_reason is not None:
+            assert prefill.statistics().kv_blocks_in_use == 0
+            return result.first_text, result.finish_reason, result.usage, [result.first_token_id]
+        blocks = decode.allocate_blocks("r", len(ids) + result.token_budget)
+        if decode is not prefill:
+            data = await prefill.read_blocks(result.block_ids)
+            await decode.write_blocks(blocks[: len(result.block_ids)], data)
+            prefill.free_request("r")
+        await decode.start_decode(
+            "r", ids, result.first_token_id, sampling, result.token_budget, 1, 0
+        )
+        entries: list[TokenEntry] = []
+        with trio.fail_after(60):
+            async for step in outputs:
+                assert not isinstance(step, StepFailed)
+                entries += step
+                if entries[-1].finish_reason is not None:
+                    break
+    assert decode.statistics().kv_blocks_in_use == 0
+    assert all(e.usage is None for e in entries[:-1])
+    tokens = [result.first_token_id, *(t for e in entries for t in e.token_ids)]
+    return (
+        result.first_text + "".join(e.text for e in entries),
+        entries[-1].finish_reason,
+        (entries[-1].usage),
+        tokens,
+    )
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=0, ignore_eos=True),
+        SamplingParams(seed=5, top_k=40, ignore_eos=True),
+    ],
+)
+async def test_handed_over_equals_colocated_and_decode_counts_the_whole_budget(
+    engines: tuple[TorchEngine, TorchEngine], sampling: SamplingParams
+) -> None:
+    one, other = engines
+    colocated = await complete(one, one, sampling, 9)
+    handed_over = await complete(one, other, sampling, 9)
+    assert handed_over == colocated
+    _, finish, usage, tokens = colocated
+    assert finish == "length" and len(tokens) == 9
+    assert usage is not None and usage.completion_tokens == 9
+
+
+async def test_a_stop_string_across_the_first_token_agrees_between_modes(
+    engines: tuple[TorchEngine, TorchEngine],
+) -> None:
+    one, other = engines
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    text, _, _, _ = await complete(one, one, greedy, 12)
+    if len(text) < 6:
+        pytest.skip("the tiny model said too little to place a stop string")
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = SamplingParams(temperature=0, ignore_eos=True, stop=(stop,))
+    colocated = await complete(one, one, cut, 12)
+    assert await complete(one, other, cut, 12) == colocated
+    assert colocated[0] == text[: text.find(stop)] and colocated[1] == "stop"
+
+
+async def test_a_budget_of_one_finishes_at_prefill_with_its_usage(
+    engines: tuple[TorchEngine, TorchEngine],
+) -> None:
+    one, _ = engines
+    _, finish, usage, tokens = await complete(one, one, SamplingParams(temperature=0), 1)
+    assert finish in ("length", "stop") and len(tokens) == 1
+    assert usage is not None and usage.completion_tokens == 1
+
+
+async def test_a_start_with_nothing_left_to_generate_is_refused(
+    engines: tuple[TorchEngine, TorchEngine],
+) -> None:
+    one, _ = engines
+    with pytest.raises(EngineError, match="no token budget left"):
+        await one.start_decode("x", [5, 6], 7, SamplingParams(), 3, 3, 0)
+    with pytest.raises(EngineError, match="out of the vocabulary"):
+        await one.start_decode("x", [5, 6], -1, SamplingParams(), 3, 1, 0)
