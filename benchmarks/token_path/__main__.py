@@ -1,0 +1,223 @@
+"""``python -m benchmarks.token_path``: the three sections, their table and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.token_path import ingest, producer, sse_clients
+from benchmarks.token_path.end_to_end import run_e2e
+from benchmarks.token_path.light_load import run_latency
+from benchmarks.token_path.measure import router_and_load_cpus
+
+# what a process started by measure.start_role runs
+ROLES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "producer": producer.run,
+    "ingest-router": ingest.run_router,
+    "sse-clients": sse_clients.run,
+}
+
+
+def _table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)
+    ]
+    lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join(lines)
+
+
+def _fmt(value: Any, spec: str = ".1f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and value != value:
+        return "nan"
+    return format(value, spec)
+
+
+def _ingest_table(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        _table(
+            "\n1. ingest: one router core absorbing token frames (K entries x T tokens per frame)",
+            [
+                "KxT",
+                "tok/frame",
+                "tokens/s/core",
+                "frames/s/core",
+                "us/token",
+                "router util",
+                "tok/SSE chunk",
+                "profiled",
+            ],
+            [
+                [
+                    f"{r['entries_per_frame']}x{r['tokens_per_entry']}",
+                    str(r["tokens_per_frame"]),
+                    _fmt(r["tokens_per_cpu_s"], ",.0f"),
+                    _fmt(r["frames_per_cpu_s"], ",.0f"),
+                    _fmt(r["us_per_token"], ".2f"),
+                    _fmt(r["router_util"] * 100, ".0f") + "%",
+                    _fmt(r["tokens_per_sse_chunk"], ".1f"),
+                    "yes" if r["profiled"] else "",
+                ]
+                for r in rows
+            ],
+        )
+    ]
+    for r in rows:
+        if r.get("profile_top"):
+            out.append(
+                f"\n  py-spy {r['entries_per_frame']}x{r['tokens_per_entry']} "
+                f"({r['profile']}), self %:"
+            )
+            out += [f"    {pct:5.1f}  {frame}" for frame, pct in r["profile_top"]["self"][:15]]
+            out.append("  inclusive %:")
+            out += [f"    {pct:5.1f}  {frame}" for frame, pct in r["profile_top"]["inclusive"][:20]]
+    return out
+
+
+def _e2e_table(rows: list[dict[str, Any]]) -> str:
+    return _table(
+        "\n2. end to end: hypercorn router on one core, synthetic workers, raw SSE clients",
+        [
+            "clients",
+            "offered tok/s",
+            "tokens/s",
+            "tok/event",
+            "router us/tok",
+            "router util",
+            "decode us/tok",
+            "router/decode",
+            "load core",
+            "ITL p50 ms",
+            "ITL p99 ms",
+            "worst p99",
+            "TTFT p50 ms",
+            "failures",
+        ],
+        [
+            [
+                str(r["clients"]),
+                _fmt(r["offered_tokens_per_s"], ",.0f"),
+                _fmt(r["tokens_per_s"], ",.0f"),
+                _fmt(r["tokens_per_event"], ".2f"),
+                _fmt(r["router_us_per_token"]),
+                _fmt(r["router_util"] * 100, ".0f") + "%",
+                _fmt(r["decode_us_per_token"]),
+                _fmt(r["router_over_decode"], ".2f"),
+                _fmt(r["load_core_util"] * 100, ".0f") + "%",
+                _fmt(r["itl_p50_ms"], ".2f"),
+                _fmt(r["itl_p99_ms"], ".2f"),
+                _fmt(r["itl_p99_worst_ms"], ".2f"),
+                _fmt(r["ttft_p50_ms"], ".1f"),
+                str(sum(r["failures"].values())),
+            ]
+            for r in rows
+        ],
+    )
+
+
+def _latency_table(rows: list[dict[str, Any]]) -> str:
+    return _table(
+        "\n3. light load: one stream; added = router client arrival"
+        " - direct websocket arrival, same engine step",
+        [
+            "coalesce",
+            "tok/s",
+            "steps",
+            "ITL router p50/p99 ms",
+            "ITL direct p50/p99 ms",
+            "added p50 us",
+            "added p99 us",
+            "added mean us",
+            "mismatched",
+        ],
+        [
+            [
+                "on" if r["coalesce"] else "off",
+                _fmt(r["tokens_per_s"], ".0f"),
+                str(r["samples"]),
+                f"{_fmt(r['itl_router_p50_ms'], '.2f')} / {_fmt(r['itl_router_p99_ms'], '.2f')}",
+                f"{_fmt(r['itl_direct_p50_ms'], '.2f')} / {_fmt(r['itl_direct_p99_ms'], '.2f')}",
+                _fmt(r["added_p50_us"], ".0f"),
+                _fmt(r["added_p99_us"], ".0f"),
+                _fmt(r["added_mean_us"], ".0f"),
+                str(r["mismatched_steps"]),
+            ]
+            for r in rows
+        ],
+    )
+
+
+def render(report: dict[str, Any]) -> str:
+    out = [f"token path benchmark ({'quick' if report['quick'] else 'full'}), {report['machine']}"]
+    if report.get("ingest"):
+        out += _ingest_table(report["ingest"])
+    if report.get("e2e"):
+        out.append(_e2e_table(report["e2e"]))
+    if report.get("latency"):
+        out.append(_latency_table(report["latency"]))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.token_path",
+        description="The token path: decode worker -> router -> SSE, measured three ways.",
+    )
+    parser.add_argument("--quick", action="store_true", help="short runs (under a minute in all)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--only", default="ingest,e2e,latency", help="comma-separated phases")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="also py-spy the ingest router (1x1 and 16x1) into this folder",
+    )
+    parser.add_argument(
+        "--e2e-step-ms", type=float, default=10.0, help="decode step of the e2e load"
+    )
+    parser.add_argument(
+        "--latency-rate", type=float, default=200.0, help="tokens/s of the light-load stream"
+    )
+    parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role:
+        ROLES[args.role](json.loads(args.spec))
+        return 0
+    phases = {p.strip() for p in args.only.split(",") if p.strip()}
+    router_cpu, load_cpu = router_and_load_cpus()
+    if router_cpu == load_cpu:
+        print("warning: one CPU only; router and load share it", file=sys.stderr)
+    os.sched_setaffinity(0, {load_cpu})
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "quick": args.quick,
+        "machine": f"{os.cpu_count()} cpus, router on cpu {router_cpu}, load on cpu {load_cpu}",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    started = time.perf_counter()
+    if "ingest" in phases:
+        report["ingest"] = ingest.run_ingest(args.quick, args.profile)
+    if "e2e" in phases:
+        report["e2e"] = run_e2e(args.quick, args.e2e_step_ms / 1e3)
+    if "latency" in phases:
+        report["latency"] = run_latency(args.quick, args.latency_rate)
+    report["elapsed_s"] = time.perf_counter() - started
+    print(render(report))
+    print(f"\n({report['elapsed_s']:.0f}s)")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

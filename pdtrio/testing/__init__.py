@@ -1,0 +1,42 @@
+"""Helpers for driving pdtrio from outside: its processes, as tests and benchmarks start them.
+
+Nothing here is imported by the router or the workers, and nothing here needs torch.
+"""
+
+from pdtrio.testing.processes import (
+    LOOPBACK,
+    READY_PREFIX,
+    ProcessError,
+    Processes,
+    Service,
+    alive,
+    command_line,
+    cpu_seconds,
+    descendants,
+    free_port,
+    pin,
+    router_command,
+    router_config_toml,
+    synthetic_worker_config,
+    worker_command,
+    write_router_config,
+)
+
+__all__ = [
+    "LOOPBACK",
+    "READY_PREFIX",
+    "ProcessError",
+    "Processes",
+    "Service",
+    "alive",
+    "command_line",
+    "cpu_seconds",
+    "descendants",
+    "free_port",
+    "pin",
+    "router_command",
+    "router_config_toml",
+    "synthetic_worker_config",
+    "worker_command",
+    "write_router_config",
+]
