@@ -136,16 +136,12 @@ class StreamShaper:
             raise ValueError("delta() after a finish_reason was sent")
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        if usage is None:
-            self._completion_tokens += num_tokens
-        else:
-            # decode's count is authoritative (it covers tokens a stop string cut)
-            self._prompt_tokens = usage.prompt_tokens
-            self._completion_tokens = usage.completion_tokens
-            self._cached_tokens = usage.cached_tokens
         if not text and finish_reason is None:
+            self._count(num_tokens, usage)
             return b""
+        # the role chunk reports what was generated before this delta
         out = self._role_chunk() if not self._role_sent else ""
+        self._count(num_tokens, usage)
         if finish_reason is None:
             if self._continuous:
                 return (
@@ -182,6 +178,15 @@ class StreamShaper:
         return out.encode() + DONE_EVENT
 
     # --- internals -------------------------------------------------------------------
+
+    def _count(self, num_tokens: int, usage: Usage | None) -> None:
+        if usage is None:
+            self._completion_tokens += num_tokens
+        else:
+            # decode's final count is authoritative (it covers tokens a stop string cut)
+            self._prompt_tokens = usage.prompt_tokens
+            self._completion_tokens = usage.completion_tokens
+            self._cached_tokens = usage.cached_tokens
 
     def _close(self) -> None:
         if self._closed:

@@ -92,6 +92,9 @@ class RequestPipeline:
             )
         self.headers_sent = False
         self.client_gone = False
+        # the last body message is going out: a disconnect after it is hypercorn closing
+        # the connection, not the client leaving
+        self._response_complete = False
         self._writing = False  # a body write is under way (a cancelled one leaves the wire torn)
         # what cleanup must undo, and where
         self.lifecycle = RequestLifecycle()
@@ -140,8 +143,9 @@ class RequestPipeline:
         while True:
             message = await self._receive()
             if message["type"] == "http.disconnect":
-                self.client_gone = True
-                cancel_scope.cancel()
+                if not self._response_complete:
+                    self.client_gone = True
+                    cancel_scope.cancel()
                 return
 
     # --- the pipeline --------------------------------------------------------------
@@ -297,6 +301,7 @@ class RequestPipeline:
         await self._send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
 
     async def _finish(self) -> None:
+        self._response_complete = True
         if self.shaper is not None:
             await self._send({"type": "http.response.body", "body": self.shaper.done(), "more_body": False})
             return
