@@ -53,4 +53,3 @@ async def send_bytes(
 async def send_json(send: Send, status: int, payload: Any) -> None:
     body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
     await send_bytes(send, status, body, b"application/json")
-

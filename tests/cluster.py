@@ -45,9 +45,15 @@ class Cluster:
         )
 
 
-def synthetic_worker(role: str, *, flush: FlushConfig | None = None, **engine_overrides: Any) -> Worker:
+def synthetic_worker(
+    role: str, *, flush: FlushConfig | None = None, **engine_overrides: Any
+) -> Worker:
     synthetic = SyntheticEngineConfig(
-        **{k: v for k, v in engine_overrides.items() if k in attrs.fields_dict(SyntheticEngineConfig)}
+        **{
+            k: v
+            for k, v in engine_overrides.items()
+            if k in attrs.fields_dict(SyntheticEngineConfig)
+        }
     )
     engine_config = EngineConfig(
         kind="synthetic",
@@ -87,7 +93,9 @@ async def running_cluster(
         for worker in workers:
             ready = await nursery.start(worker.run)
             instances.append(
-                InstanceConfig(role=worker.config.role, url=f"http://127.0.0.1:{ready['http_port']}")
+                InstanceConfig(
+                    role=worker.config.role, url=f"http://127.0.0.1:{ready['http_port']}"
+                )
             )
         config = PdtrioConfig(router=router or RouterConfig(), instances=tuple(instances))
         app = RouterApp(config)

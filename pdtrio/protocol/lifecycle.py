@@ -112,7 +112,9 @@ class RequestLifecycle:
         try:
             self._state = _TRANSITIONS[(self._state, event)]
         except KeyError:
-            raise LifecycleError(f"{event.name} cannot happen in state {self._state.name}") from None
+            raise LifecycleError(
+                f"{event.name} cannot happen in state {self._state.name}"
+            ) from None
         return self._state
 
     def owed(self) -> Cleanup:

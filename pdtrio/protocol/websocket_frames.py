@@ -179,7 +179,9 @@ class ClientFrameReader:
                 stop = start + length
                 if length > limit:
                     return self._violation(
-                        batch, CLOSE_MESSAGE_TOO_BIG, f"a message of {length} bytes is over the limit"
+                        batch,
+                        CLOSE_MESSAGE_TOO_BIG,
+                        f"a message of {length} bytes is over the limit",
                     )
                 if stop > end:
                     break

@@ -76,9 +76,13 @@ class RouterApp:
         state = scope.get("state") or {}
         router = state.get("router")
         if router is None:
-            await send_json(send, 503, service_unavailable(
-                "the router is not running (" + TRIO_ONLY_MESSAGE + ")"
-            ).to_body())
+            await send_json(
+                send,
+                503,
+                service_unavailable(
+                    "the router is not running (" + TRIO_ONLY_MESSAGE + ")"
+                ).to_body(),
+            )
             return
         path: str = scope["path"]
         method: str = scope["method"]
@@ -88,12 +92,16 @@ class RouterApp:
                     raise OpenAIError(f"{method} is not allowed on {path}; use POST", status=405)
                 await self._completion(router, scope, receive, send, path == "/v1/chat/completions")
             elif path == "/v1/models" and method == "GET":
-                await send_json(send, 200, models_list_body(router.models, created=int(time.time())))
+                await send_json(
+                    send, 200, models_list_body(router.models, created=int(time.time()))
+                )
             elif path == "/health" and method == "GET":
                 health = router.health()
                 await send_json(send, 200 if health["status"] == "ok" else 503, health)
             elif path == "/metrics" and method == "GET":
-                await send_bytes(send, 200, router.metrics_text().encode(), b"text/plain; version=0.0.4")
+                await send_bytes(
+                    send, 200, router.metrics_text().encode(), b"text/plain; version=0.0.4"
+                )
             else:
                 raise not_found(f"no route {method} {path}")
         except OpenAIError as exc:
@@ -119,4 +127,3 @@ class RouterApp:
         )
         pipeline = RequestPipeline(router, request, "chat" if chat else "completion", receive, send)
         await pipeline.run()
-

@@ -53,9 +53,19 @@ class WorkerProcess:
         raw: dict[str, Any] = worker_config_to_dict(self.worker_config)
         raw["role"] = self.role
         raw["instance_id"] = self.name
-        return [sys.executable, "-m", "pdtrio", "worker", "--config-json", json.dumps(raw), "--exit-with-stdin"]
+        return [
+            sys.executable,
+            "-m",
+            "pdtrio",
+            "worker",
+            "--config-json",
+            json.dumps(raw),
+            "--exit-with-stdin",
+        ]
 
-    async def supervise(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def supervise(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Run the worker for the router's lifetime; the first start must succeed."""
         first = True
         while True:
@@ -171,7 +181,11 @@ async def _drain(stdout: trio.abc.ReceiveStream) -> None:
 
 def embedded_workers(config: EmbeddedClusterConfig) -> list[tuple[str, Role]]:
     workers: list[tuple[str, Role]] = []
-    for role, count in (("prefill", config.prefill), ("decode", config.decode), ("both", config.both)):
+    for role, count in (
+        ("prefill", config.prefill),
+        ("decode", config.decode),
+        ("both", config.both),
+    ):
         for index in range(count):
             workers.append((f"{role}-{index}", role))  # type: ignore[arg-type]
     return workers

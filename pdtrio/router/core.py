@@ -55,7 +55,9 @@ class Instance:
 
 @final
 class Router:
-    def __init__(self, config: PdtrioConfig, nursery: trio.Nursery, http: httpx.AsyncClient) -> None:
+    def __init__(
+        self, config: PdtrioConfig, nursery: trio.Nursery, http: httpx.AsyncClient
+    ) -> None:
         self.config = config
         self.http = http
         self._nursery = nursery
@@ -79,7 +81,9 @@ class Router:
         The instance's identity is the one it was registered with (``name``, which
         the embedded cluster also gives the worker), else the one the worker reports.
         """
-        response = await self.http.get(f"{url}/pd/info", timeout=self.config.router.connect_timeout_s)
+        response = await self.http.get(
+            f"{url}/pd/info", timeout=self.config.router.connect_timeout_s
+        )
         response.raise_for_status()
         info: dict[str, Any] = response.json()
         reported = str(info["instance_id"])
@@ -116,7 +120,9 @@ class Router:
     async def _wait_recovered(self, instance: Instance) -> None:
         backoff = 0.2
         while self.instances.get(instance.name) is instance and not instance.healthy:
-            await trio.sleep(backoff)  # a retry timer against another machine, not a poll of our own state
+            await trio.sleep(
+                backoff
+            )  # a retry timer against another machine, not a poll of our own state
             backoff = min(backoff * 2, 5.0)
             try:
                 response = await self.http.get(f"{instance.url}/health", timeout=2)
@@ -206,7 +212,9 @@ class Router:
                 )
         lines.append("# TYPE pdtrio_worker_restarts_total counter")
         for worker in self.workers:
-            lines.append(f'pdtrio_worker_restarts_total{{worker="{worker.name}"}} {worker.restarts}')
+            lines.append(
+                f'pdtrio_worker_restarts_total{{worker="{worker.name}"}} {worker.restarts}'
+            )
         return "\n".join(lines) + "\n"
 
 

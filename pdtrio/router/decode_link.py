@@ -70,7 +70,16 @@ class DecodeStream:
     reader calls :meth:`notify` after each change.
     """
 
-    __slots__ = ("request_id", "buffer", "accepted", "rejection", "failure", "cut_off", "_updated", "_lot")
+    __slots__ = (
+        "request_id",
+        "buffer",
+        "accepted",
+        "rejection",
+        "failure",
+        "cut_off",
+        "_updated",
+        "_lot",
+    )
 
     def __init__(self, request_id: str, max_pending_tokens: int) -> None:
         self.request_id = request_id
@@ -191,7 +200,9 @@ class DecodeLink:
             if stream is None:
                 continue  # aborted or already gone
             finish_reason = entry.finish_reason
-            result = stream.buffer.push(entry.text, len(entry.token_ids), finish_reason, entry.usage)
+            result = stream.buffer.push(
+                entry.text, len(entry.token_ids), finish_reason, entry.usage
+            )
             if result is _OVERFLOW:
                 self.clients_cut_off += 1
                 self._end(stream, CUT_OFF_MESSAGE, abort=True)

@@ -47,7 +47,9 @@ async def run_lifespan(
         failure = "; ".join(str(e) or repr(e) for e in leaves)
     if failure is not None:
         log.error("router start-up failed: %s", failure)
-        await send({"type": "lifespan.startup.failed", "message": f"pdtrio start-up failed: {failure}"})
+        await send(
+            {"type": "lifespan.startup.failed", "message": f"pdtrio start-up failed: {failure}"}
+        )
         return
     await send({"type": "lifespan.shutdown.complete"})
 
@@ -60,5 +62,3 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
         else:
             leaves.append(exc)
     return leaves
-
-

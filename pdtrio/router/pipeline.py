@@ -181,7 +181,9 @@ class RequestPipeline:
             lifecycle.handle(Event.PREFILL_SENT)
             instance.active_prefills += 1
             try:
-                with trio.move_on_at(min(deadline, trio.current_time() + prefill_timeout_s)) as timer:
+                with trio.move_on_at(
+                    min(deadline, trio.current_time() + prefill_timeout_s)
+                ) as timer:
                     response = await router.http.post(
                         f"{instance.url}/pd/prefill", content=body, headers=_MSGPACK_HEADERS
                     )
@@ -223,7 +225,9 @@ class RequestPipeline:
         while True:
             instance = self.router.pick_decode(frozenset(tried))
             if instance is None or instance.link is None:
-                raise service_unavailable(f"no decode instance could take the request: {last_reason}")
+                raise service_unavailable(
+                    f"no decode instance could take the request: {last_reason}"
+                )
             tried.add(instance.name)
             link = instance.link
             self.decode_link = link
@@ -303,7 +307,9 @@ class RequestPipeline:
     async def _finish(self) -> None:
         self._response_complete = True
         if self.shaper is not None:
-            await self._send({"type": "http.response.body", "body": self.shaper.done(), "more_body": False})
+            await self._send(
+                {"type": "http.response.body", "body": self.shaper.done(), "more_body": False}
+            )
             return
         usage = self._usage
         assert usage is not None  # _deliver refused a finish without it
@@ -327,7 +333,11 @@ class RequestPipeline:
                 # a client that is not reading must not hold this task: bounded
                 with trio.move_on_after(self.router.config.router.cleanup_grace_s):
                     await self._send(
-                        {"type": "http.response.body", "body": self.shaper.error(error), "more_body": False}
+                        {
+                            "type": "http.response.body",
+                            "body": self.shaper.error(error),
+                            "more_body": False,
+                        }
                     )
             return
         await send_json(self._send, error.status, error.to_body())
@@ -360,7 +370,11 @@ def _worker_error(response: httpx.Response, leg: str) -> OpenAIError:
         type_ = str(body.get("type") or "server_error")
         param = body.get("param")
     except (ValueError, KeyError, TypeError):
-        message, type_, param = f"{leg} failed with status {response.status_code}", "server_error", None
+        message, type_, param = (
+            f"{leg} failed with status {response.status_code}",
+            "server_error",
+            None,
+        )
     status = response.status_code
     if status >= 500 and status != 503:
         status = 502

@@ -75,7 +75,9 @@ async def connect_websocket(
                 raise HandshakeError(f"{url}: the handshake response is too large")
             chunk = await stream.receive_some(65536)
             if not chunk:
-                raise HandshakeError(f"{url}: the server closed the connection during the handshake")
+                raise HandshakeError(
+                    f"{url}: the server closed the connection during the handshake"
+                )
             head += chunk
         # wsproto sees the response head only; what follows is frames, for the reader
         try:
@@ -92,7 +94,9 @@ async def connect_websocket(
                     receive_size=receive_size,
                 )
             if isinstance(event, RejectConnection):
-                raise HandshakeError(f"{url}: the server refused the websocket (HTTP {event.status_code})")
+                raise HandshakeError(
+                    f"{url}: the server refused the websocket (HTTP {event.status_code})"
+                )
         raise HandshakeError(f"{url}: no handshake response")
     except BaseException:
         await trio.aclose_forcefully(stream)

@@ -115,7 +115,12 @@ def test_the_happy_path() -> None:
 
 def test_a_rejected_start_can_be_retried_on_another_decode() -> None:
     lifecycle = RequestLifecycle()
-    for event in (Event.PREFILL_SENT, Event.PREFILLED, Event.DECODE_START_SENT, Event.DECODE_NOT_STARTED):
+    for event in (
+        Event.PREFILL_SENT,
+        Event.PREFILLED,
+        Event.DECODE_START_SENT,
+        Event.DECODE_NOT_STARTED,
+    ):
         lifecycle.handle(event)
     assert lifecycle.owed() is Cleanup.RELEASE_ON_PREFILL
     lifecycle.handle(Event.DECODE_START_SENT)

@@ -22,7 +22,9 @@ def test_unhealthy_and_excluded_are_skipped() -> None:
 
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.booleans()), max_size=8), st.integers(0, 100))
-def test_the_choice_is_always_a_healthy_least_loaded_one(raw: list[tuple[int, bool]], turn: int) -> None:
+def test_the_choice_is_always_a_healthy_least_loaded_one(
+    raw: list[tuple[int, bool]], turn: int
+) -> None:
     candidates = [Candidate(str(i), load, healthy) for i, (load, healthy) in enumerate(raw)]
     chosen = pick_instance(candidates, turn=turn)
     healthy = [c for c in candidates if c.healthy]

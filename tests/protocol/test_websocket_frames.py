@@ -212,7 +212,11 @@ def test_text_messages_come_out_as_str() -> None:
     reader, _, server = _reader()
     data = _server_bytes(server, [TextMessage(data="héllo"), BytesMessage(data=b"x")])
     data += server.send(TextMessage(data="ü" * 200))
-    assert _feed(reader, _split(data, range(0, len(data), 3))).messages == ["héllo", b"x", "ü" * 200]
+    assert _feed(reader, _split(data, range(0, len(data), 3))).messages == [
+        "héllo",
+        b"x",
+        "ü" * 200,
+    ]
 
 
 def test_fragmented_messages_are_put_together_with_pings_between_fragments() -> None:
@@ -244,9 +248,7 @@ def test_a_utf8_character_split_across_text_fragments() -> None:
 
 def test_a_fragmented_message_over_the_limit_closes_with_1009() -> None:
     reader, _, server = _reader(max_message_size=100)
-    data = _server_bytes(
-        server, [BytesMessage(data=b"x" * 60, message_finished=False)] * 2
-    )
+    data = _server_bytes(server, [BytesMessage(data=b"x" * 60, message_finished=False)] * 2)
     fed = _feed(reader, [data])
     assert fed.closed == Closure(1009, "a fragmented message is over the limit", by_peer=False)
     assert fed.close_reply is not None and fed.close_reply.code == 1009

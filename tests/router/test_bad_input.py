@@ -19,13 +19,28 @@ CASES = [
     (CHAT, {"model": "synthetic", "messages": MSG, "max_tokens": -1}, 400, "max_tokens"),
     (CHAT, {"model": "synthetic", "messages": MSG, "max_tokens": "5"}, 400, "max_tokens"),
     (CHAT, {"model": "synthetic", "messages": MSG, "max_tokens": 10**12}, 400, "max_tokens"),
-    (CHAT, {"model": "synthetic", "messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    (
+        CHAT,
+        {"model": "synthetic", "messages": MSG, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
     (CHAT, {"model": "synthetic", "messages": MSG, "n": 2}, 400, "n"),
     (CHAT, {"model": "synthetic", "messages": MSG, "logprobs": True}, 400, "logprobs"),
     (CHAT, {"model": "synthetic", "messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
-    (CHAT, {"model": "synthetic", "messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (
+        CHAT,
+        {"model": "synthetic", "messages": MSG, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
     (CHAT, {"model": "synthetic", "messages": MSG, "temperature": "hot"}, 400, "temperature"),
-    (CHAT, {"model": "synthetic", "messages": MSG, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    (
+        CHAT,
+        {"model": "synthetic", "messages": MSG, "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
     (CHAT, {"model": "nope", "messages": MSG}, 404, "model"),
     (COMPLETIONS, {"model": "synthetic"}, 400, "prompt"),
     (COMPLETIONS, {"model": "synthetic", "prompt": ["a", "b"]}, 400, "prompt"),
@@ -35,11 +50,15 @@ CASES = [
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), CASES)
-async def test_bad_request_gets_openai_error(path: str, body: object, status: int, param: str | None) -> None:
+async def test_bad_request_gets_openai_error(
+    path: str, body: object, status: int, param: str | None
+) -> None:
     async with running_cluster() as cluster:
         async with client(cluster) as http:
             if isinstance(body, bytes):
-                response = await http.post(path, content=body, headers={"content-type": "application/json"})
+                response = await http.post(
+                    path, content=body, headers={"content-type": "application/json"}
+                )
             else:
                 response = await http.post(path, json=body)
     assert response.status_code == status, response.text
@@ -84,6 +103,8 @@ async def test_unknown_route_and_method() -> None:
 async def test_out_of_range_token_ids_rejected_by_prefill() -> None:
     async with running_cluster() as cluster:
         async with client(cluster) as http:
-            response = await http.post(COMPLETIONS, json={"model": "synthetic", "prompt": [5, 99999]})
+            response = await http.post(
+                COMPLETIONS, json={"model": "synthetic", "prompt": [5, 99999]}
+            )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "prompt"

@@ -88,7 +88,6 @@ async def test_decode_without_room_answers_503_and_leaks_nothing() -> None:
         await wait_until_idle(cluster)
 
 
-
 async def test_a_dead_prefill_is_skipped_and_taken_back_when_it_returns() -> None:
     import attrs
 

@@ -55,7 +55,9 @@ async def test_completion_stream_and_non_stream_agree() -> None:
                 )
                 if c.choices
             )
-            whole = api.completions.create(model="synthetic", prompt="Once upon", max_tokens=9, seed=3)
+            whole = api.completions.create(
+                model="synthetic", prompt="Once upon", max_tokens=9, seed=3
+            )
             return streamed, whole.choices[0].text, whole.usage
 
         streamed, whole, usage = await trio.to_thread.run_sync(call)

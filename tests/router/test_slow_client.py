@@ -48,7 +48,12 @@ async def test_a_stalled_client_is_cut_off_without_stalling_its_link() -> None:
                 with trio.fail_after(60):  # liveness bound, not a timing assertion
                     response = await http.post(
                         "/v1/completions",
-                        json={"model": "synthetic", "prompt": "meanwhile", "max_tokens": 3000, "stream": True},
+                        json={
+                            "model": "synthetic",
+                            "prompt": "meanwhile",
+                            "max_tokens": 3000,
+                            "stream": True,
+                        },
                     )
             assert response.status_code == 200
             assert response.text.endswith("data: [DONE]\n\n")

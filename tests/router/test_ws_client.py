@@ -155,7 +155,9 @@ async def test_a_masked_frame_from_the_server_closes_with_a_protocol_error() -> 
 
 async def test_a_message_over_the_limit_closes_with_1009() -> None:
     async def handler(stream: trio.SocketStream, ws: wsproto.WSConnection) -> None:
-        await stream.send_all(ws.send(BytesMessage(data=b"ok")) + ws.send(BytesMessage(data=b"x" * 2000)))
+        await stream.send_all(
+            ws.send(BytesMessage(data=b"ok")) + ws.send(BytesMessage(data=b"x" * 2000))
+        )
         await _read_events(stream, ws, CloseConnection)
 
     async with trio.open_nursery() as nursery:
