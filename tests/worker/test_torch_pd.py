@@ -78,15 +78,25 @@ async def test_stop_strings_and_min_tokens_agree_between_modes() -> None:
             async with client(cluster) as http:
                 whole = (await http.post("/v1/completions", json=base)).json()["choices"][0]
                 text = whole["text"]
-                stop = text[len(text) // 2 : len(text) // 2 + 2] if len(text) > 4 else "zz"
+                assert len(text) > 8, text  # 30 greedy tokens: room for a stop string inside
+                stop = text[len(text) // 4 : len(text) // 4 + 2]
                 cut = (await http.post("/v1/completions", json={**base, "stop": [stop]})).json()
-                outputs[roles] = (text, cut["choices"][0])
+                # min_tokens past the whole output: the stop string may not end it early
+                held = (
+                    await http.post(
+                        "/v1/completions", json={**base, "stop": [stop], "min_tokens": 30}
+                    )
+                ).json()
+                outputs[roles] = (text, cut["choices"][0], cut["usage"], held["choices"][0])
             await wait_until_idle(cluster)
     assert outputs[("prefill", "decode")] == outputs[("both",)]
-    text, cut = outputs[("both",)]
-    if len(text) > 4:
-        assert cut["finish_reason"] == "stop"
-        assert text.startswith(cut["text"])
+    text, cut, cut_usage, held = outputs[("both",)]
+    assert cut["finish_reason"] == "stop"
+    assert text.startswith(cut["text"]) and len(cut["text"]) < len(text)
+    # decode's count includes the tokens the stop string cut from the text
+    assert 1 <= cut_usage["completion_tokens"] < 30
+    assert held["finish_reason"] == "length"
+    assert held["text"] == text
 
 
 async def test_random_disconnects_leave_no_blocks_with_the_torch_engine() -> None:
