@@ -10,6 +10,17 @@ from __future__ import annotations
 from pdtrio.engine.api import PromptRejected
 
 
+def checked_token_ids(token_ids: tuple[int, ...], vocab_size: int) -> list[int]:
+    """A prompt given as token ids, refused (a 400) if any id is outside the vocabulary."""
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise PromptRejected(
+                f"token id {token_id} is out of range for a vocabulary of {vocab_size}",
+                param="prompt",
+            )
+    return list(token_ids)
+
+
 def token_budget(
     prompt_tokens: int, max_tokens: int | None, *, max_model_len: int, kv_capacity_tokens: int
 ) -> int:

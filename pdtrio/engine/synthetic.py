@@ -22,11 +22,10 @@ from pdtrio.engine.api import (
     EngineOutput,
     EngineStatistics,
     PrefillResult,
-    PromptRejected,
     StepOutputs,
 )
 from pdtrio.engine.blocks import BlockAllocator, BlockOwnership, blocks_needed
-from pdtrio.engine.budget import token_budget, tokens_left
+from pdtrio.engine.budget import checked_token_ids, token_budget, tokens_left
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
@@ -161,14 +160,7 @@ class SyntheticEngine:
             return [1, *(b + 4 for b in text.encode("utf-8")), 3]
         if isinstance(prompt, TextPrompt):
             return [1, *(b + 4 for b in prompt.text.encode("utf-8"))]
-        ids = list(prompt.token_ids)
-        bad = [t for t in ids if not 0 <= t < self._config.vocab_size]
-        if bad:
-            raise PromptRejected(
-                f"token id {bad[0]} is out of range for a vocabulary of {self._config.vocab_size}",
-                param="prompt",
-            )
-        return ids
+        return checked_token_ids(prompt.token_ids, self._config.vocab_size)
 
     # --- prefill ----------------------------------------------------------------
 

@@ -27,12 +27,11 @@ from pdtrio.engine.api import (
     EngineOutput,
     EngineStatistics,
     PrefillResult,
-    PromptRejected,
     StepFailed,
     StepOutputs,
 )
 from pdtrio.engine.blocks import BlockOwnership, blocks_needed
-from pdtrio.engine.budget import token_budget, tokens_left
+from pdtrio.engine.budget import checked_token_ids, token_budget, tokens_left
 from pdtrio.engine.detokenizer import IncrementalDetokenizer
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.engine.tokenizer import Tokenizer
@@ -170,14 +169,7 @@ class TorchEngine:
             return await trio.to_thread.run_sync(
                 tokenizer.encode, prompt.text, limiter=self._tokenize_limiter
             )
-        ids = list(prompt.token_ids)
-        vocab = self._loaded.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise PromptRejected(
-                f"token id {bad[0]} is out of range for a vocabulary of {vocab}", param="prompt"
-            )
-        return ids
+        return checked_token_ids(prompt.token_ids, self._loaded.config.vocab_size)
 
     # --- prefill ----------------------------------------------------------------------
 
