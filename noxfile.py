@@ -23,7 +23,7 @@ def tests(session: nox.Session) -> None:
 # whole model code in); which packages, and the strictness, live in pyproject.toml.
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    session.install("-c", "constraints.txt", "-e", ".[test]", "ruff", "mypy")
+    session.install("-c", "constraints.txt", "-e", ".[worker,test]", "ruff", "mypy")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")
