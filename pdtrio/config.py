@@ -109,6 +109,9 @@ class RouterConfig:
     stream_buffer_tokens: int = attrs.field(default=65536, validator=_positive)
     max_request_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)
     connect_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    # on SIGTERM: how long running requests may finish before they are cut (keep it
+    # under hypercorn's --graceful-timeout, which cuts connections without a word)
+    drain_s: float = attrs.field(default=10.0, validator=_non_negative)
 
 
 @final

@@ -68,6 +68,12 @@ class Router:
         self._decode_turns = itertools.count()
         self.counters: Counter[str] = Counter()
         self.active_requests = 0
+        # draining: new requests are refused; drain_over: running ones are cut
+        self.draining = False
+        self.drain_over = trio.Event()
+        self._running: set[trio.CancelScope] = set()
+        self._idle = trio.Event()
+        self._idle.set()
 
     # --- instances ------------------------------------------------------------------
 
@@ -156,6 +162,43 @@ class Router:
                     log.warning("decode link to %s is down: %r", instance.name, exc)
                 status = trio.TASK_STATUS_IGNORED
                 await trio.sleep(0.5)
+
+    # --- requests and draining ------------------------------------------------------
+
+    def request_started(self, scope: trio.CancelScope) -> None:
+        """Count a running request; ``scope`` is cancelled when the drain deadline passes."""
+        self.active_requests += 1
+        self._running.add(scope)
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        if self.drain_over.is_set():
+            scope.cancel()
+
+    def request_ended(self, scope: trio.CancelScope) -> None:
+        self.active_requests -= 1
+        self._running.discard(scope)
+        if self.active_requests == 0:
+            self._idle.set()
+
+    async def drain(self, drain_s: float) -> None:
+        """Refuse new requests, give running ones ``drain_s`` to finish, then cut them.
+
+        Returns once no request is left (the cut ones get a bounded moment to say why).
+        """
+        if not self.draining:
+            self.draining = True
+            log.info("draining: %d requests running, up to %gs", self.active_requests, drain_s)
+        with trio.move_on_after(drain_s):
+            await self._idle.wait()
+        if not self.drain_over.is_set():
+            if self.active_requests:
+                log.warning("drain time is up: cutting %d requests", self.active_requests)
+            self.drain_over.set()
+            for scope in self._running:
+                scope.cancel()
+        # each cut request sends its error event and cleans up, both bounded by cleanup_grace_s
+        with trio.move_on_after(2 * self.config.router.cleanup_grace_s + 1):
+            await self._idle.wait()
 
     def pick_prefill(self, exclude: frozenset[str] = frozenset()) -> Instance | None:
         candidates = [

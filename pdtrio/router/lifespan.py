@@ -1,31 +1,50 @@
-"""The router's lifespan: starts everything, reports failure so hypercorn exits."""
+"""The router's lifespan: starts everything, reports failure so hypercorn exits.
+
+Shutdown (see README, "Shutdown and supervisors"): a SIGTERM, however it reaches
+us, drains the router (new requests get 503, running ones get ``router.drain_s``
+to finish, then an error event) before hypercorn stops and the workers go.
+Under hypercorn's master (``-w N``) we also exit, workers and all, when the
+master dies.
+"""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
+import signal
+import sys
+from typing import Any, NoReturn
 
 import httpx
+import trio
 
 from pdtrio.asgi import Receive, Scope, Send
 from pdtrio.config import ConfigError, PdtrioConfig, load_config_from_env
 from pdtrio.router.cluster import WorkerStartFailed
-from pdtrio.router.core import RouterStartFailed, open_router
+from pdtrio.router.core import Router, RouterStartFailed, open_router
 from pdtrio.router.decode_link import LINK_ERRORS
 
 log = logging.getLogger("pdtrio.router")
 
 _STARTUP_ERRORS = (ConfigError, WorkerStartFailed, RouterStartFailed, httpx.HTTPError, *LINK_ERRORS)
+_STARTUP_FAILED_STATUS = 3
 
 
 async def run_lifespan(
     scope: Scope, receive: Receive, send: Send, config: PdtrioConfig | None = None
 ) -> None:
-    """Called after lifespan.startup was received, on trio."""
+    """Called after lifespan.startup was received, on trio.
+
+    ``config`` None: we are hypercorn's app (the configuration comes from the
+    environment) and a known start-up failure ends the process with one line.
+    """
+    from_env = config is None
     try:
         if config is None:
             config = load_config_from_env()
     except ConfigError as exc:
-        await send({"type": "lifespan.startup.failed", "message": str(exc)})
+        await fail_startup(send, str(exc), exit_process=from_env)
         return
     failure: str | None = None
     started = False
@@ -34,9 +53,14 @@ async def run_lifespan(
             scope.setdefault("state", {})["router"] = router
             await send({"type": "lifespan.startup.complete"})
             started = True
-            while (await receive())["type"] != "lifespan.shutdown":
-                pass
-            log.info("router shutting down")
+            async with trio.open_nursery() as watchers:
+                _watch_for_shutdown(router, watchers)
+                while (await receive())["type"] != "lifespan.shutdown":
+                    pass
+                log.info("router shutting down")
+                # hypercorn let its connections finish first: this is quick unless a drain runs
+                await router.drain(config.router.drain_s)
+                watchers.cancel_scope.cancel()
     except* Exception as group:
         # anything that breaks start-up must stop hypercorn, not leave it half-serving
         if started:
@@ -46,12 +70,114 @@ async def run_lifespan(
             log.error("router start-up crashed", exc_info=group)
         failure = "; ".join(str(e) or repr(e) for e in leaves)
     if failure is not None:
-        log.error("router start-up failed: %s", failure)
-        await send(
-            {"type": "lifespan.startup.failed", "message": f"pdtrio start-up failed: {failure}"}
-        )
+        await fail_startup(send, failure, exit_process=from_env)
         return
     await send({"type": "lifespan.shutdown.complete"})
+
+
+async def fail_startup(send: Send, message: str, *, exit_process: bool) -> None:
+    """Report a known start-up failure in one line.
+
+    hypercorn turns ``lifespan.startup.failed`` into an exception that leaves its
+    process with a 40-line traceback; when we own the process we say it once and
+    exit instead (everything we started is already stopped).
+    """
+    text = f"pdtrio start-up failed: {message}"
+    if exit_process:
+        _exit_now(text, _STARTUP_FAILED_STATUS)
+    await send({"type": "lifespan.startup.failed", "message": text})
+
+
+def _exit_now(line: str, status: int) -> NoReturn:
+    print(line, file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(status)
+
+
+# --- shutdown triggers ---------------------------------------------------------------
+
+
+def _watch_for_shutdown(router: Router, nursery: trio.Nursery) -> None:
+    drain_s = router.config.router.drain_s
+    shutdown_event, graceful_timeout_s = _hypercorn_master()
+    if graceful_timeout_s is not None:
+        # hypercorn cuts connections silently at its graceful timeout: drain well before
+        room = graceful_timeout_s - 2 * router.config.router.cleanup_grace_s - 0.5
+        if drain_s > room:
+            log.warning(
+                "router.drain_s %gs does not fit in hypercorn's --graceful-timeout %gs: "
+                "draining %gs",
+                drain_s,
+                graceful_timeout_s,
+                max(room, 0.0),
+            )
+            drain_s = max(room, 0.0)
+    if shutdown_event is not None:
+        nursery.start_soon(_drain_when_master_stops, router, shutdown_event, drain_s)
+        parent = multiprocessing.parent_process()
+        if parent is not None:
+            nursery.start_soon(_stop_when_master_dies, router, parent.sentinel, shutdown_event)
+    if threading_is_main():
+        nursery.start_soon(_on_sigterm, router, shutdown_event, drain_s)
+
+
+def threading_is_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _hypercorn_master() -> tuple[Any, float | None]:
+    """hypercorn's shutdown event and graceful timeout, when we run in its ``-w N`` worker.
+
+    hypercorn hands both to its worker process as the process's arguments and
+    tells the app nothing when a SIGTERM reaches its master, so we read them there.
+    """
+    kwargs = getattr(multiprocessing.current_process(), "_kwargs", None) or {}
+    event = kwargs.get("shutdown_event")
+    if event is None or not callable(getattr(event, "wait", None)):
+        return None, None
+    timeout = getattr(kwargs.get("config"), "graceful_timeout", None)
+    return event, float(timeout) if isinstance(timeout, int | float) else None
+
+
+async def _drain_when_master_stops(router: Router, shutdown_event: Any, drain_s: float) -> None:
+    # a blocking wait on hypercorn's cross-process event, in a thread we can abandon
+    await trio.to_thread.run_sync(shutdown_event.wait, abandon_on_cancel=True)
+    log.info("hypercorn is stopping: draining")
+    await router.drain(drain_s)
+
+
+async def _stop_when_master_dies(router: Router, sentinel: int, shutdown_event: Any) -> None:
+    # the pipe from hypercorn's master turns readable (EOF) when it dies, however it dies
+    await trio.lowlevel.wait_readable(sentinel)
+    log.warning("hypercorn's master process died: stopping")
+    # hypercorn's own stop path, now that nobody else will take it; requests end at once
+    shutdown_event.set()
+    await router.drain(0)
+
+
+async def _on_sigterm(router: Router, shutdown_event: Any, drain_s: float) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            if shutdown_event is not None:
+                # a worker of hypercorn's master: the master stops every worker (and drains us)
+                parent = multiprocessing.parent_process()
+                if parent is not None and parent.pid is not None and parent.is_alive():
+                    os.kill(parent.pid, signal.SIGTERM)
+                else:
+                    shutdown_event.set()
+                continue
+            # hypercorn -w 0: we are its only process and it only stops on SIGINT
+            await router.drain(drain_s)
+            _interrupt_hypercorn()
+            return
+
+
+@trio.lowlevel.enable_ki_protection
+def _interrupt_hypercorn() -> None:
+    # KI-protected: trio hands the KeyboardInterrupt to hypercorn's main task, its graceful stop
+    signal.raise_signal(signal.SIGINT)
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

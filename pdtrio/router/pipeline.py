@@ -110,34 +110,47 @@ class RequestPipeline:
     async def run(self) -> None:
         router = self.router
         config = router.config.router
+        if router.draining:
+            router.counters["outcome:refused_draining"] += 1
+            await self._send_error(_shutting_down("the router is shutting down"))
+            return
         deadline = trio.current_time() + config.request_timeout_s
         error: OpenAIError | None = None
-        router.active_requests += 1
+        scope: trio.CancelScope | None = None
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_disconnect, nursery.cancel_scope)
-                try:
-                    with trio.fail_at(deadline):
-                        await self._pipeline(deadline)
-                except OpenAIError as exc:
-                    error = exc
-                except trio.TooSlowError:
-                    error = gateway_timeout(
-                        f"the request did not complete within {config.request_timeout_s:g}s"
-                    )
-                nursery.cancel_scope.cancel()
+            try:
+                async with trio.open_nursery() as nursery:
+                    scope = nursery.cancel_scope
+                    router.request_started(scope)
+                    nursery.start_soon(self._watch_disconnect, scope)
+                    try:
+                        with trio.fail_at(deadline):
+                            await self._pipeline(deadline)
+                    except OpenAIError as exc:
+                        error = exc
+                    except trio.TooSlowError:
+                        error = gateway_timeout(
+                            f"the request did not complete within {config.request_timeout_s:g}s"
+                        )
+                    scope.cancel()
+            finally:
+                with trio.move_on_after(config.cleanup_grace_s, shield=True):
+                    await self._cleanup()
+            if self.client_gone:
+                router.counters["outcome:disconnected"] += 1
+                return
+            if error is None and router.drain_over.is_set() and not self._response_complete:
+                # the drain deadline cut it (the router's cancel of our scope)
+                error = _shutting_down("the router is shutting down; the request was cut short")
+            if error is not None:
+                router.counters["outcome:error"] += 1
+                await self._send_error(error)
+            else:
+                router.counters["outcome:ok"] += 1
         finally:
-            router.active_requests -= 1
-            with trio.move_on_after(config.cleanup_grace_s, shield=True):
-                await self._cleanup()
-        if self.client_gone:
-            router.counters["outcome:disconnected"] += 1
-            return
-        if error is not None:
-            router.counters["outcome:error"] += 1
-            await self._send_error(error)
-        else:
-            router.counters["outcome:ok"] += 1
+            if scope is not None:
+                # only now: a drain waits for the error event to be out
+                router.request_ended(scope)
 
     async def _watch_disconnect(self, cancel_scope: trio.CancelScope) -> None:
         while True:
@@ -360,6 +373,10 @@ class RequestPipeline:
             except httpx.HTTPError as exc:
                 log.warning("could not release %s on %s: %r", self.request_id, instance.name, exc)
         self.lifecycle.handle(Event.CLEANED)
+
+
+def _shutting_down(message: str) -> OpenAIError:
+    return OpenAIError(message, status=503, type="server_error", code="shutting_down")
 
 
 def _worker_error(response: httpx.Response, leg: str) -> OpenAIError:

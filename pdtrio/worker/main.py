@@ -17,7 +17,8 @@ from pdtrio.config import (
     WorkerConfig,
     config_from_dict,
 )
-from pdtrio.engine.api import Engine
+from pdtrio.engine.api import Engine, EngineError
+from pdtrio.engine.config import UnsupportedModel
 from pdtrio.worker.server import Worker, dump_ready_line
 
 
@@ -76,7 +77,11 @@ async def _exit_when_stdin_closes(cancel_scope: trio.CancelScope) -> None:
 
 
 async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> None:
-    engine = build_engine(config.engine)
+    try:
+        engine = build_engine(config.engine)
+    except (OSError, UnsupportedModel, EngineError) as exc:
+        # a missing or unreadable model is the operator's to fix: say which, not where
+        raise ConfigError(f"cannot load model {config.engine.model!r}: {exc}") from None
     worker = Worker(config, engine)
     async with trio.open_nursery() as nursery:
         if exit_with_stdin:

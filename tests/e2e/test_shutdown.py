@@ -1,0 +1,191 @@
+"""Shutdown and supervision as users see them: SIGTERM drains, start-up fails in one line,
+the router does not outlive hypercorn's master."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdtrio.testing import LOOPBACK, Processes, Service, alive, descendants, free_port
+
+STREAMS = 20
+
+
+@pytest.fixture
+def procs() -> Iterator[Processes]:
+    with Processes(stop_grace_s=30) as group:
+        yield group
+
+
+def _config(path: Path, *, drain_s: float, decode_step_s: float = 0.05) -> Path:
+    path.write_text(
+        f"[router]\ndrain_s = {drain_s}\n"
+        "[embedded]\nprefill = 1\ndecode = 1\n"
+        '[embedded.worker.engine]\nkind = "synthetic"\nnum_kv_blocks = 4096\n'
+        f"[embedded.worker.engine.synthetic]\ndecode_step_s = {decode_step_s}\n"
+    )
+    return path
+
+
+def _start(procs: Processes, config: Path, *hypercorn_args: str) -> Service:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "hypercorn", "-k", "trio", *hypercorn_args,
+        "-b", f"{LOOPBACK}:{port}", "pdtrio.app:app",
+    ]  # fmt: skip
+    process = procs.start(command, env={"PDTRIO_CONFIG": str(config)}, output="capture")
+    service = Service(process, f"http://{LOOPBACK}:{port}")
+    procs.wait_healthy(service)
+    return service
+
+
+def _stream(url: str, max_tokens: int, out: list[str], errors: list[BaseException]) -> None:
+    body = {"model": "synthetic", "prompt": "hello", "max_tokens": max_tokens, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            out.extend(line for line in response.iter_lines() if line)
+    except httpx.HTTPError as exc:
+        errors.append(exc)
+
+
+def _outcome(events: list[str]) -> str:
+    """'complete', 'shutting_down', or what went wrong (never a bare EOF)."""
+    if not events or events[-1] != "data: [DONE]":
+        return f"no [DONE] after {len(events)} events"
+    last = json.loads(events[-2][6:])
+    if "error" in last:
+        return str(last["error"]["code"])
+    return "complete" if last["choices"][0]["finish_reason"] == "length" else "unfinished"
+
+
+@pytest.mark.parametrize(
+    ("workers", "max_tokens", "expected"),
+    [
+        ("1", 200, "shutting_down"),  # 10s streams, 2s drain: cut with an error event
+        ("0", 200, "shutting_down"),  # hypercorn -w 0: the SIGTERM reaches the router itself
+        ("1", 20, "complete"),  # 1s streams finish within the drain
+    ],
+)
+def test_sigterm_drains_streams(
+    procs: Processes, tmp_path: Path, workers: str, max_tokens: int, expected: str
+) -> None:
+    router = _start(
+        procs, _config(tmp_path / "c.toml", drain_s=2), "-w", workers, "--graceful-timeout", "10"
+    )
+    tree = router.tree()
+    results = [[] for _ in range(STREAMS)]  # type: list[list[str]]
+    errors: list[BaseException] = []
+    threads = [
+        threading.Thread(target=_stream, args=(router.url, max_tokens, out, errors))
+        for out in results
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 20
+    while sum(1 for r in results if len(r) >= 2) < STREAMS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(len(r) >= 2 for r in results), "not every stream had started"
+    sent = time.monotonic()
+    router.process.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    # a new request during the drain: 503 while hypercorn still accepts (-w 0), else refused
+    try:
+        late = httpx.post(
+            f"{router.url}/v1/completions",
+            json={"model": "synthetic", "prompt": "late", "max_tokens": 3},
+            timeout=20,
+        )
+        assert late.status_code == 503, late.text
+        assert late.json()["error"]["code"] == "shutting_down"
+        late_seen = "503"
+    except httpx.TransportError as exc:
+        late_seen = type(exc).__name__
+    for thread in threads:
+        thread.join(30)
+    assert router.process.wait(timeout=30) == 0
+    took = time.monotonic() - sent
+    assert not errors, errors
+    outcomes = [_outcome(r) for r in results]
+    assert outcomes == [expected] * STREAMS, outcomes
+    gone = time.monotonic() + 10
+    while any(alive(pid) for pid in tree) and time.monotonic() < gone:
+        time.sleep(0.05)
+    assert not [pid for pid in tree if alive(pid)]
+    print(f"-w {workers}: {expected} x{STREAMS}, late request: {late_seen}, exit {took:.2f}s")
+    if workers == "0":
+        assert late_seen == "503"
+
+
+@pytest.mark.parametrize("case", ["bad key", "missing file", "missing model"])
+def test_startup_failure_is_one_line(procs: Processes, tmp_path: Path, case: str) -> None:
+    config = tmp_path / "c.toml"
+    if case == "bad key":
+        config.write_text('[embedded.worker.engine]\nnum_kv_blocks = "lots"\n')
+        expected = "embedded.worker.engine.num_kv_blocks"
+    elif case == "missing file":
+        config = tmp_path / "absent.toml"
+        expected = "config file not found"
+    else:
+        config.write_text(
+            '[embedded.worker.engine]\nkind = "torch"\nmodel = "/nonexistent/model"\n'
+        )
+        expected = "/nonexistent/model"
+    command = [
+        sys.executable, "-m", "hypercorn", "-k", "trio", "-w", "0",
+        "-b", f"{LOOPBACK}:{free_port()}", "pdtrio.app:app",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command,
+        env={**os.environ, "PDTRIO_CONFIG": str(config)},
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    lines = done.stderr.decode().strip().splitlines() + done.stdout.decode().strip().splitlines()
+    assert done.returncode != 0
+    assert 1 <= len(lines) <= 3, lines
+    assert any(expected in line for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--config-json", '{"engine": {"bogus": 1}}'], "bogus"),
+        (["--engine", "torch", "--model", "/nonexistent/model"], "/nonexistent/model"),
+    ],
+)
+def test_worker_startup_failure_is_one_line(args: list[str], expected: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pdtrio", "worker", *args],
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    lines = done.stderr.decode().strip().splitlines()
+    assert done.returncode != 0
+    assert len(lines) == 1 and expected in lines[0], lines
+
+
+def test_router_exits_when_hypercorn_master_is_killed(procs: Processes, tmp_path: Path) -> None:
+    router = _start(procs, _config(tmp_path / "c.toml", drain_s=2, decode_step_s=0.005), "-w", "1")
+    below = descendants(router.pid)
+    assert len(below) >= 3  # the app process, its two workers (and multiprocessing's tracker)
+    os.kill(router.pid, signal.SIGKILL)
+    router.process.wait(timeout=5)
+    killed = time.monotonic()
+    while any(alive(pid) for pid in below) and time.monotonic() - killed < 5:
+        time.sleep(0.01)
+    took = time.monotonic() - killed
+    assert not [pid for pid in below if alive(pid)], "orphans left behind"
+    print(f"orphans gone {took:.2f}s after the master was killed")
