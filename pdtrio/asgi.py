@@ -50,6 +50,19 @@ async def send_bytes(
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_json(send: Send, status: int, payload: Any) -> None:
+async def send_json(
+    send: Send,
+    status: int,
+    payload: Any,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
     body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
-    await send_bytes(send, status, body, b"application/json")
+    await send_bytes(send, status, body, b"application/json", extra_headers)
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """The first value of a request header (``name`` in lower case), or None."""
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None

@@ -22,6 +22,7 @@ from pdtrio.engine.api import (
     EngineOutput,
     EngineStatistics,
     PrefillResult,
+    PromptRejected,
     StepOutputs,
 )
 from pdtrio.engine.blocks import BlockAllocator, BlockOwnership, blocks_needed
@@ -75,6 +76,22 @@ def expected_kv_bytes(prompt_token_ids: list[int] | tuple[int, ...], layout: KvL
         out += chunk  # K
         out += bytes(b ^ 0x5A for b in chunk)  # V
     return bytes(out)
+
+
+def _utf8_length(text: str) -> int:
+    # isascii is O(1) on CPython's compact strings: no 15 MB copy for the common case
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
+
+
+def _token_count(prompt: Prompt) -> int:
+    """How many ids ``SyntheticEngine.tokenize`` gives the prompt, without making them."""
+    if isinstance(prompt, ChatPrompt):
+        return 2 + sum(
+            _utf8_length(role) + _utf8_length(content) + 3 for role, content in prompt.messages
+        )
+    if isinstance(prompt, TextPrompt):
+        return 1 + _utf8_length(prompt.text)
+    return len(prompt.token_ids)
 
 
 @final
@@ -155,12 +172,23 @@ class SyntheticEngine:
 
     async def tokenize(self, prompt: Prompt) -> list[int]:
         await trio.lowlevel.checkpoint()
+        # one token per UTF-8 byte: the count is known, and checked, before any list is built
+        self._check_prompt_length(_token_count(prompt))
         if isinstance(prompt, ChatPrompt):
             text = "".join(f"<{role}>{content}\n" for role, content in prompt.messages)
             return [1, *(b + 4 for b in text.encode("utf-8")), 3]
         if isinstance(prompt, TextPrompt):
             return [1, *(b + 4 for b in prompt.text.encode("utf-8"))]
         return checked_token_ids(prompt.token_ids, self._config.vocab_size)
+
+    def _check_prompt_length(self, prompt_tokens: int) -> None:
+        max_model_len = self._config.max_model_len
+        if prompt_tokens >= max_model_len:
+            raise PromptRejected(
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"prompt has {prompt_tokens} tokens.",
+                param="messages",
+            )
 
     # --- prefill ----------------------------------------------------------------
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Collection, Sequence
+import re
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Final, final
 
 import attrs
@@ -24,6 +25,9 @@ _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
 # top_k larger than any vocabulary is "off" in effect; the bound keeps it packable.
 _TOP_K_MAX: Final = 2**31 - 1
+# Bodies above this are parsed piece by piece: json.loads holds the GIL for the whole body.
+PIECEWISE_JSON_BYTES: Final = 256 * 1024
+JSON_MEDIA_TYPE: Final = "application/json"
 
 
 # --- errors ------------------------------------------------------------------
@@ -41,6 +45,7 @@ class OpenAIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: Sequence[tuple[str, str]] = (),
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -48,6 +53,7 @@ class OpenAIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = tuple(headers)  # extra response headers, e.g. a 405's Allow
 
     def to_body(self) -> dict[str, Any]:
         return error_body(self.message, type_=self.type, param=self.param, code=self.code)
@@ -73,6 +79,43 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
 def not_found(message: str) -> OpenAIError:
     """An unknown route (OpenAI answers these with invalid_request_error too)."""
     return OpenAIError(message, status=404, code="not_found")
+
+
+def method_not_allowed(method: str, path: str, allowed: Sequence[str]) -> OpenAIError:
+    """A known route asked with the wrong method; ``Allow`` lists the right ones."""
+    allow = ", ".join(allowed)
+    return OpenAIError(
+        f"Method {_show(method)} is not allowed on {path}; use {allow}.",
+        status=405,
+        code="method_not_allowed",
+        headers=(("allow", allow),),
+    )
+
+
+def is_json_content_type(content_type: str | None) -> bool:
+    """Whether a Content-Type header says UTF-8 JSON (``application/json``, charset optional)."""
+    if content_type is None:
+        return False
+    media_type, *parameters = content_type.split(";")
+    if media_type.strip().lower() != JSON_MEDIA_TYPE:
+        return False
+    for parameter in parameters:
+        name, _, value = parameter.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in (
+            "utf-8",
+            "utf8",
+        ):
+            return False
+    return True
+
+
+def unsupported_media_type(content_type: str | None) -> OpenAIError:
+    shown = "none" if content_type is None else _show(content_type)
+    return OpenAIError(
+        f"Unsupported Content-Type {shown}: the request body must be {JSON_MEDIA_TYPE}.",
+        status=415,
+        code="unsupported_media_type",
+    )
 
 
 def not_found_model(model: str) -> OpenAIError:
@@ -174,12 +217,21 @@ def parse_chat_completion_request(
 
 
 def parse_completion_request(
-    body: bytes, *, served_models: Collection[str], max_tokens_limit: int
+    body: bytes,
+    *,
+    served_models: Collection[str],
+    max_tokens_limit: int,
+    context_lengths: Mapping[str, int] | None = None,
 ) -> CompletionRequest:
-    """Validate a ``POST /v1/completions`` body; raises :class:`OpenAIError`."""
+    """Validate a ``POST /v1/completions`` body; raises :class:`OpenAIError`.
+
+    ``context_lengths`` (model -> tokens) lets a token-id prompt that can never
+    fit be refused here, before its ids are even checked one by one.
+    """
     obj = _load_object(body)
     model = _model(obj, served_models)
-    prompt = _completion_prompt(obj)
+    context_length = None if context_lengths is None else context_lengths.get(model)
+    prompt = _completion_prompt(obj, context_length)
     _reject_unsupported(obj)
     # Legacy completions take logprobs as a count; any count asks for logprobs.
     logprobs = obj.get("logprobs")
@@ -197,6 +249,18 @@ def parse_completion_request(
             raise _type_error("suffix", "a string", suffix)
         raise bad_request("suffix is not supported.", param="suffix")
     sampling, max_tokens = _sampling(obj, max_tokens_limit, allow_completion_alias=False)
+    if (
+        isinstance(prompt, TokenPrompt)
+        and context_length is not None
+        and max_tokens is not None
+        and len(prompt.token_ids) + max_tokens > context_length
+    ):
+        raise context_length_exceeded(
+            prompt_tokens=len(prompt.token_ids),
+            max_tokens=max_tokens,
+            context_length=context_length,
+            param="max_tokens",
+        )
     stream, include_usage, continuous = _streaming(obj)
     return CompletionRequest(
         model=model,
@@ -326,7 +390,7 @@ def _missing(param: str) -> OpenAIError:
 
 def _load_object(body: bytes) -> dict[str, Any]:
     try:
-        obj = json.loads(body)
+        obj = _load_piecewise(body) if len(body) > PIECEWISE_JSON_BYTES else json.loads(body)
     except (ValueError, RecursionError) as exc:
         # ValueError covers JSONDecodeError, bad UTF-8 and over-long integers.
         raise bad_request(
@@ -338,6 +402,114 @@ def _load_object(body: bytes) -> dict[str, Any]:
             code="invalid_json",
         )
     return obj
+
+
+# The C scanners json.loads is built on (untyped in typeshed): one value, one string.
+_scan_value: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+_scan_string: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_WHITESPACE_CHARS: Final = frozenset(" \t\n\r")
+# A run of plain numbers, each followed by a comma: loaded as one chunk, at C speed.
+_NUMBER_RUN = re.compile(r"(?:-?[0-9][-+0-9.eE]*[ \t\n\r]*,[ \t\n\r]*)+")
+_NUMBER_CHUNK_CHARS: Final = 64 * 1024
+_NUMBER_HEADS: Final = frozenset("-0123456789")
+_PIECEWISE_DEPTH: Final = 3  # body > prompt > [token ids]: the deepest arrays worth splitting
+
+
+def _load_piecewise(body: bytes) -> Any:
+    """``json.loads`` for big bodies, one small C call at a time.
+
+    A single json.loads of megabytes holds the GIL for tens of milliseconds, so
+    even on a worker thread it stalls the event loop; between these pieces the
+    interpreter can hand the GIL back.  Arrays (token ids, messages) are split
+    into elements, runs of numbers into 64 KiB chunks; anything else is one
+    scanner call.  Raises ValueError (JSONDecodeError, bad UTF-8) like json.loads.
+    """
+    text = body.decode(json.detect_encoding(body))
+    pos = _skip_whitespace(text, 0)
+    if text.startswith("\ufeff", pos):
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM", text, pos)
+    value, pos = _piece(text, pos, 1)
+    pos = _skip_whitespace(text, pos)
+    if pos != len(text):
+        raise json.JSONDecodeError("Extra data", text, pos)
+    return value
+
+
+def _skip_whitespace(text: str, pos: int) -> int:
+    if pos < len(text) and text[pos] in _WHITESPACE_CHARS:
+        match = _WHITESPACE.match(text, pos)
+        assert match is not None  # the pattern matches the empty string
+        return match.end()
+    return pos
+
+
+def _piece(text: str, pos: int, depth: int) -> tuple[Any, int]:
+    head = text[pos : pos + 1]
+    if depth == 1 and head == "{":  # deeper objects (messages) are small: one call each
+        return _object_piecewise(text, pos, depth)
+    if depth <= _PIECEWISE_DEPTH and head == "[":
+        return _array_piecewise(text, pos, depth)
+    try:
+        value, end = _scan_value(text, pos)
+    except StopIteration as stop:
+        raise json.JSONDecodeError("Expecting value", text, stop.value) from None
+    return value, end
+
+
+def _object_piecewise(text: str, pos: int, depth: int) -> tuple[dict[str, Any], int]:
+    obj: dict[str, Any] = {}
+    pos = _skip_whitespace(text, pos + 1)
+    if text[pos : pos + 1] == "}":
+        return obj, pos + 1
+    while True:
+        if text[pos : pos + 1] != '"':
+            raise json.JSONDecodeError(
+                "Expecting property name enclosed in double quotes", text, pos
+            )
+        key, pos = _scan_string(text, pos + 1)
+        pos = _skip_whitespace(text, pos)
+        if text[pos : pos + 1] != ":":
+            raise json.JSONDecodeError("Expecting ':' delimiter", text, pos)
+        value, pos = _piece(text, _skip_whitespace(text, pos + 1), depth + 1)
+        obj[key] = value
+        pos = _skip_whitespace(text, pos)
+        delimiter = text[pos : pos + 1]
+        if delimiter == "}":
+            return obj, pos + 1
+        if delimiter != ",":
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
+        pos = _skip_whitespace(text, pos + 1)
+
+
+def _array_piecewise(text: str, pos: int, depth: int) -> tuple[list[Any], int]:
+    items: list[Any] = []
+    pos = _skip_whitespace(text, pos + 1)
+    if text[pos : pos + 1] == "]":
+        return items, pos + 1
+    while True:
+        run = (
+            _NUMBER_RUN.match(text[pos : pos + _NUMBER_CHUNK_CHARS])
+            if text[pos : pos + 1] in _NUMBER_HEADS
+            else None
+        )
+        if run is not None:
+            # the run ends just after a comma: the array goes on past it
+            chunk = run.group().rstrip().removesuffix(",")
+            try:
+                items.extend(json.loads(f"[{chunk}]"))
+            except json.JSONDecodeError as exc:
+                raise json.JSONDecodeError(exc.msg, text, pos + max(0, exc.pos - 1)) from None
+            pos = _skip_whitespace(text, pos + run.end())  # the window may cut the spaces
+        value, pos = _piece(text, pos, depth + 1)
+        items.append(value)
+        pos = _skip_whitespace(text, pos)
+        delimiter = text[pos : pos + 1]
+        if delimiter == "]":
+            return items, pos + 1
+        if delimiter != ",":
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
+        pos = _skip_whitespace(text, pos + 1)
 
 
 def _check_text(value: str, param: str) -> str:
@@ -477,7 +649,7 @@ def _text_part(part: Any, where: str) -> str:
     return _check_text(text, f"{where}.text")
 
 
-def _completion_prompt(obj: dict[str, Any]) -> TextPrompt | TokenPrompt:
+def _completion_prompt(obj: dict[str, Any], context_length: int | None) -> TextPrompt | TokenPrompt:
     raw = obj.get("prompt")
     if raw is None:
         raise _missing("prompt")
@@ -499,8 +671,8 @@ def _completion_prompt(obj: dict[str, Any]) -> TextPrompt | TokenPrompt:
             )
         if isinstance(first, str):
             return _text_prompt(first, "prompt.[0]")
-        return _token_prompt(first, "prompt.[0]")
-    return _token_prompt(raw, "prompt")
+        return _token_prompt(first, "prompt.[0]", context_length)
+    return _token_prompt(raw, "prompt", context_length)
 
 
 def _text_prompt(text: str, where: str) -> TextPrompt:
@@ -509,9 +681,14 @@ def _text_prompt(text: str, where: str) -> TextPrompt:
     return TextPrompt(_check_text(text, where))
 
 
-def _token_prompt(raw: list[Any], where: str) -> TokenPrompt:
+def _token_prompt(raw: list[Any], where: str, context_length: int | None) -> TokenPrompt:
     if not raw:
         raise bad_request("The prompt must not be empty.", param=where)
+    # the engine needs room for one completion token: a prompt filling the context never runs
+    if context_length is not None and len(raw) >= context_length:
+        raise context_length_exceeded(
+            prompt_tokens=len(raw), max_tokens=None, context_length=context_length, param=where
+        )
     for i, token in enumerate(raw):
         if isinstance(token, bool) or not isinstance(token, int):
             raise _type_error(f"{where}.[{i}]", "an integer token id", token)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from typing import Any, final
+from collections.abc import Callable
+from typing import Any, Final, final
+
+import trio
 
 from pdtrio.asgi import (
     BodyTooLarge,
@@ -12,18 +16,24 @@ from pdtrio.asgi import (
     Receive,
     Scope,
     Send,
+    header,
     read_body,
     send_bytes,
     send_json,
 )
 from pdtrio.protocol.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
     OpenAIError,
+    is_json_content_type,
+    method_not_allowed,
     models_list_body,
     not_found,
     parse_chat_completion_request,
     parse_completion_request,
     request_too_large,
     service_unavailable,
+    unsupported_media_type,
 )
 
 log = logging.getLogger("pdtrio.router")
@@ -31,6 +41,30 @@ log = logging.getLogger("pdtrio.router")
 TRIO_ONLY_MESSAGE = (
     "pdtrio runs on Trio, not asyncio: start it with `hypercorn -k trio pdtrio.app:app`"
 )
+
+
+# Each known path and the methods it answers; any other method gets a 405 with Allow.
+ROUTE_METHODS: Final[dict[str, tuple[str, ...]]] = {
+    "/v1/chat/completions": ("POST",),
+    "/v1/completions": ("POST",),
+    "/v1/models": ("GET",),
+    "/health": ("GET",),
+    "/metrics": ("GET",),
+}
+# Bodies above this are parsed on a thread, so the loop keeps serving meanwhile.
+OFF_LOOP_PARSE_BYTES: Final = 256 * 1024
+
+
+def context_lengths(router: Any) -> dict[str, int]:
+    """Each model's context length: the largest of the instances that prefill it.
+
+    The largest, so that a prompt is refused only if no instance could take it.
+    """
+    lengths: dict[str, int] = {}
+    for instance in router.instances.values():
+        if instance.serves_prefill:
+            lengths[instance.model] = max(lengths.get(instance.model, 0), instance.max_model_len)
+    return lengths
 
 
 def _running_on_trio() -> bool:
@@ -51,6 +85,8 @@ class RouterApp:
 
     def __init__(self, config: Any = None) -> None:
         self._config = config
+        # one big parse at a time: they hold the GIL in turns anyway, and this bounds memory
+        self._parse_limiter = trio.CapacityLimiter(1)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -66,7 +102,9 @@ class RouterApp:
         if message["type"] != "lifespan.startup":
             return
         if not _running_on_trio():
-            await send({"type": "lifespan.startup.failed", "message": TRIO_ONLY_MESSAGE})
+            from pdtrio.router.lifespan import fail_startup
+
+            await fail_startup(send, TRIO_ONLY_MESSAGE, exit_process=self._config is None)
             return
         from pdtrio.router.lifespan import run_lifespan
 
@@ -87,25 +125,27 @@ class RouterApp:
         path: str = scope["path"]
         method: str = scope["method"]
         try:
+            allowed = ROUTE_METHODS.get(path)
+            if allowed is None:
+                raise not_found(f"no route {method} {path}")
+            if method not in allowed:
+                raise method_not_allowed(method, path, allowed)
             if path in ("/v1/chat/completions", "/v1/completions"):
-                if method != "POST":
-                    raise OpenAIError(f"{method} is not allowed on {path}; use POST", status=405)
                 await self._completion(router, scope, receive, send, path == "/v1/chat/completions")
-            elif path == "/v1/models" and method == "GET":
+            elif path == "/v1/models":
                 await send_json(
                     send, 200, models_list_body(router.models, created=int(time.time()))
                 )
-            elif path == "/health" and method == "GET":
+            elif path == "/health":
                 health = router.health()
                 await send_json(send, 200 if health["status"] == "ok" else 503, health)
-            elif path == "/metrics" and method == "GET":
+            else:
                 await send_bytes(
                     send, 200, router.metrics_text().encode(), b"text/plain; version=0.0.4"
                 )
-            else:
-                raise not_found(f"no route {method} {path}")
         except OpenAIError as exc:
-            await send_json(send, exc.status, exc.to_body())
+            headers = [(name.encode(), value.encode()) for name, value in exc.headers]
+            await send_json(send, exc.status, exc.to_body(), headers)
         except ClientDisconnected:
             return
 
@@ -114,16 +154,37 @@ class RouterApp:
     ) -> None:
         from pdtrio.router.pipeline import RequestPipeline
 
+        content_type = header(scope, b"content-type")
+        # checked before reading: a browser's text/plain "simple request" never gets parsed;
+        # a client that names no type at all is taken at its word that the body is JSON
+        if content_type is not None and not is_json_content_type(content_type):
+            raise unsupported_media_type(content_type)
         limit = router.config.router.max_request_bytes
         try:
             body = await read_body(receive, limit)
         except BodyTooLarge:
             raise request_too_large(limit) from None
-        parse = parse_chat_completion_request if chat else parse_completion_request
-        request = parse(
-            body,
-            served_models=router.models,
-            max_tokens_limit=router.config.router.max_tokens_limit,
-        )
+        parse: Callable[[], ChatCompletionRequest | CompletionRequest]
+        if chat:
+            parse = functools.partial(
+                parse_chat_completion_request,
+                body,
+                served_models=router.models,
+                max_tokens_limit=router.config.router.max_tokens_limit,
+            )
+        else:
+            parse = functools.partial(
+                parse_completion_request,
+                body,
+                served_models=router.models,
+                max_tokens_limit=router.config.router.max_tokens_limit,
+                context_lengths=context_lengths(router),
+            )
+        request: ChatCompletionRequest | CompletionRequest
+        if len(body) > OFF_LOOP_PARSE_BYTES:
+            request = await trio.to_thread.run_sync(parse, limiter=self._parse_limiter)
+        else:
+            request = parse()
+        del body, parse  # a big body's memory goes back now, not when the stream ends
         pipeline = RequestPipeline(router, request, "chat" if chat else "completion", receive, send)
         await pipeline.run()

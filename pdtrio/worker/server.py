@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-from typing import Any, final
+from typing import Any, Final, final
 
 import msgspec
 import trio
@@ -51,6 +52,8 @@ _MAX_PREFILL_BODY = 64 * 1024 * 1024
 _MAX_RELEASE_BODY = 4096
 _MSGPACK = wire.MSGPACK_CONTENT_TYPE.encode()
 _prefill_request_decoder: wire.Decoder[PrefillRequest] = wire.Decoder(PrefillRequest)
+# Bodies above this are decoded on a thread: a 15 MB prompt is milliseconds of memcpy.
+OFF_LOOP_DECODE_BYTES: Final = 256 * 1024
 _release_request_decoder: wire.Decoder[ReleaseRequest] = wire.Decoder(ReleaseRequest)
 
 
@@ -75,6 +78,8 @@ class Worker:
         self.links: DecodeLinkServer | None = None  # set once the instance id is known
         self._prefill_scopes: dict[str, trio.CancelScope] = {}
         self.served_prefills = 0
+        # one big decode at a time: bounds the memory of bodies being decoded at once
+        self._decode_limiter = trio.CapacityLimiter(1)
 
     @property
     def serves_prefill(self) -> bool:
@@ -236,7 +241,14 @@ class Worker:
 
     async def _handle_prefill(self, receive: Receive, send: Send) -> None:
         body = await read_body(receive, _MAX_PREFILL_BODY)
-        request = _prefill_request_decoder.decode(body)
+        if len(body) > OFF_LOOP_DECODE_BYTES:
+            request = await trio.to_thread.run_sync(
+                _prefill_request_decoder.decode, body, limiter=self._decode_limiter
+            )
+        else:
+            request = _prefill_request_decoder.decode(body)
+        del body  # the prompt lives on in the request; the raw bytes need not
+        check_prefill_request(request)
         request_id = request.request_id
         if self._knows(request_id):
             message = f"request {request_id} is already known"
@@ -327,6 +339,27 @@ class Worker:
             kv_handle=handle,
             usage=result.usage,
         )
+
+
+def check_prefill_request(request: PrefillRequest) -> None:
+    """What msgspec's types cannot say about a prefill request; WireError (a 400) if wrong.
+
+    The router validated the client's request, but the worker trusts no peer:
+    a bad value here would fail deep in the engine, as a 500.
+    """
+    if not request.request_id:
+        raise WireError("request_id is empty")
+    sampling = request.sampling
+    if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0.0):
+        raise WireError(f"temperature {sampling.temperature} is not a finite number >= 0")
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise WireError(f"top_p {sampling.top_p} is not in (0, 1]")
+    if sampling.min_tokens < 0:
+        raise WireError(f"min_tokens {sampling.min_tokens} is negative")
+    if any(not stop for stop in sampling.stop):
+        raise WireError("a stop sequence is empty")
+    if request.max_tokens is not None and request.max_tokens < 1:
+        raise WireError(f"max_tokens {request.max_tokens} is less than 1")
 
 
 def dump_ready_line(info: dict[str, Any]) -> str:

@@ -27,6 +27,7 @@ from pdtrio.engine.api import (
     EngineOutput,
     EngineStatistics,
     PrefillResult,
+    PromptRejected,
     StepFailed,
     StepOutputs,
 )
@@ -161,15 +162,30 @@ class TorchEngine:
 
     async def tokenize(self, prompt: Prompt) -> list[int]:
         tokenizer = self._tokenizer
+        token_ids: list[int]
         if isinstance(prompt, ChatPrompt):
-            return await trio.to_thread.run_sync(
+            token_ids = await trio.to_thread.run_sync(
                 tokenizer.encode_chat, list(prompt.messages), limiter=self._tokenize_limiter
             )
-        if isinstance(prompt, TextPrompt):
-            return await trio.to_thread.run_sync(
+        elif isinstance(prompt, TextPrompt):
+            token_ids = await trio.to_thread.run_sync(
                 tokenizer.encode, prompt.text, limiter=self._tokenize_limiter
             )
-        return checked_token_ids(prompt.token_ids, self._loaded.config.vocab_size)
+        else:
+            # the length first: a huge id list is refused before its ids are checked one by one
+            self._check_prompt_length(len(prompt.token_ids))
+            return checked_token_ids(prompt.token_ids, self._loaded.config.vocab_size)
+        self._check_prompt_length(len(token_ids))
+        return token_ids
+
+    def _check_prompt_length(self, prompt_tokens: int) -> None:
+        max_model_len = self.max_model_len
+        if prompt_tokens >= max_model_len:
+            raise PromptRejected(
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"prompt has {prompt_tokens} tokens.",
+                param="messages",
+            )
 
     # --- prefill ----------------------------------------------------------------------
 

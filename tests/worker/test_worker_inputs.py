@@ -1,0 +1,62 @@
+"""The worker validates its inputs at the boundary: a 400 with a message, never a 500."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import msgspec
+import pytest
+
+from pdtrio.protocol import wire
+from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.protocol.wire import PrefillRequest, Prompt, TextPrompt, TokenPrompt
+from tests.cluster import running_cluster
+
+MSGPACK = {"content-type": wire.MSGPACK_CONTENT_TYPE}
+
+
+def _prefill(prompt: object, sampling: object = (), max_tokens: object = None) -> bytes:
+    return msgspec.msgpack.encode(["r1", prompt, sampling, max_tokens])
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/pd/release", b"\xc1"),  # never valid msgpack
+        ("/pd/release", msgspec.msgpack.encode([1])),
+        ("/pd/release", msgspec.msgpack.encode({"request_id": "x"})),
+        ("/pd/prefill", msgspec.msgpack.encode(["r1"])),
+        ("/pd/prefill", _prefill(["tokens", [5, -1]])),
+        ("/pd/prefill", _prefill(["tokens", ["a"]])),
+        ("/pd/prefill", _prefill(["text", "hi"], [-1.0])),
+        ("/pd/prefill", _prefill(["text", "hi"], [1.0, 0.0])),
+        ("/pd/prefill", _prefill(["text", "hi"], [1.0, 1.0, 0, None, -3])),
+        ("/pd/prefill", _prefill(["text", "hi"], [1.0, 1.0, 0, None, 0, [""]])),
+        ("/pd/prefill", _prefill(["text", "hi"], [], 0)),
+        ("/pd/prefill", msgspec.msgpack.encode(["", ["text", "hi"], []])),
+    ],
+)
+async def test_malformed_worker_body_is_400(path: str, body: bytes) -> None:
+    async with running_cluster() as cluster:
+        url = f"http://127.0.0.1:{cluster.workers[0].http_port}"
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            response = await http.post(path, content=body, headers=MSGPACK)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"]
+        assert not cluster.busy()
+
+
+async def test_huge_prompt_is_refused_before_tokenizing() -> None:
+    prompts: list[Prompt] = [TextPrompt("a" * 15_000_000), TokenPrompt(tuple(range(9000)))]
+    async with running_cluster() as cluster:
+        url = f"http://127.0.0.1:{cluster.workers[0].http_port}"
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            for prompt in prompts:
+                body = wire.encode(PrefillRequest("big", prompt, SamplingParams()))
+                started = time.perf_counter()
+                response = await http.post("/pd/prefill", content=body, headers=MSGPACK)
+                assert response.status_code == 400, response.text
+                assert "maximum context length" in response.json()["error"]["message"]
+                assert time.perf_counter() - started < 2.0
+        assert not cluster.busy()
