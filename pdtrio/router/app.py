@@ -35,8 +35,11 @@ from pdtrio.protocol.openai import (
     service_unavailable,
     unsupported_media_type,
 )
+from pdtrio.router.core import Outcome
 
 log = logging.getLogger("pdtrio.router")
+
+_COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 TRIO_ONLY_MESSAGE = (
     "pdtrio runs on Trio, not asyncio: start it with `hypercorn -k trio pdtrio.app:app`"
@@ -130,7 +133,7 @@ class RouterApp:
                 raise not_found(f"no route {method} {path}")
             if method not in allowed:
                 raise method_not_allowed(method, path, allowed)
-            if path in ("/v1/chat/completions", "/v1/completions"):
+            if path in _COMPLETION_PATHS:
                 await self._completion(router, scope, receive, send, path == "/v1/chat/completions")
             elif path == "/v1/models":
                 await send_json(
@@ -144,9 +147,14 @@ class RouterApp:
                     send, 200, router.metrics_text().encode(), b"text/plain; version=0.0.4"
                 )
         except OpenAIError as exc:
+            if path in _COMPLETION_PATHS:
+                # refused before the pipeline ran (method, media type, size, validation)
+                router.count_outcome(Outcome.REJECTED, exc.status)
             headers = [(name.encode(), value.encode()) for name, value in exc.headers]
             await send_json(send, exc.status, exc.to_body(), headers)
         except ClientDisconnected:
+            if path in _COMPLETION_PATHS:
+                router.count_outcome(Outcome.DISCONNECTED)
             return
 
     async def _completion(

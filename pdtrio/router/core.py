@@ -6,6 +6,7 @@ per decode instance.  Everything long-lived runs in the lifespan's nursery.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 from collections import Counter
@@ -25,6 +26,18 @@ from pdtrio.router.cluster import WorkerProcess, embedded_workers
 from pdtrio.router.decode_link import LINK_ERRORS, DecodeLink
 
 log = logging.getLogger("pdtrio.router")
+
+
+class Outcome(enum.Enum):
+    """How a completion request ended, as /metrics counts it."""
+
+    OK = "ok"
+    DISCONNECTED = "disconnected"
+    """The client went away before the response was complete."""
+    REJECTED = "rejected"
+    """Refused before any byte of the response went out (with its status)."""
+    FAILED = "failed"
+    """Ended by an error event after the stream had started (with the error's status)."""
 
 
 class RouterStartFailed(Exception):
@@ -67,6 +80,8 @@ class Router:
         self._prefill_turns = itertools.count()
         self._decode_turns = itertools.count()
         self.counters: Counter[str] = Counter()
+        # (outcome, status class or "") -> completion requests that ended so
+        self.outcomes: Counter[tuple[Outcome, str]] = Counter()
         self.active_requests = 0
         # draining: new requests are refused; drain_over: running ones are cut
         self.draining = False
@@ -232,15 +247,21 @@ class Router:
             "active_requests": self.active_requests,
         }
 
+    def count_outcome(self, outcome: Outcome, status: int | None = None) -> None:
+        """Count one completion request by how it ended; errors by status class (4xx, 5xx)."""
+        self.outcomes[(outcome, "" if status is None else f"{status // 100}xx")] += 1
+
     def metrics_text(self) -> str:
         lines = [
             "# TYPE pdtrio_requests_active gauge",
             f"pdtrio_requests_active {self.active_requests}",
             "# TYPE pdtrio_requests_total counter",
         ]
-        for outcome, count in sorted(self.counters.items()):
-            if outcome.startswith("outcome:"):
-                lines.append(f'pdtrio_requests_total{{outcome="{outcome[8:]}"}} {count}')
+        for (outcome, status_class), count in sorted(
+            self.outcomes.items(), key=lambda item: (item[0][0].value, item[0][1])
+        ):
+            status = f',status="{status_class}"' if status_class else ""
+            lines.append(f'pdtrio_requests_total{{outcome="{outcome.value}"{status}}} {count}')
         cut_off = sum(i.link.clients_cut_off for i in self.instances.values() if i.link is not None)
         lines.append("# TYPE pdtrio_slow_clients_cut_off_total counter")
         lines.append(f"pdtrio_slow_clients_cut_off_total {cut_off}")

@@ -42,7 +42,7 @@ from pdtrio.protocol.wire import (
     WireError,
     encode,
 )
-from pdtrio.router.core import Instance, Router
+from pdtrio.router.core import Instance, Outcome, Router
 from pdtrio.router.decode_link import (
     CUT_OFF_MESSAGE,
     DecodeLink,
@@ -111,8 +111,9 @@ class RequestPipeline:
         router = self.router
         config = router.config.router
         if router.draining:
-            router.counters["outcome:refused_draining"] += 1
-            await self._send_error(_shutting_down("the router is shutting down"))
+            refusal = _shutting_down("the router is shutting down")
+            router.count_outcome(Outcome.REJECTED, refusal.status)
+            await self._send_error(refusal)
             return
         deadline = trio.current_time() + config.request_timeout_s
         error: OpenAIError | None = None
@@ -137,16 +138,18 @@ class RequestPipeline:
                 with trio.move_on_after(config.cleanup_grace_s, shield=True):
                     await self._cleanup()
             if self.client_gone:
-                router.counters["outcome:disconnected"] += 1
+                router.count_outcome(Outcome.DISCONNECTED)
                 return
             if error is None and router.drain_over.is_set() and not self._response_complete:
                 # the drain deadline cut it (the router's cancel of our scope)
                 error = _shutting_down("the router is shutting down; the request was cut short")
             if error is not None:
-                router.counters["outcome:error"] += 1
+                # after the headers the status stays 200: the error travels in the stream
+                outcome = Outcome.FAILED if self.headers_sent else Outcome.REJECTED
+                router.count_outcome(outcome, error.status)
                 await self._send_error(error)
             else:
-                router.counters["outcome:ok"] += 1
+                router.count_outcome(Outcome.OK)
         finally:
             if scope is not None:
                 # only now: a drain waits for the error event to be out

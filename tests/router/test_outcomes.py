@@ -1,0 +1,72 @@
+"""/metrics counts each completion request once, by how it really ended."""
+
+from __future__ import annotations
+
+import re
+from functools import partial
+
+import trio
+
+from pdtrio.config import RouterConfig
+from tests.cluster import (
+    client,
+    raw_post_then_hang_up,
+    running_cluster,
+    synthetic_worker,
+    wait_until_idle,
+)
+
+
+def _outcomes(metrics: str) -> dict[str, int]:
+    found = re.findall(r"^pdtrio_requests_total\{([^}]*)\} (\d+)$", metrics, re.MULTILINE)
+    return {labels: int(count) for labels, count in found}
+
+
+async def test_each_outcome_is_counted_exactly() -> None:
+    make = partial(synthetic_worker, decode_step_s=0.002)
+    # a deadline long enough for short requests, too short for the long one
+    router = RouterConfig(request_timeout_s=1.0)
+    async with running_cluster(make_worker=make, router=router) as cluster:
+        async with client(cluster) as http:
+            # ok: streamed and not
+            for stream in (True, False):
+                response = await http.post(
+                    "/v1/completions",
+                    json={"model": "synthetic", "prompt": "hi", "max_tokens": 3, "stream": stream},
+                )
+                assert response.status_code == 200
+            # rejected before start: validation (400), media type (415), unknown model (404)
+            assert (
+                await http.post("/v1/completions", json={"model": "synthetic"})
+            ).status_code == 400
+            assert (
+                await http.post(
+                    "/v1/completions", content=b"{}", headers={"content-type": "text/plain"}
+                )
+            ).status_code == 415
+            assert (
+                await http.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+            ).status_code == 404
+            # failed after the stream started: the deadline passes mid-stream (an error event)
+            response = await http.post(
+                "/v1/completions",
+                json={"model": "synthetic", "prompt": "long", "max_tokens": 5000, "stream": True},
+            )
+            assert response.status_code == 200
+            assert '"code": "timeout"' in response.text and response.text.endswith("[DONE]\n\n")
+        # disconnected: the client hangs up mid-stream
+        body = b'{"model": "synthetic", "prompt": "bye", "max_tokens": 5000, "stream": true}'
+        await raw_post_then_hang_up(cluster.url, "/v1/completions", body, events=3)
+        await wait_until_idle(cluster)
+        async with client(cluster) as http:
+            with trio.fail_after(10):
+                while 'outcome="disconnected"' not in (
+                    metrics := (await http.get("/metrics")).text
+                ):
+                    await trio.sleep(0.05)  # the router counts it once its task has ended
+    assert _outcomes(metrics) == {
+        'outcome="ok"': 2,
+        'outcome="rejected",status="4xx"': 3,
+        'outcome="failed",status="5xx"': 1,
+        'outcome="disconnected"': 1,
+    }
