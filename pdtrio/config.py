@@ -58,6 +58,8 @@ class EngineConfig:
     block_size: int = attrs.field(default=16, validator=_positive)
     max_batch_size: int = attrs.field(default=32, validator=_positive)
     max_prefill_tokens: int = attrs.field(default=2048, validator=_positive)
+    # the budget of a request without max_tokens (capped by the context); decode reserves it
+    default_max_tokens: int = attrs.field(default=2048, validator=_positive)
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
@@ -112,6 +114,8 @@ class RouterConfig:
     # on SIGTERM: how long running requests may finish before they are cut (keep it
     # under hypercorn's --graceful-timeout, which cuts connections without a word)
     drain_s: float = attrs.field(default=10.0, validator=_non_negative)
+    # requests waiting for decode KV room (prefilled, no byte sent); beyond it: 429
+    admission_queue_limit: int = attrs.field(default=256, validator=_non_negative)
 
 
 @final

@@ -62,7 +62,10 @@ def synthetic_worker(
     )
     config = WorkerConfig(role=role, engine=engine_config, flush=flush or FlushConfig())  # type: ignore[arg-type]
     engine = SyntheticEngine(
-        synthetic, num_blocks=engine_config.num_kv_blocks, block_size=engine_config.block_size
+        synthetic,
+        num_blocks=engine_config.num_kv_blocks,
+        block_size=engine_config.block_size,
+        default_max_tokens=engine_config.default_max_tokens,
     )
     return Worker(config, engine)
 

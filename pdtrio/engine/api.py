@@ -114,7 +114,7 @@ class Engine(Protocol):
     ) -> PrefillResult:
         """Compute the prompt's KV and sample the first token. Raises NoRoom, PromptRejected.
 
-        ``max_tokens`` is the client's limit (None: as many as the context allows);
+        ``max_tokens`` is the client's limit (None: the configured default, capped by the context);
         the result's ``token_budget`` is the request's whole budget.  Cancellation
         frees whatever the request had allocated.
         """

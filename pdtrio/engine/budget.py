@@ -22,9 +22,19 @@ def checked_token_ids(token_ids: tuple[int, ...], vocab_size: int) -> list[int]:
 
 
 def token_budget(
-    prompt_tokens: int, max_tokens: int | None, *, max_model_len: int, kv_capacity_tokens: int
+    prompt_tokens: int,
+    max_tokens: int | None,
+    *,
+    max_model_len: int,
+    kv_capacity_tokens: int,
+    default_max_tokens: int = 2048,
 ) -> int:
-    """The whole completion budget; PromptRejected (a 400) if the request can never fit."""
+    """The whole completion budget; PromptRejected (a 400) if the request can never fit.
+
+    An unset ``max_tokens`` means ``default_max_tokens``, capped by the context:
+    decode reserves the whole budget up front, so the context length would cost
+    every default request the KV of the longest possible one.
+    """
     if max_tokens is not None and max_tokens < 1:
         raise PromptRejected(f"max_tokens must be at least 1, not {max_tokens}", param="max_tokens")
     if prompt_tokens == 0:
@@ -35,7 +45,10 @@ def token_budget(
             f"prompt has {prompt_tokens} tokens.",
             param="messages",
         )
-    budget = max_model_len - prompt_tokens if max_tokens is None else max_tokens
+    if max_tokens is None:
+        budget = min(default_max_tokens, max_model_len - prompt_tokens)
+    else:
+        budget = max_tokens
     if prompt_tokens + budget > max_model_len:
         raise PromptRejected(
             f"This model's maximum context length is {max_model_len} tokens. However, you "

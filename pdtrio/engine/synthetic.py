@@ -130,8 +130,10 @@ class SyntheticEngine:
         num_blocks: int,
         block_size: int,
         model_name: str = SYNTHETIC_MODEL_NAME,
+        default_max_tokens: int = 2048,
     ) -> None:
         self._config = config
+        self._default_max_tokens = default_max_tokens
         self._model_name = model_name
         self._blocks = BlockOwnership(BlockAllocator(num_blocks), block_size)
         self._layout = KvLayout(
@@ -204,6 +206,7 @@ class SyntheticEngine:
             max_tokens,
             max_model_len=self._config.max_model_len,
             kv_capacity_tokens=self._blocks.num_blocks * self._blocks.block_size,
+            default_max_tokens=self._default_max_tokens,
         )
         block_ids = self._blocks.ensure(request_id, len(prompt_token_ids))
         self._prefilling += 1

@@ -38,6 +38,7 @@ class MessageKind(enum.IntEnum):
     REJECTED = 4
     TOKENS = 5
     FAILED = 6
+    CAPACITY = 7
 
 
 class RejectReason(enum.StrEnum):
@@ -189,6 +190,18 @@ class DecodeFailed(_Positional, frozen=True, tag=int(MessageKind.FAILED)):
     message: str
 
 
+class DecodeCapacity(_Positional, frozen=True, tag=int(MessageKind.CAPACITY)):
+    """Decode's KV room now: sent when the link opens and whenever the free count changes.
+
+    It goes out before the accept it may reflect, so a router that sees
+    ``DecodeAccepted`` already holds a report that counts that request's blocks.
+    """
+
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+
+
 class TokenEntry(_Positional, frozen=True):
     """New output of one request: the hot path, built by the engine, read by the router.
 
@@ -208,7 +221,7 @@ class TokenFrame(_Positional, frozen=True, tag=int(MessageKind.TOKENS)):
 
 
 ToDecode = DecodeStart | DecodeAbort
-FromDecode = DecodeAccepted | DecodeRejected | DecodeFailed | TokenFrame
+FromDecode = DecodeAccepted | DecodeRejected | DecodeFailed | TokenFrame | DecodeCapacity
 
 
 # --- decode <- prefill (KV transfer port) --------------------------------------

@@ -20,8 +20,10 @@ import msgspec
 import trio
 
 from pdtrio.config import PdtrioConfig, Role
+from pdtrio.engine.blocks import blocks_needed
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.scheduling import Candidate, pick_instance
+from pdtrio.router.capacity import CapacityQueue
 from pdtrio.router.cluster import WorkerProcess, embedded_workers
 from pdtrio.router.decode_link import LINK_ERRORS, DecodeLink
 
@@ -76,9 +78,8 @@ class Router:
         self._nursery = nursery
         self.instances: dict[str, Instance] = {}
         self.workers: list[WorkerProcess] = []
-        # separate turns per role: a shared counter would advance in lockstep and pin ties
+        # round-robin turns among equally loaded prefill instances
         self._prefill_turns = itertools.count()
-        self._decode_turns = itertools.count()
         self.counters: Counter[str] = Counter()
         # (outcome, status class or "") -> completion requests that ended so
         self.outcomes: Counter[tuple[Outcome, str]] = Counter()
@@ -89,6 +90,10 @@ class Router:
         self._running: set[trio.CancelScope] = set()
         self._idle = trio.Event()
         self._idle.set()
+        # prefilled requests waiting for decode KV room, woken by the links' reports
+        self.decode_queue: CapacityQueue[Instance] = CapacityQueue(
+            config.router.admission_queue_limit
+        )
 
     # --- instances ------------------------------------------------------------------
 
@@ -162,7 +167,10 @@ class Router:
         """
         ws_url = instance.url.replace("http://", "ws://", 1) + "/pd/decode"
         link = DecodeLink(
-            instance.name, ws_url, max_pending_tokens=self.config.router.stream_buffer_tokens
+            instance.name,
+            ws_url,
+            max_pending_tokens=self.config.router.stream_buffer_tokens,
+            on_capacity=self.decode_queue.changed,
         )
         instance.link = link
         status = task_status
@@ -224,14 +232,32 @@ class Router:
         chosen = pick_instance(candidates, turn=next(self._prefill_turns), exclude=exclude)
         return None if chosen is None else self.instances[chosen]
 
-    def pick_decode(self, exclude: frozenset[str] = frozenset()) -> Instance | None:
-        candidates = [
-            Candidate(i.name, i.link.active_requests, i.healthy and i.link.connected)
+    def decode_links(self, exclude: frozenset[str] = frozenset()) -> list[DecodeLink]:
+        """The connected links of healthy decode instances not in ``exclude``."""
+        return [
+            i.link
             for i in self.instances.values()
-            if i.serves_decode and i.link is not None
+            if i.serves_decode
+            and i.healthy
+            and i.link is not None
+            and i.link.connected
+            and i.name not in exclude
         ]
-        chosen = pick_instance(candidates, turn=next(self._decode_turns), exclude=exclude)
-        return None if chosen is None else self.instances[chosen]
+
+    def decode_with_room(
+        self, num_tokens: int, exclude: frozenset[str] = frozenset()
+    ) -> Instance | None:
+        """The decode instance with the most unpromised free blocks, if it fits ``num_tokens``."""
+        best: DecodeLink | None = None
+        best_free = -1
+        for link in self.decode_links(exclude):
+            capacity = link.capacity
+            if capacity is None:
+                continue
+            free = link.available_blocks
+            if free >= blocks_needed(num_tokens, capacity.block_size) and free > best_free:
+                best, best_free = link, free
+        return None if best is None else self.instances[best.instance_id]
 
     def health(self) -> dict[str, Any]:
         prefill = sum(1 for i in self.instances.values() if i.serves_prefill and i.healthy)

@@ -10,11 +10,17 @@ the reader cutting off a client that fell too far behind) calls
 :meth:`DecodeLink.abort`, which never blocks; the link's writer task sends the
 abort frames.  A stream the link ended is marked failed, so its consumer ends
 with an error as soon as it looks.
+
+The link keeps decode's last ``DecodeCapacity`` report and the blocks it has
+promised to starts decode has not answered yet (decode reports an accept's
+blocks before the accept), so :attr:`DecodeLink.available_blocks` never counts
+the same free blocks twice.  Every change calls ``on_capacity``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import final
 
 import trio
@@ -24,6 +30,7 @@ from pdtrio.protocol.wire import (
     DECODE_ERRORS,
     DecodeAbort,
     DecodeAccepted,
+    DecodeCapacity,
     DecodeRejected,
     DecodeStart,
     RejectReason,
@@ -108,8 +115,20 @@ class DecodeStream:
 
 @final
 class DecodeLink:
-    def __init__(self, instance_id: str, url: str, *, max_pending_tokens: int) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        url: str,
+        *,
+        max_pending_tokens: int,
+        on_capacity: Callable[[], None] = lambda: None,
+    ) -> None:
         self.instance_id = instance_id
+        self._on_capacity = on_capacity
+        # decode's last report (None: none on this connection yet)
+        self.capacity: DecodeCapacity | None = None
+        # blocks of starts sent and not yet answered: decode's report may not count them yet
+        self._promised: dict[str, int] = {}
         self.url = url
         self.max_pending_tokens = max_pending_tokens
         self._ws: WebSocketClient | None = None
@@ -129,6 +148,18 @@ class DecodeLink:
     @property
     def active_requests(self) -> int:
         return len(self._streams)
+
+    @property
+    def available_blocks(self) -> int:
+        """Free blocks decode reported, less those promised since; 0 when it cannot take any."""
+        if self.capacity is None or self._ws is None:
+            return 0
+        return self.capacity.free_blocks - sum(self._promised.values())
+
+    def _settle(self, request_id: str) -> None:
+        """Decode answered (or will never answer) a start: its promise is over."""
+        if self._promised.pop(request_id, None) is not None:
+            self._on_capacity()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Connect, then read frames and write aborts until the link breaks (the caller reconnects)."""
@@ -150,7 +181,10 @@ class DecodeLink:
                 nursery.cancel_scope.cancel()
         finally:
             self._ws = None
+            self.capacity = None
+            self._promised.clear()
             self._fail_all("the connection to the decode instance was lost")
+            self._on_capacity()  # waiters look elsewhere (or time out)
             if ws is not None:
                 await ws.aclose()
 
@@ -177,6 +211,11 @@ class DecodeLink:
                 if type(message) is TokenFrame:
                     dispatch_entries(message.entries)
                     continue
+                if type(message) is DecodeCapacity:
+                    self.capacity = message
+                    self._on_capacity()
+                    continue
+                self._settle(message.request_id)
                 stream = streams.get(message.request_id)
                 if stream is None:
                     continue  # already ended here
@@ -213,6 +252,7 @@ class DecodeLink:
                 stream.notify()
 
     def _end(self, stream: DecodeStream, failure: str, *, abort: bool) -> None:
+        self._settle(stream.request_id)
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
             if abort and self._ws is not None:
@@ -243,10 +283,13 @@ class DecodeLink:
 
     # --- the pipeline's side --------------------------------------------------------
 
-    async def start(self, start: DecodeStart) -> DecodeStream:
+    async def start(self, start: DecodeStart, blocks: int = 0) -> DecodeStream:
         """Send the start; the stream then reports decode's answer and tokens.
 
-        Raises :class:`DecodeLinkClosed` when the start could not be sent.
+        ``blocks`` (what decode will allocate) are promised before the first
+        checkpoint, so a caller that picked this link by :attr:`available_blocks`
+        holds them against every other caller.  Raises :class:`DecodeLinkClosed`
+        when the start could not be sent.
         """
         ws = self._ws
         if ws is None:
@@ -255,10 +298,12 @@ class DecodeLink:
             raise DecodeLinkError(f"request {start.request_id} is already running on this link")
         stream = DecodeStream(start.request_id, self.max_pending_tokens)
         self._streams[start.request_id] = stream
+        self._promised[start.request_id] = blocks
         try:
             await ws.send_message(encode(start))
         except ConnectionClosed as exc:
             self._streams.pop(start.request_id, None)
+            self._settle(start.request_id)
             raise DecodeLinkClosed(f"decode instance {self.instance_id} closed the link") from exc
         except BaseException:
             # cancelled mid-send: decode may or may not have the start; abort to be sure

@@ -4,10 +4,23 @@ The nursery owns the disconnect watcher and the pipeline under one absolute
 deadline.  Whatever ends the request (finish, error, client gone, deadline),
 a shielded and time-bounded cleanup aborts it on decode and releases its KV
 on prefill, so no block outlives it anywhere.
+
+Capacity: decode reserves KV for prompt + budget when it accepts, and a
+started request never loses its blocks (no eviction).  So a request whose
+room is not there waits, before any byte goes out, in the router's bounded
+FIFO (``pdtrio.router.capacity``) after prefill: prefill is what knows the
+prompt length and the budget for text and chat prompts.  Its KV stays leased
+on prefill meanwhile, so the wait is bounded by that lease (503 if it would
+pass; no lease extension to get wrong) as well as by the request's deadline
+(504).  Refusals come first: 400 for a request no decode can ever hold, 429
+with Retry-After when the queue is full.  The first token goes out once the
+start is sent; a NO_ROOM answer from decode (its report was stale) sends the
+request back to wait.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
@@ -17,6 +30,7 @@ import httpx
 import trio
 
 from pdtrio.asgi import Receive, Send, send_json
+from pdtrio.engine.blocks import blocks_needed
 from pdtrio.protocol.lifecycle import Cleanup, Event, RequestLifecycle
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
@@ -42,6 +56,7 @@ from pdtrio.protocol.wire import (
     WireError,
     encode,
 )
+from pdtrio.router.capacity import QueueFull
 from pdtrio.router.core import Instance, Outcome, Router
 from pdtrio.router.decode_link import (
     CUT_OFF_MESSAGE,
@@ -60,6 +75,8 @@ _SSE_HEADERS = [
 ]
 _MSGPACK_HEADERS = {"content-type": MSGPACK_CONTENT_TYPE, "accept": MSGPACK_CONTENT_TYPE}
 _prefill_reply_decoder: Decoder[PrefillReply] = Decoder(PrefillReply)
+# decode must pull the KV this long before prefill's lease frees it
+_LEASE_MARGIN_S = 1.0
 
 
 @final
@@ -170,11 +187,11 @@ class RequestPipeline:
         reply = await self._prefill(deadline)
         if self.shaper is not None:
             self.shaper.set_prompt_usage(reply.prompt_tokens, reply.cached_tokens)
-        # the first token goes out before decode starts
-        await self._deliver(reply.first_text, 1, reply.finish_reason, reply.usage)
         if reply.kv_handle is None:
+            await self._deliver(reply.first_text, 1, reply.finish_reason, reply.usage)
             await self._finish()
             return
+        # the first token goes out once decode room is claimed and the start is sent
         stream = await self._start_decode(reply, reply.kv_handle)
         await self._stream_tokens(stream)
         await self._finish()
@@ -236,24 +253,29 @@ class RequestPipeline:
             cached_tokens=reply.cached_tokens,
             kv_handle=handle,
         )
+        num_tokens = reply.prompt_tokens + reply.token_budget
         tried: set[str] = set()
         last_reason = "no decode instance is connected"
+        first_sent = False
         while True:
-            instance = self.router.pick_decode(frozenset(tried))
-            if instance is None or instance.link is None:
-                raise service_unavailable(
-                    f"no decode instance could take the request: {last_reason}"
-                )
-            tried.add(instance.name)
+            instance = await self._wait_for_decode(reply, handle, frozenset(tried), last_reason)
             link = instance.link
+            assert link is not None and link.capacity is not None  # what decode_with_room picks
+            # no checkpoint from the pick to the promise inside start: the room is ours
             self.decode_link = link
             lifecycle.handle(Event.DECODE_START_SENT)
             try:
-                stream = await link.start(start)
+                stream = await link.start(
+                    start, blocks_needed(num_tokens, link.capacity.block_size)
+                )
             except DecodeLinkClosed as exc:
                 lifecycle.handle(Event.DECODE_NOT_STARTED)
+                tried.add(instance.name)
                 last_reason = str(exc)
                 continue
+            if not first_sent:
+                first_sent = True
+                await self._deliver(reply.first_text, 1, reply.finish_reason, reply.usage)
             while not (stream.accepted or stream.rejection or stream.failure):
                 await stream.wait_update()
             if stream.accepted:
@@ -267,12 +289,53 @@ class RequestPipeline:
             lifecycle.handle(Event.DECODE_NOT_STARTED)
             last_reason = rejection.message
             if rejection_is_retryable(rejection):
+                if rejection.reason != RejectReason.NO_ROOM:
+                    tried.add(instance.name)  # shutting down; NO_ROOM: wait for a fresh report
                 continue
             if rejection.reason == RejectReason.LAYOUT_MISMATCH:
                 raise server_error(f"prefill and decode cannot be paired: {rejection.message}")
             if rejection.reason == RejectReason.TRANSFER_FAILED:
                 raise service_unavailable(f"the KV handoff failed: {rejection.message}")
             raise server_error(f"decode rejected the request: {rejection.message}")
+
+    async def _wait_for_decode(
+        self, reply: PrefillReply, handle: KvHandle, exclude: frozenset[str], last_reason: str
+    ) -> Instance:
+        """A decode instance with room for the request, waiting in FIFO order for one."""
+        router = self.router
+        links = router.decode_links(exclude)
+        if not links:
+            raise service_unavailable(f"no decode instance could take the request: {last_reason}")
+        num_tokens = reply.prompt_tokens + reply.token_budget
+        reports = [link.capacity for link in links if link.capacity is not None]
+        if reports and all(
+            blocks_needed(num_tokens, c.block_size) > c.total_blocks for c in reports
+        ):
+            most = max(c.total_blocks * c.block_size for c in reports)
+            raise OpenAIError(
+                f"This request needs {num_tokens} tokens of KV cache ({reply.prompt_tokens} in "
+                f"the prompt, {reply.token_budget} for the completion), more than any decode "
+                f"instance can hold ({most}). Please reduce max_tokens or the prompt.",
+                status=400,
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        take = functools.partial(router.decode_with_room, num_tokens, exclude)
+        # the KV waits on prefill under its lease (wall clock): decode must pull it before then
+        lease_left_s = handle.lease_expiry - time.time() - _LEASE_MARGIN_S
+        with trio.move_on_after(max(0.0, lease_left_s)) as timer:
+            try:
+                return await router.decode_queue.wait_for(take)
+            except QueueFull:
+                raise OpenAIError(
+                    "the server is at capacity and its queue is full; retry shortly",
+                    status=429,
+                    type="server_error",
+                    code="queue_full",
+                    headers=(("retry-after", "1"),),
+                ) from None
+        assert timer.cancelled_caught
+        raise service_unavailable("no decode capacity came free within the prefill KV lease")
 
     async def _stream_tokens(self, stream: DecodeStream) -> None:
         buffer = stream.buffer
@@ -356,7 +419,8 @@ class RequestPipeline:
                         }
                     )
             return
-        await send_json(self._send, error.status, error.to_body())
+        extra = [(name.encode(), value.encode()) for name, value in error.headers]
+        await send_json(self._send, error.status, error.to_body(), extra or None)
 
     # --- cleanup ------------------------------------------------------------------
 

@@ -6,6 +6,12 @@ sender writes every frame, so writes never interleave.  Engine outputs reach
 the sender through a bounded channel and leave in coalesced token frames
 under the ``FlushPolicy`` (pdtrio.protocol.flush).
 
+Each link also reports the engine's free KV blocks (``DecodeCapacity``) when
+it opens and whenever the count may have changed (an accept, a finish, an
+abort): a dirty flag and a poke of the outbox, so reports coalesce to the
+latest value and nothing polls.  The report a control message may change goes
+out just before it, so the router never sees an accept its report lacks.
+
 A link only ever touches the requests it started, and each of them ends with
 exactly one of: its finish entry, ``DecodeRejected``, ``DecodeFailed``, or the
 router's own abort.
@@ -26,6 +32,7 @@ from pdtrio.protocol.flush import FlushConfig, FlushNow, FlushPolicy, WaitUntil
 from pdtrio.protocol.wire import (
     DecodeAbort,
     DecodeAccepted,
+    DecodeCapacity,
     DecodeFailed,
     DecodeRejected,
     DecodeStart,
@@ -40,7 +47,7 @@ log = logging.getLogger("pdtrio.worker.decode")
 _Control = DecodeAccepted | DecodeRejected | DecodeFailed
 # What reaches the sender: a step's entries, a control message, or None: a write finished.
 _Outgoing = StepOutputs | _Control | None
-_Frame = TokenFrame | _Control
+_Frame = TokenFrame | _Control | DecodeCapacity
 
 
 @final
@@ -54,6 +61,30 @@ class _Link:
         # start still in progress, None once the engine runs the request
         self.requests: dict[str, trio.CancelScope | None] = {}
         self._in_flight = 0  # frames handed to the writer and not yet written
+        self._capacity_dirty = True  # the first report goes out when the link opens
+        self._last_capacity: DecodeCapacity | None = None
+
+    def mark_capacity(self) -> None:
+        """The engine's free blocks may have changed: report it soon (never blocks)."""
+        self._capacity_dirty = True
+        try:
+            self.outbox_send.send_nowait(None)  # wake the collector; a full outbox wakes it anyway
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    def _capacity_report(self) -> DecodeCapacity | None:
+        """The current report, or None when it says what the last one said."""
+        self._capacity_dirty = False
+        stats = self._engine.statistics()
+        report = DecodeCapacity(
+            free_blocks=stats.kv_blocks_total - stats.kv_blocks_in_use,
+            total_blocks=stats.kv_blocks_total,
+            block_size=self._engine.layout.block_size,
+        )
+        if report == self._last_capacity:
+            return None
+        self._last_capacity = report
+        return report
 
     async def send_control(self, message: _Control) -> None:
         await self.outbox_send.send(message)
@@ -72,6 +103,11 @@ class _Link:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._run_writer, frames_receive)
             while True:
+                if self._capacity_dirty:
+                    report = self._capacity_report()
+                    if report is not None:
+                        self._in_flight += 1
+                        await frames_send.send(report)
                 decision = policy.decide(trio.current_time(), in_flight=self._in_flight > 0)
                 if isinstance(decision, FlushNow):
                     self._in_flight += 1
@@ -91,6 +127,11 @@ class _Link:
                 while policy.has_pending:
                     self._in_flight += 1
                     await frames_send.send(TokenFrame(policy.take()))
+                # what an accept allocated is in the report ahead of it
+                report = self._capacity_report()
+                if report is not None:
+                    self._in_flight += 1
+                    await frames_send.send(report)
                 self._in_flight += 1
                 await frames_send.send(item)
 
@@ -145,6 +186,7 @@ class _Link:
             return
         self.forget(request_id)
         self._engine.abort(request_id)
+        self._server.capacity_changed()
 
     def forget(self, request_id: str) -> None:
         """The request ended here; the link is told (or asked for it) separately."""
@@ -189,6 +231,7 @@ class _Link:
                 self.forget(request_id)
             elif request_id in self.requests:  # (not already finished)
                 self.requests[request_id] = None
+            self._server.capacity_changed()  # allocated, or freed on the way out
         if ending is not None:
             await self.send_control(ending)
 
@@ -203,6 +246,11 @@ class DecodeLinkServer:
         self.flush = flush
         self.owner: dict[str, _Link] = {}  # request id -> the link that started it
         self._links: set[_Link] = set()
+
+    def capacity_changed(self) -> None:
+        """The engine's free blocks may have changed: every link reports it (never blocks)."""
+        for link in self._links:
+            link.mark_capacity()
 
     @property
     def link_count(self) -> int:
@@ -235,9 +283,13 @@ class DecodeLinkServer:
     async def _deliver(self, link: _Link, entries: StepOutputs) -> None:
         if not entries:
             return
+        finished = False
         for entry in entries:
             if entry.finish_reason is not None:
                 link.forget(entry.request_id)
+                finished = True
+        if finished:
+            self.capacity_changed()  # a finished request's blocks are free
         try:
             await link.outbox_send.send(entries)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -249,6 +301,7 @@ class DecodeLinkServer:
             if link is None:
                 continue
             link.forget(request_id)
+            self.capacity_changed()
             try:
                 await link.send_control(DecodeFailed(request_id, failed.message))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -272,3 +325,4 @@ class DecodeLinkServer:
             # the router went away: every request it started here ends now
             for request_id in list(link.requests):
                 link.abort(request_id)
+            self.capacity_changed()  # the other routers learn what it freed

@@ -27,7 +27,10 @@ def build_engine(config: EngineConfig) -> Engine:
         from pdtrio.engine.synthetic import SyntheticEngine
 
         return SyntheticEngine(
-            config.synthetic, num_blocks=config.num_kv_blocks, block_size=config.block_size
+            config.synthetic,
+            num_blocks=config.num_kv_blocks,
+            block_size=config.block_size,
+            default_max_tokens=config.default_max_tokens,
         )
     try:
         from pdtrio.engine.torch.engine import TorchEngine

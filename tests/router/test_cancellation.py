@@ -72,7 +72,7 @@ async def test_deadline_ends_request_with_error_and_frees_blocks() -> None:
         await wait_until_idle(cluster)
 
 
-async def test_decode_without_room_answers_503_and_leaks_nothing() -> None:
+async def test_decode_that_can_never_hold_it_answers_400_and_leaks_nothing() -> None:
     def make(role: str):
         from tests.cluster import synthetic_worker
 
@@ -83,8 +83,9 @@ async def test_decode_without_room_answers_503_and_leaks_nothing() -> None:
             response = await http.post(
                 "/v1/completions", json={"model": "synthetic", "prompt": "x" * 40, "max_tokens": 50}
             )
-        assert response.status_code == 503
-        assert response.json()["error"]["code"] == "service_unavailable"
+        # refused up front (decode's reported total is too small), not after the first token
+        assert response.status_code == 400
+        assert response.json()["error"]["code"] == "context_length_exceeded"
         await wait_until_idle(cluster)
 
 

@@ -26,7 +26,7 @@ PICKLE_MARKERS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
 MSGPACK = {"content-type": "application/msgpack"}
 
 # decode-link message tags: the first element of every frame
-START, ABORT, ACCEPTED, REJECTED, TOKENS, FAILED = 1, 2, 3, 4, 5, 6
+START, ABORT, ACCEPTED, REJECTED, TOKENS, FAILED, CAPACITY = 1, 2, 3, 4, 5, 6, 7
 
 # PrefillReply: [request_id, prompt_token_ids, cached_tokens, first_token_id,
 #                first_text, finish_reason, token_budget, kv_handle, usage]
@@ -115,6 +115,18 @@ async def running_pair(**decode_overrides: Any) -> AsyncIterator[Pair]:
         nursery.cancel_scope.cancel()
 
 
+async def _next_message(ws: trio_websocket.WebSocketConnection) -> bytes:
+    """The next frame that is not a capacity report (those come whenever blocks change)."""
+    while True:
+        data = await ws.get_message()
+        assert isinstance(data, bytes)
+        message = _strict_unpack(data)
+        if message[0] != CAPACITY:
+            return data
+        free, total, block_size = message[1:]
+        assert 0 <= free <= total and block_size > 0
+
+
 async def _tokens_until_finished(
     ws: trio_websocket.WebSocketConnection, request_ids: set[str], frames: list[bytes]
 ) -> dict[str, list[Any]]:
@@ -122,7 +134,7 @@ async def _tokens_until_finished(
     streams: dict[str, list[Any]] = {}
     with trio.fail_after(30):
         while not request_ids <= {r for r, e in streams.items() if e[E_FINISH] is not None}:
-            data = await ws.get_message()
+            data = await _next_message(ws)
             assert isinstance(data, bytes)
             frames.append(data)
             message = _strict_unpack(data)
@@ -207,7 +219,7 @@ async def test_one_link_cannot_abort_another_links_request() -> None:
             trio_websocket.open_websocket_url(pair.ws_url) as other,
         ):
             await owner.send_message(decode_start(reply))
-            assert _strict_unpack(await owner.get_message())[:2] == [ACCEPTED, "mine"]
+            assert _strict_unpack(await _next_message(owner))[:2] == [ACCEPTED, "mine"]
             await other.send_message(msgpack.packb([ABORT, "mine"]))
             stream = (await _tokens_until_finished(owner, {"mine"}, []))["mine"]
         assert stream[E_FINISH] == "length" and stream[E_USAGE][1] == 30
@@ -219,9 +231,9 @@ async def test_a_start_for_a_running_request_is_rejected() -> None:
         reply = await _prefill(pair.prefill_url, "twice", "prompt", 50)
         async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
             await ws.send_message(decode_start(reply))
-            assert _strict_unpack(await ws.get_message())[:2] == [ACCEPTED, "twice"]
+            assert _strict_unpack(await _next_message(ws))[:2] == [ACCEPTED, "twice"]
             await ws.send_message(decode_start(reply))
-            while (message := _strict_unpack(await ws.get_message()))[0] == TOKENS:
+            while (message := _strict_unpack(await _next_message(ws)))[0] == TOKENS:
                 pass
             assert message[:3] == [REJECTED, "twice", "bad_request"]
             await ws.send_message(msgpack.packb([ABORT, "twice"]))
@@ -242,7 +254,7 @@ async def test_a_start_with_a_foreign_layout_is_rejected_naming_both() -> None:
             f"ws://127.0.0.1:{decode_ready['http_port']}/pd/decode"
         ) as ws:
             await ws.send_message(decode_start(reply))
-            message = _strict_unpack(await ws.get_message())
+            message = _strict_unpack(await _next_message(ws))
         nursery.cancel_scope.cancel()
     assert message[0] == REJECTED
     assert message[2] == "layout_mismatch"
@@ -259,7 +271,7 @@ async def test_an_unreachable_kv_endpoint_is_rejected_and_frees_decode_blocks() 
             reply[R_HANDLE][H_PORT] = placeholder.getsockname()[1]
         async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
             await ws.send_message(decode_start(reply))
-            message = _strict_unpack(await ws.get_message())
+            message = _strict_unpack(await _next_message(ws))
         assert message[0] == REJECTED and message[2] == "transfer_failed"
         assert pair.decode.engine.statistics().kv_blocks_in_use == 0
 
@@ -271,7 +283,7 @@ async def test_a_start_whose_handle_does_not_match_its_prompt_is_a_bad_request()
         async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
             await ws.send_message(msgpack.packb([START, "odd"]))  # not a start: dropped
             await ws.send_message(decode_start(reply))
-            message = _strict_unpack(await ws.get_message())
+            message = _strict_unpack(await _next_message(ws))
         assert message[:3] == [REJECTED, "odd", "bad_request"]
         assert "blocks" in message[3]
         assert pair.decode.engine.statistics().kv_blocks_in_use == 0
@@ -368,10 +380,10 @@ async def test_a_request_the_engine_loses_ends_with_decode_failed_on_its_link() 
             f"ws://127.0.0.1:{decode_ready['http_port']}/pd/decode"
         ) as ws:
             await ws.send_message(decode_start(reply))
-            assert _strict_unpack(await ws.get_message())[:2] == [ACCEPTED, "lost"]
+            assert _strict_unpack(await _next_message(ws))[:2] == [ACCEPTED, "lost"]
             await engine.lose("lost")
             with trio.fail_after(10):
-                while (message := _strict_unpack(await ws.get_message()))[0] == TOKENS:
+                while (message := _strict_unpack(await _next_message(ws)))[0] == TOKENS:
                     assert all(e[E_FINISH] is None for e in message[1])
         assert message == [FAILED, "lost", "decode step failed: boom"]
         assert decode.stats()["decode_requests"] == 0
@@ -386,8 +398,8 @@ async def test_a_start_with_foreign_token_ids_fails_alone_and_the_link_goes_on()
         bad[R_PROMPT][-1] = -1
         async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
             await ws.send_message(decode_start(bad))
-            assert _strict_unpack(await ws.get_message())[:2] == [ACCEPTED, "bad"]
-            failed = _strict_unpack(await ws.get_message())
+            assert _strict_unpack(await _next_message(ws))[:2] == [ACCEPTED, "bad"]
+            failed = _strict_unpack(await _next_message(ws))
             assert failed[:2] == [FAILED, "bad"] and "vocabulary" in failed[2]
             await ws.send_message(decode_start(good))
             stream = (await _tokens_until_finished(ws, {"good"}, []))["good"]

@@ -201,6 +201,7 @@ class TorchEngine:
             max_tokens,
             max_model_len=self.max_model_len,
             kv_capacity_tokens=self._blocks.num_blocks * self._blocks.block_size,
+            default_max_tokens=self._config.default_max_tokens,
         )
         with self._lock:
             table = list(self._blocks.ensure(request_id, len(prompt_token_ids)))

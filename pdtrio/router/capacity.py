@@ -1,0 +1,74 @@
+"""Waiting for decode KV room: a bounded FIFO of prefilled requests.
+
+A request that no decode instance has room for now waits here instead of
+failing.  Only the head of the queue is woken when capacity changes; it takes
+its room (the caller promises the blocks on a decode link before its next
+checkpoint) and, leaving, wakes the next one, so waiters go in arrival order
+and never race for the same blocks.  A newcomer goes straight through only
+when nobody is waiting.  Nothing polls: every wake-up is a capacity report,
+an answered start or a link that came or went.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Generic, TypeVar, final
+
+import trio
+
+_T = TypeVar("_T")
+
+
+class QueueFull(Exception):
+    """The admission queue is at its limit: the caller answers 429."""
+
+
+@final
+class _Waiter:
+    __slots__ = ("woken",)
+
+    def __init__(self) -> None:
+        self.woken = trio.Event()
+
+
+@final
+class CapacityQueue(Generic[_T]):
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._waiters: deque[_Waiter] = deque()
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    def changed(self) -> None:
+        """Capacity may have changed: the head waiter looks again (never blocks)."""
+        if self._waiters:
+            self._waiters[0].woken.set()
+
+    async def wait_for(self, take: Callable[[], _T | None]) -> _T:
+        """What ``take`` returns once it returns something, in FIFO order with other waiters.
+
+        ``take`` must not checkpoint; neither does this between its success and
+        returning, so the caller claims the room before anyone else runs.
+        Raises :class:`QueueFull` at the limit; cancellation leaves the queue.
+        """
+        if not self._waiters:
+            taken = take()
+            if taken is not None:
+                await trio.lowlevel.checkpoint_if_cancelled()
+                return taken
+        if len(self._waiters) >= self.limit:
+            raise QueueFull
+        waiter = _Waiter()
+        self._waiters.append(waiter)
+        try:
+            while True:
+                await waiter.woken.wait()
+                taken = take()
+                if taken is not None:
+                    return taken
+                waiter.woken = trio.Event()  # still no room: sleep until the next change
+        finally:
+            self._waiters.remove(waiter)
+            self.changed()  # the next in line gets its turn (a woken task runs after our caller)
