@@ -41,6 +41,11 @@ class CapacityQueue(Generic[_T]):
     def __len__(self) -> int:
         return len(self._waiters)
 
+    @property
+    def full(self) -> bool:
+        """No one more may wait."""
+        return len(self._waiters) >= self.limit
+
     def changed(self) -> None:
         """Capacity may have changed: the head waiter looks again (never blocks)."""
         if self._waiters:
@@ -58,7 +63,7 @@ class CapacityQueue(Generic[_T]):
             if taken is not None:
                 await trio.lowlevel.checkpoint_if_cancelled()
                 return taken
-        if len(self._waiters) >= self.limit:
+        if self.full:
             raise QueueFull
         waiter = _Waiter()
         self._waiters.append(waiter)

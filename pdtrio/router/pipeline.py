@@ -184,6 +184,9 @@ class RequestPipeline:
     # --- the pipeline --------------------------------------------------------------
 
     async def _pipeline(self, deadline: float) -> None:
+        if self.router.decode_queue.full:
+            # it could only join the queue's tail after prefill: refuse now, at no cost
+            raise _queue_full()
         reply = await self._prefill(deadline)
         if self.shaper is not None:
             self.shaper.set_prompt_usage(reply.prompt_tokens, reply.cached_tokens)
@@ -327,13 +330,7 @@ class RequestPipeline:
             try:
                 return await router.decode_queue.wait_for(take)
             except QueueFull:
-                raise OpenAIError(
-                    "the server is at capacity and its queue is full; retry shortly",
-                    status=429,
-                    type="server_error",
-                    code="queue_full",
-                    headers=(("retry-after", "1"),),
-                ) from None
+                raise _queue_full() from None
         assert timer.cancelled_caught
         raise service_unavailable("no decode capacity came free within the prefill KV lease")
 
@@ -444,6 +441,16 @@ class RequestPipeline:
 
 def _shutting_down(message: str) -> OpenAIError:
     return OpenAIError(message, status=503, type="server_error", code="shutting_down")
+
+
+def _queue_full() -> OpenAIError:
+    return OpenAIError(
+        "the server is at capacity and its queue is full; retry shortly",
+        status=429,
+        type="server_error",
+        code="queue_full",
+        headers=(("retry-after", "1"),),
+    )
 
 
 def _worker_error(response: httpx.Response, leg: str) -> OpenAIError:

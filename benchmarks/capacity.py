@@ -1,0 +1,176 @@
+"""Capacity: a busy server makes requests wait, or refuses them at once, never 200-then-error.
+
+Two runs against a real router (hypercorn, trio) over the embedded synthetic cluster:
+
+1. ``configs/synthetic.toml``: 64 concurrent streaming requests without
+   ``max_tokens`` (each reserves the default budget, so only some fit at once):
+   how many complete, TTFT p50/p99.
+2. A small decode KV (``--blocks``) and 1,000 requests offered at once against a
+   queue limit of 256: how many complete, how many get an immediate 429, and how
+   many get a 200 followed by an error event (the goal: none).
+
+``python -m benchmarks.capacity [--quick] [--json PATH]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from pdtrio.testing import LOOPBACK, Processes, Service, free_port, router_command
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _embedded_toml(*, num_kv_blocks: int, decode_step_s: float, queue_limit: int) -> str:
+    return (
+        f"[router]\nadmission_queue_limit = {queue_limit}\n"
+        "[embedded]\nprefill = 1\ndecode = 1\n"
+        f'[embedded.worker.engine]\nkind = "synthetic"\nnum_kv_blocks = {num_kv_blocks}\n'
+        f"[embedded.worker.engine.synthetic]\ndecode_step_s = {decode_step_s}\n"
+    )
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _one(
+    http: httpx.AsyncClient, body: dict[str, Any], results: list[dict[str, Any]]
+) -> None:
+    started = time.perf_counter()
+    ttft: float | None = None
+    text = ""
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            async for chunk in response.aiter_text():
+                if ttft is None and '"text"' in chunk:
+                    ttft = time.perf_counter() - started
+                text += chunk
+            status = response.status_code
+    except httpx.HTTPError as exc:
+        results.append({"kind": f"transport error {type(exc).__name__}"})
+        return
+    if status == 200:
+        complete = text.endswith("data: [DONE]\n\n") if body["stream"] else '"choices"' in text
+        kind = "200 then error" if '"error"' in text or not complete else "ok"
+    else:
+        kind = str(status)
+    answered = time.perf_counter() - started
+    results.append({"kind": kind, "ttft_s": ttft, "answered_s": answered})
+
+
+async def _offer(url: str, count: int, body: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
+    limits = httpx.Limits(max_connections=count + 8, max_keepalive_connections=count + 8)
+    results: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        async with trio.open_nursery() as nursery:
+            for _ in range(count):
+                nursery.start_soon(_one, http, body, results)
+    return results, time.perf_counter() - started
+
+
+def _summary(name: str, results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    kinds = Counter(r["kind"] for r in results)
+    ttfts = [r["ttft_s"] * 1000 for r in results if r.get("ttft_s") is not None]
+    refusals = [r["answered_s"] * 1000 for r in results if r["kind"] == "429"]
+    return {
+        "run": name,
+        "requests": len(results),
+        "ok": kinds.get("ok", 0),
+        "429": kinds.get("429", 0),
+        "200_then_error": kinds.get("200 then error", 0),
+        "other": {k: v for k, v in kinds.items() if k not in ("ok", "429", "200 then error")},
+        "ttft_p50_ms": _percentile(ttfts, 0.5),
+        "ttft_p99_ms": _percentile(ttfts, 0.99),
+        "429_answer_p99_ms": _percentile(refusals, 0.99),
+        "wall_s": wall_s,
+    }
+
+
+def _router(procs: Processes, config: Path) -> Service:
+    """The router under hypercorn with a listen backlog that takes a burst of connections.
+
+    hypercorn's default backlog (100) makes the kernel reset connections that
+    arrive faster than they are accepted: a burst test would measure that instead.
+    """
+    port = free_port()
+    command = router_command(f"{LOOPBACK}:{port}")
+    command[-1:-1] = ["--backlog", "4096"]
+    process = procs.start(command, env={"PDTRIO_CONFIG": str(config)})
+    service = Service(process, f"http://{LOOPBACK}:{port}")
+    procs.wait_healthy(service)
+    return service
+
+
+def run(quick: bool, blocks: int) -> list[dict[str, Any]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, Processes() as procs:
+        # 1. the shipped synthetic config, default budget (no max_tokens)
+        router = _router(procs, ROOT / "configs" / "synthetic.toml")
+        concurrent = 16 if quick else 64
+        body = {"model": "synthetic", "prompt": "count to a lot", "stream": True}
+        if quick:
+            body["max_tokens"] = 2048  # the default, said: same reservation, same wait
+        results, wall = trio.run(_offer, router.url, concurrent, body)
+        rows.append(_summary(f"{concurrent} concurrent, no max_tokens", results, wall))
+        procs.stop(router.process)
+
+        # 2. a small decode KV and a burst against the queue limit
+        config = Path(tmp) / "burst.toml"
+        config.write_text(
+            _embedded_toml(num_kv_blocks=blocks, decode_step_s=0.005, queue_limit=256)
+        )
+        router = _router(procs, config)
+        offered = 400 if quick else 1000
+        # not streamed: the one-process load generator must not be the bottleneck it measures
+        burst = {"model": "synthetic", "prompt": "burst", "max_tokens": 128, "stream": False}
+        results, wall = trio.run(_offer, router.url, offered, burst)
+        rows.append(_summary(f"{offered} at once, queue 256, {blocks} blocks", results, wall))
+    return rows
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    header = (
+        f"{'run':42} {'requests':>8} {'ok':>5} {'429':>5} {'200+err':>7} "
+        f"{'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'429 p99 ms':>10} {'wall s':>7}  other"
+    )
+    lines = [header]
+    for r in rows:
+        lines.append(
+            f"{r['run']:42} {r['requests']:8d} {r['ok']:5d} {r['429']:5d} {r['200_then_error']:7d} "
+            f"{r['ttft_p50_ms']:11.1f} {r['ttft_p99_ms']:11.1f} {r['429_answer_p99_ms']:10.1f} "
+            f"{r['wall_s']:7.1f}  {r['other'] or ''}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="fewer requests (CI-sized)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument(
+        "--blocks", type=int, default=512, help="decode KV blocks for the burst run"
+    )
+    args = parser.parse_args(argv)
+    rows = run(args.quick, args.blocks)
+    print(render(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
