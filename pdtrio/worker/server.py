@@ -62,6 +62,16 @@ def default_instance_id(role: str, host: str, http_port: int) -> str:
     return f"{role}@{host}:{http_port}"
 
 
+# the worker's HTTP routes and the one method each takes (a wrong method is a 405)
+_ROUTE_METHODS = {
+    "/health": "GET",
+    "/pd/info": "GET",
+    "/pd/stats": "GET",
+    "/pd/prefill": "POST",
+    "/pd/release": "POST",
+}
+
+
 @final
 class Worker:
     def __init__(
@@ -179,6 +189,17 @@ class Worker:
                 await self._handle_prefill(receive, send)
             elif path == "/pd/release" and method == "POST":
                 await self._handle_release(receive, send)
+            elif path in _ROUTE_METHODS and not (path == "/pd/prefill" and not self.serves_prefill):
+                allowed = _ROUTE_METHODS[path]
+                await send_json(
+                    send,
+                    405,
+                    error_body(
+                        f"{method} is not allowed on {path}; use {allowed}",
+                        type_="invalid_request_error",
+                    ),
+                    [(b"allow", allowed.encode())],
+                )
             else:
                 await send_json(
                     send, 404, error_body(f"no route {method} {path}", type_="not_found_error")

@@ -60,3 +60,19 @@ async def test_huge_prompt_is_refused_before_tokenizing() -> None:
                 assert "maximum context length" in response.json()["error"]["message"]
                 assert time.perf_counter() - started < 2.0
         assert not cluster.busy()
+
+
+async def test_a_wrong_method_on_a_worker_route_is_405_with_allow() -> None:
+    async with running_cluster() as cluster:
+        prefill_url = f"http://127.0.0.1:{cluster.workers[0].http_port}"
+        async with httpx.AsyncClient(base_url=prefill_url) as http:
+            for method, path, allow in (
+                ("POST", "/health", "GET"),
+                ("GET", "/pd/prefill", "POST"),
+                ("DELETE", "/pd/release", "POST"),
+            ):
+                response = await http.request(method, path)
+                assert response.status_code == 405, (method, path)
+                assert response.headers["allow"] == allow
+                assert response.json()["error"]["type"] == "invalid_request_error"
+            assert (await http.get("/nowhere")).status_code == 404
