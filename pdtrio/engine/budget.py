@@ -21,6 +21,16 @@ def checked_token_ids(token_ids: tuple[int, ...], vocab_size: int) -> list[int]:
     return list(token_ids)
 
 
+def check_prompt_length(prompt_tokens: int, max_model_len: int) -> None:
+    """PromptRejected (a 400) when the prompt alone fills the context."""
+    if prompt_tokens >= max_model_len:
+        raise PromptRejected(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {prompt_tokens} tokens.",
+            param="messages",
+        )
+
+
 def token_budget(
     prompt_tokens: int,
     max_tokens: int | None,
@@ -39,12 +49,7 @@ def token_budget(
         raise PromptRejected(f"max_tokens must be at least 1, not {max_tokens}", param="max_tokens")
     if prompt_tokens == 0:
         raise PromptRejected("the prompt is empty", param="prompt")
-    if prompt_tokens >= max_model_len:
-        raise PromptRejected(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {prompt_tokens} tokens.",
-            param="messages",
-        )
+    check_prompt_length(prompt_tokens, max_model_len)
     if max_tokens is None:
         budget = min(default_max_tokens, max_model_len - prompt_tokens)
     else:

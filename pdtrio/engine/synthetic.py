@@ -22,11 +22,10 @@ from pdtrio.engine.api import (
     EngineOutput,
     EngineStatistics,
     PrefillResult,
-    PromptRejected,
     StepOutputs,
 )
 from pdtrio.engine.blocks import BlockAllocator, BlockOwnership, blocks_needed
-from pdtrio.engine.budget import checked_token_ids, token_budget, tokens_left
+from pdtrio.engine.budget import check_prompt_length, checked_token_ids, token_budget, tokens_left
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
@@ -175,22 +174,13 @@ class SyntheticEngine:
     async def tokenize(self, prompt: Prompt) -> list[int]:
         await trio.lowlevel.checkpoint()
         # one token per UTF-8 byte: the count is known, and checked, before any list is built
-        self._check_prompt_length(_token_count(prompt))
+        check_prompt_length(_token_count(prompt), self.max_model_len)
         if isinstance(prompt, ChatPrompt):
             text = "".join(f"<{role}>{content}\n" for role, content in prompt.messages)
             return [1, *(b + 4 for b in text.encode("utf-8")), 3]
         if isinstance(prompt, TextPrompt):
             return [1, *(b + 4 for b in prompt.text.encode("utf-8"))]
         return checked_token_ids(prompt.token_ids, self._config.vocab_size)
-
-    def _check_prompt_length(self, prompt_tokens: int) -> None:
-        max_model_len = self._config.max_model_len
-        if prompt_tokens >= max_model_len:
-            raise PromptRejected(
-                f"This model's maximum context length is {max_model_len} tokens. However, your "
-                f"prompt has {prompt_tokens} tokens.",
-                param="messages",
-            )
 
     # --- prefill ----------------------------------------------------------------
 

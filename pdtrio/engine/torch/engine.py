@@ -27,12 +27,11 @@ from pdtrio.engine.api import (
     EngineOutput,
     EngineStatistics,
     PrefillResult,
-    PromptRejected,
     StepFailed,
     StepOutputs,
 )
 from pdtrio.engine.blocks import BlockOwnership, blocks_needed
-from pdtrio.engine.budget import checked_token_ids, token_budget, tokens_left
+from pdtrio.engine.budget import check_prompt_length, checked_token_ids, token_budget, tokens_left
 from pdtrio.engine.detokenizer import IncrementalDetokenizer
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.engine.tokenizer import Tokenizer
@@ -173,19 +172,10 @@ class TorchEngine:
             )
         else:
             # the length first: a huge id list is refused before its ids are checked one by one
-            self._check_prompt_length(len(prompt.token_ids))
+            check_prompt_length(len(prompt.token_ids), self.max_model_len)
             return checked_token_ids(prompt.token_ids, self._loaded.config.vocab_size)
-        self._check_prompt_length(len(token_ids))
+        check_prompt_length(len(token_ids), self.max_model_len)
         return token_ids
-
-    def _check_prompt_length(self, prompt_tokens: int) -> None:
-        max_model_len = self.max_model_len
-        if prompt_tokens >= max_model_len:
-            raise PromptRejected(
-                f"This model's maximum context length is {max_model_len} tokens. However, your "
-                f"prompt has {prompt_tokens} tokens.",
-                param="messages",
-            )
 
     # --- prefill ----------------------------------------------------------------------
 
