@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -14,10 +13,9 @@ from typing import Any, final
 import trio
 
 from pdtrio.config import EmbeddedClusterConfig, Role, WorkerConfig, worker_config_to_dict
+from pdtrio.worker.launch import parse_ready_line, worker_command
 
 log = logging.getLogger("pdtrio.router.cluster")
-
-READY_PREFIX = b"PDTRIO_READY "
 
 
 class WorkerStartFailed(Exception):
@@ -53,15 +51,7 @@ class WorkerProcess:
         raw: dict[str, Any] = worker_config_to_dict(self.worker_config)
         raw["role"] = self.role
         raw["instance_id"] = self.name
-        return [
-            sys.executable,
-            "-m",
-            "pdtrio",
-            "worker",
-            "--config-json",
-            json.dumps(raw),
-            "--exit-with-stdin",
-        ]
+        return worker_command(raw)
 
     async def supervise(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -167,8 +157,8 @@ async def _read_ready_line(stdout: trio.abc.ReceiveStream) -> dict[str, Any] | N
         buffer += chunk
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)
-            if line.startswith(READY_PREFIX):
-                ready: dict[str, Any] = json.loads(line[len(READY_PREFIX) :])
+            ready = parse_ready_line(line)
+            if ready is not None:
                 return ready
             if line.strip():
                 sys.stdout.buffer.write(line + b"\n")

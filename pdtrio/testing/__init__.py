@@ -5,7 +5,6 @@ Nothing here is imported by the router or the workers, and nothing here needs to
 
 from pdtrio.testing.processes import (
     LOOPBACK,
-    READY_PREFIX,
     ProcessError,
     Processes,
     Service,
@@ -18,9 +17,9 @@ from pdtrio.testing.processes import (
     router_command,
     router_config_toml,
     synthetic_worker_config,
-    worker_command,
     write_router_config,
 )
+from pdtrio.worker.launch import READY_PREFIX, worker_command
 
 __all__ = [
     "LOOPBACK",

@@ -32,9 +32,9 @@ from typing import Any, Final, Literal, final
 import attrs
 import httpx
 
+from pdtrio.worker.launch import READY_PREFIX, worker_command
+
 LOOPBACK: Final = "127.0.0.1"
-READY_PREFIX: Final = b"PDTRIO_READY "
-"""A worker prints this, then a JSON object with its ports, once it serves."""
 
 Output = Literal["discard", "lines", "capture"]
 """What happens to a process's output: dropped; stdout piped for
@@ -126,19 +126,6 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 # --- commands and configuration ----------------------------------------------------
-
-
-def worker_command(config: Mapping[str, Any]) -> list[str]:
-    """``pdtrio worker`` for a whole worker configuration; it exits when its stdin closes."""
-    return [
-        sys.executable,
-        "-m",
-        "pdtrio",
-        "worker",
-        "--config-json",
-        json.dumps(config),
-        "--exit-with-stdin",
-    ]
 
 
 def synthetic_worker_config(

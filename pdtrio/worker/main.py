@@ -19,7 +19,8 @@ from pdtrio.config import (
 )
 from pdtrio.engine.api import Engine, EngineError
 from pdtrio.engine.config import UnsupportedModel
-from pdtrio.worker.server import Worker, dump_ready_line
+from pdtrio.worker.launch import ready_line
+from pdtrio.worker.server import Worker
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -93,7 +94,7 @@ async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> N
         ready["role"] = config.role
         ready["model"] = engine.model_name
         # the supervisor reads this line to learn the ports
-        print(dump_ready_line(ready), flush=True)
+        print(ready_line(ready), flush=True)
 
 
 def main(argv: list[str]) -> int:

@@ -9,7 +9,6 @@ errors are OpenAI-style JSON bodies.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -381,7 +380,3 @@ def check_prefill_request(request: PrefillRequest) -> None:
         raise WireError("a stop sequence is empty")
     if request.max_tokens is not None and request.max_tokens < 1:
         raise WireError(f"max_tokens {request.max_tokens} is less than 1")
-
-
-def dump_ready_line(info: dict[str, Any]) -> str:
-    return "PDTRIO_READY " + json.dumps(info)
