@@ -44,8 +44,7 @@ _FIN_BINARY: Final = 0x82
 # one read never asks for more than this, however large the frame being gathered
 MAX_READ_SIZE: Final = 16 * 1024 * 1024
 
-# RFC 6455 close codes this module produces itself
-CLOSE_PROTOCOL_ERROR: Final = 1002
+# the RFC 6455 close code this module produces itself (wsproto produces the others)
 CLOSE_MESSAGE_TOO_BIG: Final = 1009
 
 
