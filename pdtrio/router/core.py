@@ -80,7 +80,7 @@ class Router:
         self.workers: list[WorkerProcess] = []
         # round-robin turns among equally loaded prefill instances
         self._prefill_turns = itertools.count()
-        self.counters: Counter[str] = Counter()
+        self.tokens_delivered = 0
         # (outcome, status class or "") -> completion requests that ended so
         self.outcomes: Counter[tuple[Outcome, str]] = Counter()
         self.active_requests = 0
@@ -292,7 +292,7 @@ class Router:
         lines.append("# TYPE pdtrio_slow_clients_cut_off_total counter")
         lines.append(f"pdtrio_slow_clients_cut_off_total {cut_off}")
         lines.append("# TYPE pdtrio_tokens_delivered_total counter")
-        lines.append(f"pdtrio_tokens_delivered_total {self.counters['tokens']}")
+        lines.append(f"pdtrio_tokens_delivered_total {self.tokens_delivered}")
         lines.append("# TYPE pdtrio_decode_frames_received_total counter")
         for instance in self.instances.values():
             if instance.link is not None:

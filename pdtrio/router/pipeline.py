@@ -358,7 +358,7 @@ class RequestPipeline:
     async def _deliver(
         self, text: str, num_tokens: int, finish_reason: str | None, usage: Usage | None
     ) -> None:
-        self.router.counters["tokens"] += num_tokens
+        self.router.tokens_delivered += num_tokens
         if finish_reason is not None and usage is None:
             raise server_error("the engine finished the request without its token counts")
         if self.shaper is None:
