@@ -116,6 +116,9 @@ class RouterConfig:
     drain_s: float = attrs.field(default=10.0, validator=_non_negative)
     # requests waiting for decode KV room (prefilled, no byte sent); beyond it: 429
     admission_queue_limit: int = attrs.field(default=256, validator=_non_negative)
+    # load-adaptive egress: under load, each stream's SSE events are spaced by up to
+    # this much so one event carries several tokens; 0 sends every token at once
+    egress_max_delay_s: float = attrs.field(default=0.05, validator=_non_negative)
 
 
 @final
