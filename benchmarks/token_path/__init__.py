@@ -7,9 +7,9 @@
    A producer process (on the load core) plays a decode worker: it serves the
    decode websocket on loopback, accepts every start and then blasts
    pre-encoded ``wire.TokenFrame`` messages as fast as the socket takes them.
-   The router process (on the router core) runs the package's ``DecodeLink``
+   The router process (on the router core) runs the package's ``WorkerLink``
    against it (its public ``run()``; each of the 64 streams opened with
-   ``DecodeLink.start``) and drains every stream the way a request does: the
+   ``WorkerLink.start``) and drains every stream the way a request does: the
    merged delta from the stream's buffer, shaped by ``StreamShaper``, into a
    null ASGI send.  tokens/s and frames/s are normalised to one full core:
    tokens / router CPU seconds (``getrusage`` of the router process).  A frame

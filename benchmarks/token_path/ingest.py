@@ -2,7 +2,7 @@
 
 The driver (:func:`run_ingest`) starts a producer (``producer.py``) and a
 router process (:func:`run_router`) per case.  The router process uses the
-package's public pieces only: ``DecodeLink`` (``run``, ``start``), each
+package's public pieces only: ``WorkerLink`` (``run``, ``start``), each
 stream's ``StreamBuffer`` and ``wait_update``, ``StreamShaper``.
 """
 
@@ -26,7 +26,7 @@ from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.sse import StreamShaper
 from pdtrio.protocol.wire import DecodeStart, KvHandle
-from pdtrio.router.decode_link import DecodeLink, DecodeStream
+from pdtrio.router.worker_link import DecodeStream, WorkerLink
 from pdtrio.testing import LOOPBACK, Processes
 
 CASES = [(1, 1), (4, 1), (16, 1), (64, 1), (1, 16)]  # (entries per frame, tokens per entry)
@@ -103,7 +103,7 @@ def _one_case(
             procs,
             "ingest-router",
             {
-                "url": f"ws://{LOOPBACK}:{port}/pd/decode",
+                "url": f"ws://{LOOPBACK}:{port}/pd/link",
                 "streams": streams,
                 "warmup_s": warmup_s,
                 "measure_s": measure_s,
@@ -239,7 +239,7 @@ async def _drain(stream: DecodeStream, request_id: str, tally: _Tally) -> None:
 
 
 async def _measure_router(spec: dict[str, Any]) -> dict[str, Any]:
-    link = DecodeLink("ingest", spec["url"], max_pending_tokens=RouterConfig().stream_buffer_tokens)
+    link = WorkerLink("ingest", spec["url"], max_pending_tokens=RouterConfig().stream_buffer_tokens)
     tally = _Tally()
 
     def cpu() -> float:

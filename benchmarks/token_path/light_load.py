@@ -59,13 +59,13 @@ async def _direct_reader(
         cached_tokens=reply.cached_tokens,
         kv_handle=reply.kv_handle,
     )
-    ws_url = decode_url.replace("http://", "ws://", 1) + "/pd/decode"
+    ws_url = decode_url.replace("http://", "ws://", 1) + "/pd/link"
     async with trio_websocket.open_websocket_url(ws_url) as ws:
         await ws.send_message(wire.encode(start))
         while True:
             data = await ws.get_message()
             now = time.perf_counter()
-            message = wire.from_decode_decoder.decode(
+            message = wire.from_worker_decoder.decode(
                 data.encode() if isinstance(data, str) else data
             )
             if isinstance(message, wire.DecodeRejected | wire.DecodeFailed):

@@ -66,7 +66,7 @@ def _accept_starts(sock: socket.socket, ws: wsproto.WSConnection, streams: int) 
                 parts.append(bytes(event.data))
                 if not event.message_finished:
                     continue
-                message = wire.to_decode_decoder.decode(b"".join(parts))
+                message = wire.to_worker_decoder.decode(b"".join(parts))
                 parts.clear()
                 if isinstance(message, wire.DecodeStart):
                     started.append(message.request_id)

@@ -3,8 +3,9 @@
 Every message is a ``msgspec.Struct`` with ``array_like=True``: positional on
 the wire (a msgpack array, no field names), named in code, and decoded
 straight into the struct, validated, with no intermediate lists.  Messages of
-the decode link carry an integer tag as their first element
-(``[kind, ...fields]``), so one decoder tells them apart.  The token entry is
+the worker link (the one websocket between the router and each worker: prefill
+calls, releases, decode starts, aborts, tokens) carry an integer tag as their
+first element (``[kind, ...fields]``), so one decoder tells them apart.  The token entry is
 the hot path: a frame of many entries decodes faster this way than plain
 msgpack into lists did, and nobody indexes by magic number any more.
 
@@ -30,7 +31,7 @@ class WireError(ValueError):
 
 
 class MessageKind(enum.IntEnum):
-    """The tag of each decode-link message (its first array element)."""
+    """The tag of each worker-link message (its first array element)."""
 
     START = 1
     ABORT = 2
@@ -39,6 +40,10 @@ class MessageKind(enum.IntEnum):
     TOKENS = 5
     FAILED = 6
     CAPACITY = 7
+    PREFILL = 8
+    PREFILLED = 9
+    PREFILL_FAILED = 10
+    RELEASE = 11
 
 
 class RejectReason(enum.StrEnum):
@@ -103,7 +108,7 @@ Prompt = ChatPrompt | TextPrompt | TokenPrompt
 # --- router -> prefill ----------------------------------------------------------
 
 
-class PrefillRequest(_Positional, frozen=True):
+class PrefillRequest(_Positional, frozen=True, tag=int(MessageKind.PREFILL)):
     """Prefill the prompt and sample the first token.
 
     ``max_tokens`` is the client's limit (None: the configured default); prefill
@@ -116,7 +121,7 @@ class PrefillRequest(_Positional, frozen=True):
     max_tokens: int | None = None
 
 
-class PrefillReply(_Positional, frozen=True):
+class PrefillReply(_Positional, frozen=True, tag=int(MessageKind.PREFILLED)):
     """The prompt is in the cache; here is the first token and where the KV lives.
 
     ``token_budget`` is the request's whole completion budget, the first token
@@ -139,8 +144,24 @@ class PrefillReply(_Positional, frozen=True):
         return len(self.prompt_token_ids)
 
 
-class ReleaseRequest(_Positional, frozen=True):
-    """Free a request's KV blocks on prefill (decode has them, or nobody will)."""
+class PrefillFailed(_Positional, frozen=True, tag=int(MessageKind.PREFILL_FAILED)):
+    """Prefill refused or failed the request: the error the client should see.
+
+    Prefill holds nothing of the request any more.
+    """
+
+    request_id: str
+    status: int
+    message: str
+    error_type: str
+    param: str | None = None
+
+
+class ReleaseRequest(_Positional, frozen=True, tag=int(MessageKind.RELEASE)):
+    """Free a request's KV blocks on prefill (decode has them, or nobody will).
+
+    Also stops a prefill still in progress: this is how the router cancels a call.
+    """
 
     request_id: str
 
@@ -149,7 +170,7 @@ class ReleaseReply(_Positional, frozen=True):
     released: bool
 
 
-# --- router <-> decode (websocket frames) --------------------------------------
+# --- router <-> decode ---------------------------------------------------------
 
 
 class DecodeStart(_Positional, frozen=True, tag=int(MessageKind.START)):
@@ -220,8 +241,17 @@ class TokenFrame(_Positional, frozen=True, tag=int(MessageKind.TOKENS)):
     entries: list[TokenEntry]
 
 
-ToDecode = DecodeStart | DecodeAbort
-FromDecode = DecodeAccepted | DecodeRejected | DecodeFailed | TokenFrame | DecodeCapacity
+# what travels on the worker link, each way
+ToWorker = DecodeStart | DecodeAbort | PrefillRequest | ReleaseRequest
+FromWorker = (
+    DecodeAccepted
+    | DecodeRejected
+    | DecodeFailed
+    | TokenFrame
+    | DecodeCapacity
+    | PrefillReply
+    | PrefillFailed
+)
 
 
 # --- decode <- prefill (KV transfer port) --------------------------------------
@@ -280,5 +310,5 @@ class Decoder(Generic[_T]):
 # what decode_raw raises for bytes that are not the expected message
 DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
 
-to_decode_decoder: Decoder[ToDecode] = Decoder(ToDecode)
-from_decode_decoder: Decoder[FromDecode] = Decoder(FromDecode)
+to_worker_decoder: Decoder[ToWorker] = Decoder(ToWorker)
+from_worker_decoder: Decoder[FromWorker] = Decoder(FromWorker)

@@ -1,7 +1,9 @@
 """The router's long-lived state, owned by the ASGI lifespan.
 
-Holds the one ``httpx.AsyncClient``, the known instances and one decode link
-per decode instance.  Everything long-lived runs in the lifespan's nursery.
+Holds the one ``httpx.AsyncClient`` (instance metadata and health probes only:
+nothing per request), the known instances and one worker link per instance,
+which carries every per-request message.  Everything long-lived runs in the
+lifespan's nursery.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.scheduling import Candidate, pick_instance
 from pdtrio.router.capacity import CapacityQueue
 from pdtrio.router.cluster import WorkerProcess, embedded_workers
-from pdtrio.router.decode_link import LINK_ERRORS, DecodeLink
+from pdtrio.router.worker_link import LINK_ERRORS, WorkerLink
 
 log = logging.getLogger("pdtrio.router")
 
@@ -56,7 +58,7 @@ class Instance:
     max_model_len: int
     healthy: bool = True
     active_prefills: int = 0
-    link: DecodeLink | None = None
+    link: WorkerLink | None = None
     link_scope: trio.CancelScope | None = None
 
     @property
@@ -102,7 +104,7 @@ class Router:
         return sorted({i.model for i in self.instances.values()})
 
     async def add_instance(self, role: Role, url: str, name: str | None = None) -> None:
-        """Learn an instance from its /pd/info; open its decode link if it decodes.
+        """Learn an instance from its /pd/info and open its link.
 
         The instance's identity is the one it was registered with (``name``, which
         the embedded cluster also gives the worker), else the one the worker reports.
@@ -131,8 +133,7 @@ class Router:
             max_model_len=int(info["max_model_len"]),
         )
         self.instances[name] = instance
-        if instance.serves_decode:
-            await self._nursery.start(self._keep_link, instance)
+        await self._nursery.start(self._keep_link, instance)
 
     def lose_instance(self, name: str) -> None:
         """Stop routing to an instance until its /health answers again."""
@@ -161,12 +162,12 @@ class Router:
     async def _keep_link(
         self, instance: Instance, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Hold the websocket to a decode instance open, reconnecting when it breaks.
+        """Hold the websocket to an instance open, reconnecting when it breaks.
 
         The first connection must succeed (start-up fails otherwise).
         """
-        ws_url = instance.url.replace("http://", "ws://", 1) + "/pd/decode"
-        link = DecodeLink(
+        ws_url = instance.url.replace("http://", "ws://", 1) + "/pd/link"
+        link = WorkerLink(
             instance.name,
             ws_url,
             max_pending_tokens=self.config.router.stream_buffer_tokens,
@@ -182,7 +183,7 @@ class Router:
                 except LINK_ERRORS as exc:
                     if not link.ever_connected:
                         raise
-                    log.warning("decode link to %s is down: %r", instance.name, exc)
+                    log.warning("the link to %s is down: %r", instance.name, exc)
                 status = trio.TASK_STATUS_IGNORED
                 await trio.sleep(0.5)
 
@@ -225,14 +226,16 @@ class Router:
 
     def pick_prefill(self, exclude: frozenset[str] = frozenset()) -> Instance | None:
         candidates = [
-            Candidate(i.name, i.active_prefills, i.healthy)
+            Candidate(
+                i.name, i.active_prefills, i.healthy and i.link is not None and i.link.connected
+            )
             for i in self.instances.values()
             if i.serves_prefill
         ]
         chosen = pick_instance(candidates, turn=next(self._prefill_turns), exclude=exclude)
         return None if chosen is None else self.instances[chosen]
 
-    def decode_links(self, exclude: frozenset[str] = frozenset()) -> list[DecodeLink]:
+    def decode_links(self, exclude: frozenset[str] = frozenset()) -> list[WorkerLink]:
         """The connected links of healthy decode instances not in ``exclude``."""
         return [
             i.link
@@ -248,7 +251,7 @@ class Router:
         self, num_tokens: int, exclude: frozenset[str] = frozenset()
     ) -> Instance | None:
         """The decode instance with the most unpromised free blocks, if it fits ``num_tokens``."""
-        best: DecodeLink | None = None
+        best: WorkerLink | None = None
         best_free = -1
         for link in self.decode_links(exclude):
             capacity = link.capacity
@@ -260,7 +263,13 @@ class Router:
         return None if best is None else self.instances[best.instance_id]
 
     def health(self) -> dict[str, Any]:
-        prefill = sum(1 for i in self.instances.values() if i.serves_prefill and i.healthy)
+        import os
+
+        prefill = sum(
+            1
+            for i in self.instances.values()
+            if i.serves_prefill and i.healthy and i.link is not None and i.link.connected
+        )
         decode = sum(
             1
             for i in self.instances.values()
@@ -271,6 +280,8 @@ class Router:
             "prefill_instances": prefill,
             "decode_instances": decode,
             "active_requests": self.active_requests,
+            # which process answered: under `hypercorn -w N` each runs its own router
+            "pid": os.getpid(),
         }
 
     def count_outcome(self, outcome: Outcome, status: int | None = None) -> None:

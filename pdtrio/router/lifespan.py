@@ -4,7 +4,9 @@ Shutdown (see README, "Shutdown and supervisors"): a SIGTERM, however it reaches
 us, drains the router (new requests get 503, running ones get ``router.drain_s``
 to finish, then an error event) before hypercorn stops and the workers go.
 Under hypercorn's master (``-w N``) we also exit, workers and all, when the
-master dies.
+master dies.  Under ``-w N`` with N > 1 every process runs its own router over
+the same static instances; the embedded cluster is refused there (it would be
+started once per process).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pdtrio.asgi import Receive, Scope, Send
 from pdtrio.config import ConfigError, PdtrioConfig, load_config_from_env
 from pdtrio.router.cluster import WorkerStartFailed
 from pdtrio.router.core import Router, RouterStartFailed, open_router
-from pdtrio.router.decode_link import LINK_ERRORS
+from pdtrio.router.worker_link import LINK_ERRORS
 
 log = logging.getLogger("pdtrio.router")
 
@@ -45,6 +47,11 @@ async def run_lifespan(
             config = load_config_from_env()
     except ConfigError as exc:
         await fail_startup(send, str(exc), exit_process=from_env)
+        return
+    workers = hypercorn_worker_count()
+    if workers > 1 and config.uses_embedded_cluster:
+        # each process would start a copy of the cluster: N times the workers and their memory
+        await fail_startup(send, embedded_cluster_refusal(workers), exit_process=from_env)
         return
     failure: str | None = None
     started = False
@@ -127,13 +134,33 @@ def threading_is_main() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _hypercorn_master() -> tuple[Any, float | None]:
-    """hypercorn's shutdown event and graceful timeout, when we run in its ``-w N`` worker.
+def _hypercorn_worker_kwargs() -> dict[str, Any]:
+    """What hypercorn's master passed this process, when it is one of its ``-w N`` workers.
 
-    hypercorn hands both to its worker process as the process's arguments and
-    tells the app nothing when a SIGTERM reaches its master, so we read them there.
+    hypercorn tells the app nothing of it (its configuration, the shutdown event
+    its master sets on SIGTERM), so we read it from the process's arguments.
     """
-    kwargs = getattr(multiprocessing.current_process(), "_kwargs", None) or {}
+    kwargs = getattr(multiprocessing.current_process(), "_kwargs", None)
+    return kwargs if isinstance(kwargs, dict) else {}
+
+
+def hypercorn_worker_count() -> int:
+    """N when we run in a worker process of ``hypercorn -w N``; 0 otherwise (``-w 0``, tests)."""
+    workers = getattr(_hypercorn_worker_kwargs().get("config"), "workers", None)
+    return workers if isinstance(workers, int) else 0
+
+
+def embedded_cluster_refusal(workers: int) -> str:
+    return (
+        f"the embedded cluster runs under one hypercorn process, not `-w {workers}` (each "
+        "process would start its own workers): use -w 1, or start the workers yourself and "
+        "list them as [[instances]]"
+    )
+
+
+def _hypercorn_master() -> tuple[Any, float | None]:
+    """hypercorn's shutdown event and graceful timeout, when we run in its ``-w N`` worker."""
+    kwargs = _hypercorn_worker_kwargs()
     event = kwargs.get("shutdown_event")
     if event is None or not callable(getattr(event, "wait", None)):
         return None, None

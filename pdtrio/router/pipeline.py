@@ -26,7 +26,6 @@ import time
 import uuid
 from typing import Literal, final
 
-import httpx
 import trio
 
 from pdtrio.asgi import Receive, Send, send_json
@@ -44,25 +43,22 @@ from pdtrio.protocol.openai import (
 )
 from pdtrio.protocol.sse import StreamShaper
 from pdtrio.protocol.wire import (
-    MSGPACK_CONTENT_TYPE,
-    Decoder,
     DecodeStart,
     KvHandle,
+    PrefillFailed,
     PrefillReply,
     PrefillRequest,
     RejectReason,
-    ReleaseRequest,
     Usage,
-    WireError,
-    encode,
 )
 from pdtrio.router.capacity import QueueFull
 from pdtrio.router.core import Instance, Outcome, Router
-from pdtrio.router.decode_link import (
+from pdtrio.router.worker_link import (
     CUT_OFF_MESSAGE,
-    DecodeLink,
-    DecodeLinkClosed,
     DecodeStream,
+    WorkerLink,
+    WorkerLinkClosed,
+    WorkerLinkLost,
     rejection_is_retryable,
 )
 
@@ -73,8 +69,6 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-_MSGPACK_HEADERS = {"content-type": MSGPACK_CONTENT_TYPE, "accept": MSGPACK_CONTENT_TYPE}
-_prefill_reply_decoder: Decoder[PrefillReply] = Decoder(PrefillReply)
 # decode must pull the KV this long before prefill's lease frees it
 _LEASE_MARGIN_S = 1.0
 
@@ -116,7 +110,7 @@ class RequestPipeline:
         # what cleanup must undo, and where
         self.lifecycle = RequestLifecycle()
         self.prefill_instance: Instance | None = None
-        self.decode_link: DecodeLink | None = None
+        self.decode_link: WorkerLink | None = None
         # non-streaming accumulation
         self._text_parts: list[str] = []
         self._finish_reason: str | None = None
@@ -203,46 +197,39 @@ class RequestPipeline:
         router = self.router
         lifecycle = self.lifecycle
         request = self.request
-        body = encode(
-            PrefillRequest(self.request_id, request.prompt, request.sampling, request.max_tokens)
-        )
+        call = PrefillRequest(self.request_id, request.prompt, request.sampling, request.max_tokens)
         prefill_timeout_s = router.config.router.prefill_timeout_s
         tried: set[str] = set()
         while True:
             instance = router.pick_prefill(frozenset(tried))
-            if instance is None:
+            if instance is None or instance.link is None:
                 raise service_unavailable("no prefill instance is available")
             tried.add(instance.name)
             self.prefill_instance = instance
             lifecycle.handle(Event.PREFILL_SENT)
             instance.active_prefills += 1
             try:
+                # a cancelled call releases the request on prefill itself
                 with trio.move_on_at(
                     min(deadline, trio.current_time() + prefill_timeout_s)
                 ) as timer:
-                    response = await router.http.post(
-                        f"{instance.url}/pd/prefill", content=body, headers=_MSGPACK_HEADERS
-                    )
+                    answer = await instance.link.prefill(call)
                 if timer.cancelled_caught:
                     raise gateway_timeout("prefill did not answer in time")
-            except httpx.ConnectError:
+            except WorkerLinkClosed:
                 # it never saw the request: another instance may
                 lifecycle.handle(Event.PREFILL_NOT_SENT)
-                router.lose_instance(instance.name)
                 continue
-            except httpx.TransportError as exc:
-                raise service_unavailable(f"prefill instance failed: {exc!r}") from None
+            except WorkerLinkLost as exc:
+                raise service_unavailable(f"prefill instance failed: {exc}") from None
             finally:
                 instance.active_prefills -= 1
-            if response.status_code != 200:
+            if type(answer) is PrefillFailed:
                 lifecycle.handle(Event.PREFILL_FAILED)
-                raise _worker_error(response, "prefill")
-            try:
-                reply = _prefill_reply_decoder.decode(response.content)
-            except WireError as exc:
-                raise server_error(f"prefill sent a malformed reply: {exc}") from None
-            lifecycle.handle(Event.PREFILLED if reply.kv_handle else Event.FINISHED_AT_PREFILL)
-            return reply
+                raise _prefill_error(answer)
+            assert type(answer) is PrefillReply
+            lifecycle.handle(Event.PREFILLED if answer.kv_handle else Event.FINISHED_AT_PREFILL)
+            return answer
 
     async def _start_decode(self, reply: PrefillReply, handle: KvHandle) -> DecodeStream:
         lifecycle = self.lifecycle
@@ -271,7 +258,7 @@ class RequestPipeline:
                 stream = await link.start(
                     start, blocks_needed(num_tokens, link.capacity.block_size)
                 )
-            except DecodeLinkClosed as exc:
+            except WorkerLinkClosed as exc:
                 lifecycle.handle(Event.DECODE_NOT_STARTED)
                 tried.add(instance.name)
                 last_reason = str(exc)
@@ -422,21 +409,18 @@ class RequestPipeline:
     # --- cleanup ------------------------------------------------------------------
 
     async def _cleanup(self) -> None:
-        """Do what the lifecycle says is owed: abort on decode, release on prefill."""
+        """Do what the lifecycle says is owed: abort on decode, release on prefill.
+
+        Both are queued on the links, never awaited: cleanup cannot hang.
+        """
         owed = self.lifecycle.owed()
         if owed & Cleanup.ABORT_ON_DECODE and self.decode_link is not None:
             self.decode_link.abort(self.request_id)
         instance = self.prefill_instance
-        if owed & Cleanup.RELEASE_ON_PREFILL and instance is not None:
-            try:
-                await self.router.http.post(
-                    f"{instance.url}/pd/release",
-                    content=encode(ReleaseRequest(self.request_id)),
-                    headers=_MSGPACK_HEADERS,
-                )
-            except httpx.HTTPError as exc:
-                log.warning("could not release %s on %s: %r", self.request_id, instance.name, exc)
+        if owed & Cleanup.RELEASE_ON_PREFILL and instance is not None and instance.link is not None:
+            instance.link.release(self.request_id)
         self.lifecycle.handle(Event.CLEANED)
+        await trio.lowlevel.checkpoint()
 
 
 def _shutting_down(message: str) -> OpenAIError:
@@ -453,20 +437,9 @@ def _queue_full() -> OpenAIError:
     )
 
 
-def _worker_error(response: httpx.Response, leg: str) -> OpenAIError:
-    """A worker's error reply as the OpenAIError the client should see."""
-    try:
-        body = response.json()["error"]
-        message = str(body["message"])
-        type_ = str(body.get("type") or "server_error")
-        param = body.get("param")
-    except (ValueError, KeyError, TypeError):
-        message, type_, param = (
-            f"{leg} failed with status {response.status_code}",
-            "server_error",
-            None,
-        )
-    status = response.status_code
+def _prefill_error(failed: PrefillFailed) -> OpenAIError:
+    """Prefill's refusal or failure as the OpenAIError the client should see."""
+    status = failed.status
     if status >= 500 and status != 503:
-        status = 502
-    return OpenAIError(message, status=status, type=type_, param=param)
+        status = 502  # the worker failed, not the router
+    return OpenAIError(failed.message, status=status, type=failed.error_type, param=failed.param)

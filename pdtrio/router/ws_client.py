@@ -1,4 +1,4 @@
-"""A lean websocket client for the router's decode links: wsproto over a trio stream.
+"""A lean websocket client for the router's worker links: wsproto over a trio stream.
 
 This is the I/O shell.  The opening handshake is wsproto's; the frames that
 follow are cut by :class:`~pdtrio.protocol.websocket_frames.ClientFrameReader`
@@ -197,6 +197,19 @@ class WebSocketClient:
         if self._closed is not None:
             raise ConnectionClosed(self._closed.code, self._closed.reason)
         await self._send_event(BytesMessage(data=data))
+
+    async def send_messages(self, messages: list[bytes]) -> None:
+        """Send binary messages, in order, in one write; :class:`ConnectionClosed` when closed."""
+        if self._closed is not None:
+            raise ConnectionClosed(self._closed.code, self._closed.reason)
+        async with self._send_lock:
+            try:
+                ws_send = self._ws.send
+                payload = b"".join([ws_send(BytesMessage(data=data)) for data in messages])
+                await self._stream.send_all(payload)
+            except (LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                closed = self._closed or ConnectionClosed(1006, "the connection is gone")
+                raise ConnectionClosed(closed.code, closed.reason) from exc
 
     async def _send_event(self, event: Event) -> None:
         async with self._send_lock:

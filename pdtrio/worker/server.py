@@ -1,10 +1,13 @@
-"""The worker: control API (hypercorn, trio), KV transfer server, decode links.
+"""The worker: control API (hypercorn, trio), KV transfer server, router links.
 
-Roles: ``prefill`` serves ``POST /pd/prefill``; ``decode`` serves the
-``/pd/decode`` websocket; ``both`` serves both and hands KV to itself without
-a copy.  ``GET /pd/stats`` exposes the counts tests use to prove that nothing
-leaks.  Bodies are msgpack (``pdtrio.protocol.wire``) on the way in and out;
-errors are OpenAI-style JSON bodies.
+Roles: ``prefill``, ``decode``, or ``both`` (which hands KV to itself without
+a copy).  Each router holds one websocket to each worker, ``/pd/link``
+(``pdtrio.worker.router_link``): prefill calls, releases, decode starts,
+aborts and tokens all travel on it.  ``POST /pd/prefill`` and
+``POST /pd/release`` do the same calls over plain HTTP, for curl and tests.
+``GET /pd/stats`` exposes the counts tests use to prove that nothing leaks.
+Bodies are msgpack (``pdtrio.protocol.wire``) on the way in and out; errors
+are OpenAI-style JSON bodies.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Final, final
+from typing import Any, final
 
 import msgspec
 import trio
@@ -35,6 +38,7 @@ from pdtrio.protocol import wire
 from pdtrio.protocol.openai import error_body
 from pdtrio.protocol.wire import (
     KvHandle,
+    PrefillFailed,
     PrefillReply,
     PrefillRequest,
     ReleaseReply,
@@ -42,8 +46,8 @@ from pdtrio.protocol.wire import (
     WireError,
 )
 from pdtrio.worker.admission import DecodeAdmission
-from pdtrio.worker.decode_link import DecodeLinkServer
 from pdtrio.worker.leases import KvLeases
+from pdtrio.worker.router_link import OFF_LOOP_DECODE_BYTES, RouterLinkServer
 
 log = logging.getLogger("pdtrio.worker")
 
@@ -51,8 +55,6 @@ _MAX_PREFILL_BODY = 64 * 1024 * 1024
 _MAX_RELEASE_BODY = 4096
 _MSGPACK = wire.MSGPACK_CONTENT_TYPE.encode()
 _prefill_request_decoder: wire.Decoder[PrefillRequest] = wire.Decoder(PrefillRequest)
-# Bodies above this are decoded on a thread: a 15 MB prompt is milliseconds of memcpy.
-OFF_LOOP_DECODE_BYTES: Final = 256 * 1024
 _release_request_decoder: wire.Decoder[ReleaseRequest] = wire.Decoder(ReleaseRequest)
 
 
@@ -84,7 +86,7 @@ class Worker:
         self.leases = KvLeases(engine.free_request)
         self.transfer_endpoint: tuple[str, int] = (config.host, 0)
         self.http_port = 0
-        self.links: DecodeLinkServer | None = None  # set once the instance id is known
+        self.links: RouterLinkServer | None = None  # set once the instance id is known
         self._prefill_scopes: dict[str, trio.CancelScope] = {}
         self.served_prefills = 0
         # one big decode at a time: bounds the memory of bodies being decoded at once
@@ -129,8 +131,14 @@ class Worker:
             self.http_port = int(binds[0].rsplit(":", 1)[1])
             if not self.instance_id:
                 self.instance_id = default_instance_id(config.role, config.host, self.http_port)
-            admission = DecodeAdmission(self.engine, self.leases, self.transport, self.instance_id)
-            links = DecodeLinkServer(admission, self.engine, config.flush)
+            admission = (
+                DecodeAdmission(self.engine, self.leases, self.transport, self.instance_id)
+                if self.serves_decode
+                else None
+            )
+            links = RouterLinkServer(
+                admission, self if self.serves_prefill else None, self.engine, config.flush
+            )
             nursery.start_soon(links.dispatch_outputs, outputs_receive)
             self.links = links
             task_status.started(
@@ -165,7 +173,7 @@ class Worker:
         path = scope["path"]
         links = self.links
         if kind == "websocket":
-            if path != "/pd/decode" or not self.serves_decode:
+            if path != "/pd/link":
                 await send({"type": "websocket.close", "code": 1008})  # policy: no such link
             elif links is None:
                 await send({"type": "websocket.close", "code": 1013})  # try again later
@@ -247,7 +255,7 @@ class Worker:
             "kv_blocks_total": engine.kv_blocks_total,
             "kv_leases": len(self.leases),
             "kv_leases_expired": self.leases.expired_count,
-            "decode_links": 0 if links is None else links.link_count,
+            "router_links": 0 if links is None else links.link_count,
             "decode_requests": 0 if links is None else links.request_count,
             "prefills_in_progress": len(self._prefill_scopes),
             "served_prefills": self.served_prefills,
@@ -260,6 +268,7 @@ class Worker:
         await send_bytes(send, 200, wire.encode(ReleaseReply(released)), _MSGPACK)
 
     async def _handle_prefill(self, receive: Receive, send: Send) -> None:
+        """``POST /pd/prefill``: the same call as the link's, for curl and tests."""
         body = await read_body(receive, _MAX_PREFILL_BODY)
         if len(body) > OFF_LOOP_DECODE_BYTES:
             request = await trio.to_thread.run_sync(
@@ -268,37 +277,57 @@ class Worker:
         else:
             request = _prefill_request_decoder.decode(body)
         del body  # the prompt lives on in the request; the raw bytes need not
-        check_prefill_request(request)
-        request_id = request.request_id
-        if self._knows(request_id):
-            message = f"request {request_id} is already known"
-            await send_json(send, 409, error_body(message, type_="invalid_request_error"))
+        answer: PrefillReply | PrefillFailed | None = None
+        async with trio.open_nursery() as nursery:
+            # the caller hanging up cancels the prefill and frees its blocks
+            nursery.start_soon(self._cancel_on_disconnect, receive, nursery.cancel_scope)
+            answer = await self.prefill_call(request)
+            nursery.cancel_scope.cancel()
+        if answer is None:
+            return  # cancelled: released, or the caller left
+        if isinstance(answer, PrefillFailed):
+            await send_json(
+                send,
+                answer.status,
+                error_body(answer.message, type_=answer.error_type, param=answer.param),
+            )
             return
-        outcome: PrefillReply | tuple[int, dict[str, Any]] | None = None
+        try:
+            await send_bytes(send, 200, wire.encode(answer), _MSGPACK)
+        except BaseException:
+            self.leases.release(request.request_id)  # nobody will come for the blocks
+            raise
+
+    async def prefill_call(self, request: PrefillRequest) -> PrefillReply | PrefillFailed | None:
+        """One prefill, from the link or the HTTP route: the reply, the error, or None.
+
+        None: a release stopped it (the caller gave up).  Whatever does not end
+        in a reply frees the request's blocks here.
+        """
+        request_id = request.request_id
+        try:
+            check_prefill_request(request)
+        except WireError as exc:
+            return PrefillFailed(
+                request_id, 400, f"malformed request: {exc}", "invalid_request_error"
+            )
+        if self._knows(request_id):
+            return PrefillFailed(
+                request_id, 409, f"request {request_id} is already known", "invalid_request_error"
+            )
+        outcome: PrefillReply | PrefillFailed | None = None
         scope = trio.CancelScope()
         self._prefill_scopes[request_id] = scope
         try:
             with scope:
-                async with trio.open_nursery() as nursery:
-                    # the router hanging up cancels the prefill and frees its blocks
-                    nursery.start_soon(self._cancel_on_disconnect, receive, nursery.cancel_scope)
-                    outcome = await self._prefill_or_error(request)
-                    nursery.cancel_scope.cancel()
+                outcome = await self._prefill_or_error(request)
         finally:
             del self._prefill_scopes[request_id]
             if not isinstance(outcome, PrefillReply):
                 self.engine.free_request(request_id)
-        if outcome is None:
-            return  # cancelled: released, or the router left
-        if not isinstance(outcome, PrefillReply):
-            await send_json(send, *outcome)
-            return
-        self.served_prefills += 1
-        try:
-            await send_bytes(send, 200, wire.encode(outcome), _MSGPACK)
-        except BaseException:
-            self.leases.release(request_id)  # nobody will come for the blocks
-            raise
+        if isinstance(outcome, PrefillReply):
+            self.served_prefills += 1
+        return outcome
 
     def _knows(self, request_id: str) -> bool:
         """Whether the id is in use here: a second request would share its blocks."""
@@ -314,19 +343,22 @@ class Worker:
             pass
         scope.cancel()
 
-    async def _prefill_or_error(
-        self, request: PrefillRequest
-    ) -> PrefillReply | tuple[int, dict[str, Any]]:
-        """The reply, or the error response (status, body) the engine's error maps to."""
+    async def _prefill_or_error(self, request: PrefillRequest) -> PrefillReply | PrefillFailed:
+        """The reply, or the error the engine's refusal or failure maps to."""
+        request_id = request.request_id
         try:
             return await self._prefill(request)
         except PromptRejected as exc:
-            return 400, error_body(exc.message, type_="invalid_request_error", param=exc.param)
+            return PrefillFailed(
+                request_id, 400, exc.message, "invalid_request_error", param=exc.param
+            )
         except NoRoom as exc:
-            return 503, error_body(f"prefill has no KV room: {exc}", type_="service_unavailable")
+            return PrefillFailed(
+                request_id, 503, f"prefill has no KV room: {exc}", "service_unavailable"
+            )
         except EngineError as exc:
-            log.error("prefill of %s failed: %r", request.request_id, exc)
-            return 500, error_body(f"prefill failed: {exc}", type_="internal_server_error")
+            log.error("prefill of %s failed: %r", request_id, exc)
+            return PrefillFailed(request_id, 500, f"prefill failed: {exc}", "internal_server_error")
 
     async def _prefill(self, request: PrefillRequest) -> PrefillReply:
         request_id = request.request_id

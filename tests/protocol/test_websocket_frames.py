@@ -44,7 +44,7 @@ def _open_pair() -> tuple[wsproto.WSConnection, wsproto.WSConnection]:
     """A client and a server ``WSConnection``, both past the handshake."""
     client = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
     server = wsproto.WSConnection(wsproto.ConnectionType.SERVER)
-    server.receive_data(client.send(Request(host="decode", target="/pd/decode")))
+    server.receive_data(client.send(Request(host="decode", target="/pd/link")))
     assert any(isinstance(e, Request) for e in server.events())
     client.receive_data(server.send(AcceptConnection()))
     assert any(isinstance(e, AcceptConnection) for e in client.events())

@@ -102,7 +102,7 @@ async def test_every_message_arrives_whole_and_in_order_whatever_the_read_split(
     async with trio.open_nursery() as nursery:
         port = await nursery.start(_serve_one, handler)
         client = await connect_websocket(
-            f"ws://127.0.0.1:{port}/pd/decode", max_message_size=1 << 20, receive_size=4096
+            f"ws://127.0.0.1:{port}/pd/link", max_message_size=1 << 20, receive_size=4096
         )
         with trio.fail_after(20):
             while len(received) < len(expected) + 2:

@@ -25,12 +25,13 @@ from tests.cluster import synthetic_worker
 PICKLE_MARKERS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
 MSGPACK = {"content-type": "application/msgpack"}
 
-# decode-link message tags: the first element of every frame
+# worker-link message tags: the first element of every frame
 START, ABORT, ACCEPTED, REJECTED, TOKENS, FAILED, CAPACITY = 1, 2, 3, 4, 5, 6, 7
+PREFILL, PREFILLED, PREFILL_FAILED, RELEASE = 8, 9, 10, 11
 
-# PrefillReply: [request_id, prompt_token_ids, cached_tokens, first_token_id,
+# PrefillReply: [PREFILLED, request_id, prompt_token_ids, cached_tokens, first_token_id,
 #                first_text, finish_reason, token_budget, kv_handle, usage]
-R_ID, R_PROMPT, R_CACHED, R_FIRST, R_TEXT, R_FINISH, R_BUDGET, R_HANDLE, R_USAGE = range(9)
+R_ID, R_PROMPT, R_CACHED, R_FIRST, R_TEXT, R_FINISH, R_BUDGET, R_HANDLE, R_USAGE = range(1, 10)
 # KvHandle: [request_id, instance_id, host, port, block_ids, num_tokens, layout, lease_expiry]
 H_INSTANCE, H_PORT, H_BLOCKS = 1, 3, 4
 # TokenEntry: [request_id, token_ids, text, finish_reason, usage]; Usage: [prompt, completion, cached]
@@ -47,10 +48,10 @@ def _strict_unpack(data: bytes) -> Any:
 def prefill_request(
     request_id: str, prompt: Any, *, max_tokens: int | None, sampling: list[Any] | None = None
 ) -> bytes:
-    # [request_id, prompt, sampling, max_tokens]; a prompt is [kind, body];
+    # [PREFILL, request_id, prompt, sampling, max_tokens]; a prompt is [kind, body];
     # sampling is [temperature, top_p, top_k, seed, min_tokens, stop, ignore_eos], trailing
     # defaults may be left out
-    return msgpack.packb([request_id, prompt, sampling or [], max_tokens])
+    return msgpack.packb([PREFILL, request_id, prompt, sampling or [], max_tokens])
 
 
 def decode_start(reply: list[Any], *, sampling: list[Any] | None = None) -> bytes:
@@ -110,7 +111,7 @@ async def running_pair(**decode_overrides: Any) -> AsyncIterator[Pair]:
             prefill,
             decode,
             f"http://127.0.0.1:{prefill_ready['http_port']}",
-            f"ws://127.0.0.1:{decode_ready['http_port']}/pd/decode",
+            f"ws://127.0.0.1:{decode_ready['http_port']}/pd/link",
         )
         nursery.cancel_scope.cancel()
 
@@ -162,7 +163,7 @@ async def test_decode_frames_are_plain_msgpack_and_abort_frees_blocks() -> None:
             await ws.send_message(msgpack.packb([ABORT, "req-2"]))
             streams = await _tokens_until_finished(ws, {"req-0", "req-1"}, frames)
         # the aborted request may never have been pulled: releasing it is the router's cleanup
-        released = await post(f"{pair.prefill_url}/pd/release", msgpack.packb(["req-2"]))
+        released = await post(f"{pair.prefill_url}/pd/release", msgpack.packb([RELEASE, "req-2"]))
         assert released.status_code == 200
         assert _strict_unpack(released.content) in ([True], [False])
     assert frames and not any(f.startswith(PICKLE_MARKERS) for f in frames)
@@ -251,7 +252,7 @@ async def test_a_start_with_a_foreign_layout_is_rejected_naming_both() -> None:
         decode_ready = await nursery.start(decode.run)
         reply = await _prefill(f"http://127.0.0.1:{prefill_ready['http_port']}", "r", "hi", 5)
         async with trio_websocket.open_websocket_url(
-            f"ws://127.0.0.1:{decode_ready['http_port']}/pd/decode"
+            f"ws://127.0.0.1:{decode_ready['http_port']}/pd/link"
         ) as ws:
             await ws.send_message(decode_start(reply))
             message = _strict_unpack(await _next_message(ws))
@@ -321,12 +322,12 @@ async def test_the_default_instance_id_names_role_host_and_port() -> None:
         ("/pd/release", b"\xc1", 400, "malformed"),
         ("/pd/release", msgpack.packb([1, 2, 3]), 400, "malformed"),
         ("/pd/release", msgpack.packb({"request_id": "x"}), 400, "malformed"),
-        ("/pd/prefill", msgpack.packb(["r", ["text"], [], None]), 400, "malformed"),
-        ("/pd/prefill", msgpack.packb(["r", ["tokens", [5, -1]], [], None]), 400, "-1"),
-        ("/pd/prefill", msgpack.packb(["r", ["tokens", [5, 10**9]], [], None]), 400, "range"),
-        ("/pd/prefill", msgpack.packb(["r", ["tokens", []], [], None]), 400, "empty"),
-        ("/pd/prefill", msgpack.packb(["r", ["text", "hi"], [], 0]), 400, "max_tokens"),
-        ("/pd/prefill", msgpack.packb(["r", ["text", "hi"], [], 10**7]), 400, "context length"),
+        ("/pd/prefill", msgpack.packb([PREFILL, "r", ["text"], [], None]), 400, "malformed"),
+        ("/pd/prefill", msgpack.packb([PREFILL, "r", ["tokens", [5, -1]], [], None]), 400, "-1"),
+        ("/pd/prefill", msgpack.packb([PREFILL, "r", ["tokens", [5, 10**9]], [], None]), 400, "range"),
+        ("/pd/prefill", msgpack.packb([PREFILL, "r", ["tokens", []], [], None]), 400, "empty"),
+        ("/pd/prefill", msgpack.packb([PREFILL, "r", ["text", "hi"], [], 0]), 400, "max_tokens"),
+        ("/pd/prefill", msgpack.packb([PREFILL, "r", ["text", "hi"], [], 10**7]), 400, "context length"),
     ],
 )
 async def test_bad_control_bodies_are_400s_with_a_message(
@@ -377,7 +378,7 @@ async def test_a_request_the_engine_loses_ends_with_decode_failed_on_its_link() 
         url = f"http://127.0.0.1:{prefill_ready['http_port']}"
         reply = await _prefill(url, "lost", "prompt", 100)
         async with trio_websocket.open_websocket_url(
-            f"ws://127.0.0.1:{decode_ready['http_port']}/pd/decode"
+            f"ws://127.0.0.1:{decode_ready['http_port']}/pd/link"
         ) as ws:
             await ws.send_message(decode_start(reply))
             assert _strict_unpack(await _next_message(ws))[:2] == [ACCEPTED, "lost"]
@@ -406,3 +407,64 @@ async def test_a_start_with_foreign_token_ids_fails_alone_and_the_link_goes_on()
         assert stream[E_FINISH] == "length"
         assert pair.decode.stats()["decode_requests"] == 0
         assert pair.decode.engine.statistics().kv_blocks_in_use == 0
+
+
+async def test_prefill_and_release_ride_the_link_by_hand() -> None:
+    """The router's per-request legs on one websocket: prefill call, reply, release."""
+    async with running_pair() as pair:
+        prefill_ws = pair.prefill_url.replace("http://", "ws://", 1) + "/pd/link"
+        async with trio_websocket.open_websocket_url(prefill_ws) as ws:
+            for i in range(3):
+                await ws.send_message(
+                    prefill_request(f"call-{i}", ["text", f"prompt {i}"], max_tokens=20)
+                )
+            replies = {}
+            for _ in range(3):
+                reply = _strict_unpack(await _next_message(ws))
+                assert reply[0] == PREFILLED
+                replies[reply[R_ID]] = reply
+            assert sorted(replies) == ["call-0", "call-1", "call-2"]
+            assert pair.prefill.stats()["kv_leases"] == 3
+            # a bad call is answered on the link, with the status the client would see
+            await ws.send_message(prefill_request("bad", ["tokens", []], max_tokens=5))
+            failed = _strict_unpack(await _next_message(ws))
+            assert failed[:3] == [PREFILL_FAILED, "bad", 400]
+            for request_id in replies:
+                await ws.send_message(msgpack.packb([RELEASE, request_id]))
+            await ws.send_message(msgpack.packb([RELEASE, "never-heard-of"]))  # harmless
+            with trio.fail_after(5):
+                while pair.prefill.stats()["kv_leases"]:
+                    await trio.sleep(0.01)
+        stats = pair.prefill.stats()
+        assert stats["kv_blocks_in_use"] == 0 and stats["prefills_in_progress"] == 0
+
+
+async def test_a_released_prefill_in_progress_is_stopped_and_frees_its_blocks() -> None:
+    # a slow prefill: 4,000 tokens at 1 ms each are still prefilling when released
+    prefill = synthetic_worker("prefill", prefill_s_per_token=0.001)
+    async with trio.open_nursery() as nursery:
+        ready = await nursery.start(prefill.run)
+        async with trio_websocket.open_websocket_url(
+            f"ws://127.0.0.1:{ready['http_port']}/pd/link"
+        ) as ws:
+            await ws.send_message(prefill_request("slow", ["tokens", [5] * 4000], max_tokens=5))
+            with trio.fail_after(5):
+                while not prefill.stats()["prefills_in_progress"]:
+                    await trio.sleep(0.005)
+            await ws.send_message(msgpack.packb([RELEASE, "slow"]))
+            with trio.fail_after(3):
+                while prefill.stats()["prefills_in_progress"]:
+                    await trio.sleep(0.005)
+        stats = prefill.stats()
+        assert stats["kv_blocks_in_use"] == 0 and stats["kv_leases"] == 0
+        assert stats["served_prefills"] == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_decode_only_worker_refuses_a_prefill_call_on_the_link() -> None:
+    async with running_pair() as pair:
+        async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
+            await ws.send_message(prefill_request("p", ["text", "hi"], max_tokens=5))
+            failed = _strict_unpack(await _next_message(ws))
+            assert failed[:3] == [PREFILL_FAILED, "p", 400]
+            assert "does not prefill" in failed[3]

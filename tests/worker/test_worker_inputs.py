@@ -17,7 +17,7 @@ MSGPACK = {"content-type": wire.MSGPACK_CONTENT_TYPE}
 
 
 def _prefill(prompt: object, sampling: object = (), max_tokens: object = None) -> bytes:
-    return msgspec.msgpack.encode(["r1", prompt, sampling, max_tokens])
+    return msgspec.msgpack.encode([wire.MessageKind.PREFILL, "r1", prompt, sampling, max_tokens])
 
 
 @pytest.mark.parametrize(
@@ -34,7 +34,7 @@ def _prefill(prompt: object, sampling: object = (), max_tokens: object = None) -
         ("/pd/prefill", _prefill(["text", "hi"], [1.0, 1.0, 0, None, -3])),
         ("/pd/prefill", _prefill(["text", "hi"], [1.0, 1.0, 0, None, 0, [""]])),
         ("/pd/prefill", _prefill(["text", "hi"], [], 0)),
-        ("/pd/prefill", msgspec.msgpack.encode(["", ["text", "hi"], []])),
+        ("/pd/prefill", msgspec.msgpack.encode([wire.MessageKind.PREFILL, "", ["text", "hi"], []])),
     ],
 )
 async def test_malformed_worker_body_is_400(path: str, body: bytes) -> None:

@@ -1,10 +1,19 @@
-"""Decode side of the router <-> decode websocket: it only moves messages.
+"""Worker side of the router <-> worker link (``/pd/link``): it only moves messages.
 
-One link per connected router.  A reader takes ``DecodeStart``/``DecodeAbort``
-frames; admission (``worker.admission``) decides on each start; a single
-sender writes every frame, so writes never interleave.  Engine outputs reach
-the sender through a bounded channel and leave in coalesced token frames
-under the ``FlushPolicy`` (pdtrio.protocol.flush).
+One websocket per connected router carries everything a request needs of this
+worker, whatever its role: prefill calls (``PrefillRequest`` answered by
+``PrefillReply`` or ``PrefillFailed``), releases (which also stop a prefill in
+progress), decode starts and aborts, and the token frames.  A reader takes
+the router's frames; a prefill runs as a task of the link, through the
+worker's :class:`Prefiller`; admission (``worker.admission``) decides on each
+decode start; a single sender writes every frame, so writes never interleave.
+Engine outputs reach the sender through a bounded channel and leave in
+coalesced token frames under the ``FlushPolicy`` (pdtrio.protocol.flush).
+
+When the router goes away, the link's prefills in progress are cancelled
+and its decode requests aborted.  A prefill that finished and whose reply
+may have reached the router keeps its KV lease: a decode may be pulling it
+over another link; the lease's expiry bounds it.
 
 Each link also reports the engine's free KV blocks (``DecodeCapacity``) when
 it opens and whenever the count may have changed (an accept, a finish, an
@@ -21,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import final
+from typing import Final, Protocol, final
 
 import trio
 
@@ -36,23 +45,42 @@ from pdtrio.protocol.wire import (
     DecodeFailed,
     DecodeRejected,
     DecodeStart,
+    PrefillFailed,
+    PrefillReply,
+    PrefillRequest,
     RejectReason,
+    ReleaseRequest,
     TokenFrame,
     WireError,
 )
 from pdtrio.worker.admission import DecodeAdmission, Rejected
 
-log = logging.getLogger("pdtrio.worker.decode")
+log = logging.getLogger("pdtrio.worker.link")
 
-_Control = DecodeAccepted | DecodeRejected | DecodeFailed
+# Messages above this are decoded on a thread: a 15 MB prompt is milliseconds of memcpy.
+OFF_LOOP_DECODE_BYTES: Final = 256 * 1024
+
+_Control = DecodeAccepted | DecodeRejected | DecodeFailed | PrefillReply | PrefillFailed
 # What reaches the sender: a step's entries, a control message, or None: a write finished.
 _Outgoing = StepOutputs | _Control | None
 _Frame = TokenFrame | _Control | DecodeCapacity
 
 
+class Prefiller(Protocol):
+    """What the link needs of a prefill worker."""
+
+    async def prefill_call(self, request: PrefillRequest) -> PrefillReply | PrefillFailed | None:
+        """Prefill the request; a refusal or failure is ``PrefillFailed``, a release None."""
+        ...
+
+    def release(self, request_id: str) -> bool:
+        """Free the request's leased blocks, or stop its prefill; harmless when unknown."""
+        ...
+
+
 @final
 class _Link:
-    def __init__(self, server: DecodeLinkServer, send: Send) -> None:
+    def __init__(self, server: RouterLinkServer, send: Send) -> None:
         self._server = server
         self._engine = server.engine
         self._send = send
@@ -61,11 +89,15 @@ class _Link:
         # start still in progress, None once the engine runs the request
         self.requests: dict[str, trio.CancelScope | None] = {}
         self._in_flight = 0  # frames handed to the writer and not yet written
-        self._capacity_dirty = True  # the first report goes out when the link opens
+        # only a decoding worker reports its KV room; the first report goes out at once
+        self._reports_capacity = server.admission is not None
+        self._capacity_dirty = self._reports_capacity
         self._last_capacity: DecodeCapacity | None = None
 
     def mark_capacity(self) -> None:
         """The engine's free blocks may have changed: report it soon (never blocks)."""
+        if not self._reports_capacity:
+            return
         self._capacity_dirty = True
         try:
             self.outbox_send.send_nowait(None)  # wake the collector; a full outbox wakes it anyway
@@ -128,7 +160,7 @@ class _Link:
                     self._in_flight += 1
                     await frames_send.send(TokenFrame(policy.take()))
                 # what an accept allocated is in the report ahead of it
-                report = self._capacity_report()
+                report = self._capacity_report() if self._reports_capacity else None
                 if report is not None:
                     self._in_flight += 1
                     await frames_send.send(report)
@@ -147,7 +179,7 @@ class _Link:
                 pass
 
     async def run_reader(self, receive: Receive, nursery: trio.Nursery) -> None:
-        decode = wire.to_decode_decoder.decode
+        decode = wire.to_worker_decoder.decode
         while True:
             message = await receive()
             if message["type"] == "websocket.disconnect":
@@ -156,25 +188,80 @@ class _Link:
             if data is None:
                 log.warning("dropping a text frame from the router")
                 continue
+            if len(data) > OFF_LOOP_DECODE_BYTES:
+                # a huge prompt: decode it on a thread, the loop keeps serving the others
+                nursery.start_soon(self._decode_off_loop, data, nursery)
+                continue
             try:
                 parsed = decode(data)
             except WireError as exc:
                 log.warning("dropping a bad frame from the router: %s", exc)
                 continue
-            if isinstance(parsed, DecodeAbort):
-                self.abort(parsed.request_id)
-                continue
-            request_id = parsed.request_id
-            if request_id in self._server.owner:
-                message_text = f"request {request_id} is already running here"
-                await self.send_control(
-                    DecodeRejected(request_id, RejectReason.BAD_REQUEST, message_text)
+            await self._dispatch(parsed, nursery)
+
+    async def _decode_off_loop(self, data: bytes, nursery: trio.Nursery) -> None:
+        try:
+            parsed = await trio.to_thread.run_sync(
+                wire.to_worker_decoder.decode, data, limiter=self._server.big_decodes
+            )
+        except WireError as exc:
+            log.warning("dropping a bad frame from the router: %s", exc)
+            return
+        del data
+        await self._dispatch(parsed, nursery)
+
+    async def _dispatch(self, message: wire.ToWorker, nursery: trio.Nursery) -> None:
+        server = self._server
+        if isinstance(message, DecodeAbort):
+            self.abort(message.request_id)
+            return
+        if isinstance(message, ReleaseRequest):
+            if server.prefiller is not None:
+                server.prefiller.release(message.request_id)
+            return
+        if isinstance(message, PrefillRequest):
+            nursery.start_soon(self._prefill, message)
+            return
+        request_id = message.request_id
+        if server.admission is None:
+            await self.send_control(
+                DecodeRejected(
+                    request_id, RejectReason.BAD_REQUEST, "this instance does not decode"
                 )
-                continue
-            scope = trio.CancelScope()
-            self.requests[request_id] = scope
-            self._server.owner[request_id] = self
-            nursery.start_soon(self._start, parsed, scope)
+            )
+            return
+        if request_id in server.owner:
+            message_text = f"request {request_id} is already running here"
+            await self.send_control(
+                DecodeRejected(request_id, RejectReason.BAD_REQUEST, message_text)
+            )
+            return
+        scope = trio.CancelScope()
+        self.requests[request_id] = scope
+        server.owner[request_id] = self
+        nursery.start_soon(self._start, message, scope)
+
+    async def _prefill(self, request: PrefillRequest) -> None:
+        prefiller = self._server.prefiller
+        if prefiller is None:
+            answer: PrefillReply | PrefillFailed | None = PrefillFailed(
+                request.request_id, 400, "this instance does not prefill", "invalid_request_error"
+            )
+        else:
+            answer = await prefiller.prefill_call(request)
+        if answer is None:
+            return  # released while prefilling: the router has given up on it
+        queued = False
+        try:
+            await self.send_control(answer)
+            queued = True
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the router is gone
+        finally:
+            if not queued and prefiller is not None and isinstance(answer, PrefillReply):
+                # the reply never reached the outbox (link closed, or cancelled with
+                # it): the router cannot hand the KV to anyone, so free it now
+                prefiller.release(request.request_id)
 
     def abort(self, request_id: str) -> None:
         """The router gave up on a request: only one this link started."""
@@ -200,7 +287,9 @@ class _Link:
         ending: _Control | None = None
         try:
             with scope:
-                decision = await self._server.admission.admit(start)
+                admission = self._server.admission
+                assert admission is not None  # the reader rejects starts without it
+                decision = await admission.admit(start)
                 if isinstance(decision, Rejected):
                     ending = DecodeRejected(request_id, decision.reason, decision.message)
                 else:
@@ -237,12 +326,25 @@ class _Link:
 
 
 @final
-class DecodeLinkServer:
-    """Every router's link to this decode instance, and the routing of engine outputs."""
+class RouterLinkServer:
+    """Every router's link to this worker, and the routing of engine outputs.
 
-    def __init__(self, admission: DecodeAdmission, engine: Engine, flush: FlushConfig) -> None:
+    ``admission`` is None on a worker that does not decode, ``prefiller`` None
+    on one that does not prefill: the link then refuses those messages.
+    """
+
+    def __init__(
+        self,
+        admission: DecodeAdmission | None,
+        prefiller: Prefiller | None,
+        engine: Engine,
+        flush: FlushConfig,
+    ) -> None:
         self.admission = admission
+        self.prefiller = prefiller
         self.engine = engine
+        # one huge message decoded at a time: bounds the memory held by decoding
+        self.big_decodes = trio.CapacityLimiter(1)
         self.flush = flush
         self.owner: dict[str, _Link] = {}  # request id -> the link that started it
         self._links: set[_Link] = set()

@@ -1,19 +1,27 @@
-"""Router side of the router <-> decode websocket: one link per decode instance.
+"""Router side of the router <-> worker link: one websocket per worker instance.
 
-All requests to one decode instance share the link.  A single reader task
-decodes each frame and hands each token entry to its stream's bounded buffer
-without ever awaiting the stream's consumer, so a slow client cannot stall
-the others; the stream's own task drains its buffer.
+Everything per request rides it, whatever the worker's role: the prefill call
+and its answer, the release, the decode start, its answer and tokens, the
+abort.  No HTTP exchange per request: one connection, request ids, one reader
+task, one writer task draining a bounded outbox.
 
-The link owns aborts: whoever ends a request here (its pipeline's cleanup, or
-the reader cutting off a client that fell too far behind) calls
-:meth:`DecodeLink.abort`, which never blocks; the link's writer task sends the
-abort frames.  A stream the link ended is marked failed, so its consumer ends
-with an error as soon as it looks.
+The reader decodes each frame and hands each token entry to its stream's
+bounded buffer without ever awaiting the stream's consumer, so a slow client
+cannot stall the others; the stream's own task drains its buffer.  The
+writer sends whatever is queued in one write, so under load many messages
+share a syscall, and a request cancelled mid-way can never tear a frame
+(only the writer writes).
+
+Cancellation: a prefill call whose request is cancelled sends a release,
+which stops the prefill on the worker (or frees the blocks it leased).  The
+link owns aborts: whoever ends a decode here (its pipeline's cleanup, or the
+reader cutting off a client that fell too far behind) calls
+:meth:`WorkerLink.abort`, which never blocks.  A stream the link ended is
+marked failed, so its consumer ends with an error as soon as it looks.
 
 The link keeps decode's last ``DecodeCapacity`` report and the blocks it has
 promised to starts decode has not answered yet (decode reports an accept's
-blocks before the accept), so :attr:`DecodeLink.available_blocks` never counts
+blocks before the accept), so :attr:`WorkerLink.available_blocks` never counts
 the same free blocks twice.  Every change calls ``on_capacity``.
 """
 
@@ -33,11 +41,15 @@ from pdtrio.protocol.wire import (
     DecodeCapacity,
     DecodeRejected,
     DecodeStart,
+    PrefillFailed,
+    PrefillReply,
+    PrefillRequest,
     RejectReason,
+    ReleaseRequest,
     TokenEntry,
     TokenFrame,
     encode,
-    from_decode_decoder,
+    from_worker_decoder,
 )
 from pdtrio.router.ws_client import (
     ConnectionClosed,
@@ -46,7 +58,7 @@ from pdtrio.router.ws_client import (
     connect_websocket,
 )
 
-log = logging.getLogger("pdtrio.router.decode_link")
+log = logging.getLogger("pdtrio.router.worker_link")
 
 _OVERFLOW = PushResult.OVERFLOW
 _CONNECT_TIMEOUT_S = 10.0
@@ -57,15 +69,23 @@ _RECEIVE_SIZE = 64 * 1024
 CUT_OFF_MESSAGE = "the client fell too far behind the token stream and was cut off"
 
 
-class DecodeLinkError(Exception):
-    """Base of the decode link's errors."""
+# messages waiting for the writer; a caller that finds it full waits for room
+_OUTBOX_LIMIT = 4096
 
 
-class DecodeLinkClosed(DecodeLinkError):
-    """The link to the decode instance is down."""
+class WorkerLinkError(Exception):
+    """Base of the worker link's errors."""
 
 
-# what a broken or refused websocket raises out of DecodeLink.run
+class WorkerLinkClosed(WorkerLinkError):
+    """The link to the worker is down: the message was not sent."""
+
+
+class WorkerLinkLost(WorkerLinkError):
+    """The link went down while a call was pending: the worker may have seen it."""
+
+
+# what a broken or refused websocket raises out of WorkerLink.run
 LINK_ERRORS = (OSError, trio.BrokenResourceError, HandshakeError, ConnectionClosed)
 
 
@@ -114,7 +134,27 @@ class DecodeStream:
 
 
 @final
-class DecodeLink:
+class _PendingPrefill:
+    """A prefill call waiting for its answer (or for the link to go down)."""
+
+    __slots__ = ("answer", "lost", "_done")
+
+    def __init__(self) -> None:
+        self.answer: PrefillReply | PrefillFailed | None = None
+        self.lost: str | None = None
+        self._done = trio.Event()
+
+    def settle(self, answer: PrefillReply | PrefillFailed | None, lost: str | None = None) -> None:
+        self.answer = answer
+        self.lost = lost
+        self._done.set()
+
+    async def wait(self) -> None:
+        await self._done.wait()
+
+
+@final
+class WorkerLink:
     def __init__(
         self,
         instance_id: str,
@@ -133,9 +173,11 @@ class DecodeLink:
         self.max_pending_tokens = max_pending_tokens
         self._ws: WebSocketClient | None = None
         self._streams: dict[str, DecodeStream] = {}
-        # aborts waiting for the writer: bounded by the streams this link ever held at once
-        self._aborts: list[str] = []
-        self._aborts_waiting = trio.lowlevel.ParkingLot()
+        self._prefills: dict[str, _PendingPrefill] = {}
+        # encoded messages for the writer, in order; a list swapped out whole per write
+        self._outbox: list[bytes] = []
+        self._writer_waiting = trio.lowlevel.ParkingLot()
+        self._room_waiting = trio.lowlevel.ParkingLot()
         self.ever_connected = False
         self.frames_received = 0
         self.entries_received = 0
@@ -162,7 +204,7 @@ class DecodeLink:
             self._on_capacity()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Connect, then read frames and write aborts until the link breaks (the caller reconnects)."""
+        """Connect, then read and write frames until the link breaks (the caller reconnects)."""
         ws: WebSocketClient | None = None
         try:
             with trio.move_on_after(_CONNECT_TIMEOUT_S):
@@ -173,24 +215,29 @@ class DecodeLink:
                 raise HandshakeError(f"{self.url}: no websocket within {_CONNECT_TIMEOUT_S:g}s")
             self._ws = ws
             self.ever_connected = True
-            self._aborts.clear()  # the decode side aborted everything of the old link itself
+            # what was queued for the old connection: the worker ended those requests itself
+            self._outbox.clear()
             task_status.started()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._write_aborts, ws)
+                nursery.start_soon(self._write, ws)
                 await self._read(ws)
                 nursery.cancel_scope.cancel()
         finally:
             self._ws = None
             self.capacity = None
             self._promised.clear()
-            self._fail_all("the connection to the decode instance was lost")
+            self._outbox.clear()
+            self._room_waiting.unpark_all()
+            self._fail_all("the connection to the worker was lost")
             self._on_capacity()  # waiters look elsewhere (or time out)
             if ws is not None:
                 await ws.aclose()
 
+    # --- reading --------------------------------------------------------------------
+
     async def _read(self, ws: WebSocketClient) -> None:
         streams = self._streams
-        decode = from_decode_decoder.decode_raw
+        decode = from_worker_decoder.decode_raw
         dispatch_entries = self._dispatch_entries
         while True:
             try:
@@ -201,12 +248,12 @@ class DecodeLink:
             # every frame of the read goes to its streams before anyone else runs
             for data in batch:
                 if isinstance(data, str):
-                    log.warning("decode instance %s sent a text frame", self.instance_id)
+                    log.warning("worker %s sent a text frame", self.instance_id)
                     continue
                 try:
                     message = decode(data)
                 except DECODE_ERRORS as exc:
-                    log.warning("bad frame from decode instance %s: %s", self.instance_id, exc)
+                    log.warning("bad frame from worker %s: %s", self.instance_id, exc)
                     continue
                 if type(message) is TokenFrame:
                     dispatch_entries(message.entries)
@@ -214,6 +261,15 @@ class DecodeLink:
                 if type(message) is DecodeCapacity:
                     self.capacity = message
                     self._on_capacity()
+                    continue
+                if type(message) is PrefillReply or type(message) is PrefillFailed:
+                    pending = self._prefills.pop(message.request_id, None)
+                    if pending is not None:
+                        pending.settle(message)
+                    elif type(message) is PrefillReply:
+                        # its caller gave up (and sent a release, which may have crossed
+                        # this reply): release again, harmless if it was
+                        self._post_nowait(encode(ReleaseRequest(message.request_id)))
                     continue
                 self._settle(message.request_id)
                 stream = streams.get(message.request_id)
@@ -255,9 +311,8 @@ class DecodeLink:
         self._settle(stream.request_id)
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
-            if abort and self._ws is not None:
-                self._aborts.append(stream.request_id)
-                self._aborts_waiting.unpark_all()
+            if abort:
+                self._post_nowait(encode(DecodeAbort(stream.request_id)))
         if stream.failure is None:
             stream.failure = failure
         stream.notify()
@@ -269,45 +324,100 @@ class DecodeLink:
             if stream.failure is None:
                 stream.failure = message
             stream.notify()
+        prefills = list(self._prefills.values())
+        self._prefills.clear()
+        for pending in prefills:
+            pending.settle(None, lost=message)
 
-    async def _write_aborts(self, ws: WebSocketClient) -> None:
+    # --- writing --------------------------------------------------------------------
+
+    def _post_nowait(self, data: bytes) -> None:
+        """Queue a message past the outbox's limit (releases and aborts: never block)."""
+        if self._ws is None:
+            return  # the worker ended the link's requests itself
+        self._outbox.append(data)
+        if self._writer_waiting:
+            self._writer_waiting.unpark()
+
+    async def _post(self, data: bytes) -> None:
+        """Queue a message for the writer, waiting while the outbox is full."""
+        while len(self._outbox) >= _OUTBOX_LIMIT and self._ws is not None:
+            await self._room_waiting.park()
+        if self._ws is None:
+            raise WorkerLinkClosed(f"worker {self.instance_id} is not connected")
+        self._outbox.append(data)
+        if self._writer_waiting:
+            self._writer_waiting.unpark()
+
+    async def _write(self, ws: WebSocketClient) -> None:
         while True:
-            if not self._aborts:
-                await self._aborts_waiting.park()
+            if not self._outbox:
+                await self._writer_waiting.park()
                 continue
-            request_id = self._aborts.pop(0)
+            batch = self._outbox
+            self._outbox = []
+            if self._room_waiting:
+                self._room_waiting.unpark_all()
             try:
-                await ws.send_message(encode(DecodeAbort(request_id)))
+                await ws.send_messages(batch)
             except ConnectionClosed:
-                return  # the reader sees the close; decode aborts a lost link's requests itself
+                return  # the reader sees the close; the worker ends a lost link's requests
 
     # --- the pipeline's side --------------------------------------------------------
 
+    async def prefill(self, request: PrefillRequest) -> PrefillReply | PrefillFailed:
+        """Call prefill on the worker and wait for its answer.
+
+        Raises :class:`WorkerLinkClosed` when the call could not be sent (another
+        worker may take it) and :class:`WorkerLinkLost` when the link went down
+        while it was pending.  Cancelled, it releases the request on the worker,
+        which stops the prefill or frees what it leased.
+        """
+        request_id = request.request_id
+        if self._ws is None:
+            raise WorkerLinkClosed(f"worker {self.instance_id} is not connected")
+        if request_id in self._prefills:
+            raise WorkerLinkError(f"request {request_id} is already prefilling on this link")
+        data = encode(request)
+        pending = _PendingPrefill()
+        self._prefills[request_id] = pending
+        try:
+            await self._post(data)
+            del data  # a huge prompt need not live on here
+            await pending.wait()
+        except BaseException:
+            if self._prefills.pop(request_id, None) is pending:
+                self.release(request_id)
+            raise
+        if pending.answer is None:
+            raise WorkerLinkLost(f"worker {self.instance_id}: {pending.lost}")
+        return pending.answer
+
+    def release(self, request_id: str) -> None:
+        """Free the request's KV on prefill, or stop its prefill; never blocks, idempotent."""
+        self._post_nowait(encode(ReleaseRequest(request_id)))
+
     async def start(self, start: DecodeStart, blocks: int = 0) -> DecodeStream:
-        """Send the start; the stream then reports decode's answer and tokens.
+        """Queue the start; the stream then reports decode's answer and tokens.
 
         ``blocks`` (what decode will allocate) are promised before the first
         checkpoint, so a caller that picked this link by :attr:`available_blocks`
-        holds them against every other caller.  Raises :class:`DecodeLinkClosed`
-        when the start could not be sent.
+        holds them against every other caller.  Raises :class:`WorkerLinkClosed`
+        when the start could not be queued.
         """
-        ws = self._ws
-        if ws is None:
-            raise DecodeLinkClosed(f"decode instance {self.instance_id} is not connected")
+        if self._ws is None:
+            raise WorkerLinkClosed(f"decode instance {self.instance_id} is not connected")
         if start.request_id in self._streams:
-            raise DecodeLinkError(f"request {start.request_id} is already running on this link")
+            raise WorkerLinkError(f"request {start.request_id} is already running on this link")
         stream = DecodeStream(start.request_id, self.max_pending_tokens)
         self._streams[start.request_id] = stream
         self._promised[start.request_id] = blocks
         try:
-            await ws.send_message(encode(start))
-        except ConnectionClosed as exc:
+            await self._post(encode(start))
+        except BaseException:
+            # not queued (the link is down, or cancelled while waiting for room)
             self._streams.pop(start.request_id, None)
             self._settle(start.request_id)
-            raise DecodeLinkClosed(f"decode instance {self.instance_id} closed the link") from exc
-        except BaseException:
-            # cancelled mid-send: decode may or may not have the start; abort to be sure
-            self.abort(start.request_id)
             raise
         return stream
 
