@@ -118,6 +118,13 @@ async def wait_until_idle(cluster: Cluster, deadline_s: float = 10.0) -> None:
             await trio.sleep(0.01)
 
 
+async def wait_for_stats(condition: Callable[[], bool], deadline_s: float = 5.0) -> None:
+    """Wait until a worker's statistics satisfy ``condition`` (polling, as wait_until_idle)."""
+    with trio.fail_after(deadline_s):
+        while not condition():  # noqa: ASYNC110
+            await trio.sleep(0.005)
+
+
 def client(cluster: Cluster, **kwargs: Any) -> httpx.AsyncClient:
     kwargs.setdefault("timeout", 30)
     return httpx.AsyncClient(base_url=cluster.url, **kwargs)

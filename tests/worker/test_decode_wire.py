@@ -20,7 +20,7 @@ import trio_websocket
 
 from pdtrio.engine.api import EngineOutput, StepFailed
 from pdtrio.worker.server import Worker
-from tests.cluster import synthetic_worker
+from tests.cluster import synthetic_worker, wait_for_stats
 
 PICKLE_MARKERS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
 MSGPACK = {"content-type": "application/msgpack"}
@@ -324,10 +324,20 @@ async def test_the_default_instance_id_names_role_host_and_port() -> None:
         ("/pd/release", msgpack.packb({"request_id": "x"}), 400, "malformed"),
         ("/pd/prefill", msgpack.packb([PREFILL, "r", ["text"], [], None]), 400, "malformed"),
         ("/pd/prefill", msgpack.packb([PREFILL, "r", ["tokens", [5, -1]], [], None]), 400, "-1"),
-        ("/pd/prefill", msgpack.packb([PREFILL, "r", ["tokens", [5, 10**9]], [], None]), 400, "range"),
+        (
+            "/pd/prefill",
+            msgpack.packb([PREFILL, "r", ["tokens", [5, 10**9]], [], None]),
+            400,
+            "range",
+        ),
         ("/pd/prefill", msgpack.packb([PREFILL, "r", ["tokens", []], [], None]), 400, "empty"),
         ("/pd/prefill", msgpack.packb([PREFILL, "r", ["text", "hi"], [], 0]), 400, "max_tokens"),
-        ("/pd/prefill", msgpack.packb([PREFILL, "r", ["text", "hi"], [], 10**7]), 400, "context length"),
+        (
+            "/pd/prefill",
+            msgpack.packb([PREFILL, "r", ["text", "hi"], [], 10**7]),
+            400,
+            "context length",
+        ),
     ],
 )
 async def test_bad_control_bodies_are_400s_with_a_message(
@@ -432,9 +442,7 @@ async def test_prefill_and_release_ride_the_link_by_hand() -> None:
             for request_id in replies:
                 await ws.send_message(msgpack.packb([RELEASE, request_id]))
             await ws.send_message(msgpack.packb([RELEASE, "never-heard-of"]))  # harmless
-            with trio.fail_after(5):
-                while pair.prefill.stats()["kv_leases"]:
-                    await trio.sleep(0.01)
+            await wait_for_stats(lambda: not pair.prefill.stats()["kv_leases"])
         stats = pair.prefill.stats()
         assert stats["kv_blocks_in_use"] == 0 and stats["prefills_in_progress"] == 0
 
@@ -448,13 +456,9 @@ async def test_a_released_prefill_in_progress_is_stopped_and_frees_its_blocks() 
             f"ws://127.0.0.1:{ready['http_port']}/pd/link"
         ) as ws:
             await ws.send_message(prefill_request("slow", ["tokens", [5] * 4000], max_tokens=5))
-            with trio.fail_after(5):
-                while not prefill.stats()["prefills_in_progress"]:
-                    await trio.sleep(0.005)
+            await wait_for_stats(lambda: prefill.stats()["prefills_in_progress"] > 0)
             await ws.send_message(msgpack.packb([RELEASE, "slow"]))
-            with trio.fail_after(3):
-                while prefill.stats()["prefills_in_progress"]:
-                    await trio.sleep(0.005)
+            await wait_for_stats(lambda: not prefill.stats()["prefills_in_progress"], 3)
         stats = prefill.stats()
         assert stats["kv_blocks_in_use"] == 0 and stats["kv_leases"] == 0
         assert stats["served_prefills"] == 0
