@@ -23,10 +23,12 @@ import trio
 
 from pdtrio.config import PdtrioConfig, Role
 from pdtrio.engine.blocks import blocks_needed
+from pdtrio.protocol.egress import EgressConfig, EgressController
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.scheduling import Candidate, pick_instance
 from pdtrio.router.capacity import CapacityQueue
 from pdtrio.router.cluster import WorkerProcess, embedded_workers
+from pdtrio.router.loop_load import run_egress_control
 from pdtrio.router.worker_link import LINK_ERRORS, WorkerLink
 
 log = logging.getLogger("pdtrio.router")
@@ -96,6 +98,8 @@ class Router:
         self.decode_queue: CapacityQueue[Instance] = CapacityQueue(
             config.router.admission_queue_limit
         )
+        # how far apart each stream's sends go under load (0: at once), kept by open_router
+        self.egress = EgressController(EgressConfig(max_delay_s=config.router.egress_max_delay_s))
 
     # --- instances ------------------------------------------------------------------
 
@@ -302,6 +306,10 @@ class Router:
         cut_off = sum(i.link.clients_cut_off for i in self.instances.values() if i.link is not None)
         lines.append("# TYPE pdtrio_slow_clients_cut_off_total counter")
         lines.append(f"pdtrio_slow_clients_cut_off_total {cut_off}")
+        lines.append("# TYPE pdtrio_egress_spacing_seconds gauge")
+        lines.append(f"pdtrio_egress_spacing_seconds {self.egress.spacing_s:g}")
+        lines.append("# TYPE pdtrio_event_loop_busy_ratio gauge")
+        lines.append(f"pdtrio_event_loop_busy_ratio {self.egress.busy_fraction:.3f}")
         lines.append("# TYPE pdtrio_tokens_delivered_total counter")
         lines.append(f"pdtrio_tokens_delivered_total {self.tokens_delivered}")
         lines.append("# TYPE pdtrio_decode_frames_received_total counter")
@@ -326,6 +334,7 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
     async with httpx.AsyncClient(limits=limits, timeout=None) as http:
         async with trio.open_nursery() as nursery:
             router = Router(config, nursery, http)
+            await nursery.start(run_egress_control, router.egress)
             if config.uses_embedded_cluster:
                 await _start_embedded(router, nursery)
             else:

@@ -185,7 +185,7 @@ class RequestPipeline:
         if self.shaper is not None:
             self.shaper.set_prompt_usage(reply.prompt_tokens, reply.cached_tokens)
         if reply.kv_handle is None:
-            await self._deliver(reply.first_text, 1, reply.finish_reason, reply.usage)
+            await self._deliver(reply.first_text, 1, reply.finish_reason, reply.usage, final=True)
             await self._finish()
             return
         # the first token goes out once decode room is claimed and the start is sent
@@ -322,14 +322,41 @@ class RequestPipeline:
         raise service_unavailable("no decode capacity came free within the prefill KV lease")
 
     async def _stream_tokens(self, stream: DecodeStream) -> None:
+        """Deliver decode's tokens as they come; under load, spaced (adaptive egress).
+
+        The spacing (``router.egress``, fed by the loop's load) holds a stream's
+        next send until its last send plus the spacing, so the tokens that come
+        meanwhile go out in one event.  A finish or a failure is never held.
+        """
         buffer = stream.buffer
+        egress = self.router.egress
+        last_sent_at: float | None = None
         while True:
+            spacing = egress.spacing_s
+            held_until: float | None = None
+            if (
+                spacing
+                and last_sent_at is not None
+                and not buffer.finished
+                and stream.failure is None
+            ):
+                deadline = last_sent_at + spacing
+                if trio.current_time() < deadline:
+                    await stream.hold_until(deadline)
+                    held_until = deadline
             delta = buffer.take()
             if delta is not None:
-                await self._deliver(delta.text, delta.num_tokens, delta.finish_reason, delta.usage)
-                if delta.finish_reason is not None:
+                final = delta.finish_reason is not None
+                await self._deliver(
+                    delta.text, delta.num_tokens, delta.finish_reason, delta.usage, final=final
+                )
+                if final:
                     self.lifecycle.handle(Event.DECODE_ENDED)
                     return
+                if spacing:
+                    # spaced from the schedule, not from when the send returned: the
+                    # send's own time and a late wake-up would add to every gap
+                    last_sent_at = held_until if held_until is not None else trio.current_time()
             if stream.failure is not None:
                 # decode holds nothing of it any more: it failed there, or the link aborted it
                 self.lifecycle.handle(Event.DECODE_ENDED)
@@ -343,8 +370,15 @@ class RequestPipeline:
     # --- output -------------------------------------------------------------------
 
     async def _deliver(
-        self, text: str, num_tokens: int, finish_reason: str | None, usage: Usage | None
+        self,
+        text: str,
+        num_tokens: int,
+        finish_reason: str | None,
+        usage: Usage | None,
+        *,
+        final: bool = False,
     ) -> None:
+        """Send (or, not streaming, gather) a delta; ``final``: and end the response with it."""
         self.router.tokens_delivered += num_tokens
         if finish_reason is not None and usage is None:
             raise server_error("the engine finished the request without its token counts")
@@ -358,7 +392,17 @@ class RequestPipeline:
         chunk = self.shaper.delta(text, num_tokens, finish_reason, usage)
         if not self.headers_sent:
             await self._send_headers()
-        if chunk:
+        if final:
+            # the last event and [DONE] in one write
+            self._response_complete = True
+            await self._send(
+                {
+                    "type": "http.response.body",
+                    "body": chunk + self.shaper.done(),
+                    "more_body": False,
+                }
+            )
+        elif chunk:
             self._writing = True
             await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
             self._writing = False
@@ -368,6 +412,8 @@ class RequestPipeline:
         await self._send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
 
     async def _finish(self) -> None:
+        if self.shaper is not None and self.shaper.closed:
+            return  # the last delta ended the stream
         self._response_complete = True
         if self.shaper is not None:
             await self._send(

@@ -104,6 +104,7 @@ class DecodeStream:
         "rejection",
         "failure",
         "cut_off",
+        "holding",
         "_updated",
         "_lot",
     )
@@ -115,6 +116,8 @@ class DecodeStream:
         self.rejection: DecodeRejected | None = None
         self.failure: str | None = None
         self.cut_off = False  # the link ended it: its client fell too far behind
+        # its consumer is spacing its sends (adaptive egress): only a finish wakes it
+        self.holding = False
         self._updated = False
         self._lot = trio.lowlevel.ParkingLot()
 
@@ -131,6 +134,20 @@ class DecodeStream:
         else:
             await self._lot.park()
         self._updated = False
+
+    async def hold_until(self, deadline: float) -> None:
+        """Wait until ``deadline``; tokens gather meanwhile, a finish or failure ends it early.
+
+        The caller checked that neither is in already.  Tokens do not wake a
+        holding stream, so spacing its sends also spares the wake-ups.
+        """
+        self.holding = True
+        self._updated = False
+        try:
+            with trio.move_on_at(deadline):
+                await self._lot.park()
+        finally:
+            self.holding = False
 
 
 @final
@@ -304,7 +321,7 @@ class WorkerLink:
                 stream.cut_off = True
             elif finish_reason is not None:
                 del streams[entry.request_id]  # finished on decode: nothing to abort
-            if not stream._updated:
+            if not stream._updated and (finish_reason is not None or not stream.holding):
                 stream.notify()
 
     def _end(self, stream: DecodeStream, failure: str, *, abort: bool) -> None:

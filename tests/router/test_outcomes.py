@@ -28,8 +28,9 @@ async def test_each_outcome_is_counted_exactly() -> None:
     # slow steps: the deadline almost always finds the request waiting for a token, not
     # mid-write (a write cut by the deadline ends in a hang-up, not an error event)
     make = partial(synthetic_worker, decode_step_s=0.05)
-    # a deadline long enough for short requests, too short for the long one
-    router = RouterConfig(request_timeout_s=1.0)
+    # a deadline long enough for short requests, too short for the long one; egress
+    # spacing off, so that no sampler ticks while the test waits for every task to rest
+    router = RouterConfig(request_timeout_s=1.0, egress_max_delay_s=0.0)
     async with running_cluster(make_worker=make, router=router) as cluster:
         async with client(cluster) as http:
             # ok: streamed and not

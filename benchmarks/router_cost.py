@@ -1,0 +1,879 @@
+"""Router cost: what pdtrio's router spends per request and per token, beside a trivial SSE app.
+
+    python -m benchmarks.router_cost [--quick] [--json PATH]
+
+Each server runs under ``hypercorn -k trio`` pinned to one core (the first this
+process may use); everything else (the synthetic prefill and decode workers,
+the load generator, this driver) shares the other core.  Two servers take the
+same loads, one after the other, in the same run:
+
+- **pdtrio**: ``pdtrio.app:app`` with a static config over a synthetic prefill
+  and decode worker (one token per step; a step every 10 ms for the paced
+  loads, back to back for the others), ``router.egress_max_delay_s`` at its
+  default ("egress on") or 0 ("egress off");
+- **trivial app**: ``benchmarks.trivial_sse_app``: the same SSE bytes for the
+  same request (headers, chunks, ``[DONE]`` in the last write), the same number
+  of tokens, paced on the same 10 ms clock, and nothing else: hypercorn's cost.
+
+The rows:
+
+1. N concurrent requests of 2 tokens, in rounds (all N sent at once, the next
+   round when all have ended), on kept-alive connections, then with a new
+   connection per request: router CPU per request, TTFT;
+2. 128 and 512 streams of 128 tokens, decode paced at 10 ms per token, each
+   client sending its next request when one ends, egress on and off: router
+   CPU per token, ITL, TTFT, tokens delivered against those offered;
+3. 64 streams of 256 tokens, decode as fast as it can (pdtrio only);
+4. the 512-stream row with two router processes (``hypercorn -w 2``, the same
+   config; each process has its own links to the workers), both pinned to the
+   router core: the CPU of both summed.  On two cores this shows what a
+   second process costs, not what it buys (that needs a core of its own).
+
+The load (``benchmarks.token_path.sse_clients.closed_loop``): raw-socket
+clients in this process on one epoll (streams start spread over the first
+second), a streamed ``/v1/completions`` of a 16-token prompt with
+``ignore_eos``.  After a warm-up, over a fixed window (10 s; ``--quick`` runs
+a tiny version of every row, for CI, whose figures mean nothing):
+
+- **router CPU**: user + system time of the server's process tree from /proc
+  over the window, per request (requests ended in the window) or per token
+  (tokens received in the window); "router / load core": that CPU as a share
+  of one core, and how busy the load core was (from /proc/stat);
+- **TTFT**: request sent (connect started, for new connections) -> first token;
+- **ITL**: the gap between two socket reads of one response that carried
+  tokens, pooled over all streams.  "Per read" is what a user sees stall (a
+  read of k tokens is one gap); "per token" spreads each gap over its k tokens
+  (k gaps of gap/k).  A response's first gap (prefill's token -> the first
+  decode token, the KV handoff included) counts;
+- **decode's own ITL**: in paced pdtrio runs one more request, from another
+  process on the load core, reads the decode worker's websocket directly (as
+  the router does; ``token_path.light_load``) over the same window: the gaps
+  between its frames.  "Router's added p99" is pdtrio's per-read ITL p99
+  minus that p99;
+- **delivered / offered**: tokens/s received against what the streams would
+  get if each were always decoding at 100 tok/s (a response's first token is
+  prefill's and comes at once: N x 128 / 1.27 s); the shortfall is each
+  request's time to first token.  **Pace**: for the responses ended in the
+  window, the tokens after each one's second read over the time they took,
+  against the decode worker's own time per token (100%: every token decode
+  offered went out as fast as decode made it);
+- **failures**: a status other than 200, an error event, a connection closed
+  mid-response (warm-up included), and responses of another token count.
+
+Goals (issue 9) are evaluated on the default configuration (egress on) and
+printed PASS/FAIL under the table, never as an error.  The machine is small
+and shared: notes list the runs where other processes took the router's core,
+or the load core was saturated, or decode itself could not keep 10 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import trio
+
+from benchmarks.token_path.measure import core_busy_ticks, percentile, router_and_load_cpus
+from benchmarks.token_path.sse_clients import closed_loop, completion_request
+from pdtrio.config import RouterConfig
+from pdtrio.testing import (
+    LOOPBACK,
+    ProcessError,
+    Processes,
+    Service,
+    cpu_seconds,
+    free_port,
+    pin,
+    router_command,
+    synthetic_worker_config,
+    write_router_config,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CAP_S = RouterConfig().egress_max_delay_s
+PACED_STEP_S = 0.01
+# the synthetic engine's context is 8192 tokens: a direct request of at most this many
+_DIRECT_MAX_TOKENS = 8000
+_KV_BLOCKS = 16384  # 512 streams x 9 blocks, the direct reader's 501, and room to spare
+
+
+# --- what runs -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    short_clients: int
+    short_tokens: int
+    paced_streams: tuple[int, int]
+    paced_tokens: int
+    fast_streams: int
+    fast_tokens: int
+    warmup_s: float
+    measure_s: float
+    ramp_s: float
+
+
+FULL = Sizes(32, 2, (128, 512), 128, 64, 256, warmup_s=3.0, measure_s=10.0, ramp_s=1.0)
+QUICK = Sizes(4, 2, (8, 16), 16, 4, 32, warmup_s=0.3, measure_s=0.4, ramp_s=0.1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Server:
+    key: str
+    app: Literal["pdtrio", "trivial"]
+    step_s: float  # the decode step (pdtrio) or the pace (trivial)
+    egress_s: float | None = None  # pdtrio's router.egress_max_delay_s; None: its default
+    processes: int = 1  # hypercorn -w
+
+    @property
+    def cap_s(self) -> float | None:
+        if self.app != "pdtrio":
+            return None
+        return DEFAULT_CAP_S if self.egress_s is None else self.egress_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    key: str
+    clients: int
+    max_tokens: int
+    step_s: float
+    keepalive: bool = True
+    rounds: bool = False  # all clients at once, the next round when all have ended
+
+
+def plan(sizes: Sizes) -> list[tuple[Server, list[Load]]]:
+    """Every server, and the loads it takes, in the order they run."""
+    small, large = sizes.paced_streams
+    short = Load("short", sizes.short_clients, sizes.short_tokens, 0.0, rounds=True)
+    short_new = dataclasses.replace(short, key="short_new_conn", keepalive=False)
+    paced_small = Load("paced_small", small, sizes.paced_tokens, PACED_STEP_S)
+    paced_large = Load("paced_large", large, sizes.paced_tokens, PACED_STEP_S)
+    fast = Load("fast", sizes.fast_streams, sizes.fast_tokens, 0.0)
+    return [
+        (Server("pdtrio_fast", "pdtrio", 0.0), [short, short_new, fast]),
+        (Server("trivial_fast", "trivial", 0.0), [short, short_new]),
+        (Server("pdtrio_fast_off", "pdtrio", 0.0, egress_s=0.0), [fast]),
+        (Server("pdtrio_on", "pdtrio", PACED_STEP_S), [paced_small, paced_large]),
+        (Server("pdtrio_off", "pdtrio", PACED_STEP_S, egress_s=0.0), [paced_small, paced_large]),
+        (Server("trivial_paced", "trivial", PACED_STEP_S), [paced_small, paced_large]),
+        (Server("pdtrio_two", "pdtrio", PACED_STEP_S, processes=2), [paced_large]),
+        (Server("trivial_two", "trivial", PACED_STEP_S, processes=2), [paced_large]),
+    ]
+
+
+# --- processes -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Workers:
+    prefill: Service
+    decode: Service
+
+
+def _env() -> dict[str, str | None]:
+    # the servers import this checkout (benchmarks.trivial_sse_app, pdtrio), wherever we run from
+    path = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": str(ROOT) if not path else f"{ROOT}{os.pathsep}{path}"}
+
+
+def start_workers(procs: Processes, cpu: int) -> dict[float, Workers]:
+    """A prefill and a decode worker for each decode step, all on ``cpu``."""
+    starting: dict[tuple[float, str], subprocess.Popen[bytes]] = {}
+    for step in (0.0, PACED_STEP_S):
+        for role in ("prefill", "decode"):
+            config = synthetic_worker_config(role, decode_step_s=step, num_kv_blocks=_KV_BLOCKS)
+            config["engine"]["max_batch_size"] = 1024
+            starting[step, role] = procs.start_worker(config, cpus={cpu})
+    ready = {key: procs.wait_ready(process, timeout=120) for key, process in starting.items()}
+    return {
+        step: Workers(ready[step, "prefill"], ready[step, "decode"]) for step in (0.0, PACED_STEP_S)
+    }
+
+
+def start_server(
+    procs: Processes, server: Server, workers: Workers, cpus: set[int], tmp: Path
+) -> Service:
+    """``server`` under ``hypercorn -k trio`` on ``cpus``, healthy."""
+    port = free_port()
+    env = _env()
+    if server.app == "pdtrio":
+        config = write_router_config(
+            tmp / f"{server.key}.toml",
+            [("prefill", workers.prefill.url), ("decode", workers.decode.url)],
+            router=None if server.egress_s is None else {"egress_max_delay_s": server.egress_s},
+        )
+        command = router_command(f"{LOOPBACK}:{port}")
+        env["PDTRIO_CONFIG"] = str(config)
+    else:
+        command = router_command(f"{LOOPBACK}:{port}", app="benchmarks.trivial_sse_app:app")
+        env["TRIVIAL_SSE_STEP_S"] = repr(server.step_s)
+    # a listen backlog that takes 512 connections at once; -w: hypercorn's app processes
+    command[-1:-1] = ["--backlog", "4096", "-w", str(server.processes)]
+    process = procs.start(command, env=env, output="capture", cpus=cpus)
+    service = Service(process, f"http://{LOOPBACK}:{port}")
+    procs.wait_healthy(service, timeout=60)
+    pin(service.tree(), cpus)
+    return service
+
+
+def start_direct_reader(
+    procs: Processes, workers: Workers, step_s: float, until: float, cpu: int
+) -> subprocess.Popen[bytes]:
+    """The ``--role direct`` process (below), on ``cpu``, reading until ``until``."""
+    spec = {
+        "prefill": workers.prefill.url,
+        "decode": workers.decode.url,
+        "step_s": step_s,
+        "until": until,
+    }
+    command = [sys.executable, "-m", "benchmarks.router_cost", "--role", "direct"]
+    return procs.start(
+        [*command, "--spec", json.dumps(spec)], env=_env(), output="lines", cpus={cpu}
+    )
+
+
+def direct_reader(spec: dict[str, Any]) -> None:
+    """The ``--role direct`` process: decode's own token times until ``until`` (perf_counter).
+
+    Requests follow one another straight through the workers (prefill, then
+    the decode worker's websocket, as the router speaks to them); prints
+    ``RESULT {"runs": [[arrival time of each token of one request], ...],
+    "error": ...}`` (a frame of k tokens: its time k times).
+    """
+    from benchmarks.token_path.light_load import _direct_reader  # trio-websocket: here only
+
+    runs: list[list[float]] = []
+    error = None
+
+    async def main() -> None:
+        until = spec["until"]
+        while (left := until - time.perf_counter()) > 0:
+            times: list[float] = []
+            runs.append(times)
+            tokens = min(_DIRECT_MAX_TOKENS, int(left / spec["step_s"]) + 50)
+            with trio.move_on_after(left + 0.2):
+                await _direct_reader(spec["prefill"], spec["decode"], tokens, trio.Event(), times)
+
+    try:
+        trio.run(main)
+    except Exception as exc:  # reported, not raised: the run goes on without this figure
+        error = repr(exc)
+    print("RESULT " + json.dumps({"runs": runs, "error": error}), flush=True)
+
+
+# --- one run ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Sample:
+    at: float
+    router: dict[int, float]
+    decode: float
+    prefill: float
+    router_core: tuple[int, int]
+    load_core: tuple[int, int]
+
+
+def measure(
+    procs: Processes,
+    server: Server,
+    service: Service,
+    load: Load,
+    workers: Workers,
+    sizes: Sizes,
+    cpus: tuple[int, int],
+) -> dict[str, Any]:
+    router_cpu, load_cpu = cpus
+    pids = service.tree()
+    direct = None
+    if server.app == "pdtrio" and load.step_s > 0:
+        until = time.perf_counter() + sizes.warmup_s + sizes.measure_s + 0.2
+        direct = start_direct_reader(procs, workers, load.step_s, until, load_cpu)
+    samples: dict[str, Sample] = {}
+
+    def on_window(edge: str) -> None:
+        samples[edge] = Sample(
+            time.perf_counter(),
+            {pid: cpu_seconds([pid]) for pid in pids},
+            cpu_seconds([workers.decode.pid]),
+            cpu_seconds([workers.prefill.pid]),
+            core_busy_ticks(router_cpu),
+            core_busy_ticks(load_cpu),
+        )
+
+    result = closed_loop(
+        service.address,
+        completion_request(LOOPBACK, load.max_tokens),
+        clients=load.clients,
+        expected_tokens=load.max_tokens,
+        warmup_s=sizes.warmup_s,
+        measure_s=sizes.measure_s,
+        keepalive=load.keepalive,
+        rounds=load.rounds,
+        ramp_s=sizes.ramp_s,
+        on_window=on_window,
+    )
+    own_gaps: list[float] = []
+    own_error = None
+    if direct is not None:
+        start, end = samples["start"].at, samples["end"].at
+        try:
+            own = json.loads(procs.read_line(direct, b"RESULT ", 30))
+        except ProcessError as exc:
+            own = {"runs": [], "error": str(exc)}
+        own_error = own["error"]
+        # per token (0 between two tokens of one frame); a gap counts where it ends, as
+        # the clients' do
+        own_gaps = [
+            b - a
+            for run in own["runs"]
+            for a, b in zip(run, run[1:], strict=False)
+            if start <= b <= end
+        ]
+        procs.stop(direct, grace_s=5)
+    row = summarise(server, load, result, samples["start"], samples["end"], own_gaps)
+    row["decode_own_error"] = own_error
+    return row
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+def _ms(seconds: float) -> float:
+    return seconds * 1e3
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def summarise(
+    server: Server,
+    load: Load,
+    result: dict[str, Any],
+    start: Sample,
+    end: Sample,
+    own_gaps: list[float],
+) -> dict[str, Any]:
+    wall = end.at - start.at
+    by_process = {pid: end.router[pid] - start.router.get(pid, 0.0) for pid in end.router}
+    router_s = sum(by_process.values())
+    tokens, requests = result["tokens"], result["requests_done"]
+    gaps, gap_tokens = result["gaps"], result["gap_tokens"]
+    per_token = [g / k for g, k in zip(gaps, gap_tokens, strict=True) for _ in range(k)]
+    # decode's own: its mean time per token, and the gaps between its frames (per read)
+    own_step = statistics.fmean(own_gaps) if own_gaps else None
+    own_frames = [g for g in own_gaps if g > 0]
+    own_p99 = percentile(own_frames, 99)
+    step_ref = own_step if own_step is not None else load.step_s
+    streaming = result["streaming"]
+    pace = None
+    if load.step_s > 0 and streaming:
+        taken = sum(duration for duration, _ in streaming)
+        pace = _ratio(sum(n for _, n in streaming) * step_ref, taken)
+    core_busy = (end.router_core[0] - start.router_core[0]) / max(
+        1, end.router_core[1] - start.router_core[1]
+    )
+    load_busy = (end.load_core[0] - start.load_core[0]) / max(
+        1, end.load_core[1] - start.load_core[1]
+    )
+    itl_p99 = percentile(gaps, 99)
+    row = {
+        "server": server.key,
+        "app": server.app,
+        "router_processes": server.processes,
+        "egress_max_delay_s": server.cap_s,
+        "load": load.key,
+        "clients": load.clients,
+        "max_tokens": load.max_tokens,
+        "step_ms": _ms(load.step_s),
+        "keepalive": load.keepalive,
+        "rounds": load.rounds,
+        "window_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        # every stream always decoding, each response's first token prefill's (at once)
+        "offered_tokens_per_s": (
+            load.clients * load.max_tokens / ((load.max_tokens - 1) * load.step_s)
+            if load.step_s
+            else None
+        ),
+        "tokens_per_read": _ratio(tokens, result["arrivals"]),
+        "requests": requests,
+        "requests_per_s": requests / wall,
+        "incomplete": result["incomplete"],
+        "failures": result["failures"],
+        "failures_total": result["failures_total"],
+        "router_cpu_s": router_s,
+        "router_cpu_by_process_s": sorted(
+            (round(v, 4) for v in by_process.values() if v > 0), reverse=True
+        ),
+        "router_util": router_s / wall,
+        "router_core_busy": core_busy,
+        "router_core_others": max(0.0, core_busy - router_s / wall),
+        "router_ms_per_request": _ratio(router_s * 1e3, requests),
+        "router_us_per_token": _ratio(router_s * 1e6, tokens),
+        "ttft_p50_ms": _ms(percentile(result["ttfts"], 50)),
+        "ttft_p99_ms": _ms(percentile(result["ttfts"], 99)),
+        "itl_p50_ms": _ms(percentile(gaps, 50)),
+        "itl_p99_ms": _ms(itl_p99),
+        "itl_token_p50_ms": _ms(percentile(per_token, 50)),
+        "itl_token_p99_ms": _ms(percentile(per_token, 99)),
+        "decode_own_itl_p50_ms": _ms(percentile(own_frames, 50)) if own_frames else None,
+        "decode_own_itl_p99_ms": _ms(own_p99) if own_frames else None,
+        "decode_own_step_ms": _ms(own_step) if own_step is not None else None,
+        "decode_own_tokens_per_frame": _ratio(len(own_gaps), len(own_frames)),
+        "decode_own_samples": len(own_frames),
+        "added_itl_p99_ms": _ms(itl_p99 - own_p99) if own_frames else None,
+        "pace": pace,
+        "decode_us_per_token": _ratio((end.decode - start.decode) * 1e6, tokens)
+        if server.app == "pdtrio"
+        else None,
+        "prefill_cpu_s": end.prefill - start.prefill,
+        "load_cpu_s": result["load_cpu_s"],
+        "load_core_busy": load_busy,
+    }
+    # nothing measured: None (JSON has no NaN)
+    return {k: None if isinstance(v, float) and v != v else v for k, v in row.items()}
+
+
+def run(sizes: Sizes, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    router_cpu, load_cpu = router_and_load_cpus()
+    steps = plan(sizes)
+    total = sum(len(loads) for _, loads in steps)
+    runs: list[dict[str, Any]] = []
+    with Processes() as procs, tempfile.TemporaryDirectory() as tmp:
+        workers = start_workers(procs, load_cpu)
+        for server, loads in steps:
+            service = start_server(procs, server, workers[server.step_s], {router_cpu}, Path(tmp))
+            for load in loads:
+                started = time.perf_counter()
+                runs.append(
+                    measure(
+                        procs,
+                        server,
+                        service,
+                        load,
+                        workers[server.step_s],
+                        sizes,
+                        (router_cpu, load_cpu),
+                    )
+                )
+                progress(
+                    f"[{len(runs)}/{total}] {server.key} {load.key}: "
+                    f"{time.perf_counter() - started:.1f}s"
+                )
+            procs.stop(service.process)
+    return runs
+
+
+# --- the report ------------------------------------------------------------------------
+
+
+def _fmt(value: Any, spec: str = ".1f", unit: str = "") -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "—"
+    return format(value, spec) + unit
+
+
+def _pair(a: Any, b: Any, spec: str = ".1f", unit: str = " ms") -> str:
+    if a is None and b is None:
+        return "—"
+    return f"{_fmt(a, spec)} / {_fmt(b, spec)}{unit}"
+
+
+def _verdict(ok: bool | None) -> str:
+    return "—" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def _check(value: float | None, limit: float) -> bool | None:
+    if value is None or value != value:
+        return None
+    return value <= limit
+
+
+def _cores(r: dict[str, Any]) -> str:
+    """The server's CPU over the window (of one core), and the load core's busy time."""
+    return f"{r['router_util']:.0%} / {r['load_core_busy']:.0%}"
+
+
+def _failures(r: dict[str, Any]) -> int:
+    return sum(r["failures_total"].values()) + r["incomplete"]
+
+
+def _delivered(r: dict[str, Any]) -> str:
+    offered = r["offered_tokens_per_s"]
+    text = f"{r['tokens_per_s']:,.0f}"
+    if offered:
+        text += f" / {offered:,.0f} ({r['tokens_per_s'] / offered:.0%})"
+    if r["pace"] is not None:
+        text += f"; pace {r['pace']:.1%}"
+    return text
+
+
+def _all_delivered(r: dict[str, Any]) -> bool | None:
+    """No failure, every response whole, and the streams kept decode's pace (within 2%)."""
+    if r["pace"] is None:
+        return None
+    return _failures(r) == 0 and r["pace"] >= 0.98
+
+
+def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> dict[str, Any]:
+    """The table's rows, the goals and the notes, from the runs."""
+    by = {(r["server"], r["load"]): r for r in runs}
+    rows: list[list[str]] = []
+    goals: list[dict[str, Any]] = []
+
+    def goal(name: str, value: float | None, limit: float, text: str, ok: bool | None) -> str:
+        goals.append({"goal": name, "value": value, "limit": limit, "pass": ok, "measured": text})
+        return _verdict(ok)
+
+    def row(load: str, what: str, pdtrio: str, trivial: str, vs: str = "", g: str = "") -> None:
+        rows.append([load, what, pdtrio, trivial, vs, g])
+
+    # 1. short requests
+    for key, label in (
+        ("short", "kept-alive connections"),
+        ("short_new_conn", "a new connection each"),
+    ):
+        p, t = by["pdtrio_fast", key], by["trivial_fast", key]
+        name = (
+            f"{p['clients']} concurrent requests of {p['max_tokens']} tokens "
+            f"(rounds of {p['clients']} at once), {label}"
+        )
+        ratio = _ratio(p["router_ms_per_request"] or 0.0, t["router_ms_per_request"] or 0.0)
+        met = ""
+        if key == "short":
+            met = goal(
+                "router CPU per short request <= 1.3x the trivial app's",
+                ratio,
+                1.3,
+                f"{_fmt(ratio, '.2f')}x",
+                _check(ratio, 1.3),
+            )
+        row(
+            name,
+            "router CPU per request",
+            _fmt(p["router_ms_per_request"], ".2f", " ms"),
+            _fmt(t["router_ms_per_request"], ".2f", " ms"),
+            _fmt(ratio, ".2f", "×"),
+            ("≤ 1.3×: " + met) if met else "",
+        )
+        met = ""
+        if key == "short":
+            met = goal(
+                f"TTFT p50, {p['clients']} concurrent {p['max_tokens']}-token requests <= 8 ms",
+                p["ttft_p50_ms"],
+                8.0,
+                f"{_fmt(p['ttft_p50_ms'])} ms",
+                _check(p["ttft_p50_ms"], 8.0),
+            )
+        row(
+            "",
+            "TTFT p50 / p99",
+            _pair(p["ttft_p50_ms"], p["ttft_p99_ms"]),
+            _pair(t["ttft_p50_ms"], t["ttft_p99_ms"]),
+            "",
+            ("p50 ≤ 8 ms: " + met) if met else "",
+        )
+        row(
+            "",
+            "requests/s; failures; router / load core",
+            f"{p['requests_per_s']:,.0f}; {_failures(p)}; {_cores(p)}",
+            f"{t['requests_per_s']:,.0f}; {_failures(t)}; {_cores(t)}",
+        )
+
+    # 2. paced streams, egress on and off
+    large = sizes.paced_streams[1]
+    for load_key in ("paced_small", "paced_large"):
+        t = by["trivial_paced", load_key]
+        for server_key in ("pdtrio_on", "pdtrio_off"):
+            p = by[server_key, load_key]
+            cap = p["egress_max_delay_s"]
+            egress = f"egress on (cap {cap:g} s)" if cap else "egress off"
+            name = (
+                f"{p['clients']} streams × {p['max_tokens']} tokens, "
+                f"decode every {p['step_ms']:g} ms, {egress}"
+            )
+            goaled = server_key == "pdtrio_on"  # the goals are for the default configuration
+            big = goaled and load_key == "paced_large"
+            ratio = _ratio(p["router_us_per_token"] or 0.0, t["router_us_per_token"] or 0.0)
+            met = ""
+            if big:
+                met = goal(
+                    f"{large} streams: router CPU <= 15 us/token",
+                    p["router_us_per_token"],
+                    15.0,
+                    f"{_fmt(p['router_us_per_token'])} us",
+                    _check(p["router_us_per_token"], 15.0),
+                )
+            row(
+                name,
+                "router CPU per token",
+                _fmt(p["router_us_per_token"], ".1f", " µs"),
+                _fmt(t["router_us_per_token"], ".1f", " µs"),
+                _fmt(ratio, ".2f", "×"),
+                ("≤ 15 µs: " + met) if met else "",
+            )
+            met = ""
+            if big:
+                limit = _ms(cap or 0.0) + 10.0
+                met = goal(
+                    f"{large} streams: ITL p99 <= cap + 10 ms",
+                    p["itl_p99_ms"],
+                    limit,
+                    f"{_fmt(p['itl_p99_ms'])} ms",
+                    _check(p["itl_p99_ms"], limit),
+                )
+                met = f"p99 ≤ {limit:g} ms: {met}"
+            row(
+                "",
+                "ITL p50 / p99, per read",
+                _pair(p["itl_p50_ms"], p["itl_p99_ms"]),
+                _pair(t["itl_p50_ms"], t["itl_p99_ms"]),
+                f"p99 {_fmt(_minus(p['itl_p99_ms'], t['itl_p99_ms']), '+.1f')} ms",
+                met,
+            )
+            row(
+                "",
+                "ITL p50 / p99, per token",
+                _pair(p["itl_token_p50_ms"], p["itl_token_p99_ms"]),
+                _pair(t["itl_token_p50_ms"], t["itl_token_p99_ms"]),
+            )
+            met = ""
+            if goaled and load_key == "paced_small":
+                met = goal(
+                    f"{p['clients']} streams: router's added ITL p99 over decode's own <= 5 ms",
+                    p["added_itl_p99_ms"],
+                    5.0,
+                    f"{_fmt(p['added_itl_p99_ms'], '+.1f')} ms",
+                    _check(p["added_itl_p99_ms"], 5.0),
+                )
+                met = "added ≤ 5 ms: " + met
+            row(
+                "",
+                "decode's own ITL p99; router's added p99",
+                f"{_fmt(p['decode_own_itl_p99_ms'])} ms; {_fmt(p['added_itl_p99_ms'], '+.1f')} ms",
+                "",
+                "",
+                met,
+            )
+            met = ""
+            if big:
+                met = goal(
+                    f"{large} streams: TTFT p50 <= 50 ms",
+                    p["ttft_p50_ms"],
+                    50.0,
+                    f"{_fmt(p['ttft_p50_ms'])} ms",
+                    _check(p["ttft_p50_ms"], 50.0),
+                )
+                met = "p50 ≤ 50 ms: " + met
+            row(
+                "",
+                "TTFT p50 / p99",
+                _pair(p["ttft_p50_ms"], p["ttft_p99_ms"]),
+                _pair(t["ttft_p50_ms"], t["ttft_p99_ms"]),
+                "",
+                met,
+            )
+            met = ""
+            if big:
+                met = goal(
+                    f"{large} streams: every token decode offered delivered, at its pace "
+                    "(no failure, pace >= 98%)",
+                    p["pace"],
+                    0.98,
+                    _delivered(p),
+                    _all_delivered(p),
+                )
+                met = "no failure, pace ≥ 98%: " + met
+            row(
+                "",
+                "delivered / offered tok/s; pace",
+                _delivered(p),
+                _delivered(t),
+                "",
+                met,
+            )
+            met = ""
+            if big:
+                met = goal(
+                    f"{large} streams: zero failures",
+                    float(_failures(p)),
+                    0.0,
+                    str(_failures(p)),
+                    _failures(p) == 0,
+                )
+                met = "none: " + met
+            row(
+                "",
+                "failures; tok/read; router / load core",
+                f"{_failures(p)}; {_fmt(p['tokens_per_read'], '.2f')}; {_cores(p)}",
+                f"{_failures(t)}; {_fmt(t['tokens_per_read'], '.2f')}; {_cores(t)}",
+                "",
+                met,
+            )
+
+    # 3. decode as fast as it can
+    for server_key in ("pdtrio_fast", "pdtrio_fast_off"):
+        p = by[server_key, "fast"]
+        cap = p["egress_max_delay_s"]
+        egress = f"egress on (cap {cap:g} s)" if cap else "egress off"
+        name = (
+            f"{p['clients']} streams × {p['max_tokens']} tokens, decode as fast as it can, {egress}"
+        )
+        row(name, "router CPU per token", _fmt(p["router_us_per_token"], ".1f", " µs"), "—")
+        row(
+            "",
+            "tok/s; tok/read; failures; router / load core",
+            f"{p['tokens_per_s']:,.0f}; {_fmt(p['tokens_per_read'], '.2f')}; "
+            f"{_failures(p)}; {_cores(p)}",
+            "—",
+        )
+
+    # 4. two router processes
+    p, t = by["pdtrio_two", "paced_large"], by["trivial_two", "paced_large"]
+    one = by["pdtrio_on", "paced_large"]
+    name = (
+        f"two router processes (hypercorn -w 2, both on cpu {cpus[0]}): "
+        f"{p['clients']} streams × {p['max_tokens']} tokens every {p['step_ms']:g} ms, egress on"
+    )
+
+    def split(r: dict[str, Any]) -> str:
+        shares = r["router_cpu_by_process_s"]
+        total = sum(shares) or 1.0
+        return " + ".join(f"{s / total:.0%}" for s in shares)
+
+    row(
+        name,
+        "router CPU per token, processes summed (split)",
+        f"{_fmt(p['router_us_per_token'], '.1f', ' µs')} ({split(p)})",
+        f"{_fmt(t['router_us_per_token'], '.1f', ' µs')} ({split(t)})",
+        _fmt(_ratio(p["router_us_per_token"] or 0.0, t["router_us_per_token"] or 0.0), ".2f", "×"),
+        "vs one process: "
+        + _fmt(
+            _ratio(p["router_us_per_token"] or 0.0, one["router_us_per_token"] or 0.0), ".2f", "×"
+        ),
+    )
+    row(
+        "",
+        "ITL p50 / p99, per read",
+        _pair(p["itl_p50_ms"], p["itl_p99_ms"]),
+        _pair(t["itl_p50_ms"], t["itl_p99_ms"]),
+    )
+    row(
+        "",
+        "TTFT p50 / p99",
+        _pair(p["ttft_p50_ms"], p["ttft_p99_ms"]),
+        _pair(t["ttft_p50_ms"], t["ttft_p99_ms"]),
+    )
+    row("", "delivered / offered tok/s; pace", _delivered(p), _delivered(t))
+    row(
+        "",
+        "failures; tok/read; routers / load core",
+        f"{_failures(p)}; {_fmt(p['tokens_per_read'], '.2f')}; {_cores(p)}",
+        f"{_failures(t)}; {_fmt(t['tokens_per_read'], '.2f')}; {_cores(t)}",
+    )
+    return {"rows": rows, "goals": goals, "notes": notes(runs, large)}
+
+
+def notes(runs: list[dict[str, Any]], large: int) -> list[str]:
+    out = []
+    for r in runs:
+        if r["load"] == "paced_large" and r["decode_own_step_ms"] is not None:
+            if r["decode_own_step_ms"] > 1.02 * r["step_ms"]:
+                per_stream = 1e3 / r["decode_own_step_ms"]
+                out.append(
+                    f"{r['server']} {large} streams: the load side offered only "
+                    f"{per_stream * r['clients']:,.0f} tok/s ({per_stream:.0f} per stream: decode "
+                    f"stepped every {r['decode_own_step_ms']:.1f} ms; load core "
+                    f"{r['load_core_busy']:.0%} busy)"
+                )
+        if r["load_core_busy"] > 0.9:
+            out.append(
+                f"{r['server']} {r['load']}: the load core was {r['load_core_busy']:.0%} busy "
+                "(workers, clients): the load side may be what limits this run"
+            )
+        if r["decode_own_error"]:
+            out.append(
+                f"{r['server']} {r['load']}: the direct reader failed: {r['decode_own_error']}"
+            )
+        if r["router_core_others"] > 0.05:
+            out.append(
+                f"{r['server']} {r['load']}: other processes used "
+                f"{r['router_core_others']:.0%} of the router's core"
+            )
+    return out
+
+
+def render(summary: dict[str, Any]) -> str:
+    header = ["load", "measure", "pdtrio", "trivial app", "pdtrio vs trivial", "goal"]
+    lines = [
+        f"router cost ({'quick' if summary['quick'] else 'full'}): {summary['machine']}",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    lines += ["| " + " | ".join(cells) + " |" for cells in summary["rows"]]
+    lines += ["", "goals:"]
+    lines += [f"  {_verdict(g['pass']):4}  {g['goal']}: {g['measured']}" for g in summary["goals"]]
+    if summary["notes"]:
+        lines += ["", "notes:"] + [f"  {n}" for n in summary["notes"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.router_cost",
+        description="Router CPU per request and per token, and the latency it adds, "
+        "beside a trivial hypercorn-trio SSE app.",
+    )
+    parser.add_argument("--quick", action="store_true", help="a tiny version of every row (CI)")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--role", choices=["direct"], help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role == "direct":
+        direct_reader(json.loads(args.spec))
+        return 0
+    cpus = router_and_load_cpus()
+    if cpus[0] == cpus[1]:
+        print("warning: one CPU only; the servers and the load share it", file=sys.stderr)
+    os.sched_setaffinity(0, {cpus[1]})
+    sizes = QUICK if args.quick else FULL
+    started = time.perf_counter()
+    runs = run(sizes, lambda line: print(line, file=sys.stderr, flush=True))
+    summary: dict[str, Any] = {
+        "quick": args.quick,
+        "machine": (
+            f"{os.cpu_count()} cpus; servers on cpu {cpus[0]}, workers and load on cpu {cpus[1]}; "
+            f"{sizes.measure_s:g} s measured after {sizes.warmup_s:g} s of warm-up per run"
+        ),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "sizes": dataclasses.asdict(sizes),
+        "default_egress_max_delay_s": DEFAULT_CAP_S,
+        **report(runs, sizes, cpus),
+        "runs": runs,
+    }
+    summary["elapsed_s"] = time.perf_counter() - started
+    print(render(summary))
+    print(f"\n({summary['elapsed_s']:.0f}s)")
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
