@@ -146,8 +146,7 @@ class RequestPipeline:
                         )
                     scope.cancel()
             finally:
-                with trio.move_on_after(config.cleanup_grace_s, shield=True):
-                    await self._cleanup()
+                self._cleanup()
             if self.client_gone:
                 router.count_outcome(Outcome.DISCONNECTED)
                 return
@@ -210,12 +209,14 @@ class RequestPipeline:
             instance.active_prefills += 1
             try:
                 # a cancelled call releases the request on prefill itself
-                with trio.move_on_at(
-                    min(deadline, trio.current_time() + prefill_timeout_s)
-                ) as timer:
-                    answer = await instance.link.prefill(call)
-                if timer.cancelled_caught:
-                    raise gateway_timeout("prefill did not answer in time")
+                prefill_deadline = trio.current_time() + prefill_timeout_s
+                if prefill_deadline >= deadline:
+                    answer = await instance.link.prefill(call)  # the request's deadline bounds it
+                else:
+                    with trio.move_on_at(prefill_deadline) as timer:
+                        answer = await instance.link.prefill(call)
+                    if timer.cancelled_caught:
+                        raise gateway_timeout("prefill did not answer in time")
             except WorkerLinkClosed:
                 # it never saw the request: another instance may
                 lifecycle.handle(Event.PREFILL_NOT_SENT)
@@ -454,10 +455,11 @@ class RequestPipeline:
 
     # --- cleanup ------------------------------------------------------------------
 
-    async def _cleanup(self) -> None:
+    def _cleanup(self) -> None:
         """Do what the lifecycle says is owed: abort on decode, release on prefill.
 
-        Both are queued on the links, never awaited: cleanup cannot hang.
+        Both are queued on the links, never awaited: cleanup cannot hang, and
+        needs no shield from the cancellation that usually brings it.
         """
         owed = self.lifecycle.owed()
         if owed & Cleanup.ABORT_ON_DECODE and self.decode_link is not None:
@@ -466,7 +468,6 @@ class RequestPipeline:
         if owed & Cleanup.RELEASE_ON_PREFILL and instance is not None and instance.link is not None:
             instance.link.release(self.request_id)
         self.lifecycle.handle(Event.CLEANED)
-        await trio.lowlevel.checkpoint()
 
 
 def _shutting_down(message: str) -> OpenAIError:
