@@ -1,10 +1,14 @@
-"""``python -m benchmarks.big_inputs [--quick] [--json PATH]``: huge requests vs. the event loop.
+"""``python -m benchmarks.big_inputs [--quick] [--repeat N] [--json PATH]``: huge requests vs. the loop.
 
 Starts a subprocess cluster on the synthetic engine (prefill, decode, and
 ``hypercorn -k trio`` router), sends a few huge requests one after the other
-while probing ``GET /health`` every 5 ms, and reports per request: its status,
-how long it took, the /health latency p50/p99 while it ran, and the RSS of
-the router and of the prefill worker before and after (from /proc/PID/statm).
+(each ``--repeat`` times) while probing ``GET /health`` every 5 ms, and
+reports per kind of request: its status, how long it took, the /health
+latency p50/p99/max from just before it until a while after its answer (the
+router's heap trim runs then), and the RSS of the router and of the prefill
+worker before and after (from /proc/PID/statm).  The last line compares each
+process's RSS at the end with its RSS at the start (after one small request):
+the goal is within 20 MB.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import trio
 from pdtrio.testing import Processes, Service, synthetic_worker_config, write_router_config
 
 PROBE_INTERVAL_S = 5e-3
+# probing goes on this long after the answer: the router frees and trims then
+AFTER_ANSWER_S = 0.25
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -79,25 +85,28 @@ async def probe_health(url: str, latencies: list[float], stop: trio.Event) -> No
             await trio.sleep(PROBE_INTERVAL_S)
 
 
-async def measure_one(router: Service, path: str, body: bytes) -> dict[str, Any]:
+async def measure_one(router: Service, path: str, body: bytes, repeat: int) -> dict[str, Any]:
+    """``repeat`` sends of ``body``, one after the other, with /health probed all along."""
     latencies: list[float] = []
+    answers: list[float] = []
     stop = trio.Event()
     async with httpx.AsyncClient(base_url=router.url, timeout=120) as http:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(probe_health, router.url, latencies, stop)
             await trio.sleep(0.1)  # a few probes of the quiet router first
-            started = time.perf_counter()
-            response = await http.post(
-                path, content=body, headers={"content-type": "application/json"}
-            )
-            elapsed = time.perf_counter() - started
-            await trio.sleep(0.05)
+            for _ in range(repeat):
+                started = time.perf_counter()
+                response = await http.post(
+                    path, content=body, headers={"content-type": "application/json"}
+                )
+                answers.append(time.perf_counter() - started)
+                await trio.sleep(AFTER_ANSWER_S)
             stop.set()
     error = response.json().get("error") or {}
     return {
         "status": response.status_code,
         "code": error.get("code"),
-        "seconds": elapsed,
+        "seconds": percentile(answers, 0.5),
         "health_p50_ms": percentile(latencies, 0.5) * 1e3,
         "health_p99_ms": percentile(latencies, 0.99) * 1e3,
         "health_max_ms": max(latencies) * 1e3,
@@ -105,7 +114,7 @@ async def measure_one(router: Service, path: str, body: bytes) -> dict[str, Any]
     }
 
 
-def run(quick: bool) -> list[dict[str, Any]]:
+def run(quick: bool, repeat: int) -> tuple[list[dict[str, Any]], dict[str, float]]:
     bodies = big_bodies(quick)
     rows: list[dict[str, Any]] = []
     with Processes(stop_grace_s=10) as procs, tempfile.TemporaryDirectory() as tmp:
@@ -118,10 +127,14 @@ def run(quick: bool) -> list[dict[str, Any]]:
         )
         router = procs.router(config)
         router_pids = router.tree()
+        # the start: after one small request (what the first one loads is not the huge ones')
+        small = {"model": "synthetic", "prompt": "hi", "max_tokens": 2}
+        httpx.post(f"{router.url}/v1/completions", json=small, timeout=30).raise_for_status()
+        time.sleep(0.2)
+        start = {"router": rss_mb(router_pids), "prefill": rss_mb([prefill.pid])}
         for kind, path, body in bodies:
             router_before, prefill_before = rss_mb(router_pids), rss_mb([prefill.pid])
-            result = trio.run(measure_one, router, path, body)
-            time.sleep(0.2)  # let both processes finish freeing what the request held
+            result = trio.run(measure_one, router, path, body, repeat)
             rows.append(
                 {
                     "kind": kind,
@@ -133,7 +146,25 @@ def run(quick: bool) -> list[dict[str, Any]]:
                     "prefill_rss_after_mb": rss_mb([prefill.pid]),
                 }
             )
-    return rows
+        time.sleep(1.0)
+        memory = {
+            "router_rss_start_mb": start["router"],
+            "router_rss_end_mb": rss_mb(router_pids),
+            "prefill_rss_start_mb": start["prefill"],
+            "prefill_rss_end_mb": rss_mb([prefill.pid]),
+        }
+    return rows, memory
+
+
+def memory_line(memory: dict[str, float]) -> str:
+    router = memory["router_rss_end_mb"] - memory["router_rss_start_mb"]
+    prefill = memory["prefill_rss_end_mb"] - memory["prefill_rss_start_mb"]
+    return (
+        f"RSS at the end vs. the start (goal: within 20 MB): router "
+        f"{memory['router_rss_start_mb']:.0f} -> {memory['router_rss_end_mb']:.0f} MB "
+        f"({router:+.0f}), prefill {memory['prefill_rss_start_mb']:.0f} -> "
+        f"{memory['prefill_rss_end_mb']:.0f} MB ({prefill:+.0f})"
+    )
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -142,6 +173,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "body MB",
         "status",
         "answer s",
+        "probes",
         "/health p50 ms",
         "p99 ms",
         "max ms",
@@ -154,6 +186,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['body_mb']:.1f}",
             f"{r['status']} {r['code'] or ''}".strip(),
             f"{r['seconds']:.3f}",
+            str(r["probes"]),
             f"{r['health_p50_ms']:.2f}",
             f"{r['health_p99_ms']:.2f}",
             f"{r['health_max_ms']:.2f}",
@@ -172,12 +205,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a tenth of each size")
+    parser.add_argument("--repeat", type=int, default=3, help="sends of each huge request")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
-    rows = run(args.quick)
+    rows, memory = run(args.quick, args.repeat)
     print(table(rows))
+    print(memory_line(memory))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        args.json.write_text(json.dumps({"rows": rows, "memory": memory}, indent=2))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ out, or into an SSE error event after.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import re
@@ -157,6 +158,17 @@ def service_unavailable(message: str) -> OpenAIError:
     return OpenAIError(message, status=503, type="server_error", code="service_unavailable")
 
 
+def queue_full() -> OpenAIError:
+    """The admission queue is at its limit: 429, retry in a second."""
+    return OpenAIError(
+        "the server is at capacity and its queue is full; retry shortly",
+        status=429,
+        type="server_error",
+        code="queue_full",
+        headers=(("retry-after", "1"),),
+    )
+
+
 def gateway_timeout(message: str) -> OpenAIError:
     return OpenAIError(message, status=504, type="server_error", code="timeout")
 
@@ -228,7 +240,10 @@ def parse_completion_request(
     ``context_lengths`` (model -> tokens) lets a token-id prompt that can never
     fit be refused here, before its ids are even checked one by one.
     """
-    obj = _load_object(body)
+    # a token-id prompt longer than any context is only counted, never built: a million
+    # ids would be a million int objects, made and freed for nothing
+    longest = max(context_lengths.values(), default=None) if context_lengths else None
+    obj = _load_object(body, None if longest is None else ("prompt", longest))
     model = _model(obj, served_models)
     context_length = None if context_lengths is None else context_lengths.get(model)
     prompt = _completion_prompt(obj, context_length)
@@ -388,9 +403,12 @@ def _missing(param: str) -> OpenAIError:
     )
 
 
-def _load_object(body: bytes) -> dict[str, Any]:
+def _load_object(body: bytes, count_past: tuple[str, int] | None = None) -> dict[str, Any]:
     try:
-        obj = _load_piecewise(body) if len(body) > PIECEWISE_JSON_BYTES else json.loads(body)
+        if len(body) > PIECEWISE_JSON_BYTES:
+            obj = _load_piecewise(body, count_past)
+        else:
+            obj = json.loads(body)
     except (ValueError, RecursionError) as exc:
         # ValueError covers JSONDecodeError, bad UTF-8 and over-long integers.
         raise bad_request(
@@ -409,31 +427,77 @@ _scan_value: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_onc
 _scan_string: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _WHITESPACE_CHARS: Final = frozenset(" \t\n\r")
+# At most this many characters go to one C call (a fraction of a millisecond).
+_CHUNK_CHARS: Final = 64 * 1024
 # A run of plain numbers, each followed by a comma: loaded as one chunk, at C speed.
 _NUMBER_RUN = re.compile(r"(?:-?[0-9][-+0-9.eE]*[ \t\n\r]*,[ \t\n\r]*)+")
-_NUMBER_CHUNK_CHARS: Final = 64 * 1024
 _NUMBER_HEADS: Final = frozenset("-0123456789")
-_PIECEWISE_DEPTH: Final = 3  # body > prompt > [token ids]: the deepest arrays worth splitting
+_PIECEWISE_DEPTH: Final = 3  # body > prompt > [token ids]: the deepest arrays always split
+# An object or array deeper than that is one scanner call if it ends this soon,
+# else split too (a message whose content is megabytes).
+_SMALL_VALUE_CHARS: Final = 4096
+# Of a string's content, what can be cut off and decoded on its own: plain runs,
+# escapes, and a high surrogate escape only with its low one or with enough after it
+# to see that none follows (a pair cut in two would decode as two lone surrogates).
+# It stops at the closing quote, a control character, a bad escape, or the window's end.
+_STRING_RUN = re.compile(
+    r"""(?:[^"\\\x00-\x1f]+"""
+    r"""|\\["\\/bfnrt]"""
+    r"""|\\u(?![dD][89abAB])[0-9a-fA-F]{4}"""
+    r"""|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"""
+    r"""|\\u[dD][89abAB][0-9a-fA-F]{2}(?=[^\\]|\\[^u]|\\u[^dD]|\\u[dD][^c-fC-F])"""
+    r""")*"""
+)
+# The most characters _STRING_RUN needs past a cut to decide on an escape (a pair).
+_LONGEST_ESCAPE: Final = 12
+# Bytes decoded to text per C call (a megabyte of UTF-8 is about a millisecond).
+_DECODE_CHUNK_BYTES: Final = 1024 * 1024
 
 
-def _load_piecewise(body: bytes) -> Any:
+@final
+@attrs.frozen
+class CountedArray:
+    """A JSON array of which only the length was kept: it was longer than any use of it."""
+
+    length: int
+
+
+def _load_piecewise(body: bytes, count_past: tuple[str, int] | None = None) -> Any:
     """``json.loads`` for big bodies, one small C call at a time.
 
     A single json.loads of megabytes holds the GIL for tens of milliseconds, so
     even on a worker thread it stalls the event loop; between these pieces the
-    interpreter can hand the GIL back.  Arrays (token ids, messages) are split
-    into elements, runs of numbers into 64 KiB chunks; anything else is one
-    scanner call.  Raises ValueError (JSONDecodeError, bad UTF-8) like json.loads.
+    interpreter can hand the GIL back.  The body is decoded a megabyte at a
+    time; arrays (token ids, messages) are split into elements, runs of numbers
+    into 64 KiB chunks, long strings into 64 KiB windows, and an object that
+    does not end within 4 KiB into its members.  Raises ValueError
+    (JSONDecodeError, bad UTF-8) like json.loads.
+
+    ``count_past=(key, limit)``: an array under the top-level ``key`` (or an
+    array in it) longer than ``limit`` becomes a :class:`CountedArray`; the
+    numbers past the limit are counted, not built (nor checked one by one).
     """
-    text = body.decode(json.detect_encoding(body))
+    text = _decode_piecewise(body)
     pos = _skip_whitespace(text, 0)
     if text.startswith("\ufeff", pos):
         raise json.JSONDecodeError("Unexpected UTF-8 BOM", text, pos)
-    value, pos = _piece(text, pos, 1)
+    value, pos = _piece(text, pos, 1, count_past)
     pos = _skip_whitespace(text, pos)
     if pos != len(text):
         raise json.JSONDecodeError("Extra data", text, pos)
     return value
+
+
+def _decode_piecewise(body: bytes) -> str:
+    """``body.decode`` as json.loads does it, a megabyte per call; joining is a copy."""
+    decoder = codecs.getincrementaldecoder(json.detect_encoding(body))("surrogatepass")
+    view = memoryview(body)
+    parts = [
+        decoder.decode(view[start : start + _DECODE_CHUNK_BYTES])
+        for start in range(0, len(view), _DECODE_CHUNK_BYTES)
+    ]
+    parts.append(decoder.decode(b"", final=True))
+    return "".join(parts)
 
 
 def _skip_whitespace(text: str, pos: int) -> int:
@@ -444,11 +508,20 @@ def _skip_whitespace(text: str, pos: int) -> int:
     return pos
 
 
-def _piece(text: str, pos: int, depth: int) -> tuple[Any, int]:
+def _piece(
+    text: str, pos: int, depth: int, count_past: tuple[str, int] | None = None
+) -> tuple[Any, int]:
+    """The value at ``pos``; ``count_past``: at depth 1, what to count (see _load_piecewise)."""
     head = text[pos : pos + 1]
-    if depth == 1 and head == "{":  # deeper objects (messages) are small: one call each
-        return _object_piecewise(text, pos, depth)
-    if depth <= _PIECEWISE_DEPTH and head == "[":
+    if head == '"':
+        return _string_piecewise(text, pos)
+    if head == "{":
+        if depth > 1 and (small := _scan_small(text, pos)) is not None:
+            return small
+        return _object_piecewise(text, pos, depth, count_past if depth == 1 else None)
+    if head == "[":
+        if depth > _PIECEWISE_DEPTH and (small := _scan_small(text, pos)) is not None:
+            return small
         return _array_piecewise(text, pos, depth)
     try:
         value, end = _scan_value(text, pos)
@@ -457,7 +530,60 @@ def _piece(text: str, pos: int, depth: int) -> tuple[Any, int]:
     return value, end
 
 
-def _object_piecewise(text: str, pos: int, depth: int) -> tuple[dict[str, Any], int]:
+def _scan_small(text: str, pos: int) -> tuple[Any, int] | None:
+    """The object or array at ``pos`` in one scanner call, if it ends within a few KiB.
+
+    None if it does not, or if it is malformed: the piecewise parse then finds
+    where.  Scanning a copy of the window bounds the call whatever follows; an
+    object or array is whole once its closing bracket is in.
+    """
+    window = text[pos : pos + _SMALL_VALUE_CHARS]
+    try:
+        value, end = _scan_value(window, 0)
+    except (ValueError, StopIteration, RecursionError):
+        return None
+    return value, pos + end
+
+
+def _string_piecewise(text: str, pos: int) -> tuple[str, int]:
+    """The string whose opening quote is at ``pos``, one window of its content at a time."""
+    pieces: list[str] = []
+    start = pos + 1
+    size = len(text)
+    while True:
+        window_end = min(size, start + _CHUNK_CHARS)
+        run = _STRING_RUN.match(text, start, window_end)
+        assert run is not None  # the pattern matches the empty string
+        stop = run.end()
+        if stop > start:
+            piece = text[start:stop]
+            if "\\" in piece:
+                piece = _scan_string(piece + '"', 0)[0]
+            pieces.append(piece)
+        if stop < size and text[stop] == '"':
+            return "".join(pieces), stop + 1
+        if window_end < size and (
+            stop == window_end or (text[stop] == "\\" and stop + _LONGEST_ESCAPE > window_end)
+        ):
+            start = stop  # the window cut the content, perhaps mid-escape: go on from there
+            continue
+        raise _string_error(text, pos, stop)
+
+
+def _string_error(text: str, quote: int, stop: int) -> json.JSONDecodeError:
+    """Why the string opened at ``quote`` cannot go on at ``stop``, as json.loads says it."""
+    if stop >= len(text):
+        return json.JSONDecodeError("Unterminated string starting at", text, quote)
+    if text[stop] == "\\":
+        if text[stop + 1 : stop + 2] == "u":
+            return json.JSONDecodeError("Invalid \\uXXXX escape", text, stop + 1)
+        return json.JSONDecodeError("Invalid \\escape", text, stop)
+    return json.JSONDecodeError("Invalid control character at", text, stop)
+
+
+def _object_piecewise(
+    text: str, pos: int, depth: int, count_past: tuple[str, int] | None = None
+) -> tuple[dict[str, Any], int]:
     obj: dict[str, Any] = {}
     pos = _skip_whitespace(text, pos + 1)
     if text[pos : pos + 1] == "}":
@@ -467,11 +593,15 @@ def _object_piecewise(text: str, pos: int, depth: int) -> tuple[dict[str, Any], 
             raise json.JSONDecodeError(
                 "Expecting property name enclosed in double quotes", text, pos
             )
-        key, pos = _scan_string(text, pos + 1)
+        key, pos = _string_piecewise(text, pos)
         pos = _skip_whitespace(text, pos)
         if text[pos : pos + 1] != ":":
             raise json.JSONDecodeError("Expecting ':' delimiter", text, pos)
-        value, pos = _piece(text, _skip_whitespace(text, pos + 1), depth + 1)
+        pos = _skip_whitespace(text, pos + 1)
+        if count_past is not None and key == count_past[0] and text[pos : pos + 1] == "[":
+            value, pos = _array_piecewise(text, pos, depth + 1, count_past[1])
+        else:
+            value, pos = _piece(text, pos, depth + 1)
         obj[key] = value
         pos = _skip_whitespace(text, pos)
         delimiter = text[pos : pos + 1]
@@ -482,40 +612,63 @@ def _object_piecewise(text: str, pos: int, depth: int) -> tuple[dict[str, Any], 
         pos = _skip_whitespace(text, pos + 1)
 
 
-def _array_piecewise(text: str, pos: int, depth: int) -> tuple[list[Any], int]:
+def _array_piecewise(
+    text: str, pos: int, depth: int, limit: int | None = None
+) -> tuple[list[Any] | CountedArray, int]:
+    """The array at ``pos``; past ``limit`` elements, only counted (then a CountedArray)."""
     items: list[Any] = []
+    counted = 0  # elements past the limit, not kept
     pos = _skip_whitespace(text, pos + 1)
     if text[pos : pos + 1] == "]":
         return items, pos + 1
     while True:
+        counting = limit is not None and len(items) > limit
         run = (
-            _NUMBER_RUN.match(text[pos : pos + _NUMBER_CHUNK_CHARS])
+            _NUMBER_RUN.match(text[pos : pos + _CHUNK_CHARS])
             if text[pos : pos + 1] in _NUMBER_HEADS
             else None
         )
         if run is not None:
             # the run ends just after a comma: the array goes on past it
             chunk = run.group().rstrip().removesuffix(",")
-            try:
-                items.extend(json.loads(f"[{chunk}]"))
-            except json.JSONDecodeError as exc:
-                raise json.JSONDecodeError(exc.msg, text, pos + max(0, exc.pos - 1)) from None
+            if counting:
+                counted += chunk.count(",") + 1
+            else:
+                try:
+                    items.extend(json.loads(f"[{chunk}]"))
+                except json.JSONDecodeError as exc:
+                    raise json.JSONDecodeError(exc.msg, text, pos + max(0, exc.pos - 1)) from None
             pos = _skip_whitespace(text, pos + run.end())  # the window may cut the spaces
-        value, pos = _piece(text, pos, depth + 1)
-        items.append(value)
+        if limit is not None and text[pos : pos + 1] == "[":
+            value, pos = _array_piecewise(text, pos, depth + 1, limit)  # [[ids]]: one prompt
+        else:
+            value, pos = _piece(text, pos, depth + 1)
+        if counting:
+            counted += 1
+        else:
+            items.append(value)
         pos = _skip_whitespace(text, pos)
         delimiter = text[pos : pos + 1]
         if delimiter == "]":
+            if counted:
+                return CountedArray(len(items) + counted), pos + 1
             return items, pos + 1
         if delimiter != ",":
             raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
         pos = _skip_whitespace(text, pos + 1)
 
 
+# Characters of a string encoded per C call when checking it for lone surrogates.
+_CHECK_CHUNK_CHARS: Final = 1024 * 1024
+
+
 def _check_text(value: str, param: str) -> str:
     # JSON may carry lone surrogates ("\ud800"); they cannot be tokenized or packed.
     try:
-        value.encode("utf-8")
+        # a piece at a time: a megabyte is a fraction of a millisecond (a str holds code
+        # points, so no cut splits a pair)
+        for start in range(0, len(value), _CHECK_CHUNK_CHARS):
+            value[start : start + _CHECK_CHUNK_CHARS].encode("utf-8")
     except UnicodeEncodeError:
         raise bad_request(
             f"Invalid value for '{param}': the string contains an unpaired surrogate.",
@@ -655,6 +808,8 @@ def _completion_prompt(obj: dict[str, Any], context_length: int | None) -> TextP
         raise _missing("prompt")
     if isinstance(raw, str):
         return _text_prompt(raw, "prompt")
+    if isinstance(raw, CountedArray):
+        return _token_prompt(raw, "prompt", context_length)
     if not isinstance(raw, list):
         raise _type_error(
             "prompt", "a string, an array of one string or an array of token ids", raw
@@ -662,7 +817,7 @@ def _completion_prompt(obj: dict[str, Any], context_length: int | None) -> TextP
     if not raw:
         raise bad_request("The prompt must not be empty.", param="prompt", code="empty_array")
     first = raw[0]
-    if isinstance(first, str | list):
+    if isinstance(first, str | list | CountedArray):
         # A list of prompts: only a batch of one is served.
         if len(raw) > 1:
             raise bad_request(
@@ -681,13 +836,22 @@ def _text_prompt(text: str, where: str) -> TextPrompt:
     return TextPrompt(_check_text(text, where))
 
 
-def _token_prompt(raw: list[Any], where: str, context_length: int | None) -> TokenPrompt:
-    if not raw:
+def _token_prompt(
+    raw: list[Any] | CountedArray, where: str, context_length: int | None
+) -> TokenPrompt:
+    length = raw.length if isinstance(raw, CountedArray) else len(raw)
+    if not length:
         raise bad_request("The prompt must not be empty.", param=where)
     # the engine needs room for one completion token: a prompt filling the context never runs
-    if context_length is not None and len(raw) >= context_length:
+    if context_length is not None and length >= context_length:
         raise context_length_exceeded(
-            prompt_tokens=len(raw), max_tokens=None, context_length=context_length, param=where
+            prompt_tokens=length, max_tokens=None, context_length=context_length, param=where
+        )
+    if isinstance(raw, CountedArray):  # counted only past the longest context there is
+        raise bad_request(
+            f"The prompt has {length} tokens, more than any served model's context length.",
+            param=where,
+            code="context_length_exceeded",
         )
     for i, token in enumerate(raw):
         if isinstance(token, bool) or not isinstance(token, int):

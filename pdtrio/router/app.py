@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Final, final
 
 import trio
@@ -13,6 +15,7 @@ import trio
 from pdtrio.asgi import (
     BodyTooLarge,
     ClientDisconnected,
+    Message,
     Receive,
     Scope,
     Send,
@@ -21,6 +24,7 @@ from pdtrio.asgi import (
     send_bytes,
     send_json,
 )
+from pdtrio.memory import HeapTrimmer, freeze_startup_objects, limit_heap_retention
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,6 +35,7 @@ from pdtrio.protocol.openai import (
     not_found,
     parse_chat_completion_request,
     parse_completion_request,
+    queue_full,
     request_too_large,
     service_unavailable,
     unsupported_media_type,
@@ -56,6 +61,10 @@ ROUTE_METHODS: Final[dict[str, tuple[str, ...]]] = {
 }
 # Bodies above this are parsed on a thread, so the loop keeps serving meanwhile.
 OFF_LOOP_PARSE_BYTES: Final = 256 * 1024
+# While a thread parses, the loop gets the GIL back this soon after asking for it.
+# CPython's default (5 ms) is paid on each of the several system calls an answer
+# makes (every one releases the GIL): /health took 15-20 ms during a big parse.
+PARSE_SWITCH_INTERVAL_S: Final = 0.0005
 
 
 def context_lengths(router: Any) -> dict[str, int]:
@@ -90,6 +99,8 @@ class RouterApp:
         self._config = config
         # one big parse at a time: they hold the GIL in turns anyway, and this bounds memory
         self._parse_limiter = trio.CapacityLimiter(1)
+        # a big body's memory goes back to the OS once its request is done with
+        self.heap_trimmer = HeapTrimmer()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -111,7 +122,17 @@ class RouterApp:
             return
         from pdtrio.router.lifespan import run_lifespan
 
-        await run_lifespan(scope, receive, send, self._config)
+        limit_heap_retention()
+        if self._config is not None:  # embedded in another program (tests): its objects
+            await run_lifespan(scope, receive, send, self._config)
+            return
+
+        async def send_then_freeze(message: Message) -> None:
+            await send(message)
+            if message["type"] == "lifespan.startup.complete":
+                freeze_startup_objects()  # the heap trimmer's collections skip them
+
+        await run_lifespan(scope, receive, send_then_freeze, self._config)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = scope.get("state") or {}
@@ -172,6 +193,10 @@ class RouterApp:
             body = await read_body(receive, limit)
         except BodyTooLarge:
             raise request_too_large(limit) from None
+        if router.decode_queue.full and not router.draining:
+            # it could only join the queue's tail after prefill: refused before it is even
+            # parsed (the pipeline checks again, for a queue that fills meanwhile)
+            raise queue_full()
         parse: Callable[[], ChatCompletionRequest | CompletionRequest]
         if chat:
             parse = functools.partial(
@@ -188,11 +213,67 @@ class RouterApp:
                 max_tokens_limit=router.config.router.max_tokens_limit,
                 context_lengths=context_lengths(router),
             )
-        request: ChatCompletionRequest | CompletionRequest
-        if len(body) > OFF_LOOP_PARSE_BYTES:
-            request = await trio.to_thread.run_sync(parse, limiter=self._parse_limiter)
-        else:
-            request = parse()
-        del body, parse  # a big body's memory goes back now, not when the stream ends
-        pipeline = RequestPipeline(router, request, "chat" if chat else "completion", receive, send)
-        await pipeline.run()
+        big = len(body) > OFF_LOOP_PARSE_BYTES
+        try:
+            request: ChatCompletionRequest | CompletionRequest | OpenAIError
+            if big:
+                with _prompt_gil_handoff():
+                    request = await trio.to_thread.run_sync(
+                        _parse_leaving_nothing, parse, limiter=self._parse_limiter
+                    )
+            else:
+                request = parse()
+            del body, parse  # a big body's memory goes back now, not when the stream ends
+            if isinstance(request, OpenAIError):
+                raise request
+            pipeline = RequestPipeline(
+                router, request, "chat" if chat else "completion", receive, send
+            )
+            del request
+            await pipeline.run()
+        finally:
+            if big:
+                # by the time it runs (a moment later) the response is out and all is freed
+                self.heap_trimmer.trim_soon()
+
+
+def _parse_leaving_nothing(
+    parse: Callable[[], ChatCompletionRequest | CompletionRequest],
+) -> ChatCompletionRequest | CompletionRequest | OpenAIError:
+    """On the parse thread: the request, or the error refusing it, holding no frame.
+
+    A raised error's traceback (and the JSON error it replaced, with the whole
+    text) would keep the parse's locals, every object parsed from the body,
+    alive until the loop thread dropped them: freeing a million of them there
+    stalls the loop.  Here they are freed on this thread, before it returns.
+    """
+    try:
+        return parse()
+    except OpenAIError as exc:
+        exc.__traceback__ = None
+        exc.__context__ = None
+        return exc
+
+
+_gil_handoff_users = 0
+_default_switch_interval = sys.getswitchinterval()
+
+
+@contextmanager
+def _prompt_gil_handoff() -> Iterator[None]:
+    """Make the thread holding the GIL hand it over within PARSE_SWITCH_INTERVAL_S.
+
+    Process-wide (it is CPython's), so it is on only while some body is being
+    parsed; on the loop thread only, so a plain counter does.
+    """
+    global _gil_handoff_users, _default_switch_interval
+    if _gil_handoff_users == 0:
+        _default_switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(_default_switch_interval, PARSE_SWITCH_INTERVAL_S))
+    _gil_handoff_users += 1
+    try:
+        yield
+    finally:
+        _gil_handoff_users -= 1
+        if _gil_handoff_users == 0:
+            sys.setswitchinterval(_default_switch_interval)

@@ -7,6 +7,11 @@ checkpoint) and, leaving, wakes the next one, so waiters go in arrival order
 and never race for the same blocks.  A newcomer goes straight through only
 when nobody is waiting.  Nothing polls: every wake-up is a capacity report,
 an answered start or a link that came or went.
+
+A request reserves its place when it arrives, before prefill, and the place
+becomes its waiter's when it starts waiting: the limit counts requests being
+prefilled too, so a burst is refused at the door (429) instead of all going
+to prefill and running it out of KV.
 """
 
 from __future__ import annotations
@@ -37,14 +42,26 @@ class CapacityQueue(Generic[_T]):
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._waiters: deque[_Waiter] = deque()
+        # places held by requests on their way here (prefilling): counted against the limit
+        self._reserved = 0
 
     def __len__(self) -> int:
-        return len(self._waiters)
+        return len(self._waiters) + self._reserved
 
     @property
     def full(self) -> bool:
-        """No one more may wait."""
-        return len(self._waiters) >= self.limit
+        """No one more may wait (or reserve a place)."""
+        return len(self._waiters) + self._reserved >= self.limit
+
+    def reserve(self) -> None:
+        """Hold a place for a request that will wait later; QueueFull at the limit."""
+        if self.full:
+            raise QueueFull
+        self._reserved += 1
+
+    def unreserve(self) -> None:
+        """Give a reserved place back.  Just before :meth:`wait_for`: it becomes the waiter's."""
+        self._reserved -= 1
 
     def changed(self) -> None:
         """Capacity may have changed: the head waiter looks again (never blocks)."""

@@ -38,6 +38,7 @@ from pdtrio.protocol.openai import (
     chat_completion_body,
     completion_body,
     gateway_timeout,
+    queue_full,
     server_error,
     service_unavailable,
 )
@@ -111,6 +112,7 @@ class RequestPipeline:
         self.lifecycle = RequestLifecycle()
         self.prefill_instance: Instance | None = None
         self.decode_link: WorkerLink | None = None
+        self._queue_place_reserved = False  # holds a place in the router's decode queue
         # non-streaming accumulation
         self._text_parts: list[str] = []
         self._finish_reason: str | None = None
@@ -139,7 +141,9 @@ class RequestPipeline:
                         with trio.fail_at(deadline):
                             await self._pipeline(deadline)
                     except OpenAIError as exc:
-                        error = exc
+                        # its traceback holds this frame, and the frame the error: a cycle
+                        # that would keep the request (a huge prompt) alive until a full GC
+                        error = exc.with_traceback(None)
                     except trio.TooSlowError:
                         error = gateway_timeout(
                             f"the request did not complete within {config.request_timeout_s:g}s"
@@ -177,9 +181,22 @@ class RequestPipeline:
     # --- the pipeline --------------------------------------------------------------
 
     async def _pipeline(self, deadline: float) -> None:
-        if self.router.decode_queue.full:
-            # it could only join the queue's tail after prefill: refuse now, at no cost
-            raise _queue_full()
+        queue = self.router.decode_queue
+        try:
+            # a place in the queue from now: a burst cannot all go to prefill (and run it
+            # out of KV) before the queue fills; refused now, it costs nothing
+            queue.reserve()
+        except QueueFull:
+            raise queue_full() from None
+        self._queue_place_reserved = True
+        try:
+            await self._prefill_then_decode(deadline)
+        finally:
+            if self._queue_place_reserved:
+                self._queue_place_reserved = False
+                queue.unreserve()
+
+    async def _prefill_then_decode(self, deadline: float) -> None:
         reply = await self._prefill(deadline)
         if self.shaper is not None:
             self.shaper.set_prompt_usage(reply.prompt_tokens, reply.cached_tokens)
@@ -312,13 +329,17 @@ class RequestPipeline:
                 code="context_length_exceeded",
             )
         take = functools.partial(router.decode_with_room, num_tokens, exclude)
+        if self._queue_place_reserved:
+            # the reserved place becomes a waiter's (no checkpoint until wait_for holds it)
+            self._queue_place_reserved = False
+            router.decode_queue.unreserve()
         # the KV waits on prefill under its lease (wall clock): decode must pull it before then
         lease_left_s = handle.lease_expiry - time.time() - _LEASE_MARGIN_S
         with trio.move_on_after(max(0.0, lease_left_s)) as timer:
             try:
                 return await router.decode_queue.wait_for(take)
             except QueueFull:
-                raise _queue_full() from None
+                raise queue_full() from None
         assert timer.cancelled_caught
         raise service_unavailable("no decode capacity came free within the prefill KV lease")
 
@@ -472,16 +493,6 @@ class RequestPipeline:
 
 def _shutting_down(message: str) -> OpenAIError:
     return OpenAIError(message, status=503, type="server_error", code="shutting_down")
-
-
-def _queue_full() -> OpenAIError:
-    return OpenAIError(
-        "the server is at capacity and its queue is full; retry shortly",
-        status=429,
-        type="server_error",
-        code="queue_full",
-        headers=(("retry-after", "1"),),
-    )
 
 
 def _prefill_error(failed: PrefillFailed) -> OpenAIError:

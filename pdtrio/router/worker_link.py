@@ -379,6 +379,7 @@ class WorkerLink:
                 await ws.send_messages(batch)
             except ConnectionClosed:
                 return  # the reader sees the close; the worker ends a lost link's requests
+            del batch  # a huge prefill call must not live on until the next write
 
     # --- the pipeline's side --------------------------------------------------------
 

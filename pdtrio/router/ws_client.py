@@ -31,6 +31,8 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 from pdtrio.protocol.websocket_frames import ClientFrameReader, FrameBatch
 
 _MAX_RESPONSE_HEAD = 64 * 1024
+# a message bigger than this is sent as fragments of this size
+_FRAGMENT_BYTES = 256 * 1024
 # how long a close frame may take to go out before the stream is dropped anyway
 _CLOSE_SEND_TIMEOUT_S = 1.0
 
@@ -199,14 +201,34 @@ class WebSocketClient:
         await self._send_event(BytesMessage(data=data))
 
     async def send_messages(self, messages: list[bytes]) -> None:
-        """Send binary messages, in order, in one write; :class:`ConnectionClosed` when closed."""
+        """Send binary messages, in order; :class:`ConnectionClosed` when closed.
+
+        Small messages share one write.  A big one goes out in fragments of
+        ``_FRAGMENT_BYTES``: masking 15 MB in one go holds the event loop for
+        tens of milliseconds; a fragment at a time, others run in between.
+        """
         if self._closed is not None:
             raise ConnectionClosed(self._closed.code, self._closed.reason)
         async with self._send_lock:
             try:
                 ws_send = self._ws.send
-                payload = b"".join([ws_send(BytesMessage(data=data)) for data in messages])
-                await self._stream.send_all(payload)
+                pending: list[bytes] = []
+                for data in messages:
+                    if len(data) <= _FRAGMENT_BYTES:
+                        pending.append(ws_send(BytesMessage(data=data)))
+                        continue
+                    if pending:
+                        await self._stream.send_all(b"".join(pending))
+                        pending = []
+                    view = memoryview(data)
+                    for start in range(0, len(data), _FRAGMENT_BYTES):
+                        end = start + _FRAGMENT_BYTES
+                        fragment = BytesMessage(
+                            data=bytes(view[start:end]), message_finished=end >= len(data)
+                        )
+                        await self._stream.send_all(ws_send(fragment))
+                if pending:
+                    await self._stream.send_all(b"".join(pending))
             except (LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 closed = self._closed or ConnectionClosed(1006, "the connection is gone")
                 raise ConnectionClosed(closed.code, closed.reason) from exc

@@ -36,6 +36,7 @@ import trio
 
 from pdtrio.asgi import Receive, Scope, Send
 from pdtrio.engine.api import Engine, EngineError, EngineOutput, StepFailed, StepOutputs
+from pdtrio.memory import HeapTrimmer
 from pdtrio.protocol import wire
 from pdtrio.protocol.flush import FlushConfig, FlushNow, FlushPolicy, WaitUntil
 from pdtrio.protocol.wire import (
@@ -208,7 +209,10 @@ class _Link:
             log.warning("dropping a bad frame from the router: %s", exc)
             return
         del data
-        await self._dispatch(parsed, nursery)
+        if isinstance(parsed, PrefillRequest):
+            nursery.start_soon(self._prefill, parsed, True)
+        else:
+            await self._dispatch(parsed, nursery)
 
     async def _dispatch(self, message: wire.ToWorker, nursery: trio.Nursery) -> None:
         server = self._server
@@ -241,7 +245,15 @@ class _Link:
         server.owner[request_id] = self
         nursery.start_soon(self._start, message, scope)
 
-    async def _prefill(self, request: PrefillRequest) -> None:
+    async def _prefill(self, request: PrefillRequest, big: bool = False) -> None:
+        try:
+            await self._prefill_and_answer(request)
+        finally:
+            if big:
+                # a huge prompt's memory (the message, its tokens) goes back to the OS
+                self._server.heap_trimmer.trim_soon()
+
+    async def _prefill_and_answer(self, request: PrefillRequest) -> None:
         prefiller = self._server.prefiller
         if prefiller is None:
             answer: PrefillReply | PrefillFailed | None = PrefillFailed(
@@ -345,6 +357,7 @@ class RouterLinkServer:
         self.engine = engine
         # one huge message decoded at a time: bounds the memory held by decoding
         self.big_decodes = trio.CapacityLimiter(1)
+        self.heap_trimmer = HeapTrimmer()
         self.flush = flush
         self.owner: dict[str, _Link] = {}  # request id -> the link that started it
         self._links: set[_Link] = set()

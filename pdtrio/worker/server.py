@@ -34,6 +34,7 @@ from pdtrio.config import WorkerConfig
 from pdtrio.engine.api import Engine, EngineError, EngineOutput, NoRoom, PromptRejected
 from pdtrio.kv.api import KvTransport
 from pdtrio.kv.tcp import TcpKvTransport
+from pdtrio.memory import limit_heap_retention
 from pdtrio.protocol import wire
 from pdtrio.protocol.openai import error_body
 from pdtrio.protocol.wire import (
@@ -112,6 +113,7 @@ class Worker:
         from hypercorn.trio import serve
 
         config = self.config
+        limit_heap_retention()  # huge prompts' memory goes back to the OS (pdtrio.memory)
         outputs_send, outputs_receive = trio.open_memory_channel[EngineOutput](64)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run, outputs_send)

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import trio
+import trio.testing
 
-from pdtrio.config import RouterConfig
+from pdtrio.asgi import Receive, Scope, Send
+from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig
 from pdtrio.engine.budget import token_budget
+from pdtrio.router.app import RouterApp
 from pdtrio.worker.server import Worker
-from tests.cluster import Cluster, client, running_cluster, synthetic_worker, wait_until_idle
+from tests.cluster import (
+    Cluster,
+    client,
+    running_cluster,
+    serve_app,
+    synthetic_worker,
+    wait_until_idle,
+)
 
 # a 3-token prompt plus the default budget capped by the context: 256 tokens = 16 blocks,
 # so 128 blocks hold 8 default requests at once
@@ -108,3 +120,97 @@ async def test_a_request_no_decode_can_hold_is_a_400_before_any_byte() -> None:
             assert ok.status_code == 200
         await wait_until_idle(cluster)
         assert cluster.blocks_in_use() == 0
+
+
+class _SeesTheRouter:
+    """The router app, and the router its lifespan made (to see its queue)."""
+
+    def __init__(self, app: RouterApp) -> None:
+        self.app = app
+        self.router: Any = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            self.router = scope["state"]["router"]
+        await self.app(scope, receive, send)
+
+
+async def _stream_until_cancelled(http: httpx.AsyncClient, body: dict[str, Any]) -> None:
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for _ in response.aiter_bytes():
+            pass
+
+
+async def test_a_request_arriving_at_a_full_queue_gets_429_without_a_prefill() -> None:
+    # decode holds one request at a time (16 blocks of 16 tokens; each takes 13) and
+    # decodes slowly; the queue takes two more: a fourth request finds it full
+    prefill = synthetic_worker("prefill", num_kv_blocks=1024, max_model_len=256)
+    decode = synthetic_worker("decode", num_kv_blocks=16, max_model_len=256, decode_step_s=0.05)
+    body = {"model": "synthetic", "prompt": "hi", "max_tokens": 200, "stream": True}
+    async with trio.open_nursery() as nursery:
+        instances = []
+        for worker in (prefill, decode):
+            ready = await nursery.start(worker.run)
+            url = f"http://127.0.0.1:{ready['http_port']}"
+            instances.append(InstanceConfig(role=worker.config.role, url=url))
+        config = PdtrioConfig(
+            router=RouterConfig(admission_queue_limit=2), instances=tuple(instances)
+        )
+        app = _SeesTheRouter(RouterApp(config))
+        url = await serve_app(app, nursery)
+        limits = httpx.Limits(max_connections=16)
+        async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as http:
+            assert (await http.get("/health")).status_code == 200
+            queue = app.router.decode_queue
+            # one decoding first (a place is held from arrival, so three at once would
+            # find the queue full), then two that wait
+            nursery.start_soon(_stream_until_cancelled, http, body)
+            with trio.fail_after(20):
+                while decode.stats()["running_requests"] < 1:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            for _ in range(2):
+                nursery.start_soon(_stream_until_cancelled, http, body)
+            with trio.fail_after(20):
+                while not queue.full:  # noqa: ASYNC110 (the router's own state, no event to wait on)
+                    await trio.sleep(0.01)
+            served = prefill.stats()["served_prefills"]
+            assert served == 3  # one decoding, two prefilled and waiting
+
+            response = await http.post("/v1/completions", json={**body, "stream": False})
+
+            assert response.status_code == 429, response.text
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["error"]["code"] == "queue_full"
+            stats = prefill.stats()
+            assert stats["served_prefills"] == served  # prefill never saw it
+            assert stats["prefills_in_progress"] == 0
+            assert len(queue) == 2  # the waiting ones wait on
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_reserved_place_counts_against_the_limit_and_becomes_the_waiters() -> None:
+    from pdtrio.router.capacity import CapacityQueue, QueueFull
+
+    queue: CapacityQueue[str] = CapacityQueue(2)
+    queue.reserve()
+    queue.reserve()
+    assert queue.full and len(queue) == 2
+    try:
+        queue.reserve()
+        raise AssertionError("a third place was reserved")
+    except QueueFull:
+        pass
+    room: list[str] = []
+    async with trio.open_nursery() as nursery:
+
+        async def wait_with_reserved_place() -> None:
+            queue.unreserve()  # as the pipeline does, right before waiting
+            room.append(await queue.wait_for(lambda: "room" if room == ["go"] else None))
+
+        nursery.start_soon(wait_with_reserved_place)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(queue) == 2 and queue.full  # one waiting, one still reserved
+        room.append("go")
+        queue.changed()
+    assert room == ["go", "room"] and len(queue) == 1
