@@ -49,6 +49,11 @@ class CapacityQueue(Generic[_T]):
         return len(self._waiters) + self._reserved
 
     @property
+    def waiting(self) -> int:
+        """Requests waiting for room now (reserved places not counted)."""
+        return len(self._waiters)
+
+    @property
     def full(self) -> bool:
         """No one more may wait (or reserve a place)."""
         return len(self._waiters) + self._reserved >= self.limit

@@ -29,7 +29,7 @@ from pdtrio.protocol.scheduling import Candidate, pick_instance
 from pdtrio.router.capacity import CapacityQueue
 from pdtrio.router.cluster import WorkerProcess, embedded_workers
 from pdtrio.router.loop_load import run_egress_control
-from pdtrio.router.worker_link import LINK_ERRORS, WorkerLink
+from pdtrio.router.worker_link import LINK_ERRORS, HoldTimer, WorkerLink
 
 log = logging.getLogger("pdtrio.router")
 
@@ -100,6 +100,7 @@ class Router:
         )
         # how far apart each stream's sends go under load (0: at once), kept by open_router
         self.egress = EgressController(EgressConfig(max_delay_s=config.router.egress_max_delay_s))
+        self.hold_timer = HoldTimer()  # ends the streams' holds; run by open_router
 
     # --- instances ------------------------------------------------------------------
 
@@ -335,6 +336,7 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
         async with trio.open_nursery() as nursery:
             router = Router(config, nursery, http)
             await nursery.start(run_egress_control, router.egress)
+            nursery.start_soon(router.hold_timer.run)
             if config.uses_embedded_cluster:
                 await _start_embedded(router, nursery)
             else:

@@ -333,6 +333,11 @@ class RequestPipeline:
             # the reserved place becomes a waiter's (no checkpoint until wait_for holds it)
             self._queue_place_reserved = False
             router.decode_queue.unreserve()
+        if not router.decode_queue.waiting:
+            # nobody ahead: room now needs no timer (a deadline scope per request is dear)
+            instance = take()
+            if instance is not None:
+                return instance
         # the KV waits on prefill under its lease (wall clock): decode must pull it before then
         lease_left_s = handle.lease_expiry - time.time() - _LEASE_MARGIN_S
         with trio.move_on_after(max(0.0, lease_left_s)) as timer:
@@ -364,7 +369,7 @@ class RequestPipeline:
             ):
                 deadline = last_sent_at + spacing
                 if trio.current_time() < deadline:
-                    await stream.hold_until(deadline)
+                    await stream.hold_until(deadline, self.router.hold_timer)
                     held_until = deadline
             delta = buffer.take()
             if delta is not None:

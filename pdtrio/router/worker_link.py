@@ -28,6 +28,7 @@ the same free blocks twice.  Every change calls ``on_capacity``.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import final
 
@@ -105,6 +106,7 @@ class DecodeStream:
         "failure",
         "cut_off",
         "holding",
+        "_holds",
         "_updated",
         "_lot",
     )
@@ -118,6 +120,7 @@ class DecodeStream:
         self.cut_off = False  # the link ended it: its client fell too far behind
         # its consumer is spacing its sends (adaptive egress): only a finish wakes it
         self.holding = False
+        self._holds = 0  # holds so far: tells the timer's stale wake-ups from the current one
         self._updated = False
         self._lot = trio.lowlevel.ParkingLot()
 
@@ -135,19 +138,63 @@ class DecodeStream:
             await self._lot.park()
         self._updated = False
 
-    async def hold_until(self, deadline: float) -> None:
-        """Wait until ``deadline``; tokens gather meanwhile, a finish or failure ends it early.
+    async def hold_until(self, deadline: float, timer: HoldTimer) -> None:
+        """Wait until about ``deadline`` (``timer`` wakes it); a finish or failure ends it early.
 
         The caller checked that neither is in already.  Tokens do not wake a
         holding stream, so spacing its sends also spares the wake-ups.
         """
         self.holding = True
         self._updated = False
+        self._holds += 1
+        timer.add(deadline, self, self._holds)
         try:
-            with trio.move_on_at(deadline):
-                await self._lot.park()
+            await self._lot.park()
         finally:
             self.holding = False
+
+    def end_hold(self, hold: int) -> None:
+        """The timer's wake-up for hold number ``hold`` (a stale one does nothing)."""
+        if self.holding and hold == self._holds and self._lot:
+            self._lot.unpark_all()
+
+
+# the hold timer wakes a stream up to this much before its deadline, with others due then
+_HOLD_SLACK_S = 0.002
+
+
+@final
+class HoldTimer:
+    """Ends streams' holds at their deadlines: one timer task for every holding stream.
+
+    A cancel scope with a deadline per hold costs about as much as the send it
+    saves.  Holds share one spacing, so their deadlines come nearly in
+    arrival order: a FIFO, woken from the front, every stream due within
+    ``_HOLD_SLACK_S`` at once (a hold may end that much early).  When the
+    spacing shrinks, a newer hold may wait behind an older one's deadline, by
+    at most the change.
+    """
+
+    def __init__(self) -> None:
+        self._due: deque[tuple[float, DecodeStream, int]] = deque()
+        self._idle = trio.lowlevel.ParkingLot()
+
+    def add(self, deadline: float, stream: DecodeStream, hold: int) -> None:
+        self._due.append((deadline, stream, hold))
+        if self._idle:
+            self._idle.unpark()
+
+    async def run(self) -> None:
+        due = self._due
+        while True:
+            if not due:
+                await self._idle.park()
+                continue
+            await trio.sleep_until(due[0][0])
+            wake_by = trio.current_time() + _HOLD_SLACK_S
+            while due and due[0][0] <= wake_by:
+                _, stream, hold = due.popleft()
+                stream.end_hold(hold)
 
 
 @final

@@ -25,7 +25,7 @@ def run(controller: EgressController, measurements: list[float]) -> list[float]:
 
 def test_light_load_never_delays() -> None:
     controller = EgressController(CONFIG)
-    assert run(controller, [0.0, 0.3, 0.69, 0.7, 0.5]) == [0.0] * 5
+    assert run(controller, [0.0, 0.3, 0.69, 0.84, 0.85, 0.5]) == [0.0] * 6
 
 
 def test_sustained_load_ramps_to_the_cap_and_idle_brings_it_back() -> None:
@@ -41,8 +41,8 @@ def test_sustained_load_ramps_to_the_cap_and_idle_brings_it_back() -> None:
 
 def test_inside_the_band_the_spacing_holds() -> None:
     controller = EgressController(CONFIG)
-    held = run(controller, [0.9] * 3)[-1]
-    assert run(controller, [0.6, 0.5, 0.7, 0.55]) == [held] * 4
+    held = run(controller, [0.95] * 3)[-1]
+    assert run(controller, [0.7, 0.65, 0.85, 0.75]) == [held] * 4
 
 
 def test_off_means_no_spacing_whatever_the_load() -> None:
