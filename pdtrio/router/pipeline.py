@@ -21,9 +21,10 @@ request back to wait.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
+import secrets
 import time
-import uuid
 from typing import Literal, final
 
 import trio
@@ -70,6 +71,10 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+# request ids: unique across router processes sharing workers (the random part),
+# and no system call per request (uuid4 reads the OS's randomness every time)
+_PROCESS_ID = secrets.token_hex(8)
+_request_numbers = itertools.count()
 # decode must pull the KV this long before prefill's lease frees it
 _LEASE_MARGIN_S = 1.0
 
@@ -90,7 +95,7 @@ class RequestPipeline:
         self._receive = receive
         self._send = send
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        self.request_id = prefix + uuid.uuid4().hex
+        self.request_id = f"{prefix}{_PROCESS_ID}{next(_request_numbers):x}"
         self.created = int(time.time())
         self.shaper: StreamShaper | None = None
         if request.stream:

@@ -340,8 +340,11 @@ class WorkerLink:
                 if stream is None:
                     continue  # already ended here
                 if type(message) is DecodeAccepted:
+                    # no wake-up: the waiter learns it with the first tokens (one wake-up
+                    # per request fewer); a rejection or failure wakes it at once
                     stream.accepted = True
-                elif type(message) is DecodeRejected:
+                    continue
+                if type(message) is DecodeRejected:
                     stream.rejection = message
                     del streams[message.request_id]
                 else:  # DecodeFailed: decode holds nothing of it any more
