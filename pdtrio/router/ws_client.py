@@ -209,7 +209,12 @@ class WebSocketClient:
         """
         if self._closed is not None:
             raise ConnectionClosed(self._closed.code, self._closed.reason)
-        async with self._send_lock:
+        try:
+            # the writer is nearly always alone here: no schedule point for the lock then
+            self._send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._send_lock.acquire()
+        try:
             try:
                 ws_send = self._ws.send
                 pending: list[bytes] = []
@@ -232,6 +237,8 @@ class WebSocketClient:
             except (LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 closed = self._closed or ConnectionClosed(1006, "the connection is gone")
                 raise ConnectionClosed(closed.code, closed.reason) from exc
+        finally:
+            self._send_lock.release()
 
     async def _send_event(self, event: Event) -> None:
         async with self._send_lock:
