@@ -1,4 +1,4 @@
-"""The router's per-stream buffer between the decode link reader and a client.
+"""The router's per-stream buffer between the worker link reader and a client.
 
 The link reader must never block on one slow client, so it :meth:`push`-es
 each token entry into the stream's :class:`StreamBuffer` without waiting, and

@@ -4,7 +4,7 @@ Admission checks the start (layout, budget, handle), reserves blocks for the
 whole request, and moves the prompt's KV into them: over the transport from
 another instance, or by taking over the prefill lease when prefill ran here.
 It answers with a value, never an exception, and leaves nothing allocated
-unless it accepts.  The decode link decides what to send; admission sends
+unless it accepts.  The router link decides what to send; admission sends
 nothing.
 """
 
