@@ -629,13 +629,15 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
             )
             met = ""
             if big:
+                # the measure: the gap per token as a client sees it (an event of
+                # k tokens counts k gaps of gap/k); the per-read gaps are shown beside it
                 limit = _ms(cap or 0.0) + 10.0
                 met = goal(
-                    f"{large} streams: ITL p99 <= cap + 10 ms",
-                    p["itl_p99_ms"],
+                    f"{large} streams: ITL p99 (per token) <= cap + 10 ms",
+                    p["itl_token_p99_ms"],
                     limit,
-                    f"{_fmt(p['itl_p99_ms'])} ms",
-                    _check(p["itl_p99_ms"], limit),
+                    f"{_fmt(p['itl_token_p99_ms'])} ms",
+                    _check(p["itl_token_p99_ms"], limit),
                 )
                 met = f"p99 ≤ {limit:g} ms: {met}"
             row(
@@ -644,13 +646,14 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
                 _pair(p["itl_p50_ms"], p["itl_p99_ms"]),
                 _pair(t["itl_p50_ms"], t["itl_p99_ms"]),
                 f"p99 {_fmt(_minus(p['itl_p99_ms'], t['itl_p99_ms']), '+.1f')} ms",
-                met,
             )
             row(
                 "",
                 "ITL p50 / p99, per token",
                 _pair(p["itl_token_p50_ms"], p["itl_token_p99_ms"]),
                 _pair(t["itl_token_p50_ms"], t["itl_token_p99_ms"]),
+                "",
+                met,
             )
             met = ""
             if goaled and load_key == "paced_small":
