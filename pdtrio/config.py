@@ -119,6 +119,18 @@ class RouterConfig:
     # load-adaptive egress: under load, each stream's SSE events are spaced by up to
     # this much so one event carries several tokens; 0 sends every token at once
     egress_max_delay_s: float = attrs.field(default=0.05, validator=_non_negative)
+    # worker link liveness: a link that brings no frame for link_timeout_s is dropped (its
+    # streams fail, the instance leaves rotation until it reconnects); the router asks
+    # each worker for a heartbeat every link_heartbeat_s of silence
+    link_timeout_s: float = attrs.field(default=1.5, validator=_positive)
+    link_heartbeat_s: float = attrs.field(default=0.5, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.link_heartbeat_s >= self.link_timeout_s:
+            raise ValueError(
+                f"link_heartbeat_s ({self.link_heartbeat_s!r}) must be below "
+                f"link_timeout_s ({self.link_timeout_s!r})"
+            )
 
 
 @final

@@ -239,7 +239,13 @@ async def _drain(stream: DecodeStream, request_id: str, tally: _Tally) -> None:
 
 
 async def _measure_router(spec: dict[str, Any]) -> dict[str, Any]:
-    link = WorkerLink("ingest", spec["url"], max_pending_tokens=RouterConfig().stream_buffer_tokens)
+    # the benchmark's producer sends no heartbeats: no liveness timeout here
+    link = WorkerLink(
+        "ingest",
+        spec["url"],
+        max_pending_tokens=RouterConfig().stream_buffer_tokens,
+        link_timeout_s=3600.0,
+    )
     tally = _Tally()
 
     def cpu() -> float:

@@ -44,6 +44,7 @@ class MessageKind(enum.IntEnum):
     PREFILLED = 9
     PREFILL_FAILED = 10
     RELEASE = 11
+    HEARTBEAT = 12
 
 
 class RejectReason(enum.StrEnum):
@@ -241,6 +242,14 @@ class TokenFrame(_Positional, frozen=True, tag=int(MessageKind.TOKENS)):
     entries: list[TokenEntry]
 
 
+class Heartbeat(_Positional, frozen=True, tag=int(MessageKind.HEARTBEAT)):
+    """The worker is alive: sent when it has sent nothing else for a heartbeat interval.
+
+    Any frame proves liveness; this one only fills silence, so the router can
+    tell a hung worker (stopped, wedged) from an idle one.
+    """
+
+
 # what travels on the worker link, each way
 ToWorker = DecodeStart | DecodeAbort | PrefillRequest | ReleaseRequest
 FromWorker = (
@@ -251,6 +260,7 @@ FromWorker = (
     | DecodeCapacity
     | PrefillReply
     | PrefillFailed
+    | Heartbeat
 )
 
 

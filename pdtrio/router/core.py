@@ -177,6 +177,9 @@ class Router:
             ws_url,
             max_pending_tokens=self.config.router.stream_buffer_tokens,
             on_capacity=self.decode_queue.changed,
+            link_timeout_s=self.config.router.link_timeout_s,
+            heartbeat_s=self.config.router.link_heartbeat_s,
+            connect_timeout_s=self.config.router.connect_timeout_s,
         )
         instance.link = link
         status = task_status

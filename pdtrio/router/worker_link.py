@@ -23,6 +23,12 @@ The link keeps decode's last ``DecodeCapacity`` report and the blocks it has
 promised to starts decode has not answered yet (decode reports an accept's
 blocks before the accept), so :attr:`WorkerLink.available_blocks` never counts
 the same free blocks twice.  Every change calls ``on_capacity``.
+
+Liveness: the worker sends a ``Heartbeat`` after each ``heartbeat_s`` of
+silence (the router asks for that interval in the link's URL); any frame
+counts.  The reader stamps the time of each read, and a watchdog sleeping
+until that stamp plus ``link_timeout_s`` drops a link that brought nothing for
+that long (a stopped or wedged worker: its TCP stays up), as if it broke.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from pdtrio.protocol.wire import (
     DecodeCapacity,
     DecodeRejected,
     DecodeStart,
+    Heartbeat,
     PrefillFailed,
     PrefillReply,
     PrefillRequest,
@@ -62,7 +69,6 @@ from pdtrio.router.ws_client import (
 log = logging.getLogger("pdtrio.router.worker_link")
 
 _OVERFLOW = PushResult.OVERFLOW
-_CONNECT_TIMEOUT_S = 10.0
 _MAX_MESSAGE_SIZE = 64 * 1024 * 1024
 # one read of the link takes up to this much; every frame in it is dispatched
 # before the reader yields, so a stream's consumer wakes once per read, not per frame
@@ -86,8 +92,12 @@ class WorkerLinkLost(WorkerLinkError):
     """The link went down while a call was pending: the worker may have seen it."""
 
 
-# what a broken or refused websocket raises out of WorkerLink.run
-LINK_ERRORS = (OSError, trio.BrokenResourceError, HandshakeError, ConnectionClosed)
+class WorkerLinkHung(WorkerLinkError):
+    """The worker sent nothing, not even a heartbeat, for the link timeout."""
+
+
+# what a broken, refused or silent websocket raises out of WorkerLink.run
+LINK_ERRORS = (OSError, trio.BrokenResourceError, HandshakeError, ConnectionClosed, WorkerLinkHung)
 
 
 @final
@@ -226,8 +236,18 @@ class WorkerLink:
         *,
         max_pending_tokens: int,
         on_capacity: Callable[[], None] = lambda: None,
+        link_timeout_s: float = 1.5,
+        heartbeat_s: float = 0.5,
+        connect_timeout_s: float = 10.0,
     ) -> None:
         self.instance_id = instance_id
+        self.link_timeout_s = link_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self._connect_timeout_s = connect_timeout_s
+        self._connect_url = f"{url}?heartbeat_s={heartbeat_s!r}"
+        self._last_read = 0.0  # when the reader last got frames (trio clock)
+        self._hung = False  # the watchdog dropped the current connection
+        self.hangs = 0  # links dropped for silence
         self._on_capacity = on_capacity
         # decode's last report (None: none on this connection yet)
         self.capacity: DecodeCapacity | None = None
@@ -270,44 +290,88 @@ class WorkerLink:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Connect, then read and write frames until the link breaks (the caller reconnects)."""
         ws: WebSocketClient | None = None
+        lost = "the connection to the worker was lost"
+        # a stopped worker's kernel still accepts TCP: only the handshake tells; once
+        # the link has worked, a reconnect gets no longer than silence would
+        connect_timeout_s = self.link_timeout_s if self.ever_connected else self._connect_timeout_s
         try:
-            with trio.move_on_after(_CONNECT_TIMEOUT_S):
+            with trio.move_on_after(connect_timeout_s):
                 ws = await connect_websocket(
-                    self.url, max_message_size=_MAX_MESSAGE_SIZE, receive_size=_RECEIVE_SIZE
+                    self._connect_url,
+                    max_message_size=_MAX_MESSAGE_SIZE,
+                    receive_size=_RECEIVE_SIZE,
                 )
             if ws is None:
-                raise HandshakeError(f"{self.url}: no websocket within {_CONNECT_TIMEOUT_S:g}s")
+                raise HandshakeError(f"{self.url}: no websocket within {connect_timeout_s:g}s")
             self._ws = ws
             self.ever_connected = True
             # what was queued for the old connection: the worker ended those requests itself
             self._outbox.clear()
+            self._last_read = trio.current_time()
             task_status.started()
+            self._hung = False
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._write, ws)
+                nursery.start_soon(self._watch, nursery.cancel_scope)
                 await self._read(ws)
                 nursery.cancel_scope.cancel()
+            if self._hung:
+                self.hangs += 1
+                lost = f"the worker sent nothing for {self.link_timeout_s:g}s"
+                raise WorkerLinkHung(f"{self.instance_id}: {lost}")
         finally:
             self._ws = None
             self.capacity = None
             self._promised.clear()
             self._outbox.clear()
             self._room_waiting.unpark_all()
-            self._fail_all("the connection to the worker was lost")
+            self._fail_all(lost)
             self._on_capacity()  # waiters look elsewhere (or time out)
             if ws is not None:
                 await ws.aclose()
 
     # --- reading --------------------------------------------------------------------
 
+    async def _watch(self, link_scope: trio.CancelScope) -> None:
+        """Cancel ``link_scope`` once no frame came for the link timeout.
+
+        Sleeps until the last read plus the timeout; wakes once per timeout
+        while frames flow.  Waking late means this process stalled: the
+        worker's frames may be sitting unread, so they get a heartbeat
+        interval to be read before the worker is blamed.
+        """
+        timeout = self.link_timeout_s
+        grace = self.heartbeat_s
+        due = self._last_read + timeout
+        while True:
+            await trio.sleep_until(due)
+            now = trio.current_time()
+            last = self._last_read + timeout
+            if last > now:
+                due = last
+            elif now - due > grace:
+                due = now + grace
+            else:
+                log.warning(
+                    "worker %s sent nothing for %.1fs: dropping its link",
+                    self.instance_id,
+                    now - self._last_read,
+                )
+                self._hung = True
+                link_scope.cancel()
+                return
+
     async def _read(self, ws: WebSocketClient) -> None:
         streams = self._streams
         decode = from_worker_decoder.decode_raw
         dispatch_entries = self._dispatch_entries
+        clock = trio.current_time
         while True:
             try:
                 batch = await ws.receive_messages()
             except ConnectionClosed:
                 return
+            self._last_read = clock()  # the watchdog's only input: once per read
             self.frames_received += len(batch)
             # every frame of the read goes to its streams before anyone else runs
             for data in batch:
@@ -335,6 +399,8 @@ class WorkerLink:
                         # this reply): release again, harmless if it was
                         self._post_nowait(encode(ReleaseRequest(message.request_id)))
                     continue
+                if type(message) is Heartbeat:
+                    continue  # its arrival was all it had to say
                 self._settle(message.request_id)
                 stream = streams.get(message.request_id)
                 if stream is None:

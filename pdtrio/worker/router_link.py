@@ -21,6 +21,11 @@ abort): a dirty flag and a poke of the outbox, so reports coalesce to the
 latest value and nothing polls.  The report a control message may change goes
 out just before it, so the router never sees an accept its report lacks.
 
+Liveness: after ``heartbeat_s`` without a frame (the router names the
+interval in the link's URL, ``?heartbeat_s=``), the sender writes a
+``Heartbeat``, so the router can tell a silent link from a hung worker.
+The sender waits for the earlier of the flush deadline and the heartbeat's.
+
 A link only ever touches the requests it started, and each of them ends with
 exactly one of: its finish entry, ``DecodeRejected``, ``DecodeFailed``, or the
 router's own abort.
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import urllib.parse
 from typing import Final, Protocol, final
 
 import trio
@@ -46,6 +52,7 @@ from pdtrio.protocol.wire import (
     DecodeFailed,
     DecodeRejected,
     DecodeStart,
+    Heartbeat,
     PrefillFailed,
     PrefillReply,
     PrefillRequest,
@@ -60,11 +67,16 @@ log = logging.getLogger("pdtrio.worker.link")
 
 # Messages above this are decoded on a thread: a 15 MB prompt is milliseconds of memcpy.
 OFF_LOOP_DECODE_BYTES: Final = 256 * 1024
+# the heartbeat interval of a router that names none; a named one is kept within these
+DEFAULT_HEARTBEAT_S: Final = 0.5
+_MIN_HEARTBEAT_S: Final = 0.01
+_MAX_HEARTBEAT_S: Final = 3600.0
+_HEARTBEAT: Final = Heartbeat()
 
 _Control = DecodeAccepted | DecodeRejected | DecodeFailed | PrefillReply | PrefillFailed
 # What reaches the sender: a step's entries, a control message, or None: a write finished.
 _Outgoing = StepOutputs | _Control | None
-_Frame = TokenFrame | _Control | DecodeCapacity
+_Frame = TokenFrame | _Control | DecodeCapacity | Heartbeat
 
 
 class Prefiller(Protocol):
@@ -81,8 +93,12 @@ class Prefiller(Protocol):
 
 @final
 class _Link:
-    def __init__(self, server: RouterLinkServer, send: Send) -> None:
+    def __init__(
+        self, server: RouterLinkServer, send: Send, heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    ) -> None:
         self._server = server
+        self._heartbeat_s = heartbeat_s
+        self._last_write = trio.current_time()  # when the writer last finished a frame
         self._engine = server.engine
         self._send = send
         self.outbox_send, self._outbox_receive = trio.open_memory_channel[_Outgoing](256)
@@ -147,11 +163,16 @@ class _Link:
                     await frames_send.send(TokenFrame(policy.take()))
                     continue
                 deadline = decision.deadline if isinstance(decision, WaitUntil) else math.inf
+                # a frame in flight is proof of life; its write's poke re-arms the heartbeat
+                beat_at = math.inf if self._in_flight else self._last_write + self._heartbeat_s
                 item: _Outgoing = None
                 # only the wait is bounded: a hand-over cut by the deadline would lose a frame
-                with trio.move_on_at(deadline):
+                with trio.move_on_at(min(deadline, beat_at)):
                     item = await receive.receive()
                 if item is None:
+                    if not self._in_flight and trio.current_time() >= beat_at:
+                        self._in_flight += 1
+                        await frames_send.send(_HEARTBEAT)
                     continue
                 if isinstance(item, list):
                     policy.add(item, trio.current_time())
@@ -172,6 +193,7 @@ class _Link:
         poke = self.outbox_send.clone()
         async for frame in frames:
             await self._send({"type": "websocket.send", "bytes": wire.encode(frame)})
+            self._last_write = trio.current_time()
             self._in_flight -= 1
             try:
                 # wake the collector; a full outbox wakes it anyway, so never wait here
@@ -427,7 +449,7 @@ class RouterLinkServer:
         if message["type"] != "websocket.connect":
             return
         await send({"type": "websocket.accept"})
-        link = _Link(self, send)
+        link = _Link(self, send, _heartbeat_interval(scope))
         self._links.add(link)
         try:
             async with trio.open_nursery() as nursery:
@@ -441,3 +463,15 @@ class RouterLinkServer:
             for request_id in list(link.requests):
                 link.abort(request_id)
             self.capacity_changed()  # the other routers learn what it freed
+
+
+def _heartbeat_interval(scope: Scope) -> float:
+    """The interval the router asked for (``?heartbeat_s=``), within sane bounds."""
+    query = urllib.parse.parse_qs(bytes(scope.get("query_string", b"")).decode("latin-1"))
+    try:
+        asked = float(query["heartbeat_s"][-1])
+    except (KeyError, ValueError):
+        return DEFAULT_HEARTBEAT_S
+    if not math.isfinite(asked):
+        return DEFAULT_HEARTBEAT_S
+    return min(max(asked, _MIN_HEARTBEAT_S), _MAX_HEARTBEAT_S)

@@ -1,0 +1,136 @@
+"""Hung workers: a SIGSTOPped worker process is dropped from rotation, and comes back after SIGCONT.
+
+A stopped process keeps its TCP connections (the kernel even accepts new
+ones), so only the link's heartbeats tell it from an idle one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdtrio.testing import Processes, Service, synthetic_worker_config, write_router_config
+
+# generous: these bound liveness (the link timeout is 2 s), they do not measure it
+LIVENESS_S = 10.0
+LINK_TIMEOUT_S = 2.0
+
+
+@pytest.fixture
+def procs() -> Iterator[Processes]:
+    with Processes(stop_grace_s=30) as group:
+        yield group
+
+
+@pytest.fixture
+def cluster(procs: Processes, tmp_path: Path) -> tuple[Service, Service, Service]:
+    started = [
+        procs.start_worker(synthetic_worker_config(role, decode_step_s=0.02))
+        for role in ("prefill", "decode")
+    ]
+    prefill, decode = (procs.wait_ready(process) for process in started)
+    config = write_router_config(
+        tmp_path / "router.toml",
+        [("prefill", prefill.url), ("decode", decode.url)],
+        router={"link_timeout_s": LINK_TIMEOUT_S, "link_heartbeat_s": 0.5},
+    )
+    return prefill, decode, procs.router(config, output="capture")
+
+
+def _eventually(condition: Callable[[], bool], timeout: float = LIVENESS_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _health(router: Service) -> httpx.Response:
+    return httpx.get(f"{router.url}/health", timeout=LIVENESS_S)
+
+
+def _body(max_tokens: int) -> dict[str, object]:
+    return {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+
+
+def _completes(router: Service) -> bool:
+    with httpx.stream(
+        "POST", f"{router.url}/v1/chat/completions", json=_body(4), timeout=LIVENESS_S
+    ) as response:
+        events = [line for line in response.iter_lines() if line]
+    return (
+        response.status_code == 200
+        and events[-1] == "data: [DONE]"
+        and not any("error" in json.loads(e[6:]) for e in events[:-1])
+    )
+
+
+def test_a_stopped_decode_worker_fails_its_streams_and_comes_back(
+    cluster: tuple[Service, Service, Service],
+) -> None:
+    _, decode, router = cluster
+    events: list[str] = []
+    with httpx.stream(
+        "POST",
+        f"{router.url}/v1/chat/completions",
+        json=_body(4000),  # 80 s of tokens: it is still running when the worker stops
+        timeout=LIVENESS_S,  # the read timeout: a frozen stream fails the test
+    ) as response:
+        assert response.status_code == 200
+        lines = (line for line in response.iter_lines() if line)
+        events += [next(lines) for _ in range(5)]  # the stream is flowing
+        os.kill(decode.pid, signal.SIGSTOP)
+        try:
+            stopped_at = time.monotonic()
+            detected_at = None
+            for line in lines:
+                events.append(line)
+                if detected_at is None and "error" in line:
+                    detected_at = time.monotonic()
+            assert detected_at is not None, events[-3:]
+            print(f"\ndecode SIGSTOP detected after {detected_at - stopped_at:.2f}s")
+            assert events[-1] == "data: [DONE]"
+            error = json.loads(events[-2][6:])["error"]
+            assert "sent nothing" in error["message"]
+            # out of rotation while stopped
+            assert _health(router).status_code == 503
+            assert _health(router).json()["decode_instances"] == 0
+        finally:
+            os.kill(decode.pid, signal.SIGCONT)
+    assert _eventually(lambda: _health(router).status_code == 200)
+    assert _completes(router)
+
+
+def test_a_stopped_prefill_worker_refuses_new_requests_and_comes_back(
+    cluster: tuple[Service, Service, Service],
+) -> None:
+    prefill, _, router = cluster
+    assert _completes(router)
+    os.kill(prefill.pid, signal.SIGSTOP)
+    try:
+        # sent before or after the link is declared dead: an error, not a wait
+        response = httpx.post(
+            f"{router.url}/v1/chat/completions",
+            json={**_body(4), "stream": False},
+            timeout=LIVENESS_S,
+        )
+        assert response.status_code == 503, response.text
+        assert _eventually(lambda: _health(router).json()["prefill_instances"] == 0)
+        assert _health(router).status_code == 503
+    finally:
+        os.kill(prefill.pid, signal.SIGCONT)
+    assert _eventually(lambda: _health(router).status_code == 200)
+    assert _completes(router)
