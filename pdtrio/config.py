@@ -19,6 +19,8 @@ from pdtrio.protocol.flush import FlushConfig
 
 Role = Literal["prefill", "decode", "both"]
 EngineKind = Literal["synthetic", "torch"]
+# how decode pulls KV from prefill: "auto" takes NIXL where it imports and works, else TCP
+KvTransportChoice = Literal["nixl", "tcp", "auto"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -75,6 +77,7 @@ class WorkerConfig:
     transfer_port: int = attrs.field(default=0, validator=_non_negative)
     instance_id: str = ""
     kv_lease_s: float = attrs.field(default=30.0, validator=_positive)
+    kv_transport: KvTransportChoice = "auto"
     engine: EngineConfig = EngineConfig()
     flush: FlushConfig = FlushConfig()
 
@@ -119,6 +122,8 @@ class RouterConfig:
     # load-adaptive egress: under load, each stream's SSE events are spaced by up to
     # this much so one event carries several tokens; 0 sends every token at once
     egress_max_delay_s: float = attrs.field(default=0.05, validator=_non_negative)
+    # a request whose body has not fully arrived this long after its headers gets a 408
+    body_read_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     # worker link liveness: a link that brings no frame for link_timeout_s is dropped (its
     # streams fail, the instance leaves rotation until it reconnects); the router asks
     # each worker for a heartbeat every link_heartbeat_s of silence

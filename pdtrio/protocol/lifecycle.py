@@ -40,6 +40,8 @@ class Event(enum.Enum):
     """The instance was unreachable: it never saw the request (try another)."""
     PREFILL_FAILED = "prefill_failed"
     """Prefill answered with an error: it freed whatever it had allocated."""
+    PREFILL_LOST = "prefill_lost"
+    """Prefill failed (5xx, or its link went down) and holds nothing: another may try."""
     PREFILLED = "prefilled"
     """Prefill answered with a KV handle."""
     FINISHED_AT_PREFILL = "finished_at_prefill"
@@ -69,6 +71,7 @@ _TRANSITIONS: Final[dict[tuple[State, Event], State]] = {
     (State.NEW, Event.PREFILL_SENT): State.PREFILLING,
     (State.PREFILLING, Event.PREFILL_NOT_SENT): State.NEW,
     (State.PREFILLING, Event.PREFILL_FAILED): State.DONE,
+    (State.PREFILLING, Event.PREFILL_LOST): State.NEW,
     (State.PREFILLING, Event.PREFILLED): State.PREFILLED,
     (State.PREFILLING, Event.FINISHED_AT_PREFILL): State.DONE,
     (State.PREFILLED, Event.DECODE_START_SENT): State.DECODE_STARTING,

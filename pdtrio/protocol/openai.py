@@ -150,6 +150,14 @@ def request_too_large(limit_bytes: int) -> OpenAIError:
     )
 
 
+def body_timeout(timeout_s: float) -> OpenAIError:
+    return OpenAIError(
+        f"The request body did not arrive within {timeout_s:g}s.",
+        status=408,
+        code="request_timeout",
+    )
+
+
 def server_error(message: str) -> OpenAIError:
     return OpenAIError(message, status=500, type="server_error")
 

@@ -29,6 +29,7 @@ from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    body_timeout,
     is_json_content_type,
     method_not_allowed,
     models_list_body,
@@ -189,10 +190,16 @@ class RouterApp:
         if content_type is not None and not is_json_content_type(content_type):
             raise unsupported_media_type(content_type)
         limit = router.config.router.max_request_bytes
+        timeout_s = router.config.router.body_read_timeout_s
+        body: bytes | None = None
         try:
-            body = await read_body(receive, limit)
+            # a client that sends headers and never the whole body holds no task for long
+            with trio.move_on_after(timeout_s):
+                body = await read_body(receive, limit)
         except BodyTooLarge:
             raise request_too_large(limit) from None
+        if body is None:
+            raise body_timeout(timeout_s)
         if router.decode_queue.full and not router.draining:
             # it could only join the queue's tail after prefill: refused before it is even
             # parsed (the pipeline checks again, for a queue that fills meanwhile)

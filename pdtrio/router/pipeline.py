@@ -75,6 +75,8 @@ _SSE_HEADERS = [
 # and no system call per request (uuid4 reads the OS's randomness every time)
 _PROCESS_ID = secrets.token_hex(8)
 _request_numbers = itertools.count()
+# prefill instances a request tries (one after another, on 5xx or a lost link)
+_PREFILL_ATTEMPTS = 3
 # decode must pull the KV this long before prefill's lease frees it
 _LEASE_MARGIN_S = 1.0
 
@@ -221,10 +223,12 @@ class RequestPipeline:
         call = PrefillRequest(self.request_id, request.prompt, request.sampling, request.max_tokens)
         prefill_timeout_s = router.config.router.prefill_timeout_s
         tried: set[str] = set()
+        # what the last instance that failed said: the answer when no other is left
+        failure: OpenAIError | None = None
         while True:
             instance = router.pick_prefill(frozenset(tried))
-            if instance is None or instance.link is None:
-                raise service_unavailable("no prefill instance is available")
+            if instance is None or instance.link is None or len(tried) >= _PREFILL_ATTEMPTS:
+                raise failure or service_unavailable("no prefill instance is available")
             tried.add(instance.name)
             self.prefill_instance = instance
             lifecycle.handle(Event.PREFILL_SENT)
@@ -244,10 +248,21 @@ class RequestPipeline:
                 lifecycle.handle(Event.PREFILL_NOT_SENT)
                 continue
             except WorkerLinkLost as exc:
-                raise service_unavailable(f"prefill instance failed: {exc}") from None
+                # the worker drops a lost link's prefills: another instance may try
+                lifecycle.handle(Event.PREFILL_LOST)
+                failure = service_unavailable(f"prefill instance failed: {exc}")
+                continue
             finally:
                 instance.active_prefills -= 1
             if type(answer) is PrefillFailed:
+                if answer.status >= 500:
+                    # the instance's fault, not the request's (a 4xx is not retried)
+                    lifecycle.handle(Event.PREFILL_LOST)
+                    failure = _prefill_error(answer)
+                    log.warning(
+                        "prefill on %s failed, trying another: %s", instance.name, answer.message
+                    )
+                    continue
                 lifecycle.handle(Event.PREFILL_FAILED)
                 raise _prefill_error(answer)
             assert type(answer) is PrefillReply
@@ -396,7 +411,13 @@ class RequestPipeline:
                     raise OpenAIError(
                         CUT_OFF_MESSAGE, status=503, type="server_error", code="client_too_slow"
                     )
-                raise server_error(f"decode failed: {stream.failure}")
+                # a worker failed, not the router: 502 (what a non-streaming client sees)
+                raise OpenAIError(
+                    f"decode failed: {stream.failure}",
+                    status=502,
+                    type="server_error",
+                    code="decode_failed",
+                )
             await stream.wait_update()
 
     # --- output -------------------------------------------------------------------

@@ -14,7 +14,12 @@ def _model_step(held: tuple[bool, bool], event: Event) -> tuple[bool, bool]:
     prefill, decode = held
     if event in (Event.PREFILL_SENT, Event.PREFILLED):
         return True, decode
-    if event in (Event.PREFILL_NOT_SENT, Event.PREFILL_FAILED, Event.FINISHED_AT_PREFILL):
+    if event in (
+        Event.PREFILL_NOT_SENT,
+        Event.PREFILL_FAILED,
+        Event.PREFILL_LOST,
+        Event.FINISHED_AT_PREFILL,
+    ):
         return False, decode
     if event is Event.DECODE_START_SENT:
         return prefill, True

@@ -1,0 +1,126 @@
+"""A failing prefill is retried elsewhere, a client error is not; a decode failure is a 502;
+a body that never arrives is a 408."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from pdtrio.config import RouterConfig
+from pdtrio.engine.api import EngineError
+from pdtrio.engine.synthetic import SyntheticEngine
+from pdtrio.worker.server import Worker
+from tests.cluster import client, running_cluster, synthetic_worker, wait_until_idle
+
+
+class _FailingPrefill(SyntheticEngine):
+    """Every prefill fails as a broken engine would (the worker answers 500)."""
+
+    calls = 0
+
+    async def prefill(self, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        type(self).calls += 1
+        raise EngineError("the engine broke")
+
+
+async def test_a_prefill_that_fails_is_retried_on_another_and_a_client_error_is_not() -> None:
+    _FailingPrefill.calls = 0
+    prefills_made = 0
+
+    def one_broken_prefill(role: str) -> Worker:
+        nonlocal prefills_made
+        worker = synthetic_worker(role)
+        if role == "prefill":
+            prefills_made += 1
+            if prefills_made == 1:
+                worker.engine.__class__ = _FailingPrefill
+        return worker
+
+    async with running_cluster(
+        roles=("prefill", "prefill", "decode"), make_worker=one_broken_prefill
+    ) as cluster:
+        async with client(cluster) as http:
+            for index in range(6):
+                body = {"model": "synthetic", "prompt": f"p{index}", "max_tokens": 3}
+                response = await http.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+            assert _FailingPrefill.calls > 0  # the broken one was tried, and its requests moved
+            # a client error (a prompt over the context) is the client's: not retried
+            calls = _FailingPrefill.calls
+            long = {"model": "synthetic", "prompt": [5] * 8000, "max_tokens": 500}
+            response = await http.post("/v1/completions", json=long)
+            assert response.status_code == 400, response.text
+            assert _FailingPrefill.calls - calls <= 1
+        await wait_until_idle(cluster)
+
+
+async def test_every_prefill_failing_is_a_502_with_the_workers_reason() -> None:
+    _FailingPrefill.calls = 0
+
+    def broken(role: str) -> Worker:
+        worker = synthetic_worker(role)
+        if role == "prefill":
+            worker.engine.__class__ = _FailingPrefill
+        return worker
+
+    async with running_cluster(
+        roles=("prefill", "prefill", "decode"), make_worker=broken
+    ) as cluster:
+        async with client(cluster) as http:
+            body = {"model": "synthetic", "prompt": "x", "max_tokens": 3}
+            response = await http.post("/v1/completions", json=body)
+        assert response.status_code == 502
+        assert "the engine broke" in response.json()["error"]["message"]
+        assert _FailingPrefill.calls == 2  # each instance once, then no one is left
+        await wait_until_idle(cluster)
+
+
+async def test_decode_dying_mid_request_is_a_502_for_a_non_streaming_client() -> None:
+    decode_scope = trio.CancelScope()
+
+    def make(role: str) -> Worker:
+        worker = synthetic_worker(role, decode_step_s=0.01)
+        if role == "decode":
+            run = worker.run
+
+            async def run_until_stopped(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                with decode_scope:
+                    await run(task_status=task_status)
+
+            worker.run = run_until_stopped  # type: ignore[method-assign]
+        return worker
+
+    async with running_cluster(make_worker=make) as cluster:
+        async with client(cluster) as http:
+            async with trio.open_nursery() as nursery:
+
+                async def stop_decode_soon() -> None:
+                    await trio.sleep(0.2)
+                    decode_scope.cancel()
+
+                nursery.start_soon(stop_decode_soon)
+                body = {"model": "synthetic", "prompt": "x", "max_tokens": 2000}
+                response = await http.post("/v1/completions", json=body)
+        assert response.status_code == 502, response.text
+        assert response.json()["error"]["code"] == "decode_failed"
+
+
+async def test_a_body_that_never_arrives_is_a_408() -> None:
+    async with running_cluster(router=RouterConfig(body_read_timeout_s=0.3)) as cluster:
+        host, port = cluster.url.removeprefix("http://").split(":")
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            await stream.send_all(
+                b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b'content-length: 100\r\n\r\n{"model": '
+            )
+            received = b""
+            with trio.fail_after(10):  # liveness bound, not a timing assertion
+                while b"\r\n\r\n" not in received or b"}}" not in received:
+                    chunk = await stream.receive_some(4096)
+                    if not chunk:
+                        break
+                    received += chunk
+        assert received.startswith(b"HTTP/1.1 408"), received
+        assert b"request_timeout" in received
