@@ -318,12 +318,11 @@ class RequestPipeline:
             last_reason = rejection.message
             if rejection_is_retryable(rejection):
                 if rejection.reason != RejectReason.NO_ROOM:
-                    tried.add(instance.name)  # shutting down; NO_ROOM: wait for a fresh report
+                    # shutting down, or its pull failed: another; NO_ROOM: a fresh report
+                    tried.add(instance.name)
                 continue
             if rejection.reason == RejectReason.LAYOUT_MISMATCH:
                 raise server_error(f"prefill and decode cannot be paired: {rejection.message}")
-            if rejection.reason == RejectReason.TRANSFER_FAILED:
-                raise service_unavailable(f"the KV handoff failed: {rejection.message}")
             raise server_error(f"decode rejected the request: {rejection.message}")
 
     async def _wait_for_decode(

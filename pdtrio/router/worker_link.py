@@ -564,4 +564,9 @@ class WorkerLink:
 
 def rejection_is_retryable(rejection: DecodeRejected) -> bool:
     """Whether another decode instance may take a request this one rejected."""
-    return rejection.reason in (RejectReason.NO_ROOM, RejectReason.SHUTTING_DOWN)
+    # a failed pull: prefill still holds the KV under its lease, another decode may pull it
+    return rejection.reason in (
+        RejectReason.NO_ROOM,
+        RejectReason.SHUTTING_DOWN,
+        RejectReason.TRANSFER_FAILED,
+    )

@@ -124,3 +124,37 @@ async def test_a_body_that_never_arrives_is_a_408() -> None:
                     received += chunk
         assert received.startswith(b"HTTP/1.1 408"), received
         assert b"request_timeout" in received
+
+
+async def test_a_failed_kv_pull_is_retried_on_another_decode() -> None:
+    from pdtrio.kv.api import KvTransferError
+    from pdtrio.kv.tcp import TcpKvTransport
+
+    class FailingPull(TcpKvTransport):
+        pulls = 0
+
+        async def pull(self, *args: Any, **kwargs: Any) -> None:
+            type(self).pulls += 1
+            raise KvTransferError("the transfer broke")
+
+    decodes_made = 0
+
+    def one_broken_decode(role: str) -> Worker:
+        nonlocal decodes_made
+        worker = synthetic_worker(role)
+        if role == "decode":
+            decodes_made += 1
+            if decodes_made == 1:
+                worker.transport = FailingPull()
+        return worker
+
+    async with running_cluster(
+        roles=("prefill", "decode", "decode"), make_worker=one_broken_decode
+    ) as cluster:
+        async with client(cluster) as http:
+            for index in range(6):
+                body = {"model": "synthetic", "prompt": f"p{index}", "max_tokens": 3}
+                response = await http.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+        assert FailingPull.pulls > 0  # the broken decode was tried, and its requests moved
+        await wait_until_idle(cluster)
