@@ -68,6 +68,40 @@ class EngineConfig:
     synthetic: SyntheticEngineConfig = SyntheticEngineConfig()
 
 
+def _error_status(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
+    if value and not 400 <= value <= 599:
+        raise ValueError(f"{attribute.name} must be 0 (off) or 400..599, got {value!r}")
+
+
+@final
+@attrs.frozen(kw_only=True)
+class WorkerFaultsConfig:
+    """Fault hooks inside a worker (``[faults]``), for testing only: every one is off by default.
+
+    See ``pdtrio.worker.fault_hooks``; the worker logs a WARNING at start when any is on.
+    """
+
+    # prefill answers every request with this HTTP status (e.g. 500); 0: off
+    prefill_error_status: int = attrs.field(default=0, validator=_error_status)
+    # prefill never answers (a release, or the caller giving up, still stops it)
+    prefill_hang: bool = False
+    # the process exits (os._exit, code 86) on its Nth prefill; 0: off
+    prefill_exit_after: int = attrs.field(default=0, validator=_non_negative)
+    # the process exits (code 86) when a decoding request reaches this many generated tokens
+    decode_exit_at_token: int = attrs.field(default=0, validator=_non_negative)
+    # once, at the first token frame: every link of the worker writes nothing, heartbeats
+    # included, for this long
+    decode_stall_s: float = attrs.field(default=0.0, validator=_non_negative)
+    # the links send no heartbeats (an idle link looks hung to the router)
+    heartbeats_off: bool = False
+    # every KV pull on this (decode) instance fails
+    kv_transfer_fail: bool = False
+    # every KV pull on this (decode) instance stalls this long inside the pull's deadline
+    kv_transfer_stall_s: float = attrs.field(default=0.0, validator=_non_negative)
+    # the worker reports a KV layout with another block size: prefill and decode are refused
+    layout_mismatch: bool = False
+
+
 @final
 @attrs.frozen(kw_only=True)
 class WorkerConfig:
@@ -80,6 +114,7 @@ class WorkerConfig:
     kv_transport: KvTransportChoice = "auto"
     engine: EngineConfig = EngineConfig()
     flush: FlushConfig = FlushConfig()
+    faults: WorkerFaultsConfig = WorkerFaultsConfig()
 
 
 @final

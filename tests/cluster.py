@@ -19,6 +19,7 @@ from pdtrio.config import (
     RouterConfig,
     SyntheticEngineConfig,
     WorkerConfig,
+    WorkerFaultsConfig,
 )
 from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.protocol.flush import FlushConfig
@@ -46,7 +47,11 @@ class Cluster:
 
 
 def synthetic_worker(
-    role: str, *, flush: FlushConfig | None = None, **engine_overrides: Any
+    role: str,
+    *,
+    flush: FlushConfig | None = None,
+    faults: WorkerFaultsConfig | None = None,
+    **engine_overrides: Any,
 ) -> Worker:
     synthetic = SyntheticEngineConfig(
         **{
@@ -60,7 +65,12 @@ def synthetic_worker(
         num_kv_blocks=engine_overrides.get("num_kv_blocks", 4096),
         synthetic=synthetic,
     )
-    config = WorkerConfig(role=role, engine=engine_config, flush=flush or FlushConfig())  # type: ignore[arg-type]
+    config = WorkerConfig(
+        role=role,  # type: ignore[arg-type]
+        engine=engine_config,
+        flush=flush or FlushConfig(),
+        faults=faults or WorkerFaultsConfig(),
+    )
     engine = SyntheticEngine(
         synthetic,
         num_blocks=engine_config.num_kv_blocks,

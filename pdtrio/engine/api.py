@@ -9,6 +9,11 @@ is how a decode instance receives them; ``start_decode`` runs the request on
 the blocks it owns, and frees them itself when the request finishes or is
 aborted.
 
+``kv_region`` is the cache's memory as one range that never moves, for
+transports that copy blocks without the engine (NIXL reads and writes it
+directly): block ``b`` is ``block_nbytes`` bytes at ``address + b * block_nbytes``,
+in the byte order ``read_blocks`` produces.
+
 The token budget is computed once, by ``prefill`` (``engine.budget.token_budget``),
 and handed to ``start_decode`` with how much of it is spent; usage is counted
 by the engine that finishes the request, and travels on its last output.
@@ -16,6 +21,8 @@ by the engine that finishes the request, and travels on its last output.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from typing import Protocol, final
 
 import attrs
@@ -61,6 +68,41 @@ class PrefillResult:
     cached_tokens: int
     token_budget: int  # the whole completion budget, the first token included
     usage: Usage | None  # set when finish_reason is
+
+
+@final
+@attrs.frozen
+class KvRegion:
+    """An engine's whole KV cache as one fixed range of memory, block after block."""
+
+    address: int
+    num_blocks: int
+    block_nbytes: int
+    device: str  # "cpu", or "cuda" when the cache lives on a GPU
+    device_id: int = 0  # the GPU's index for "cuda"
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_nbytes
+
+    def block_address(self, block_id: int) -> int:
+        return self.address + block_id * self.block_nbytes
+
+
+def kv_buffer(nbytes: int) -> mmap.mmap:
+    """Zeroed, page-aligned memory for a KV cache on the CPU, in transparent huge pages
+    where the kernel allows: a copy between processes (CMA) walks 512 times fewer pages.
+
+    Private (a shared mapping is shmem, which gets no huge pages) and touched
+    once here, so no transfer or step pays for faulting its pages in; ``nbytes`` > 0.
+    """
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    view = (ctypes.c_char * nbytes).from_buffer(buffer)
+    ctypes.memset(view, 0, nbytes)
+    del view  # the export ends: the caller may take its own views
+    return buffer
 
 
 # One engine step's outputs: at most one entry per request that produced something.
@@ -134,6 +176,10 @@ class Engine(Protocol):
 
     async def write_blocks(self, block_ids: tuple[int, ...], data: bytes) -> None:
         """Fill the blocks from bytes produced by ``read_blocks`` on a compatible engine."""
+        ...
+
+    def kv_region(self) -> KvRegion:
+        """The cache's memory; valid, and at the same address, for the engine's lifetime."""
         ...
 
     async def start_decode(

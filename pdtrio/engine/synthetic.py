@@ -9,6 +9,7 @@ load generator of the router benchmarks.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import zlib
 from typing import final
@@ -21,8 +22,10 @@ from pdtrio.engine.api import (
     EngineError,
     EngineOutput,
     EngineStatistics,
+    KvRegion,
     PrefillResult,
     StepOutputs,
+    kv_buffer,
 )
 from pdtrio.engine.blocks import BlockAllocator, BlockOwnership, blocks_needed
 from pdtrio.engine.budget import check_prompt_length, checked_token_ids, token_budget, tokens_left
@@ -143,7 +146,10 @@ class SyntheticEngine:
             block_size=block_size,
             dtype="synthetic",
         )
-        self._store: dict[int, bytes] = {}
+        # the blocks' bytes in one buffer, so a transport can register it (see kv_region);
+        # the ctypes view gives its address (and keeps the mapping from being closed)
+        self._kv = kv_buffer(max(1, num_blocks * self._layout.block_nbytes))
+        self._kv_view = (ctypes.c_char * len(self._kv)).from_buffer(self._kv)
         self._running: dict[str, _Running] = {}
         self._work_arrived = trio.Event()
         self._prefilling = 0
@@ -243,12 +249,20 @@ class SyntheticEngine:
     def _write_store(self, block_ids: tuple[int, ...], data: bytes) -> None:
         size = self._layout.block_nbytes
         for index, block in enumerate(block_ids):
-            self._store[block] = data[index * size : (index + 1) * size]
+            self._kv[block * size : (block + 1) * size] = data[index * size : (index + 1) * size]
 
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
         await trio.lowlevel.checkpoint()
-        empty = bytes(self._layout.block_nbytes)
-        return b"".join(self._store.get(b, empty) for b in block_ids)
+        size = self._layout.block_nbytes
+        return b"".join(self._kv[b * size : (b + 1) * size] for b in block_ids)
+
+    def kv_region(self) -> KvRegion:
+        return KvRegion(
+            address=ctypes.addressof(self._kv_view),
+            num_blocks=self._blocks.num_blocks,
+            block_nbytes=self._layout.block_nbytes,
+            device="cpu",
+        )
 
     async def write_blocks(self, block_ids: tuple[int, ...], data: bytes) -> None:
         await trio.lowlevel.checkpoint()

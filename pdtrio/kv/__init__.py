@@ -1,1 +1,1 @@
-"""KV transfer transports behind one interface (TCP now; NIXL beside it)."""
+"""KV transfer transports behind one interface: NIXL, with TCP as the fallback (see nixl.py)."""

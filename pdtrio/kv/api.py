@@ -1,16 +1,33 @@
-"""The transport seam: how decode pulls a request's KV blocks from prefill."""
+"""The transport seam: how decode pulls a request's KV blocks from prefill.
+
+A transport runs for the worker's lifetime (``run``): on a prefill instance it
+serves the KV transfer port named in every KV handle; on every instance it
+keeps whatever it knows about its peers.  ``pull`` moves one handle's blocks
+into blocks decode has allocated, or raises :class:`KvTransferError`.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
+from pdtrio.engine.api import KvRegion
 from pdtrio.protocol.wire import KvHandle
 
 
 class KvTransferError(Exception):
     """The blocks could not be moved (peer gone, lease expired, bad length, bad bytes)."""
+
+
+class KvTransportUnavailable(Exception):
+    """The configured transport cannot run here (``kv_transport = "nixl"`` without NIXL)."""
+
+
+class KvMemory(Protocol):
+    """The engine's KV cache as memory a one-sided transport registers once."""
+
+    def kv_region(self) -> KvRegion: ...
 
 
 class KvBlockSource(Protocol):
@@ -21,11 +38,11 @@ class KvBlockSource(Protocol):
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes: ...
 
     def release(self, request_id: str) -> bool:
-        """Decode has the bytes: free the blocks."""
+        """Decode has the bytes: free the blocks (False, and harmless, if none are held)."""
         ...
 
 
-class KvBlockSink(Protocol):
+class KvBlockSink(KvMemory, Protocol):
     """Where pulled blocks land: the decode engine."""
 
     async def write_blocks(self, block_ids: tuple[int, ...], data: bytes) -> None:
@@ -34,19 +51,32 @@ class KvBlockSink(Protocol):
 
 
 class KvTransport(Protocol):
-    async def serve(
+    @property
+    def name(self) -> str:
+        """What this worker runs: ``"nixl"`` or ``"tcp"`` (``auto`` has chosen once running)."""
+        ...
+
+    async def run(
         self,
-        source: KvBlockSource,
+        source: KvBlockSource | None,
         host: str,
         port: int,
         *,
-        task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+        task_status: trio.TaskStatus[tuple[str, int] | None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Serve block reads until cancelled; reports the bound (host, port)."""
+        """Run until cancelled: serve block reads from ``source`` when given (prefill).
+
+        Reports the bound transfer endpoint (host, port), or None without a source.
+        Raises KvTransportUnavailable before reporting if it cannot run at all.
+        """
         ...
 
     async def pull(
         self, handle: KvHandle, sink: KvBlockSink, dest_block_ids: tuple[int, ...]
     ) -> None:
         """Copy the handle's blocks into ``dest_block_ids`` of ``sink``. Raises KvTransferError."""
+        ...
+
+    def info(self) -> dict[str, Any]:
+        """What ``/pd/info`` shows: the transport, and what it chose for each peer."""
         ...

@@ -322,3 +322,27 @@ DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
 
 to_worker_decoder: Decoder[ToWorker] = Decoder(ToWorker)
 from_worker_decoder: Decoder[FromWorker] = Decoder(FromWorker)
+
+
+# --- decode <- prefill: NIXL (a control session on the KV transfer port) --------
+
+
+class NixlAgentInfo(_Positional, frozen=True):
+    """Prefill's NIXL agent: the first message of a NIXL session on its KV transfer port.
+
+    Decode loads ``agent_metadata`` into its own agent and READs block ``b``
+    from ``base_address + b * block_nbytes`` of prefill's ``memory`` ("DRAM" or
+    "VRAM" on GPU ``device_id``).  It asks before each read (``TransferRequest``,
+    answered by ``TransferAnswer`` on the session) and says it is done with a
+    NIXL notification carrying a msgpack ``TransferDone``.  ``unavailable`` says
+    why, when this instance serves no NIXL reads (the rest is then empty).
+    """
+
+    unavailable: str
+    agent_name: str = ""
+    agent_metadata: bytes = b""
+    memory: str = ""
+    device_id: int = 0
+    base_address: int = 0
+    num_blocks: int = 0
+    block_nbytes: int = 0

@@ -18,7 +18,7 @@ from pdtrio.engine.api import Engine, NoRoom
 from pdtrio.engine.blocks import blocks_needed
 from pdtrio.engine.budget import tokens_left
 from pdtrio.kv.api import KvTransferError, KvTransport
-from pdtrio.protocol.kv_layout import layout_mismatch
+from pdtrio.protocol.kv_layout import KvLayout, layout_mismatch
 from pdtrio.protocol.wire import DecodeStart, RejectReason
 from pdtrio.worker.leases import KvLeases
 
@@ -46,9 +46,17 @@ _ACCEPTED = Accepted()
 @final
 class DecodeAdmission:
     def __init__(
-        self, engine: Engine, leases: KvLeases, transport: KvTransport, instance_id: str
+        self,
+        engine: Engine,
+        leases: KvLeases,
+        transport: KvTransport,
+        instance_id: str,
+        *,
+        layout: KvLayout | None = None,
     ) -> None:
         self._engine = engine
+        # what starts are checked against: the engine's, unless a fault hook alters it
+        self._layout = layout
         self._leases = leases
         self._transport = transport
         self._instance_id = instance_id
@@ -60,7 +68,7 @@ class DecodeAdmission:
         """
         engine = self._engine
         handle = start.kv_handle
-        mismatch = layout_mismatch(handle.layout, engine.layout)
+        mismatch = layout_mismatch(handle.layout, self._layout or engine.layout)
         if mismatch is not None:
             return Rejected(RejectReason.LAYOUT_MISMATCH, mismatch)
         problem = _malformed(start)

@@ -19,6 +19,7 @@ from pdtrio.config import (
 )
 from pdtrio.engine.api import Engine, EngineError
 from pdtrio.engine.config import UnsupportedModel
+from pdtrio.kv.api import KvTransportUnavailable
 from pdtrio.worker.launch import ready_line
 from pdtrio.worker.server import Worker
 
@@ -51,6 +52,12 @@ def parse_args(argv: list[str]) -> tuple[WorkerConfig, bool]:
     parser.add_argument("--port", type=int, default=None)
     parser.add_argument("--engine", choices=["synthetic", "torch"], default=None)
     parser.add_argument("--model", default=None)
+    parser.add_argument(
+        "--kv-transport",
+        choices=["nixl", "tcp", "auto"],
+        default=None,
+        help="how decode pulls KV from prefill (default: auto, NIXL where it works)",
+    )
     parser.add_argument("--config-json", default=None, help="a whole WorkerConfig as JSON")
     parser.add_argument(
         "--exit-with-stdin",
@@ -59,7 +66,7 @@ def parse_args(argv: list[str]) -> tuple[WorkerConfig, bool]:
     )
     args = parser.parse_args(argv)
     raw: dict[str, Any] = json.loads(args.config_json) if args.config_json else {}
-    for key in ("role", "host", "port"):
+    for key in ("role", "host", "port", "kv_transport"):
         if getattr(args, key) is not None:
             raw[key] = getattr(args, key)
     engine = raw.setdefault("engine", {})
@@ -86,15 +93,30 @@ async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> N
     except (OSError, UnsupportedModel, EngineError) as exc:
         # a missing or unreadable model is the operator's to fix: say which, not where
         raise ConfigError(f"cannot load model {config.engine.model!r}: {exc}") from None
-    worker = Worker(config, engine)
-    async with trio.open_nursery() as nursery:
-        if exit_with_stdin:
-            nursery.start_soon(_exit_when_stdin_closes, nursery.cancel_scope)
-        ready = await nursery.start(worker.run)
-        ready["role"] = config.role
-        ready["model"] = engine.model_name
-        # the supervisor reads this line to learn the ports
-        print(ready_line(ready), flush=True)
+    try:
+        worker = Worker(config, engine)
+    except KvTransportUnavailable as exc:
+        raise ConfigError(f"kv_transport = {config.kv_transport!r}: {exc}") from None
+    try:
+        async with trio.open_nursery() as nursery:
+            if exit_with_stdin:
+                nursery.start_soon(_exit_when_stdin_closes, nursery.cancel_scope)
+            ready = await nursery.start(worker.run)
+            ready["role"] = config.role
+            ready["model"] = engine.model_name
+            ready["kv_transport"] = worker.transport.name
+            # the supervisor reads this line to learn the ports
+            print(ready_line(ready), flush=True)
+    except* KvTransportUnavailable as group:
+        raise ConfigError(f"kv_transport = {config.kv_transport!r}: {_first(group)}") from None
+
+
+def _first(group: BaseExceptionGroup[KvTransportUnavailable]) -> BaseException:
+    """The first leaf of a (nested) exception group."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first
 
 
 def main(argv: list[str]) -> int:

@@ -62,6 +62,7 @@ from pdtrio.protocol.wire import (
     WireError,
 )
 from pdtrio.worker.admission import DecodeAdmission, Rejected
+from pdtrio.worker.fault_hooks import FaultHooks
 
 log = logging.getLogger("pdtrio.worker.link")
 
@@ -110,6 +111,9 @@ class _Link:
         self._reports_capacity = server.admission is not None
         self._capacity_dirty = self._reports_capacity
         self._last_capacity: DecodeCapacity | None = None
+        self._faults = server.faults
+        # a fault hook (testing only) may turn heartbeats off
+        self._heartbeats = server.faults is None or not server.faults.heartbeats_off
 
     def mark_capacity(self) -> None:
         """The engine's free blocks may have changed: report it soon (never blocks)."""
@@ -164,7 +168,11 @@ class _Link:
                     continue
                 deadline = decision.deadline if isinstance(decision, WaitUntil) else math.inf
                 # a frame in flight is proof of life; its write's poke re-arms the heartbeat
-                beat_at = math.inf if self._in_flight else self._last_write + self._heartbeat_s
+                beat_at = (
+                    self._last_write + self._heartbeat_s
+                    if self._heartbeats and not self._in_flight
+                    else math.inf
+                )
                 item: _Outgoing = None
                 # only the wait is bounded: a hand-over cut by the deadline would lose a frame
                 with trio.move_on_at(min(deadline, beat_at)):
@@ -191,7 +199,10 @@ class _Link:
 
     async def _run_writer(self, frames: trio.MemoryReceiveChannel[_Frame]) -> None:
         poke = self.outbox_send.clone()
+        faults = self._faults
         async for frame in frames:
+            if faults is not None:
+                await faults.before_frame(frame)  # a stall (testing only)
             await self._send({"type": "websocket.send", "bytes": wire.encode(frame)})
             self._last_write = trio.current_time()
             self._in_flight -= 1
@@ -373,7 +384,10 @@ class RouterLinkServer:
         prefiller: Prefiller | None,
         engine: Engine,
         flush: FlushConfig,
+        *,
+        faults: FaultHooks | None = None,
     ) -> None:
+        self.faults = faults  # testing only: None unless a fault hook is configured
         self.admission = admission
         self.prefiller = prefiller
         self.engine = engine
@@ -420,6 +434,8 @@ class RouterLinkServer:
     async def _deliver(self, link: _Link, entries: StepOutputs) -> None:
         if not entries:
             return
+        if self.faults is not None:
+            self.faults.on_decode_outputs(entries)  # may exit the process (testing only)
         finished = False
         for entry in entries:
             if entry.finish_reason is not None:

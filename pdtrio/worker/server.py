@@ -33,9 +33,10 @@ from pdtrio.asgi import (
 from pdtrio.config import WorkerConfig
 from pdtrio.engine.api import Engine, EngineError, EngineOutput, NoRoom, PromptRejected
 from pdtrio.kv.api import KvTransport
-from pdtrio.kv.tcp import TcpKvTransport
+from pdtrio.kv.selection import kv_transport_for
 from pdtrio.memory import limit_heap_retention
 from pdtrio.protocol import wire
+from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.openai import error_body
 from pdtrio.protocol.wire import (
     KvHandle,
@@ -47,6 +48,7 @@ from pdtrio.protocol.wire import (
     WireError,
 )
 from pdtrio.worker.admission import DecodeAdmission
+from pdtrio.worker.fault_hooks import fault_hooks_for
 from pdtrio.worker.leases import KvLeases
 from pdtrio.worker.router_link import OFF_LOOP_DECODE_BYTES, RouterLinkServer
 
@@ -81,7 +83,11 @@ class Worker:
     ) -> None:
         self.config = config
         self.engine = engine
-        self.transport: KvTransport = transport or TcpKvTransport()
+        self.transport: KvTransport = transport or kv_transport_for(config.kv_transport, engine)
+        # testing only ([faults]): None unless a hook is configured
+        self.faults = fault_hooks_for(config.faults)
+        if self.faults is not None:
+            self.transport = self.faults.wrap_transport(self.transport)
         # empty until the worker serves: the default names the bound HTTP port
         self.instance_id = config.instance_id
         self.leases = KvLeases(engine.free_request)
@@ -101,6 +107,12 @@ class Worker:
     def serves_decode(self) -> bool:
         return self.config.role in ("decode", "both")
 
+    @property
+    def kv_layout(self) -> KvLayout:
+        """The layout this worker reports and pairs by (a fault hook may alter it)."""
+        layout = self.engine.layout
+        return layout if self.faults is None else self.faults.layout(layout)
+
     # --- lifetime -----------------------------------------------------------------
 
     async def run(
@@ -118,10 +130,15 @@ class Worker:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run, outputs_send)
             nursery.start_soon(self.leases.run_expiry)
-            if self.serves_prefill:
-                self.transfer_endpoint = await nursery.start(
-                    self.transport.serve, self, config.host, config.transfer_port
-                )
+            # NIXL registers the KV cache here; prefill also serves its KV transfer port
+            endpoint = await nursery.start(
+                self.transport.run,
+                self if self.serves_prefill else None,
+                config.host,
+                config.transfer_port,
+            )
+            if endpoint is not None:
+                self.transfer_endpoint = endpoint
             hyper = HypercornConfig()
             hyper.bind = [f"{config.host}:{config.port}"]
             hyper.accesslog = None
@@ -134,12 +151,22 @@ class Worker:
             if not self.instance_id:
                 self.instance_id = default_instance_id(config.role, config.host, self.http_port)
             admission = (
-                DecodeAdmission(self.engine, self.leases, self.transport, self.instance_id)
+                DecodeAdmission(
+                    self.engine,
+                    self.leases,
+                    self.transport,
+                    self.instance_id,
+                    layout=self.kv_layout,
+                )
                 if self.serves_decode
                 else None
             )
             links = RouterLinkServer(
-                admission, self if self.serves_prefill else None, self.engine, config.flush
+                admission,
+                self if self.serves_prefill else None,
+                self.engine,
+                config.flush,
+                faults=self.faults,
             )
             nursery.start_soon(links.dispatch_outputs, outputs_receive)
             self.links = links
@@ -242,8 +269,9 @@ class Worker:
             "model": self.engine.model_name,
             "max_model_len": self.engine.max_model_len,
             # the wire form (a list): msgspec.convert(info["layout"], KvLayout) reads it
-            "layout": msgspec.to_builtins(self.engine.layout),
+            "layout": msgspec.to_builtins(self.kv_layout),
             "transfer_endpoint": list(self.transfer_endpoint),
+            "kv_transport": self.transport.info(),
         }
 
     def stats(self) -> dict[str, Any]:
@@ -349,6 +377,10 @@ class Worker:
         """The reply, or the error the engine's refusal or failure maps to."""
         request_id = request.request_id
         try:
+            if self.faults is not None and self.faults.watches_prefill:
+                failed = await self.faults.before_prefill(request_id)
+                if failed is not None:
+                    return failed
             return await self._prefill(request)
         except PromptRejected as exc:
             return PrefillFailed(
@@ -379,7 +411,7 @@ class Worker:
                 transfer_port=self.transfer_endpoint[1],
                 block_ids=result.block_ids,
                 num_tokens=len(token_ids),
-                layout=self.engine.layout,
+                layout=self.kv_layout,
                 lease_expiry=time.time() + lease_s,
             )
         return PrefillReply(

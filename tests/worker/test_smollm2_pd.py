@@ -21,6 +21,7 @@ from tests.cluster import client, running_cluster, wait_until_idle  # noqa: E402
 
 SMOL = EngineConfig(kind="torch", model="smollm2-135m-instruct", num_kv_blocks=256)
 MODEL = "smollm2-135m-instruct"
+NIXL = importlib.util.find_spec("nixl") is not None
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,15 @@ def loaded_engines() -> dict[str, TorchEngine]:
     return {role: TorchEngine.from_config(SMOL) for role in ("prefill", "decode", "both")}
 
 
+@pytest.mark.parametrize(
+    "kv_transport",
+    [
+        pytest.param("nixl", marks=pytest.mark.skipif(not NIXL, reason="NIXL is not installed")),
+        "tcp",
+    ],
+)
 async def test_disaggregated_equals_colocated_on_smollm2(
-    loaded_engines: dict[str, TorchEngine],
+    loaded_engines: dict[str, TorchEngine], kv_transport: str
 ) -> None:
     bodies = [
         {
@@ -53,7 +61,8 @@ async def test_disaggregated_equals_colocated_on_smollm2(
     for roles in (("prefill", "decode"), ("both",)):
 
         def make(role: str) -> Worker:
-            return Worker(WorkerConfig(role=role, engine=SMOL), loaded_engines[role])  # type: ignore[arg-type]
+            config = WorkerConfig(role=role, engine=SMOL, kv_transport=kv_transport)  # type: ignore[arg-type]
+            return Worker(config, loaded_engines[role])  # type: ignore[arg-type]
 
         async with running_cluster(roles=roles, make_worker=make) as cluster:
             results = []
@@ -65,6 +74,9 @@ async def test_disaggregated_equals_colocated_on_smollm2(
                     assert response.status_code == 200, response.text
                     results.append(response.json()["choices"][0]["message"]["content"])
             await wait_until_idle(cluster)
+            if roles == ("prefill", "decode"):
+                pulls = cluster.workers[1].transport.info()["pulls"]
+                assert pulls[kv_transport] == len(bodies) == sum(pulls.values()), pulls
         texts[roles] = results
     assert texts[("prefill", "decode")] == texts[("both",)]
     assert "Paris" in texts[("both",)][0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 from functools import partial
@@ -14,15 +15,38 @@ pytest.importorskip("torch")
 from pdtrio.config import EngineConfig, WorkerConfig  # noqa: E402
 from pdtrio.engine.torch.engine import TorchEngine  # noqa: E402
 from pdtrio.worker.server import Worker  # noqa: E402
-from tests.cluster import client, raw_post_then_hang_up, running_cluster, wait_until_idle  # noqa: E402
+from tests.cluster import (  # noqa: E402
+    Cluster,
+    client,
+    raw_post_then_hang_up,
+    running_cluster,
+    wait_until_idle,
+)
+
+NIXL = importlib.util.find_spec("nixl") is not None
 
 TINY = EngineConfig(
     kind="torch", model="tiny-random", dtype="float64", num_kv_blocks=512, max_batch_size=16
 )
 
 
-def tiny_worker(role: str, engine: EngineConfig = TINY) -> Worker:
-    return Worker(WorkerConfig(role=role, engine=engine), TorchEngine.from_config(engine))  # type: ignore[arg-type]
+def tiny_worker(role: str, engine: EngineConfig = TINY, kv_transport: str = "auto") -> Worker:
+    config = WorkerConfig(role=role, engine=engine, kv_transport=kv_transport)  # type: ignore[arg-type]
+    return Worker(config, TorchEngine.from_config(engine))  # type: ignore[arg-type]
+
+
+# the equivalence tests run over each KV transport; "nixl" is skipped where NIXL is not installed
+TRANSPORTS = [
+    pytest.param("nixl", marks=pytest.mark.skipif(not NIXL, reason="NIXL is not installed")),
+    "tcp",
+]
+
+
+def assert_pulled_with(cluster: Cluster, kv_transport: str) -> None:
+    """Every pull of the disaggregated run went over ``kv_transport``."""
+    (decode,) = [w for w in cluster.workers if w.config.role == "decode"]
+    pulls = decode.transport.info()["pulls"]
+    assert pulls[kv_transport] > 0 and sum(pulls.values()) == pulls[kv_transport], pulls
 
 
 def _prompts(count: int, seed: int) -> list[str]:
@@ -47,8 +71,11 @@ async def _complete_all(url_cluster, bodies: list[dict], stagger: float) -> list
     return results
 
 
+@pytest.mark.parametrize("kv_transport", TRANSPORTS)
 @pytest.mark.parametrize("concurrency", [1, 3, 8])
-async def test_disaggregated_equals_colocated_on_tiny_random(concurrency: int) -> None:
+async def test_disaggregated_equals_colocated_on_tiny_random(
+    concurrency: int, kv_transport: str
+) -> None:
     prompts = _prompts(8, seed=concurrency)
     bodies = []
     for index, prompt in enumerate(prompts):
@@ -59,22 +86,27 @@ async def test_disaggregated_equals_colocated_on_tiny_random(concurrency: int) -
             body |= {"temperature": 0}
         bodies.append(body)
     outputs = {}
+    make = partial(tiny_worker, kv_transport=kv_transport)
     for roles in (("prefill", "decode"), ("both",)):
-        async with running_cluster(roles=roles, make_worker=tiny_worker) as cluster:
+        async with running_cluster(roles=roles, make_worker=make) as cluster:
             replies = []
             for start in range(0, len(bodies), concurrency):
                 replies += await _complete_all(cluster, bodies[start : start + concurrency], 0.01)
             await wait_until_idle(cluster)
+            if roles == ("prefill", "decode"):
+                assert_pulled_with(cluster, kv_transport)
         outputs[roles] = [r["choices"][0]["text"] for r in replies]
         assert all(r["usage"]["completion_tokens"] == 12 for r in replies)
     assert outputs[("prefill", "decode")] == outputs[("both",)]
 
 
-async def test_stop_strings_and_min_tokens_agree_between_modes() -> None:
+@pytest.mark.parametrize("kv_transport", TRANSPORTS)
+async def test_stop_strings_and_min_tokens_agree_between_modes(kv_transport: str) -> None:
     base = {"model": "tiny-random", "prompt": "stop here", "temperature": 0, "max_tokens": 30}
     outputs = {}
+    make = partial(tiny_worker, kv_transport=kv_transport)
     for roles in (("prefill", "decode"), ("both",)):
-        async with running_cluster(roles=roles, make_worker=tiny_worker) as cluster:
+        async with running_cluster(roles=roles, make_worker=make) as cluster:
             async with client(cluster) as http:
                 whole = (await http.post("/v1/completions", json=base)).json()["choices"][0]
                 text = whole["text"]
@@ -89,6 +121,8 @@ async def test_stop_strings_and_min_tokens_agree_between_modes() -> None:
                 ).json()
                 outputs[roles] = (text, cut["choices"][0], cut["usage"], held["choices"][0])
             await wait_until_idle(cluster)
+            if roles == ("prefill", "decode"):
+                assert_pulled_with(cluster, kv_transport)
     assert outputs[("prefill", "decode")] == outputs[("both",)]
     text, cut, cut_usage, held = outputs[("both",)]
     assert cut["finish_reason"] == "stop"
@@ -125,11 +159,12 @@ async def test_random_disconnects_leave_no_blocks_with_the_torch_engine() -> Non
         await wait_until_idle(cluster, deadline_s=30)
 
 
-async def test_layout_mismatch_is_a_clear_error_naming_both_sides() -> None:
+@pytest.mark.parametrize("kv_transport", TRANSPORTS)
+async def test_layout_mismatch_is_a_clear_error_naming_both_sides(kv_transport: str) -> None:
     other = EngineConfig(kind="torch", model="tiny-random", dtype="float32", num_kv_blocks=512)
 
     def make(role: str) -> Worker:
-        return tiny_worker(role, TINY if role == "prefill" else other)
+        return tiny_worker(role, TINY if role == "prefill" else other, kv_transport)
 
     async with running_cluster(make_worker=make) as cluster:
         async with client(cluster) as http:

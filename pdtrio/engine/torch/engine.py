@@ -26,6 +26,7 @@ from pdtrio.engine.api import (
     EngineError,
     EngineOutput,
     EngineStatistics,
+    KvRegion,
     PrefillResult,
     StepFailed,
     StepOutputs,
@@ -246,6 +247,9 @@ class TorchEngine:
             await trio.to_thread.run_sync(self._cache.write_blocks, block_ids, data)
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
+
+    def kv_region(self) -> KvRegion:
+        return self._cache.region()
 
     # --- decode -------------------------------------------------------------------------
 

@@ -5,10 +5,14 @@ Storage is one tensor of shape
 V), so block ``b`` is the contiguous byte range
 ``[b * block_nbytes, (b + 1) * block_nbytes)`` of the tensor: a block moves
 between instances as one memcpy / one RDMA region, all layers together.
+The tensor is allocated once and never replaced, so its memory can be
+registered with a transport (``region``).
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 from typing import final
 
@@ -16,6 +20,7 @@ import attrs
 import numpy as np
 import torch
 
+from pdtrio.engine.api import KvRegion, kv_buffer
 from pdtrio.engine.blocks import BlockAllocator
 from pdtrio.engine.config import ModelConfig
 from pdtrio.protocol.kv_layout import KvLayout
@@ -61,11 +66,15 @@ class PagedKvCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.kv = torch.zeros(
-            (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim),
-            dtype=dtype,
-            device=device,
-        )
+        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._buffer: mmap.mmap | None = None
+        if torch.device(device).type == "cpu" and nbytes > 0:
+            # zeroed, in huge pages where the kernel allows: faster to copy between processes
+            self._buffer = kv_buffer(nbytes)
+            self.kv = torch.frombuffer(self._buffer, dtype=torch.uint8).view(dtype).view(shape)
+        else:
+            self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.device = self.kv.device  # "cuda" becomes "cuda:0", as the model's tensors say
         self.allocator = BlockAllocator(num_blocks)
 
@@ -104,6 +113,16 @@ class PagedKvCache:
             head_dim=self.head_dim,
             block_size=self.block_size,
             dtype=dtype_name(self.dtype),
+        )
+
+    def region(self) -> KvRegion:
+        """The storage tensor's memory: block ``b`` at ``address + b * block_nbytes``."""
+        return KvRegion(
+            address=self.kv.data_ptr(),
+            num_blocks=self.num_blocks,
+            block_nbytes=self.block_nbytes,
+            device=self.device.type,
+            device_id=self.device.index or 0,
         )
 
     def statistics(self) -> KvCacheStatistics:

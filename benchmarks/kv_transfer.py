@@ -1,0 +1,362 @@
+"""``python -m benchmarks.kv_transfer [--quick] [--json PATH]``: what a KV handoff costs.
+
+1. Bandwidth, for 1, 16, 64 and 256 MiB of blocks: a NIXL pull (grant, READ,
+   release notification) and a TCP pull from a prefill process into this one,
+   and a plain copy inside one process (the ceiling), all in one run.  Every
+   pull's bytes are checked against what prefill holds.
+2. The handoff at ISL 1024 on ``tiny-random``: ``pdtrio worker`` processes
+   behind a ``hypercorn -k trio`` router, prefill+decode over NIXL, over TCP,
+   and one colocated ``both`` worker.  The first token comes from prefill, so
+   the handoff shows in the second token: the table gives TTFT, the time to
+   the second token, what the handoff adds to it against colocated, and the
+   decode's own mean pull time (``/pd/info``).
+3. The CPU an idle worker uses, over a few seconds of /proc/PID/stat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import trio
+
+from pdtrio.config import SyntheticEngineConfig
+from pdtrio.engine.api import NoRoom
+from pdtrio.engine.synthetic import SyntheticEngine
+from pdtrio.kv.api import KvTransport
+from pdtrio.kv.nixl import NixlKvTransport
+from pdtrio.kv.tcp import TcpKvTransport
+from pdtrio.protocol.wire import KvHandle
+from pdtrio.testing import Processes, Service, cpu_seconds, write_router_config
+from pdtrio.worker.leases import KvLeases
+
+LOOPBACK = "127.0.0.1"
+MIB = 1 << 20
+SIZES_MIB = (1, 16, 64, 256)
+BLOCK_SIZE = 16384  # tokens: a synthetic block is 4 bytes a token, 64 KiB
+NUM_BLOCKS = 256 * MIB // (4 * BLOCK_SIZE) + 64
+SEED = 20260101
+READY = b"KV_PREFILL_READY "
+HANDLE = b"KV_HANDLE "
+REPO = Path(__file__).resolve().parents[1]
+ISL = 1024
+
+
+def pattern(nbytes: int) -> np.ndarray[Any, Any]:
+    """The bytes prefill's whole cache holds: random, the same in both processes."""
+    return np.random.default_rng(SEED).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def engine() -> SyntheticEngine:
+    return SyntheticEngine(SyntheticEngineConfig(), num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+
+
+# --- the prefill process ------------------------------------------------------------
+
+
+class Leased:
+    """The KvBlockSource a worker is, reduced to an engine and its leases."""
+
+    def __init__(self, prefill: SyntheticEngine) -> None:
+        self.engine = prefill
+        self.leases = KvLeases(prefill.free_request)
+
+    def holds(self, request_id: str, block_ids: tuple[int, ...]) -> bool:
+        return self.leases.holds(request_id, block_ids)
+
+    async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
+        return await self.engine.read_blocks(block_ids)
+
+    def release(self, request_id: str) -> bool:
+        return self.leases.release(request_id)
+
+
+async def allocate(prefill: SyntheticEngine, request_id: str, blocks: int) -> tuple[int, ...]:
+    """Blocks for a new lease, once the last pull's release has freed room for them."""
+    while True:
+        try:
+            return prefill.allocate_blocks(request_id, blocks * BLOCK_SIZE)
+        except NoRoom:
+            await trio.sleep(0.001)
+
+
+async def serve_prefill() -> None:
+    """Hold the pattern, serve it over NIXL and TCP; ``lease ID BLOCKS`` on stdin leases blocks."""
+    prefill = engine()
+    await prefill.write_blocks(
+        tuple(range(NUM_BLOCKS)), pattern(NUM_BLOCKS * 4 * BLOCK_SIZE).tobytes()
+    )
+    source = Leased(prefill)
+    transport = NixlKvTransport(prefill, required=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(source.leases.run_expiry)
+        endpoint = await nursery.start(transport.run, source, LOOPBACK, 0)
+        print(READY.decode() + json.dumps({"port": endpoint[1]}), flush=True)
+        stdin = trio.lowlevel.FdStream(os.dup(0))
+        buffer = b""
+        async with stdin:
+            while chunk := await stdin.receive_some(4096):
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    _, request_id, blocks = line.decode().split()
+                    block_ids = await allocate(prefill, request_id, int(blocks))
+                    source.leases.hold(request_id, block_ids, trio.current_time() + 60)
+                    reply = {"block_ids": block_ids, "lease_expiry": time.time() + 60}
+                    print(HANDLE.decode() + json.dumps(reply), flush=True)
+        nursery.cancel_scope.cancel()
+
+
+# --- bandwidth --------------------------------------------------------------------------
+
+
+async def bandwidth(procs: Processes, reps: int) -> list[dict[str, Any]]:
+    process = procs.start(
+        [sys.executable, "-m", "benchmarks.kv_transfer", "--serve-prefill"],
+        env={"PYTHONPATH": str(REPO)},
+        stdin=True,
+        output="lines",
+    )
+    port = json.loads(await trio.to_thread.run_sync(procs.read_line, process, READY, 120))["port"]
+    expected = pattern(NUM_BLOCKS * 4 * BLOCK_SIZE)
+    decode = engine()
+    layout = decode.layout
+    block_nbytes = layout.block_nbytes
+    leases = 0
+
+    async def lease(blocks: int) -> KvHandle:
+        nonlocal leases
+        leases += 1
+        assert process.stdin is not None
+        process.stdin.write(f"lease r{leases} {blocks}\n".encode())
+        process.stdin.flush()
+        line = await trio.to_thread.run_sync(procs.read_line, process, HANDLE, 60)
+        reply = json.loads(line)
+        ids = tuple(reply["block_ids"])
+        return KvHandle(
+            f"r{leases}", "prefill", LOOPBACK, port, ids, len(ids) * BLOCK_SIZE, layout,
+            reply["lease_expiry"],
+        )  # fmt: skip
+
+    async def pull_seconds(transport: KvTransport, blocks: int) -> tuple[float, float]:
+        """Seconds of the whole pull, and of NIXL's READ in it (0 for TCP)."""
+        handle = await lease(blocks)
+        dest = decode.allocate_blocks(handle.request_id, handle.num_tokens)
+        read_before = nixl.read_seconds
+        started = time.perf_counter()
+        await transport.pull(handle, decode, dest)
+        seconds = time.perf_counter() - started
+        received = np.frombuffer(await decode.read_blocks(dest), dtype=np.uint8)
+        sent = np.concatenate(
+            [expected[b * block_nbytes : (b + 1) * block_nbytes] for b in handle.block_ids]
+        )
+        assert np.array_equal(received, sent), "the bytes that arrived are not prefill's"
+        decode.free_request(handle.request_id)
+        return seconds, nixl.read_seconds - read_before
+
+    rows = []
+    nixl = NixlKvTransport(decode, required=True)
+    tcp = TcpKvTransport()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(nixl.run, None, LOOPBACK, 0)
+        await pull_seconds(nixl, 1)  # meets prefill: the session and its metadata
+        for size in SIZES_MIB:
+            blocks = size * MIB // block_nbytes
+            nbytes = blocks * block_nbytes
+            times: dict[str, list[float]] = {"nixl_pull": [], "nixl_read": [], "tcp_pull": []}
+            for _ in range(reps):
+                pull, read = await pull_seconds(nixl, blocks)
+                times["nixl_pull"].append(pull)
+                times["nixl_read"].append(read)
+                times["tcp_pull"].append((await pull_seconds(tcp, blocks))[0])
+            times["copy_cold"], times["copy_hot"] = copy_seconds(nbytes, reps)
+            row: dict[str, Any] = {"size_mib": size, "blocks": blocks}
+            for name, samples in times.items():
+                row[f"{name}_gbps"] = nbytes / statistics.median(samples) / 1e9
+            row["read_vs_copy"] = row["nixl_read_gbps"] / row["copy_cold_gbps"]
+            row["pull_vs_copy"] = row["nixl_pull_gbps"] / row["copy_cold_gbps"]
+            rows.append(row)
+        nursery.cancel_scope.cancel()
+    return rows
+
+
+def copy_seconds(nbytes: int, reps: int) -> tuple[list[float], list[float]]:
+    """Copies inside this process (the ceiling): cold, from and to parts of two cache-sized-
+    dwarfing buffers the last copy did not touch (as a pull's blocks are); and hot, the same
+    bytes again and again (what the CPU's caches add, for reference)."""
+    span = NUM_BLOCKS * 4 * BLOCK_SIZE
+    source = pattern(span)
+    target = np.ones(span, dtype=np.uint8)
+    cold, hot = [], []
+    offset = 0
+    for _ in range(reps):
+        offset = (offset + nbytes + 7 * MIB) % (span - nbytes)
+        into = (offset + span // 2) % (span - nbytes)
+        started = time.perf_counter()
+        np.copyto(target[into : into + nbytes], source[offset : offset + nbytes])
+        cold.append(time.perf_counter() - started)
+        assert np.array_equal(target[into : into + nbytes], source[offset : offset + nbytes])
+    for _ in range(reps):
+        started = time.perf_counter()
+        np.copyto(target[:nbytes], source[:nbytes])
+        hot.append(time.perf_counter() - started)
+    return cold, hot
+
+
+# --- the handoff at ISL 1024 ----------------------------------------------------------------
+
+
+def tiny_worker(role: str, kv_transport: str) -> dict[str, Any]:
+    engine_config = {"kind": "torch", "model": "tiny-random", "dtype": "float32"}
+    return {"role": role, "kv_transport": kv_transport, "engine": engine_config}
+
+
+async def first_two_tokens(http: httpx.AsyncClient, prompt: list[int]) -> tuple[float, float]:
+    """Seconds to the first and to the second token of one streamed completion."""
+    body = {
+        "model": "tiny-random",
+        "prompt": prompt,
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    started = time.perf_counter()
+    arrivals: list[float] = []
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and '"choices":[{' in line.replace(" ", ""):
+                arrivals.append(time.perf_counter() - started)
+    assert len(arrivals) >= 2, arrivals
+    return arrivals[0], arrivals[1]
+
+
+async def handoff(
+    procs: Processes, label: str, roles: tuple[str, ...], kv_transport: str, requests: int
+) -> tuple[dict[str, Any], list[Service]]:
+    started = [procs.start_worker(tiny_worker(role, kv_transport)) for role in roles]
+    workers = [await trio.to_thread.run_sync(procs.wait_ready, p) for p in started]
+    config = write_router_config(
+        Path(tempfile.mkdtemp()) / f"{label}.toml",
+        [(w.ready["role"], w.url) for w in workers],
+    )
+    router = await trio.to_thread.run_sync(procs.router, config)
+    prompt = [(7 + 31 * i) % 200 + 10 for i in range(ISL)]
+    first: list[float] = []
+    second: list[float] = []
+    async with httpx.AsyncClient(base_url=router.url, timeout=60) as http:
+        for index in range(requests + 2):
+            ttft, tt2t = await first_two_tokens(http, [index % 50 + 10, *prompt[1:]])
+            if index >= 2:  # two to warm up
+                first.append(ttft)
+                second.append(tt2t)
+        row: dict[str, Any] = {
+            "setup": label,
+            "ttft_ms": 1e3 * statistics.median(first),
+            "second_token_ms": 1e3 * statistics.median(second),
+        }
+        decode = [w for w in workers if w.ready["role"] in ("decode", "both")][0]
+        info = (await http.get(f"{decode.url}/pd/info")).json()["kv_transport"]
+    pulls = sum(info["pulls"].values())
+    row["pull_ms"] = 1e3 * sum(info["pull_seconds"].values()) / pulls if pulls else 0.0
+    row["pulled_over"] = ",".join(name for name, count in info["pulls"].items() if count)
+    return row, workers
+
+
+def idle_cpu_percent(services: list[Service], seconds: float) -> list[float]:
+    """Each process's CPU over ``seconds`` of doing nothing, in % of one core."""
+    before = [cpu_seconds([s.pid]) for s in services]
+    time.sleep(seconds)
+    after = [cpu_seconds([s.pid]) for s in services]
+    return [100 * (b - a) / seconds for a, b in zip(before, after, strict=True)]
+
+
+async def run(quick: bool) -> dict[str, Any]:
+    reps, requests, idle_s = (2, 5, 3.0) if quick else (5, 20, 5.0)
+    result: dict[str, Any] = {}
+    with Processes(stop_grace_s=10) as procs:
+        result["bandwidth"] = await bandwidth(procs, reps)
+    rows = []
+    idle: dict[str, float] = {}
+    for label, roles, kv_transport in (
+        ("nixl", ("prefill", "decode"), "nixl"),
+        ("tcp", ("prefill", "decode"), "tcp"),
+        ("colocated", ("both",), "tcp"),
+    ):
+        with Processes(stop_grace_s=10) as procs:
+            row, workers = await handoff(procs, label, roles, kv_transport, requests)
+            rows.append(row)
+            if label != "colocated":
+                await trio.sleep(1.0)  # what the requests left behind settles
+                usage = await trio.to_thread.run_sync(idle_cpu_percent, workers, idle_s)
+                for worker, percent in zip(workers, usage, strict=True):
+                    idle[f"{label} {worker.ready['role']}"] = percent
+    colocated = rows[-1]["second_token_ms"]
+    for row in rows:
+        row["handoff_adds_ms"] = row["second_token_ms"] - colocated
+    result["handoff"] = rows
+    result["idle_cpu_percent"] = idle
+    return result
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    print("KV pull bandwidth, GB/s (median; every pull's bytes verified)")
+    print(
+        f"{'size':>8} {'blocks':>7} {'NIXL READ':>10} {'NIXL pull':>10} {'TCP pull':>9} "
+        f"{'copy cold':>10} {'copy hot':>9} {'READ/copy':>10} {'pull/copy':>10}"
+    )
+    for row in result["bandwidth"]:
+        print(
+            f"{row['size_mib']:>5} MiB {row['blocks']:>7} {row['nixl_read_gbps']:>10.2f} "
+            f"{row['nixl_pull_gbps']:>10.2f} {row['tcp_pull_gbps']:>9.2f} "
+            f"{row['copy_cold_gbps']:>10.2f} {row['copy_hot_gbps']:>9.2f} "
+            f"{row['read_vs_copy']:>10.0%} {row['pull_vs_copy']:>10.0%}"
+        )
+    print(
+        "  (READ: the NIXL transfer alone; pull: grant, READ and bookkeeping, as decode waits"
+        " for it; copy/ratios: against the cold in-process copy)"
+    )
+    print()
+    print(f"The handoff at ISL {ISL}, tiny-random (p50)")
+    print(
+        f"{'setup':>10} {'TTFT ms':>8} {'2nd token ms':>13} {'handoff adds ms':>16} "
+        f"{'decode pull ms':>15}"
+    )
+    for row in result["handoff"]:
+        print(
+            f"{row['setup']:>10} {row['ttft_ms']:>8.2f} {row['second_token_ms']:>13.2f} "
+            f"{row['handoff_adds_ms']:>16.2f} {row['pull_ms']:>15.3f}"
+        )
+    print()
+    print("Idle worker CPU, % of one core")
+    for name, percent in result["idle_cpu_percent"].items():
+        print(f"{name:>16} {percent:6.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and requests")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--serve-prefill", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_prefill:
+        trio.run(serve_prefill)
+        return
+    result = trio.run(run, args.quick)
+    print_tables(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Fault hooks that end a worker process (``[faults]``), on real processes: os._exit kills it.
+
+The client sees a retry or a clear error, and the workers still standing hold nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdtrio.testing import Processes, Service, synthetic_worker_config, write_router_config
+from pdtrio.worker.fault_hooks import FAULT_EXIT_CODE
+
+# generous: these bound liveness, they do not measure it
+LIVENESS_S = 15.0
+ROUTER = {"link_timeout_s": 2.0, "link_heartbeat_s": 0.5}
+
+
+@pytest.fixture
+def procs() -> Iterator[Processes]:
+    with Processes(stop_grace_s=30) as group:
+        yield group
+
+
+def _worker_config(role: str, **faults: Any) -> dict[str, Any]:
+    config = synthetic_worker_config(role, decode_step_s=0.02)
+    if faults:
+        config["faults"] = faults
+    return config
+
+
+def _cluster(
+    procs: Processes, tmp_path: Path, workers: list[dict[str, Any]]
+) -> tuple[list[Service], Service]:
+    started = [procs.start_worker(config) for config in workers]
+    services = [procs.wait_ready(process) for process in started]
+    config = write_router_config(
+        tmp_path / "router.toml",
+        [(config["role"], service.url) for config, service in zip(workers, services, strict=True)],
+        router=ROUTER,
+    )
+    return services, procs.router(config, output="capture")
+
+
+def _eventually(condition: Callable[[], bool], timeout: float = LIVENESS_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _exited_by_fault(service: Service) -> bool:
+    return _eventually(lambda: service.process.poll() is not None) and (
+        service.process.returncode == FAULT_EXIT_CODE
+    )
+
+
+def _stats(service: Service) -> dict[str, Any]:
+    stats: dict[str, Any] = httpx.get(f"{service.url}/pd/stats", timeout=LIVENESS_S).json()
+    return stats
+
+
+def _holds_nothing(service: Service) -> bool:
+    stats = _stats(service)
+    return not any(
+        stats[key]
+        for key in (
+            "kv_blocks_in_use",
+            "running_requests",
+            "kv_leases",
+            "decode_requests",
+            "prefills_in_progress",
+        )
+    )
+
+
+def _body(max_tokens: int, *, stream: bool) -> dict[str, Any]:
+    return {"model": "synthetic", "prompt": "hello", "max_tokens": max_tokens, "stream": stream}
+
+
+def _post(router: Service, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{router.url}/v1/completions", json=body, timeout=LIVENESS_S)
+
+
+def test_a_prefill_that_exits_is_retried_on_the_other_prefill(
+    procs: Processes, tmp_path: Path
+) -> None:
+    workers = [
+        _worker_config("prefill", prefill_exit_after=1),
+        _worker_config("prefill"),
+        _worker_config("decode"),
+    ]
+    (faulty, prefill, decode), router = _cluster(procs, tmp_path, workers)
+    for _ in range(4):  # round-robin: the faulty one gets one of them
+        response = _post(router, _body(4, stream=False))
+        assert response.status_code == 200, response.text
+    assert _exited_by_fault(faulty)
+    assert _eventually(lambda: _holds_nothing(prefill) and _holds_nothing(decode))
+
+
+def test_the_only_prefill_exiting_is_a_503(procs: Processes, tmp_path: Path) -> None:
+    workers = [_worker_config("prefill", prefill_exit_after=1), _worker_config("decode")]
+    (faulty, decode), router = _cluster(procs, tmp_path, workers)
+    response = _post(router, _body(4, stream=False))
+    assert response.status_code == 503, response.text
+    assert _exited_by_fault(faulty)
+    assert _eventually(lambda: _holds_nothing(decode))
+
+
+def test_decode_exiting_at_token_n_ends_the_stream_or_is_a_502(
+    procs: Processes, tmp_path: Path
+) -> None:
+    workers = [
+        _worker_config("prefill"),
+        _worker_config("decode", decode_exit_at_token=5),
+        _worker_config("decode", decode_exit_at_token=5),
+    ]
+    (prefill, *decodes), router = _cluster(procs, tmp_path, workers)
+    # streaming: the stream ends with an error event and [DONE]
+    with httpx.stream(
+        "POST", f"{router.url}/v1/completions", json=_body(50, stream=True), timeout=LIVENESS_S
+    ) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert "error" in json.loads(events[-2].removeprefix("data: ")), events[-2]
+    assert _eventually(lambda: any(d.process.poll() is not None for d in decodes))
+    (gone,) = [d for d in decodes if d.process.poll() is not None]
+    assert gone.process.returncode == FAULT_EXIT_CODE
+    # non-streaming, on the decode left: a 502
+    response = _post(router, _body(50, stream=False))
+    assert response.status_code == 502, response.text
+    assert all(_exited_by_fault(d) for d in decodes)
+    assert _eventually(lambda: _holds_nothing(prefill))

@@ -1,0 +1,244 @@
+"""The NIXL transport in one process: exact bytes, leases, refusals, deadlines, per-pair fallback."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdtrio.kv.api import KvTransferError
+from pdtrio.kv.nixl import NixlKvTransport, coalesced_runs
+from pdtrio.kv.tcp import TcpKvTransport
+from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.protocol.wire import DecodeStart, KvHandle, RejectReason
+from pdtrio.worker.admission import Accepted, DecodeAdmission, Rejected
+from pdtrio.worker.leases import KvLeases
+from tests.cluster import wait_for_stats
+from tests.kv.blocks import (
+    LOOPBACK,
+    LeasedBlocks,
+    fragment,
+    leased_request,
+    running_pair,
+    synthetic,
+)
+
+pytest.importorskip("nixl")
+
+
+def nixl(engine: object, **kwargs: object) -> NixlKvTransport:
+    return NixlKvTransport(engine, required=True, **kwargs)  # type: ignore[arg-type]
+
+
+def start_for(handle: KvHandle) -> DecodeStart:
+    """A decode start for the handle's request (the synthetic engine is not asked to check it)."""
+    prompt = tuple(range(10, 10 + handle.num_tokens))
+    return DecodeStart(handle.request_id, prompt, 11, SamplingParams(), 8, 1, 0, handle)
+
+
+def test_runs_join_blocks_contiguous_on_both_sides() -> None:
+    assert coalesced_runs([4, 5, 6, 9], [0, 1, 7, 8]) == [(4, 0, 2), (6, 7, 1), (9, 8, 1)]
+    assert coalesced_runs([], []) == []
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=30))
+def test_runs_cover_exactly_the_pairs_in_order(pairs: list[tuple[int, int]]) -> None:
+    runs = coalesced_runs([s for s, _ in pairs], [d for _, d in pairs])
+    expanded = [(s + i, d + i) for s, d, count in runs for i in range(count)]
+    assert expanded == pairs
+
+
+async def test_nixl_reads_exactly_the_named_blocks_and_prefill_frees_them_once() -> None:
+    prefill, decode = synthetic(), synthetic()
+    fragment(prefill, holes=3)
+    fragment(decode, holes=2)
+    transport = nixl(decode)
+    async with running_pair(nixl(prefill), transport, prefill, decode) as pair:
+        handle, data = await leased_request(pair.prefill, "r", 30, pair.endpoint)
+        dest = decode.allocate_blocks("r", 40)[: len(handle.block_ids)]
+        assert len(coalesced_runs(handle.block_ids, dest)) > 1  # not one contiguous range
+        await transport.pull(handle, decode, dest)
+        assert await decode.read_blocks(dest) == data
+        await wait_for_stats(lambda: pair.prefill.released)
+        assert pair.prefill.released == [("r", True)]
+        assert pair.prefill.blocks_in_use() == 3  # the fillers only
+        info = transport.info()
+        assert info["pulls"] == {"nixl": 1, "tcp": 0}
+        assert [peer["transport"] for peer in info["peers"].values()] == ["nixl"]
+
+
+async def test_a_read_of_blocks_the_handle_does_not_name_is_refused() -> None:
+    prefill, decode = synthetic(), synthetic()
+    transport = nixl(decode)
+    async with running_pair(nixl(prefill), transport, prefill, decode) as pair:
+        handle, _ = await leased_request(pair.prefill, "r", 8, pair.endpoint)
+        other, _ = await leased_request(pair.prefill, "other", 8, pair.endpoint)
+        greedy = msgspec.structs.replace(handle, block_ids=(*handle.block_ids, other.block_ids[0]))
+        dest = decode.allocate_blocks("r", 12)
+        with pytest.raises(KvTransferError, match="refused"):
+            await transport.pull(greedy, decode, dest)
+        assert pair.prefill.released == []  # both leases stand
+        await transport.pull(handle, decode, dest[: len(handle.block_ids)])
+        await wait_for_stats(lambda: pair.prefill.released)
+        assert len(pair.prefill.leases) == 1
+
+
+async def test_an_expired_lease_is_freed_once_and_a_late_pull_is_refused() -> None:
+    prefill, decode = synthetic(), synthetic()
+    transport = nixl(decode)
+    async with running_pair(nixl(prefill), transport, prefill, decode) as pair:
+        handle, _ = await leased_request(pair.prefill, "r", 8, pair.endpoint, lease_s=0.2)
+        await wait_for_stats(lambda: not pair.prefill.leases)
+        assert pair.prefill.leases.expired_count == 1
+        assert pair.prefill.blocks_in_use() == 0
+        admission = DecodeAdmission(decode, KvLeases(decode.free_request), transport, "decode-0")
+        decision = await admission.admit(start_for(handle))
+        assert isinstance(decision, Rejected)
+        assert decision.reason == RejectReason.TRANSFER_FAILED
+        assert decode.statistics().kv_blocks_in_use == 0
+        assert pair.prefill.released == []  # the expiry freed them, nobody else
+        assert not pair.prefill.release("r")  # and the router's release, late, is harmless
+        assert pair.prefill.leases.expired_count == 1
+
+
+async def test_a_second_release_and_an_unknown_one_are_harmless() -> None:
+    prefill, decode = synthetic(), synthetic()
+    transport = nixl(decode)
+    async with running_pair(nixl(prefill), transport, prefill, decode) as pair:
+        handle, _ = await leased_request(pair.prefill, "r", 8, pair.endpoint)
+        dest = decode.allocate_blocks("r", 8)
+        await transport.pull(handle, decode, dest)
+        await wait_for_stats(lambda: pair.prefill.released)
+        # the router's release after decode's notification, and one for nobody
+        assert not pair.prefill.release("r")
+        assert not pair.prefill.release("nobody")
+        assert pair.prefill.released == [("r", True), ("r", False), ("nobody", False)]
+        assert pair.prefill.blocks_in_use() == 0
+
+
+async def test_an_abort_before_the_pull_frees_both_sides() -> None:
+    prefill, decode = synthetic(), synthetic()
+    transport = nixl(decode)
+    async with running_pair(nixl(prefill), transport, prefill, decode) as pair:
+        handle, _ = await leased_request(pair.prefill, "r", 8, pair.endpoint)
+        assert pair.prefill.release("r")  # the router cleans up before decode pulls
+        admission = DecodeAdmission(decode, KvLeases(decode.free_request), transport, "decode-0")
+        decision = await admission.admit(start_for(handle))
+        assert isinstance(decision, Rejected)
+        assert decision.reason == RejectReason.TRANSFER_FAILED and "no lease" in decision.message
+        assert pair.prefill.blocks_in_use() == 0
+        assert decode.statistics().kv_blocks_in_use == 0
+
+
+async def test_a_pull_cancelled_midway_leaves_decode_nothing_and_prefill_its_lease() -> None:
+    prefill, decode = synthetic(), synthetic()
+    transport = nixl(decode)
+    async with running_pair(nixl(prefill), transport, prefill, decode) as pair:
+        handle, _ = await leased_request(pair.prefill, "r", 8, pair.endpoint)
+        admission = DecodeAdmission(decode, KvLeases(decode.free_request), transport, "decode-0")
+        with trio.CancelScope() as scope:
+            scope.cancel()  # the router aborted: cancelled at its first checkpoint
+            await admission.admit(start_for(handle))
+        assert decode.statistics().kv_blocks_in_use == 0
+        assert pair.prefill.leases.holds("r", handle.block_ids)
+        decision = await admission.admit(start_for(handle))  # and it still works afterwards
+        assert isinstance(decision, Accepted)
+
+
+async def test_a_stalled_transfer_fails_at_its_deadline_and_decode_frees_its_blocks() -> None:
+    decode = synthetic()
+    transport = nixl(decode, timeout_s=0.3)
+
+    async def silent(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()  # accepts, then never says a word
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, silent, 0)
+        port = listeners[0].socket.getsockname()[1]
+        await nursery.start(transport.run, None, LOOPBACK, 0)
+        prefill = synthetic()
+        block_ids = prefill.allocate_blocks("r", 8)
+        handle = KvHandle("r", "prefill-0", LOOPBACK, port, block_ids, 8, prefill.layout, 2e9)
+        admission = DecodeAdmission(decode, KvLeases(decode.free_request), transport, "decode-0")
+        decision = await admission.admit(start_for(handle))
+        assert isinstance(decision, Rejected)
+        assert decision.reason == RejectReason.TRANSFER_FAILED
+        assert "deadline" in decision.message
+        assert decode.statistics().kv_blocks_in_use == 0
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(("prefill_side", "decode_side"), [("tcp", "nixl"), ("nixl", "tcp")])
+async def test_a_pair_that_cannot_agree_on_nixl_moves_kv_over_tcp(
+    prefill_side: str, decode_side: str
+) -> None:
+    prefill, decode = synthetic(), synthetic()
+
+    def transport(side: str, engine: object) -> NixlKvTransport | TcpKvTransport:
+        return nixl(engine) if side == "nixl" else TcpKvTransport()
+
+    decode_transport = transport(decode_side, decode)
+    async with running_pair(
+        transport(prefill_side, prefill), decode_transport, prefill, decode
+    ) as pair:
+        handle, data = await leased_request(pair.prefill, "r", 8, pair.endpoint)
+        dest = decode.allocate_blocks("r", 8)
+        await decode_transport.pull(handle, decode, dest)
+        assert await decode.read_blocks(dest) == data
+        assert pair.prefill.released == [("r", True)]
+        info = decode_transport.info()
+        assert info["pulls"].get("nixl", 0) == 0 and info["pulls"]["tcp"] == 1
+        if decode_side == "nixl":
+            (peer,) = info["peers"].values()
+            assert peer["transport"] == "tcp"
+            assert "prefill has no NIXL" in peer["reason"] and "tcp" in peer["reason"]
+
+
+async def test_different_block_sizes_fall_back_to_tcp_which_refuses_to_mix_them() -> None:
+    prefill, decode = synthetic(block_size=8), synthetic(block_size=4)
+    transport = nixl(decode)
+    async with running_pair(nixl(prefill), transport, prefill, decode) as pair:
+        handle, _ = await leased_request(pair.prefill, "r", 16, pair.endpoint)
+        dest = decode.allocate_blocks("r", 8)
+        with pytest.raises(KvTransferError, match="does not fit"):
+            await transport.pull(handle, decode, dest)
+        (peer,) = transport.info()["peers"].values()
+        assert peer["transport"] == "tcp" and "block sizes differ" in peer["reason"]
+        decode.free_request("r")
+        assert pair.prefill.release("r")  # the router's cleanup
+        assert pair.prefill.blocks_in_use() == 0
+        assert decode.statistics().kv_blocks_in_use == 0
+
+
+async def test_a_prefill_that_goes_away_is_forgotten_and_met_anew_when_it_is_back() -> None:
+    decode = synthetic()
+    transport = nixl(decode)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(transport.run, None, LOOPBACK, 0)
+        agents = []
+        port = 0
+        for round_ in range(2):  # the same address, a new instance behind it each time
+            prefill = synthetic()
+            source = LeasedBlocks(prefill)
+            prefill_transport = nixl(prefill)
+            async with trio.open_nursery() as prefill_nursery:
+                endpoint = await prefill_nursery.start(
+                    prefill_transport.run, source, LOOPBACK, port
+                )
+                port = endpoint[1]
+                handle, data = await leased_request(source, f"r{round_}", 8, endpoint)
+                dest = decode.allocate_blocks(handle.request_id, 8)
+                await transport.pull(handle, decode, dest)
+                assert await decode.read_blocks(dest) == data
+                decode.free_request(handle.request_id)
+                (peer,) = transport.info()["peers"].values()
+                assert peer["transport"] == "nixl"
+                agents.append(prefill_transport.info()["nixl"]["agent"])
+                prefill_nursery.cancel_scope.cancel()
+            # its session ended with it: decode dropped the peer and its metadata
+            await wait_for_stats(lambda: not transport.info()["peers"])
+        assert agents[0] != agents[1]
+        assert transport.info()["pulls"] == {"nixl": 2, "tcp": 0}
+        nursery.cancel_scope.cancel()
