@@ -1,0 +1,35 @@
+"""The soak, CI-sized: clients, disconnects and faults for a few seconds; nothing may be left over.
+
+It asserts the guarantee, not speed: no leaked blocks, requests or leases, no
+hung stream, no process outliving the group (``python -m benchmarks.soak`` runs it long).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_quick_soak_leaves_nothing_behind(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.soak", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    print(completed.stdout, completed.stderr)
+    assert out.exists(), completed.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["requests"] > 0
+    assert result["faults_total"] > 0
+    assert result["healthy_again"]
+    assert result["leaks"] == {}, result["leaks"]
+    assert result["hung"] == [], result["hung"]
+    assert result["processes"]["left_behind"] == []
+    assert completed.returncode == 0, completed.stdout
