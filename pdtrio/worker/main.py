@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
@@ -87,6 +88,17 @@ async def _exit_when_stdin_closes(cancel_scope: trio.CancelScope) -> None:
     cancel_scope.cancel()
 
 
+async def _exit_on_signal(cancel_scope: trio.CancelScope) -> None:
+    """SIGINT or SIGTERM: stop serving and exit 0 (links close, so routers fail over)."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            logging.getLogger("pdtrio.worker").info(
+                "%s received; exiting", signal.Signals(signum).name
+            )
+            cancel_scope.cancel()
+            return
+
+
 async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> None:
     try:
         engine = build_engine(config.engine)
@@ -99,6 +111,7 @@ async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> N
         raise ConfigError(f"kv_transport = {config.kv_transport!r}: {exc}") from None
     try:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(_exit_on_signal, nursery.cancel_scope)
             if exit_with_stdin:
                 nursery.start_soon(_exit_when_stdin_closes, nursery.cancel_scope)
             ready = await nursery.start(worker.run)
