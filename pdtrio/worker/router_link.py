@@ -223,8 +223,10 @@ class _Link:
                 log.warning("dropping a text frame from the router")
                 continue
             if len(data) > OFF_LOOP_DECODE_BYTES:
-                # a huge prompt: decode it on a thread, the loop keeps serving the others
+                # a huge prompt: decode it on a thread, the loop keeps serving the others;
+                # and not kept alive here until the next frame comes
                 nursery.start_soon(self._decode_off_loop, data, nursery)
+                del message, data
                 continue
             try:
                 parsed = decode(data)
