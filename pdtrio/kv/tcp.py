@@ -110,9 +110,16 @@ async def serve_kv_port(
     async def handle(stream: trio.SocketStream) -> None:
         async with stream:
             try:
-                session = await stream.receive_some(1)
+                # a peer that connects and says nothing (or stalls mid-transfer) holds
+                # neither a task nor blocks past the transfer deadline
+                session = b""
+                with trio.move_on_after(DEFAULT_TRANSFER_TIMEOUT_S):
+                    session = await stream.receive_some(1)
                 if session == SESSION_BLOCKS:
-                    await _serve_blocks(source, stream)
+                    with trio.move_on_after(DEFAULT_TRANSFER_TIMEOUT_S) as transfer:
+                        await _serve_blocks(source, stream)
+                    if transfer.cancelled_caught:
+                        log.warning("a KV transfer stalled past its deadline; dropped")
                 elif session == SESSION_NIXL and nixl_sessions is not None:
                     await nixl_sessions(stream)
                 elif session == SESSION_NIXL:
