@@ -157,6 +157,9 @@ class RouterConfig:
     # load-adaptive egress: under load, each stream's SSE events are spaced by up to
     # this much so one event carries several tokens; 0 sends every token at once
     egress_max_delay_s: float = attrs.field(default=0.05, validator=_non_negative)
+    # a prefill instance that fails a request with a 5xx leaves rotation this long (doubling
+    # while it keeps failing, up to 30 s); the next request after that tries it again
+    instance_backoff_s: float = attrs.field(default=1.0, validator=_positive)
     # a request whose body has not fully arrived this long after its headers gets a 408
     body_read_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     # worker link liveness: a link that brings no frame for link_timeout_s is dropped (its

@@ -33,6 +33,9 @@ from pdtrio.router.worker_link import LINK_ERRORS, HoldTimer, WorkerLink
 
 log = logging.getLogger("pdtrio.router")
 
+# the longest an instance failing with 5xx stays out of rotation before it is tried again
+_MAX_INSTANCE_BACKOFF_S = 30.0
+
 
 class Outcome(enum.Enum):
     """How a completion request ended, as /metrics counts it."""
@@ -60,6 +63,10 @@ class Instance:
     max_model_len: int
     healthy: bool = True
     active_prefills: int = 0
+    # out of rotation until then (trio clock) after failing requests with a 5xx: the
+    # next request after it probes the instance; each failure in a row doubles the wait
+    suspended_until: float = 0.0
+    failures_in_a_row: int = 0
     link: WorkerLink | None = None
     link_scope: trio.CancelScope | None = None
 
@@ -233,15 +240,41 @@ class Router:
             await self._idle.wait()
 
     def pick_prefill(self, exclude: frozenset[str] = frozenset()) -> Instance | None:
-        candidates = [
-            Candidate(
-                i.name, i.active_prefills, i.healthy and i.link is not None and i.link.connected
-            )
+        """A usable prefill instance; suspended ones only when no other is left."""
+        now = trio.current_time()
+        turn = next(self._prefill_turns)
+        usable = [
+            i
             for i in self.instances.values()
-            if i.serves_prefill
+            if i.serves_prefill and i.healthy and i.link is not None and i.link.connected
         ]
-        chosen = pick_instance(candidates, turn=next(self._prefill_turns), exclude=exclude)
-        return None if chosen is None else self.instances[chosen]
+        for allow_suspended in (False, True):
+            candidates = [
+                Candidate(i.name, i.active_prefills, allow_suspended or i.suspended_until <= now)
+                for i in usable
+            ]
+            chosen = pick_instance(candidates, turn=turn, exclude=exclude)
+            if chosen is not None:
+                return self.instances[chosen]
+        return None
+
+    def instance_failed(self, instance: Instance) -> None:
+        """It failed a request with a 5xx: out of rotation for a while (doubling, capped)."""
+        instance.failures_in_a_row += 1
+        backoff = self.config.router.instance_backoff_s * 2 ** (instance.failures_in_a_row - 1)
+        instance.suspended_until = trio.current_time() + min(backoff, _MAX_INSTANCE_BACKOFF_S)
+        log.warning(
+            "instance %s failed %d request(s) in a row: out of rotation for %gs",
+            instance.name,
+            instance.failures_in_a_row,
+            min(backoff, _MAX_INSTANCE_BACKOFF_S),
+        )
+
+    def instance_served(self, instance: Instance) -> None:
+        """It served a request: back in full rotation."""
+        if instance.failures_in_a_row:
+            instance.failures_in_a_row = 0
+            instance.suspended_until = 0.0
 
     def decode_links(self, exclude: frozenset[str] = frozenset()) -> list[WorkerLink]:
         """The connected links of healthy decode instances not in ``exclude``."""

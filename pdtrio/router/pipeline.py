@@ -249,6 +249,7 @@ class RequestPipeline:
                 continue
             except WorkerLinkLost as exc:
                 # the worker drops a lost link's prefills: another instance may try
+                router.instance_failed(instance)
                 lifecycle.handle(Event.PREFILL_LOST)
                 failure = service_unavailable(f"prefill instance failed: {exc}")
                 continue
@@ -256,7 +257,10 @@ class RequestPipeline:
                 instance.active_prefills -= 1
             if type(answer) is PrefillFailed:
                 if answer.status >= 500:
-                    # the instance's fault, not the request's (a 4xx is not retried)
+                    # the instance's fault, not the request's (a 4xx is not retried);
+                    # 503 is a busy one (no KV room): tried elsewhere, but not suspended
+                    if answer.status != 503:
+                        router.instance_failed(instance)
                     lifecycle.handle(Event.PREFILL_LOST)
                     failure = _prefill_error(answer)
                     log.warning(
@@ -266,6 +270,7 @@ class RequestPipeline:
                 lifecycle.handle(Event.PREFILL_FAILED)
                 raise _prefill_error(answer)
             assert type(answer) is PrefillReply
+            router.instance_served(instance)
             lifecycle.handle(Event.PREFILLED if answer.kv_handle else Event.FINISHED_AT_PREFILL)
             return answer
 

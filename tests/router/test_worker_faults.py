@@ -158,3 +158,52 @@ async def test_a_failed_kv_pull_is_retried_on_another_decode() -> None:
                 assert response.status_code == 200, response.text
         assert FailingPull.pulls > 0  # the broken decode was tried, and its requests moved
         await wait_until_idle(cluster)
+
+
+def _one_broken_prefill(prefills: list[Worker]) -> Any:
+    def make(role: str) -> Worker:
+        worker = synthetic_worker(role)
+        if role == "prefill":
+            prefills.append(worker)
+            if len(prefills) == 1:
+                worker.engine.__class__ = _FailingPrefill
+        return worker
+
+    return make
+
+
+async def test_a_prefill_failing_with_5xx_leaves_rotation() -> None:
+    _FailingPrefill.calls = 0
+    prefills: list[Worker] = []
+    async with running_cluster(
+        roles=("prefill", "prefill", "decode"),
+        make_worker=_one_broken_prefill(prefills),
+        router=RouterConfig(instance_backoff_s=30.0),
+    ) as cluster:
+        async with client(cluster) as http:
+            body = {"model": "synthetic", "prompt": "p", "max_tokens": 3}
+            for _ in range(8):
+                assert (await http.post("/v1/completions", json=body)).status_code == 200
+        # tried once, then out of rotation: no other request waited on it
+        assert _FailingPrefill.calls == 1
+        await wait_until_idle(cluster)
+
+
+async def test_a_mended_prefill_returns_to_rotation_after_its_wait() -> None:
+    _FailingPrefill.calls = 0
+    prefills: list[Worker] = []
+    async with running_cluster(
+        roles=("prefill", "prefill", "decode"),
+        make_worker=_one_broken_prefill(prefills),
+        router=RouterConfig(instance_backoff_s=0.2),
+    ) as cluster:
+        async with client(cluster) as http:
+            body = {"model": "synthetic", "prompt": "p", "max_tokens": 3}
+            while not _FailingPrefill.calls:
+                assert (await http.post("/v1/completions", json=body)).status_code == 200
+            prefills[0].engine.__class__ = SyntheticEngine  # mended
+            await trio.sleep(0.3)  # its time out of rotation (the configured 0.2 s) is over
+            for _ in range(6):
+                assert (await http.post("/v1/completions", json=body)).status_code == 200
+        assert prefills[0].stats()["served_prefills"] > 0
+        await wait_until_idle(cluster)
