@@ -160,6 +160,9 @@ class RouterConfig:
     # a prefill instance that fails a request with a 5xx leaves rotation this long (doubling
     # while it keeps failing, up to 30 s); the next request after that tries it again
     instance_backoff_s: float = attrs.field(default=1.0, validator=_positive)
+    # a decode request that gets no answer or token for this long (its link alive) is
+    # ended with an error: an engine that forgot it; 0 turns it off
+    stream_idle_timeout_s: float = attrs.field(default=120.0, validator=_non_negative)
     # a request whose body has not fully arrived this long after its headers gets a 408
     body_read_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     # worker link liveness: a link that brings no frame for link_timeout_s is dropped (its

@@ -186,6 +186,7 @@ class Router:
             on_capacity=self.decode_queue.changed,
             link_timeout_s=self.config.router.link_timeout_s,
             heartbeat_s=self.config.router.link_heartbeat_s,
+            stream_idle_timeout_s=self.config.router.stream_idle_timeout_s,
             connect_timeout_s=self.config.router.connect_timeout_s,
         )
         instance.link = link

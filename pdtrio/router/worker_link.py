@@ -239,8 +239,11 @@ class WorkerLink:
         link_timeout_s: float = 1.5,
         heartbeat_s: float = 0.5,
         connect_timeout_s: float = 10.0,
+        stream_idle_timeout_s: float = 0.0,
     ) -> None:
         self.instance_id = instance_id
+        # a stream that gets no answer or token for this long is ended (0: never)
+        self.stream_idle_timeout_s = stream_idle_timeout_s
         self.link_timeout_s = link_timeout_s
         self.heartbeat_s = heartbeat_s
         self._connect_timeout_s = connect_timeout_s
@@ -313,6 +316,8 @@ class WorkerLink:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._write, ws)
                 nursery.start_soon(self._watch, nursery.cancel_scope)
+                if self.stream_idle_timeout_s > 0:
+                    nursery.start_soon(self._end_idle_streams)
                 await self._read(ws)
                 nursery.cancel_scope.cancel()
             if self._hung:
@@ -331,6 +336,35 @@ class WorkerLink:
                 await ws.aclose()
 
     # --- reading --------------------------------------------------------------------
+
+    async def _end_idle_streams(self) -> None:
+        """End streams that got no answer or token for ``stream_idle_timeout_s``.
+
+        A live link (heartbeats) can still carry a request decode forgot: an
+        engine fault.  A sweep a few times per timeout, reading each stream's
+        count of tokens pushed: nothing on the hot path.
+        """
+        timeout = self.stream_idle_timeout_s
+        # request id -> (tokens pushed when last seen to change, when)
+        seen: dict[str, tuple[int, float]] = {}
+        while True:
+            await trio.sleep(timeout / 4)
+            now = trio.current_time()
+            for request_id, stream in list(self._streams.items()):
+                pushed = stream.buffer.statistics().tokens_pushed
+                mark = seen.get(request_id)
+                if mark is None or mark[0] != pushed:
+                    seen[request_id] = (pushed, now)
+                elif now - mark[1] >= timeout:
+                    log.warning(
+                        "request %s got nothing from %s for %gs: ending it",
+                        request_id,
+                        self.instance_id,
+                        timeout,
+                    )
+                    self._end(stream, f"decode sent nothing for it for {timeout:g}s", abort=True)
+            for request_id in [r for r in seen if r not in self._streams]:
+                del seen[request_id]
 
     async def _watch(self, link_scope: trio.CancelScope) -> None:
         """Cancel ``link_scope`` once no frame came for the link timeout.

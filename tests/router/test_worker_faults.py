@@ -207,3 +207,34 @@ async def test_a_mended_prefill_returns_to_rotation_after_its_wait() -> None:
                 assert (await http.post("/v1/completions", json=body)).status_code == 200
         assert prefills[0].stats()["served_prefills"] > 0
         await wait_until_idle(cluster)
+
+
+class _ForgetsSeedThirteen(SyntheticEngine):
+    """Decode loses every request whose seed is 13: it keeps running, and never says a word."""
+
+    def _step(self) -> Any:
+        forgotten = {r for r, state in self._running.items() if state.seed == 13}
+        for request_id in forgotten:
+            self.free_request(request_id)
+        return super()._step()
+
+
+async def test_a_stream_decode_forgot_is_ended_while_its_link_lives_on() -> None:
+    def make(role: str) -> Worker:
+        worker = synthetic_worker(role, decode_step_s=0.01)
+        if role == "decode":
+            worker.engine.__class__ = _ForgetsSeedThirteen
+        return worker
+
+    router = RouterConfig(stream_idle_timeout_s=0.5)
+    async with running_cluster(make_worker=make, router=router) as cluster:
+        async with client(cluster) as http:
+            with trio.fail_after(20):  # liveness bound, not a timing assertion
+                body = {"model": "synthetic", "prompt": "x", "max_tokens": 50, "seed": 13}
+                forgotten = await http.post("/v1/completions", json=body)
+                body["seed"] = 1
+                served = await http.post("/v1/completions", json=body)
+        assert forgotten.status_code == 502, forgotten.text
+        assert "sent nothing" in forgotten.json()["error"]["message"]
+        assert served.status_code == 200  # the link and the other requests go on
+        await wait_until_idle(cluster)
