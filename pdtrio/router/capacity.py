@@ -49,11 +49,6 @@ class CapacityQueue(Generic[_T]):
         return len(self._waiters) + self._reserved
 
     @property
-    def waiting(self) -> int:
-        """Requests waiting for room now (reserved places not counted)."""
-        return len(self._waiters)
-
-    @property
     def full(self) -> bool:
         """No one more may wait (or reserve a place)."""
         return len(self._waiters) + self._reserved >= self.limit
@@ -73,18 +68,18 @@ class CapacityQueue(Generic[_T]):
         if self._waiters:
             self._waiters[0].woken.set()
 
+    def take_now(self, take: Callable[[], _T | None]) -> _T | None:
+        """What ``take`` returns, when nobody waits ahead; else None (then :meth:`wait_for`)."""
+        return None if self._waiters else take()
+
     async def wait_for(self, take: Callable[[], _T | None]) -> _T:
         """What ``take`` returns once it returns something, in FIFO order with other waiters.
 
-        ``take`` must not checkpoint; neither does this between its success and
-        returning, so the caller claims the room before anyone else runs.
-        Raises :class:`QueueFull` at the limit; cancellation leaves the queue.
+        Call :meth:`take_now` first: this always queues.  ``take`` must not
+        checkpoint; neither does this between its success and returning, so
+        the caller claims the room before anyone else runs.  Raises
+        :class:`QueueFull` at the limit; cancellation leaves the queue.
         """
-        if not self._waiters:
-            taken = take()
-            if taken is not None:
-                await trio.lowlevel.checkpoint_if_cancelled()
-                return taken
         if self.full:
             raise QueueFull
         waiter = _Waiter()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import os
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -148,28 +149,13 @@ class Router:
         await self._nursery.start(self._keep_link, instance)
 
     def lose_instance(self, name: str) -> None:
-        """Stop routing to an instance until its /health answers again."""
-        instance = self.instances.get(name)
-        if instance is not None and instance.healthy:
-            instance.healthy = False
-            if not self.workers:
-                # static instances come back by themselves; embedded ones are re-added on restart
-                self._nursery.start_soon(self._wait_recovered, instance)
+        """Stop routing to an embedded worker that died; its restart registers it anew.
 
-    async def _wait_recovered(self, instance: Instance) -> None:
-        backoff = 0.2
-        while self.instances.get(instance.name) is instance and not instance.healthy:
-            await trio.sleep(
-                backoff
-            )  # a retry timer against another machine, not a poll of our own state
-            backoff = min(backoff * 2, 5.0)
-            try:
-                response = await self.http.get(f"{instance.url}/health", timeout=2)
-            except httpx.HTTPError:
-                continue
-            if response.status_code == 200:
-                log.info("instance %s is back", instance.name)
-                instance.healthy = True
+        (A static instance needs nothing of the kind: its link's state is its health.)
+        """
+        instance = self.instances.get(name)
+        if instance is not None:
+            instance.healthy = False
 
     async def _keep_link(
         self, instance: Instance, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -305,7 +291,6 @@ class Router:
         return None if best is None else self.instances[best.instance_id]
 
     def health(self) -> dict[str, Any]:
-        import os
 
         prefill = sum(
             1

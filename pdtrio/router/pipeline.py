@@ -235,14 +235,12 @@ class RequestPipeline:
             instance.active_prefills += 1
             try:
                 # a cancelled call releases the request on prefill itself
-                prefill_deadline = trio.current_time() + prefill_timeout_s
-                if prefill_deadline >= deadline:
-                    answer = await instance.link.prefill(call)  # the request's deadline bounds it
-                else:
-                    with trio.move_on_at(prefill_deadline) as timer:
-                        answer = await instance.link.prefill(call)
-                    if timer.cancelled_caught:
-                        raise gateway_timeout("prefill did not answer in time")
+                with trio.move_on_at(
+                    min(deadline, trio.current_time() + prefill_timeout_s)
+                ) as timer:
+                    answer = await instance.link.prefill(call)
+                if timer.cancelled_caught:
+                    raise gateway_timeout("prefill did not answer in time")
             except WorkerLinkClosed:
                 # it never saw the request: another instance may
                 lifecycle.handle(Event.PREFILL_NOT_SENT)
@@ -357,11 +355,9 @@ class RequestPipeline:
             # the reserved place becomes a waiter's (no checkpoint until wait_for holds it)
             self._queue_place_reserved = False
             router.decode_queue.unreserve()
-        if not router.decode_queue.waiting:
-            # nobody ahead: room now needs no timer (a deadline scope per request is dear)
-            instance = take()
-            if instance is not None:
-                return instance
+        instance = router.decode_queue.take_now(take)
+        if instance is not None:
+            return instance  # room now: no timer needed (a deadline scope per request is dear)
         # the KV waits on prefill under its lease (wall clock): decode must pull it before then
         lease_left_s = handle.lease_expiry - time.time() - _LEASE_MARGIN_S
         with trio.move_on_after(max(0.0, lease_left_s)) as timer:

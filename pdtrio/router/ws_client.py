@@ -196,9 +196,7 @@ class WebSocketClient:
 
     async def send_message(self, data: bytes) -> None:
         """Send one binary message; raises :class:`ConnectionClosed` when closed."""
-        if self._closed is not None:
-            raise ConnectionClosed(self._closed.code, self._closed.reason)
-        await self._send_event(BytesMessage(data=data))
+        await self.send_messages([data])
 
     async def send_messages(self, messages: list[bytes]) -> None:
         """Send binary messages, in order; :class:`ConnectionClosed` when closed.
