@@ -24,21 +24,22 @@ class _FailingPrefill(SyntheticEngine):
         raise EngineError("the engine broke")
 
 
-async def test_a_prefill_that_fails_is_retried_on_another_and_a_client_error_is_not() -> None:
-    _FailingPrefill.calls = 0
-    prefills_made = 0
-
-    def one_broken_prefill(role: str) -> Worker:
-        nonlocal prefills_made
+def _one_broken_prefill(prefills: list[Worker]) -> Any:
+    def make(role: str) -> Worker:
         worker = synthetic_worker(role)
         if role == "prefill":
-            prefills_made += 1
-            if prefills_made == 1:
+            prefills.append(worker)
+            if len(prefills) == 1:
                 worker.engine.__class__ = _FailingPrefill
         return worker
 
+    return make
+
+
+async def test_a_prefill_that_fails_is_retried_on_another_and_a_client_error_is_not() -> None:
+    _FailingPrefill.calls = 0
     async with running_cluster(
-        roles=("prefill", "prefill", "decode"), make_worker=one_broken_prefill
+        roles=("prefill", "prefill", "decode"), make_worker=_one_broken_prefill([])
     ) as cluster:
         async with client(cluster) as http:
             for index in range(6):
@@ -158,18 +159,6 @@ async def test_a_failed_kv_pull_is_retried_on_another_decode() -> None:
                 assert response.status_code == 200, response.text
         assert FailingPull.pulls > 0  # the broken decode was tried, and its requests moved
         await wait_until_idle(cluster)
-
-
-def _one_broken_prefill(prefills: list[Worker]) -> Any:
-    def make(role: str) -> Worker:
-        worker = synthetic_worker(role)
-        if role == "prefill":
-            prefills.append(worker)
-            if len(prefills) == 1:
-                worker.engine.__class__ = _FailingPrefill
-        return worker
-
-    return make
 
 
 async def test_a_prefill_failing_with_5xx_leaves_rotation() -> None:
