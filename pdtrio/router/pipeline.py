@@ -31,6 +31,7 @@ import trio
 
 from pdtrio.asgi import Receive, Send, send_json
 from pdtrio.engine.blocks import blocks_needed
+from pdtrio.protocol.egress import send_deadline
 from pdtrio.protocol.lifecycle import Cleanup, Event, RequestLifecycle
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
@@ -381,14 +382,9 @@ class RequestPipeline:
         while True:
             spacing = egress.spacing_s
             held_until: float | None = None
-            if (
-                spacing
-                and last_sent_at is not None
-                and not buffer.finished
-                and stream.failure is None
-            ):
-                deadline = last_sent_at + spacing
-                if trio.current_time() < deadline:
+            if spacing and not buffer.finished and stream.failure is None:
+                deadline = send_deadline(last_sent_at, spacing, trio.current_time())
+                if deadline is not None:
                     await stream.hold_until(deadline, self.router.hold_timer)
                     held_until = deadline
             delta = buffer.take()
