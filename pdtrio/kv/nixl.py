@@ -56,10 +56,13 @@ from pdtrio.kv.api import (
 from pdtrio.kv.tcp import (
     DEFAULT_TRANSFER_TIMEOUT_S,
     SESSION_NIXL,
+    answer_decoder,
     check_destination,
     connect,
+    done_decoder,
     pull_over_tcp,
     receive_message,
+    request_decoder,
     send_message,
     serve_kv_port,
 )
@@ -90,10 +93,7 @@ _LAST_NOTIF_POLL_S: Final = 0.016
 _MEMORY_KINDS: Final = {"cpu": "DRAM", "cuda": "VRAM"}
 
 _T = TypeVar("_T")
-_request_decoder: wire.Decoder[TransferRequest] = wire.Decoder(TransferRequest)
-_answer_decoder: wire.Decoder[TransferAnswer] = wire.Decoder(TransferAnswer)
 _info_decoder: wire.Decoder[NixlAgentInfo] = wire.Decoder(NixlAgentInfo)
-_done_decoder: wire.Decoder[TransferDone] = wire.Decoder(TransferDone)
 
 
 def run_starts(
@@ -364,7 +364,7 @@ class _Session:
         """Hand each answer to the oldest asker, until the session ends."""
         try:
             while True:
-                answer = await receive_message(self.stream, _answer_decoder)
+                answer = await receive_message(self.stream, answer_decoder)
                 if not self._waiting:
                     raise WireError("prefill answered a request nobody made")
                 waiter = self._waiting.popleft()
@@ -728,7 +728,7 @@ class NixlKvTransport:
             await send_message(stream, info)
             while True:
                 try:
-                    request = await receive_message(stream, _request_decoder)
+                    request = await receive_message(stream, request_decoder)
                 except KvTransferError:
                     return  # decode closed the session
                 await send_message(stream, self._grant(request))
@@ -773,7 +773,7 @@ class NixlKvTransport:
         released = False
         for message in messages:
             try:
-                done = _done_decoder.decode(message)
+                done = done_decoder.decode(message)
             except WireError as exc:
                 log.warning("a NIXL notification that is not a TransferDone: %s", exc)
                 continue

@@ -46,9 +46,10 @@ _LENGTH = struct.Struct("!I")
 _MAX_MESSAGE = 1 << 20
 _T = TypeVar("_T")
 
-_request_decoder: wire.Decoder[TransferRequest] = wire.Decoder(TransferRequest)
-_answer_decoder: wire.Decoder[TransferAnswer] = wire.Decoder(TransferAnswer)
-_done_decoder: wire.Decoder[TransferDone] = wire.Decoder(TransferDone)
+# the KV port's messages (the NIXL session speaks them too)
+request_decoder: wire.Decoder[TransferRequest] = wire.Decoder(TransferRequest)
+answer_decoder: wire.Decoder[TransferAnswer] = wire.Decoder(TransferAnswer)
+done_decoder: wire.Decoder[TransferDone] = wire.Decoder(TransferDone)
 
 # serves one NIXL control session on an accepted connection (its opening byte already read)
 NixlSessionHandler = Callable[[trio.SocketStream], Awaitable[None]]
@@ -219,7 +220,7 @@ async def pull_over_tcp(
     async with stream:
         try:
             await send_message(stream, TransferRequest(handle.request_id, handle.block_ids))
-            answer = await receive_message(stream, _answer_decoder)
+            answer = await receive_message(stream, answer_decoder)
             if not answer.granted:
                 raise KvTransferError(f"prefill refused the transfer: {answer.reason}")
             expected = len(handle.block_ids) * handle.layout.block_nbytes
@@ -236,7 +237,7 @@ async def pull_over_tcp(
 
 
 async def _serve_blocks(source: KvBlockSource, stream: trio.SocketStream) -> None:
-    request = await receive_message(stream, _request_decoder)
+    request = await receive_message(stream, request_decoder)
     request_id = request.request_id
     if not source.holds(request_id, request.block_ids):
         answer = TransferAnswer(False, reason=f"no lease held for {request_id}")
@@ -245,7 +246,7 @@ async def _serve_blocks(source: KvBlockSource, stream: trio.SocketStream) -> Non
     data = await source.read_blocks(request.block_ids)
     await send_message(stream, TransferAnswer(True, nbytes=len(data)))
     await stream.send_all(data)
-    done = await receive_message(stream, _done_decoder)
+    done = await receive_message(stream, done_decoder)
     if done.request_id != request_id:
         raise WireError(f"acknowledged {done.request_id!r}, not {request_id!r}")
     source.release(request_id)
