@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -133,6 +134,16 @@ async def wait_for_stats(condition: Callable[[], bool], deadline_s: float = 5.0)
     with trio.fail_after(deadline_s):
         while not condition():  # noqa: ASYNC110
             await trio.sleep(0.005)
+
+
+def eventually(condition: Callable[[], bool], timeout: float) -> bool:
+    """Whether ``condition`` holds within ``timeout`` s (for e2e tests watching other processes)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def client(cluster: Cluster, **kwargs: Any) -> httpx.AsyncClient:

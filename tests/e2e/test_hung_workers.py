@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from pdtrio.testing import Processes, Service, synthetic_worker_config, write_router_config
+from tests.cluster import eventually
 
 # generous: these bound liveness (the link timeout is 2 s), they do not measure it
 LIVENESS_S = 10.0
@@ -45,12 +46,7 @@ def cluster(procs: Processes, tmp_path: Path) -> tuple[Service, Service, Service
 
 
 def _eventually(condition: Callable[[], bool], timeout: float = LIVENESS_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return eventually(condition, timeout)
 
 
 def _health(router: Service) -> httpx.Response:

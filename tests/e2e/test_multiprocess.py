@@ -11,8 +11,7 @@ import os
 import signal
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -29,6 +28,7 @@ from pdtrio.testing import (
     synthetic_worker_config,
     write_router_config,
 )
+from tests.cluster import eventually
 
 SYNTHETIC_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "synthetic.toml"
 PROCESSES = 2
@@ -73,15 +73,6 @@ def router(procs: Processes, workers: tuple[Service, Service], tmp_path: Path) -
     service = _start(procs, config)
     procs.wait_healthy(service)
     return service
-
-
-def _eventually(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def _app_processes(router: Service) -> set[int]:
@@ -148,7 +139,7 @@ def test_every_process_serves_with_its_own_links(
     assert len(_app_processes(router)) == PROCESSES
     for worker in workers:
         # one link per router process, on each worker
-        assert _eventually(
+        assert eventually(
             lambda w=worker: httpx.get(f"{w.url}/pd/stats").json()["router_links"] == PROCESSES,
             30,
         ), httpx.get(f"{worker.url}/pd/stats").json()
@@ -188,7 +179,7 @@ def test_sigterm_to_the_master_drains_every_process_and_leaves_nothing(
     try:
         for thread in threads:
             thread.start()
-        assert _eventually(lambda: len(started) == len(clients), 30), "not every stream started"
+        assert eventually(lambda: len(started) == len(clients), 30), "not every stream started"
         router.process.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(60)
@@ -202,11 +193,11 @@ def test_sigterm_to_the_master_drains_every_process_and_leaves_nothing(
     # short streams finish within the drain (or are cut, on a slow machine); long ones are cut
     assert set(outcomes[1::2]) <= {"complete", "shutting_down"}, outcomes
     assert set(outcomes[0::2]) == {"shutting_down"}, outcomes
-    assert _eventually(lambda: not any(alive(pid) for pid in tree), 10), "orphans left behind"
+    assert eventually(lambda: not any(alive(pid) for pid in tree), 10), "orphans left behind"
     # the workers are not the router's: they serve on, with no router link left
     for worker in workers:
         assert worker.process.poll() is None
-        assert _eventually(
+        assert eventually(
             lambda w=worker: httpx.get(f"{w.url}/pd/stats").json()["router_links"] == 0, 10
         )
 
@@ -216,7 +207,7 @@ def test_each_process_stops_when_the_master_is_killed(router: Service) -> None:
     assert len(_app_processes(router)) == PROCESSES
     os.kill(router.pid, signal.SIGKILL)
     router.process.wait(timeout=10)
-    assert _eventually(lambda: not any(alive(pid) for pid in below), 10), "orphans left behind"
+    assert eventually(lambda: not any(alive(pid) for pid in below), 10), "orphans left behind"
 
 
 def test_the_embedded_cluster_is_refused(procs: Processes) -> None:

@@ -6,8 +6,7 @@ import json
 import os
 import re
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import httpx
 import pytest
 
 from pdtrio.testing import Processes, Service, alive, command_line, descendants
+from tests.cluster import eventually
 
 SYNTHETIC_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "synthetic.toml"
 _RESTARTS = re.compile(r'^pdtrio_worker_restarts_total\{worker="([^"]+)"\} (\d+)$', re.MULTILINE)
@@ -45,15 +45,6 @@ def _workers(router: Service) -> list[int]:
     return [pid for pid in descendants(router.pid) if _worker_config(pid) is not None]
 
 
-def _eventually(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def test_embedded_cluster_serves_and_stops_its_workers(router: Service) -> None:
     workers = _workers(router)
     assert len(workers) == 2
@@ -74,7 +65,7 @@ def test_embedded_cluster_serves_and_stops_its_workers(router: Service) -> None:
     assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 6
     router.process.send_signal(signal.SIGINT)
     router.process.wait(timeout=20)
-    assert _eventually(lambda: not any(alive(pid) for pid in workers), 10)
+    assert eventually(lambda: not any(alive(pid) for pid in workers), 10)
 
 
 def test_a_dead_worker_is_restarted(procs: Processes, router: Service) -> None:
@@ -84,7 +75,7 @@ def test_a_dead_worker_is_restarted(procs: Processes, router: Service) -> None:
     victim_config = _worker_config(victim)
     assert victim_config is not None
     os.kill(victim, signal.SIGKILL)
-    assert _eventually(lambda: len(now := _workers(router)) == 2 and victim not in now, 30), (
+    assert eventually(lambda: len(now := _workers(router)) == 2 and victim not in now, 30), (
         "the killed worker was not restarted"
     )
     procs.wait_healthy(router)
@@ -97,7 +88,7 @@ def test_a_dead_worker_is_restarted(procs: Processes, router: Service) -> None:
         )
         return reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
 
-    assert _eventually(completes, 15)
+    assert eventually(completes, 15)
     restarts = {
         name: int(count)
         for name, count in _RESTARTS.findall(httpx.get(f"{router.url}/metrics").text)
@@ -115,7 +106,7 @@ def test_router_dying_hard_takes_its_workers_along(router: Service) -> None:
         if pid not in workers:
             os.kill(pid, signal.SIGKILL)
     router.process.wait(timeout=10)
-    assert _eventually(lambda: not any(alive(pid) for pid in workers), 10)
+    assert eventually(lambda: not any(alive(pid) for pid in workers), 10)
 
 
 def test_asyncio_worker_refuses_to_start_with_the_right_command(procs: Processes) -> None:

@@ -6,7 +6,6 @@ The client sees a retry or a clear error, and the workers still standing hold no
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 
 from pdtrio.testing import Processes, Service, synthetic_worker_config, write_router_config
 from pdtrio.worker.fault_hooks import FAULT_EXIT_CODE
+from tests.cluster import eventually
 
 # generous: these bound liveness, they do not measure it
 LIVENESS_S = 15.0
@@ -49,12 +49,7 @@ def _cluster(
 
 
 def _eventually(condition: Callable[[], bool], timeout: float = LIVENESS_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return eventually(condition, timeout)
 
 
 def _exited_by_fault(service: Service) -> bool:
