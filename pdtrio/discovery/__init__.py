@@ -1,0 +1,1 @@
+"""Finding instances: the registry interface, static and etcd."""
