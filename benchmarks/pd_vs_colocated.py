@@ -1,6 +1,6 @@
 """PD (prefill + decode workers) against one colocated `both` worker, same run.
 
-    python -m benchmarks.pd_vs_colocated [--json PATH] [--requests 16] [--quick]
+    python -m benchmarks.pd_vs_colocated [--json PATH] [--plot PATH] [--requests 16] [--quick]
 
 Concurrency 1, ignore_eos, token-id prompts of exactly ISL tokens, OSL output
 tokens; 2 warm-up requests then N measured, PD and colocated interleaved
@@ -8,7 +8,9 @@ request by request so that machine noise hits both alike.  TTFT is the time to
 the first SSE event carrying text or a finish; TPOT is (last event - first
 event) / (tokens - 1), so in PD it carries the KV handoff in its first gap;
 ITL p50 is the median gap between events, which leaves that out; decode
-steps/s is 1 / TPOT (one token per step at concurrency 1).
+steps/s is 1 / TPOT (one token per step at concurrency 1).  ``--plot`` draws,
+per case, the CDFs of TTFT and of every gap between events (the first gap
+included) for both modes as a PNG.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from benchmarks import plotting
 from pdtrio.testing import Processes, write_router_config
 
 CASES = [
@@ -44,7 +49,8 @@ def _worker_config(role: str, model: str, blocks: int) -> dict[str, Any]:
 
 def _one_request(
     http: httpx.Client, url: str, model: str, prompt: list[int], osl: int
-) -> dict[str, float]:
+) -> tuple[dict[str, float], list[float]]:
+    """The request's figures, and every gap between its events in ms (for ``--plot``)."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -78,17 +84,19 @@ def _one_request(
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
     # the median gap leaves out the first one, which in PD includes the KV handoff
     itl = statistics.median(gaps) if gaps else tpot
-    return {
+    figures = {
         "ttft_ms": (first - start) * 1e3,
         "tpot_ms": tpot * 1e3,
         "itl_p50_ms": itl * 1e3,
         "steps_per_s": 1 / tpot,
     }
+    return figures, [gap * 1e3 for gap in gaps]
 
 
 def run_case(
     model: str, isl: int, osl: int, blocks: int, requests: int, warmup: int
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, dict[str, list[float]]]]:
+    """The case's summary, and per mode its raw TTFTs and gaps in ms (for ``--plot``)."""
     rng = random.Random(isl * 7 + osl)
     # tiny-random's ids 3..258 are raw bytes: printable ASCII keeps every token visible text
     vocab_low, vocab_high = (0x20 + 3, 0x7E + 3) if model == "tiny-random" else (100, 40000)
@@ -112,15 +120,20 @@ def run_case(
         )
         pd_url, colo_url = pd.url, colocated.url
         samples: dict[str, list[dict[str, float]]] = {"pd": [], "colocated": []}
+        latencies: dict[str, dict[str, list[float]]] = {
+            mode: {"ttft": [], "itl": []} for mode in samples
+        }
         with httpx.Client(timeout=600) as http:
             for index, prompt in enumerate(prompts):
                 order = [("pd", pd_url), ("colocated", colo_url)]
                 if index % 2:
                     order.reverse()  # neither mode always runs first
                 for mode, url in order:
-                    result = _one_request(http, url, model, prompt, osl)
+                    result, gaps = _one_request(http, url, model, prompt, osl)
                     if index >= warmup:
                         samples[mode].append(result)
+                        latencies[mode]["ttft"].append(result["ttft_ms"])
+                        latencies[mode]["itl"] += gaps
     summary: dict[str, Any] = {"model": model, "isl": isl, "osl": osl, "requests": requests}
     for mode, rows in samples.items():
         summary[mode] = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
@@ -133,7 +146,45 @@ def run_case(
     summary["itl_diff_pct"] = 100 * (
         summary["pd"]["itl_p50_ms"] / summary["colocated"]["itl_p50_ms"] - 1
     )
-    return summary
+    return summary, latencies
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    # the table's p50 is statistics.median (the mean of the two middle ones)
+    return statistics.median(values) if q == 0.5 else plotting.nearest_rank(values, q)
+
+
+def plot(
+    path: Path,
+    results: list[dict[str, Any]],
+    latencies: list[dict[str, dict[str, list[float]]]],
+    quick: bool,
+) -> None:
+    panels = []
+    for r, modes in zip(results, latencies, strict=True):
+        case = f"{r['model']} ISL {r['isl']} OSL {r['osl']}"
+        for key, xlabel, what in (
+            ("ttft", "TTFT (ms)", "TTFT"),
+            ("itl", "gap between events (ms)", "ITL, first gap (PD: KV handoff) included"),
+        ):
+            series = {mode: modes[mode][key] for mode in ("colocated", "pd")}
+            panels.append(
+                partial(
+                    plotting.latency_cdfs,
+                    series=series,
+                    xlabel=xlabel,
+                    title=f"{case}: {what}",
+                    quantile=_quantile,
+                )
+            )
+    requests = results[0]["requests"]
+    plotting.save_figure(
+        path,
+        *panels,
+        title=f"pd_vs_colocated ({'quick' if quick else 'full'}): PD vs colocated, "
+        f"concurrency 1, {requests} requests per mode, ignore_eos",
+        columns=2,
+    )
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
@@ -167,18 +218,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny-random ISL 128 only, 4 requests")
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="draw the latency CDFs into this PNG (matplotlib)"
+    )
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        plotting.require_matplotlib()
     cases = CASES[:1] if args.quick else CASES
     requests = 4 if args.quick else args.requests
     results = []
+    latencies = []
     for model, isl, osl, blocks in cases:
         print(f"running {model} ISL {isl} OSL {osl} ...", file=sys.stderr, flush=True)
-        results.append(run_case(model, isl, osl, blocks, requests, args.warmup))
+        summary, samples = run_case(model, isl, osl, blocks, requests, args.warmup)
+        results.append(summary)
+        latencies.append(samples)
     print_table(results)
     if args.json:
         args.json.write_text(
             json.dumps({"benchmark": "pd_vs_colocated", "results": results}, indent=2)
         )
+    if args.plot is not None:
+        plot(args.plot, results, latencies, args.quick)
     return 0
 
 

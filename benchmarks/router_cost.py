@@ -1,6 +1,6 @@
 """Router cost: what pdtrio's router spends per request and per token, beside a trivial SSE app.
 
-    python -m benchmarks.router_cost [--quick] [--json PATH]
+    python -m benchmarks.router_cost [--quick] [--json PATH] [--plot PATH]
 
 Each server runs under ``hypercorn -k trio`` pinned to one core (the first this
 process may use); everything else (the synthetic prefill and decode workers,
@@ -60,6 +60,10 @@ a tiny version of every row, for CI, whose figures mean nothing):
 - **failures**: a status other than 200, an error event, a connection closed
   mid-response (warm-up included), and responses of another token count.
 
+``--plot PATH`` draws, as a PNG, the TTFT and per-read ITL CDFs of each paced
+load for pdtrio (egress on, off), the trivial app and decode's own, tokens/s
+against the number of streams, and the short requests' TTFT CDFs.
+
 Goals (issue 9) are evaluated on the default configuration (egress on) and
 printed PASS/FAIL under the table, never as an error.  The machine is small
 and shared: notes list the runs where other processes took the router's core,
@@ -78,11 +82,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import trio
 
+from benchmarks import plotting
 from benchmarks.token_path.measure import core_busy_ticks, percentile, router_and_load_cpus
 from benchmarks.token_path.sse_clients import closed_loop, completion_request
 from pdtrio.config import RouterConfig
@@ -293,7 +299,9 @@ def measure(
     workers: Workers,
     sizes: Sizes,
     cpus: tuple[int, int],
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """The run's row, and its raw latencies in ms (for ``--plot``): "ttft", "itl" (per
+    read) and, where decode was read directly, "decode_itl" (its frames' gaps)."""
     router_cpu, load_cpu = cpus
     pids = service.tree()
     direct = None
@@ -344,7 +352,12 @@ def measure(
         procs.stop(direct, grace_s=5)
     row = summarise(server, load, result, samples["start"], samples["end"], own_gaps)
     row["decode_own_error"] = own_error
-    return row
+    latencies = {
+        "ttft": [_ms(t) for t in result["ttfts"]],
+        "itl": [_ms(g) for g in result["gaps"]],
+        "decode_itl": [_ms(g) for g in own_gaps if g > 0],
+    }
+    return row, latencies
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
@@ -449,34 +462,38 @@ def summarise(
     return {k: None if isinstance(v, float) and v != v else v for k, v in row.items()}
 
 
-def run(sizes: Sizes, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+Latencies = dict[tuple[str, str], dict[str, list[float]]]  # (server, load) -> raw ms
+
+
+def run(sizes: Sizes, progress: Callable[[str], None]) -> tuple[list[dict[str, Any]], Latencies]:
+    """The runs' rows, and each one's raw latencies (see :func:`measure`)."""
     router_cpu, load_cpu = router_and_load_cpus()
     steps = plan(sizes)
     total = sum(len(loads) for _, loads in steps)
     runs: list[dict[str, Any]] = []
+    latencies: Latencies = {}
     with Processes() as procs, tempfile.TemporaryDirectory() as tmp:
         workers = start_workers(procs, load_cpu)
         for server, loads in steps:
             service = start_server(procs, server, workers[server.step_s], {router_cpu}, Path(tmp))
             for load in loads:
                 started = time.perf_counter()
-                runs.append(
-                    measure(
-                        procs,
-                        server,
-                        service,
-                        load,
-                        workers[server.step_s],
-                        sizes,
-                        (router_cpu, load_cpu),
-                    )
+                row, latencies[server.key, load.key] = measure(
+                    procs,
+                    server,
+                    service,
+                    load,
+                    workers[server.step_s],
+                    sizes,
+                    (router_cpu, load_cpu),
                 )
+                runs.append(row)
                 progress(
                     f"[{len(runs)}/{total}] {server.key} {load.key}: "
                     f"{time.perf_counter() - started:.1f}s"
                 )
             procs.stop(service.process)
-    return runs
+    return runs, latencies
 
 
 # --- the report ------------------------------------------------------------------------
@@ -837,6 +854,76 @@ def render(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# --- the figure ------------------------------------------------------------------------
+
+_PACED_SERVERS = {
+    "pdtrio_on": "pdtrio, egress on",
+    "pdtrio_off": "pdtrio, egress off",
+    "trivial_paced": "trivial app",
+}
+
+
+def plot(path: Path, runs: list[dict[str, Any]], latencies: Latencies, quick: bool) -> None:
+    by = {(r["server"], r["load"]): r for r in runs}
+    cdfs = partial(plotting.latency_cdfs, quantile=lambda v, q: percentile(v, q * 100))
+    panels: list[plotting.Panel] = []
+    for load in ("paced_small", "paced_large"):
+        sample = by["pdtrio_on", load]
+        what = (
+            f"{sample['clients']} streams × {sample['max_tokens']} tokens, "
+            f"decode every {sample['step_ms']:g} ms"
+        )
+        ttft = {label: latencies[key, load]["ttft"] for key, label in _PACED_SERVERS.items()}
+        itl = {label: latencies[key, load]["itl"] for key, label in _PACED_SERVERS.items()}
+        itl["decode's own (its websocket)"] = latencies["pdtrio_on", load]["decode_itl"]
+        panels.append(partial(cdfs, series=ttft, xlabel="TTFT (ms)", title=f"{what}: TTFT"))
+        panels.append(
+            partial(
+                cdfs, series=itl, xlabel="gap between reads (ms)", title=f"{what}: ITL, per read"
+            )
+        )
+    loads = ("paced_small", "paced_large")
+    panels.append(
+        partial(
+            plotting.throughput_vs_concurrency,
+            series={
+                label: [(by[key, load]["clients"], by[key, load]["tokens_per_s"]) for load in loads]
+                for key, label in _PACED_SERVERS.items()
+            },
+            reference={
+                "offered (every stream decoding)": [
+                    (
+                        by["pdtrio_on", load]["clients"],
+                        by["pdtrio_on", load]["offered_tokens_per_s"],
+                    )
+                    for load in loads
+                ]
+            },
+            title="paced streams: tokens/s against concurrency",
+        )
+    )
+    short = by["pdtrio_fast", "short"]
+    panels.append(
+        partial(
+            cdfs,
+            series={
+                f"{app}, {conn}": latencies[server, load]["ttft"]
+                for server, app in (("pdtrio_fast", "pdtrio"), ("trivial_fast", "trivial app"))
+                for load, conn in (("short", "kept alive"), ("short_new_conn", "new connection"))
+            },
+            xlabel="TTFT (ms)",
+            title=f"short requests: rounds of {short['clients']} × {short['max_tokens']} tokens",
+        )
+    )
+    plotting.save_figure(
+        path,
+        *panels,
+        title=f"router_cost ({'quick: figures mean nothing' if quick else 'full'}): "
+        "pdtrio's router beside a trivial SSE app, one core each",
+        columns=2,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.router_cost",
@@ -845,19 +932,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="a tiny version of every row (CI)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="draw the latency CDFs into this PNG (matplotlib)"
+    )
     parser.add_argument("--role", choices=["direct"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "direct":
         direct_reader(json.loads(args.spec))
         return 0
+    if args.plot is not None:
+        plotting.require_matplotlib()
     cpus = router_and_load_cpus()
     if cpus[0] == cpus[1]:
         print("warning: one CPU only; the servers and the load share it", file=sys.stderr)
     os.sched_setaffinity(0, {cpus[1]})
     sizes = QUICK if args.quick else FULL
     started = time.perf_counter()
-    runs = run(sizes, lambda line: print(line, file=sys.stderr, flush=True))
+    runs, latencies = run(sizes, lambda line: print(line, file=sys.stderr, flush=True))
     summary: dict[str, Any] = {
         "quick": args.quick,
         "machine": (
@@ -875,6 +967,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n({summary['elapsed_s']:.0f}s)")
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=2))
+    if args.plot is not None:
+        plot(args.plot, runs, latencies, args.quick)
     return 0
 
 

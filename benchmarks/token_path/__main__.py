@@ -8,13 +8,15 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from benchmarks import plotting
 from benchmarks.token_path import ingest, producer, sse_clients
 from benchmarks.token_path.end_to_end import run_e2e
 from benchmarks.token_path.light_load import run_latency
-from benchmarks.token_path.measure import router_and_load_cpus
+from benchmarks.token_path.measure import percentile, router_and_load_cpus
 
 # what a process started by measure.start_role runs
 ROLES: dict[str, Callable[[dict[str, Any]], None]] = {
@@ -166,6 +168,74 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def plot(
+    path: Path,
+    report: dict[str, Any],
+    e2e: dict[int, dict[str, list[float]]],
+    latency: dict[str, dict[str, list[float]]],
+) -> None:
+    """The e2e section's TTFT and ITL CDFs per client count and its tokens/s against
+    clients; the light-load section's ITL and added-latency CDFs per coalescing mode."""
+    panels: list[plotting.Panel] = []
+    cdfs = partial(plotting.latency_cdfs, quantile=lambda v, q: percentile(v, q * 100))
+    if e2e:
+        step = report["e2e"][0]["decode_step_ms"]
+        for key, xlabel in (("ttft", "TTFT (ms)"), ("itl", "gap between SSE reads (ms)")):
+            panels.append(
+                partial(
+                    cdfs,
+                    series={f"{clients} clients": s[key] for clients, s in e2e.items()},
+                    xlabel=xlabel,
+                    title=f"2. e2e, decode step {step:g} ms: {key.upper()}",
+                )
+            )
+        panels.append(
+            partial(
+                plotting.throughput_vs_concurrency,
+                series={"delivered": [(r["clients"], r["tokens_per_s"]) for r in report["e2e"]]},
+                reference={
+                    "offered (a token per step per stream)": [
+                        (r["clients"], r["offered_tokens_per_s"]) for r in report["e2e"]
+                    ]
+                },
+                title="2. e2e: tokens/s against concurrency",
+            )
+        )
+    if latency:
+        rate = report["latency"][0]["tokens_per_s"]
+        itl: dict[str, list[float]] = {}
+        for reader, key in (("router", "itl_routed"), ("direct", "itl_direct")):
+            for mode, s in latency.items():
+                itl[f"{reader}, coalesce {mode}"] = [v * 1e3 for v in s[key]]
+        panels.append(
+            partial(
+                cdfs,
+                series=itl,
+                xlabel="gap between tokens (ms)",
+                title=f"3. light load, {rate:g} tok/s: ITL",
+            )
+        )
+        panels.append(
+            partial(
+                cdfs,
+                series={f"coalesce {m}": [v * 1e6 for v in s["added"]] for m, s in latency.items()},
+                xlabel="added: router arrival - direct arrival, same step (µs)",
+                title=f"3. light load, {rate:g} tok/s: latency the router adds",
+            )
+        )
+    if not panels:
+        print(
+            "--plot: nothing to draw (the e2e and latency phases have the samples)", file=sys.stderr
+        )
+        return
+    plotting.save_figure(
+        path,
+        *panels,
+        title=f"token_path ({'quick' if report['quick'] else 'full'}): "
+        f"decode worker -> router -> SSE; {report['machine']}",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.token_path",
@@ -186,12 +256,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--latency-rate", type=float, default=200.0, help="tokens/s of the light-load stream"
     )
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="draw the latency CDFs into this PNG (matplotlib)"
+    )
     parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role:
         ROLES[args.role](json.loads(args.spec))
         return 0
+    if args.plot is not None:
+        plotting.require_matplotlib()
     phases = {p.strip() for p in args.only.split(",") if p.strip()}
     router_cpu, load_cpu = router_and_load_cpus()
     if router_cpu == load_cpu:
@@ -205,17 +280,21 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     started = time.perf_counter()
+    e2e_samples: dict[int, dict[str, list[float]]] = {}
+    latency_samples: dict[str, dict[str, list[float]]] = {}
     if "ingest" in phases:
         report["ingest"] = ingest.run_ingest(args.quick, args.profile)
     if "e2e" in phases:
-        report["e2e"] = run_e2e(args.quick, args.e2e_step_ms / 1e3)
+        report["e2e"], e2e_samples = run_e2e(args.quick, args.e2e_step_ms / 1e3)
     if "latency" in phases:
-        report["latency"] = run_latency(args.quick, args.latency_rate)
+        report["latency"], latency_samples = run_latency(args.quick, args.latency_rate)
     report["elapsed_s"] = time.perf_counter() - started
     print(render(report))
     print(f"\n({report['elapsed_s']:.0f}s)")
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
+    if args.plot is not None:
+        plot(args.plot, report, e2e_samples, latency_samples)
     return 0
 
 

@@ -19,10 +19,14 @@ CLIENTS = (64, 256)
 MAX_TOKENS = 256
 
 
-def run_e2e(quick: bool, step_s: float) -> list[dict[str, Any]]:
+def run_e2e(
+    quick: bool, step_s: float
+) -> tuple[list[dict[str, Any]], dict[int, dict[str, list[float]]]]:
+    """The rows, and per client count the raw TTFTs and gaps in ms (for ``--plot``)."""
     router_cpu, load_cpu = router_and_load_cpus()
     warmup, measure = (2.0, 3.0) if quick else (3.0, 10.0)
     rows = []
+    latencies: dict[int, dict[str, list[float]]] = {}
     with Processes() as procs, tempfile.TemporaryDirectory() as tmp:
         starting = {
             role: procs.start_worker(
@@ -62,6 +66,10 @@ def run_e2e(quick: bool, step_s: float) -> list[dict[str, Any]]:
             after, wall = sample(), time.perf_counter() - wall0
             result = json.loads(procs.read_line(load, b"RESULT ", 60))
             load.wait(timeout=30)
+            latencies[clients] = {
+                "ttft": [t / 1e3 for t in result.pop("ttfts_us")],
+                "itl": [g / 1e3 for g in result.pop("gaps_us")],
+            }
             router_s, decode_s, prefill_s, clients_s, core_busy, core_total = (
                 a - b for a, b in zip(after, before, strict=True)
             )
@@ -77,7 +85,7 @@ def run_e2e(quick: bool, step_s: float) -> list[dict[str, Any]]:
                     core_busy / max(1, core_total),
                 )
             )
-    return rows
+    return rows, latencies
 
 
 def _row(

@@ -116,7 +116,11 @@ async def _latency_pair(
     return direct, routed
 
 
-def run_latency(quick: bool, rate: float) -> list[dict[str, Any]]:
+def run_latency(
+    quick: bool, rate: float
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, list[float]]]]:
+    """The rows, and per coalescing mode the raw samples in seconds ("itl_routed",
+    "itl_direct", "added"; for ``--plot``)."""
     router_cpu, load_cpu = router_and_load_cpus()
     step = 1.0 / rate
     tokens = int(rate * 1.0)  # one second per stream
@@ -175,7 +179,7 @@ def run_latency(quick: bool, rate: float) -> list[dict[str, Any]]:
                 "mismatched_steps": mismatched[mode],
             }
         )
-    return rows
+    return rows, samples
 
 
 def _pair_steps(direct: list[float], routed: list[float], samples: dict[str, list[float]]) -> int:

@@ -4,7 +4,8 @@ Clients start spread over the first second, each streaming completions back
 to back.  From ``warmup_s`` on, for ``measure_s``, tokens, events, bytes and
 inter-event gaps are counted (the lines ``MARK start`` / ``MARK end`` let the
 driver read CPU counters at the same moments); then every socket is closed
-and ``RESULT {json}`` printed.  Tokens are counted in the bytes: each
+and ``RESULT {json}`` printed (with the raw TTFTs and gaps in whole
+microseconds, for ``--plot``).  Tokens are counted in the bytes: each
 synthetic token's text is " t<id>", and nothing else in a compact OpenAI
 chunk has a space before a "t".
 
@@ -178,6 +179,8 @@ def run(spec: dict[str, Any]) -> None:
         "connect_p99": percentile(connect_times, 99),
         "connect_max": max(connect_times, default=float("nan")),
         "cpu_s": usage.ru_utime + usage.ru_stime,
+        "ttfts_us": [round(t * 1e6) for t in ttfts],
+        "gaps_us": [round(g * 1e6) for c in clients for g in c.gaps],
     }
     print("RESULT " + json.dumps(result), flush=True)
 
