@@ -13,14 +13,18 @@ from typing import Any, Literal, final
 
 import attrs
 import cattrs
-from cattrs.v import transform_error
+from cattrs.v import format_exception, transform_error
 
 from pdtrio.protocol.flush import FlushConfig
+from pdtrio.protocol.scheduling import SchedulingPolicy
 
 Role = Literal["prefill", "decode", "both"]
 EngineKind = Literal["synthetic", "torch"]
 # how decode pulls KV from prefill: "auto" takes NIXL where it imports and works, else TCP
 KvTransportChoice = Literal["nixl", "tcp", "auto"]
+
+# addresses that accept connections on every interface: nobody can dial them
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "", "[::]", "*"})
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -102,19 +106,70 @@ class WorkerFaultsConfig:
     layout_mismatch: bool = False
 
 
+def _etcd_endpoint(instance: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+    for endpoint in value:
+        if not endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"{attribute.name}: {endpoint!r} is not an http:// or https:// URL")
+
+
+@final
+@attrs.frozen(kw_only=True)
+class DiscoveryConfig:
+    """Where instances are registered (``[discovery]``): etcd, or nothing (static lists).
+
+    Workers register under ``prefix`` with a lease; routers watch the prefix.
+    """
+
+    # etcd's client URLs, e.g. ["http://10.0.0.5:2379"]; empty: no etcd
+    etcd_endpoints: tuple[str, ...] = attrs.field(default=(), validator=_etcd_endpoint)
+    # every key of a deployment lives under it: routers and workers must agree
+    prefix: str = "/pdtrio/instances/"
+    # a worker that stops keeping its lease alive leaves routing this long after
+    lease_ttl_s: int = attrs.field(default=10, validator=_positive)
+    # how long one etcd call may take before etcd counts as unreachable
+    etcd_timeout_s: float = attrs.field(default=5.0, validator=_positive)
+
+    @property
+    def uses_etcd(self) -> bool:
+        return bool(self.etcd_endpoints)
+
+
 @final
 @attrs.frozen(kw_only=True)
 class WorkerConfig:
     role: Role = "both"
+    # where the worker listens; a wildcard (0.0.0.0, ::) needs advertise_host
     host: str = "127.0.0.1"
     port: int = attrs.field(default=0, validator=_non_negative)
     transfer_port: int = attrs.field(default=0, validator=_non_negative)
+    # what others dial: goes into the registration and every KV handle ("": host)
+    advertise_host: str = ""
+    # the advertised HTTP (control and link) and KV transfer ports (0: the bound ones)
+    advertise_port: int = attrs.field(default=0, validator=_non_negative)
+    advertise_transfer_port: int = attrs.field(default=0, validator=_non_negative)
     instance_id: str = ""
     kv_lease_s: float = attrs.field(default=30.0, validator=_positive)
     kv_transport: KvTransportChoice = "auto"
+    # on SIGTERM: deregister, refuse new work, let running requests finish this long, exit
+    drain_s: float = attrs.field(default=30.0, validator=_non_negative)
     engine: EngineConfig = EngineConfig()
     flush: FlushConfig = FlushConfig()
     faults: WorkerFaultsConfig = WorkerFaultsConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
+
+    def __attrs_post_init__(self) -> None:
+        if self.host in WILDCARD_HOSTS and self.advertise_host in ("", *WILDCARD_HOSTS):
+            raise ValueError(
+                f"host {self.host!r} listens on every interface, so it cannot be dialed: "
+                "set advertise_host (--advertise-host, PDTRIO_ADVERTISE_HOST) to the address "
+                "routers and other workers reach this worker at"
+            )
+        if self.advertise_host in WILDCARD_HOSTS - {""}:
+            raise ValueError(f"advertise_host {self.advertise_host!r} is a wildcard address")
+
+    @property
+    def advertised_host(self) -> str:
+        return self.advertise_host or self.host
 
 
 @final
@@ -170,6 +225,9 @@ class RouterConfig:
     # each worker for a heartbeat every link_heartbeat_s of silence
     link_timeout_s: float = attrs.field(default=1.5, validator=_positive)
     link_heartbeat_s: float = attrs.field(default=0.5, validator=_positive)
+    # which instance gets the next prefill, and which decode (among those with room)
+    prefill_policy: SchedulingPolicy = "least_loaded"
+    decode_policy: SchedulingPolicy = "least_loaded"
 
     def __attrs_post_init__(self) -> None:
         if self.link_heartbeat_s >= self.link_timeout_s:
@@ -183,13 +241,14 @@ class RouterConfig:
 @attrs.frozen(kw_only=True)
 class PdtrioConfig:
     router: RouterConfig = RouterConfig()
-    # With ``instances`` empty, the router starts the embedded cluster.
+    # With ``instances`` empty and no etcd, the router starts the embedded cluster.
     instances: tuple[InstanceConfig, ...] = ()
     embedded: EmbeddedClusterConfig = EmbeddedClusterConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
 
     @property
     def uses_embedded_cluster(self) -> bool:
-        return not self.instances
+        return not self.instances and not self.discovery.uses_etcd
 
 
 def _converter() -> cattrs.Converter:
@@ -201,10 +260,18 @@ def config_from_dict(raw: dict[str, Any], cls: type[Any] = PdtrioConfig) -> Any:
     try:
         return _converter().structure(raw, cls)
     except cattrs.BaseValidationError as exc:
-        problems = "; ".join(_describe(m) for m in transform_error(exc, path="config"))
+        messages = transform_error(exc, path="config", format_exception=_format_exception)
+        problems = "; ".join(_describe(m) for m in messages)
         raise ConfigError(f"invalid configuration: {problems}") from None
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"invalid configuration: {exc}") from None
+
+
+def _format_exception(exc: BaseException, type_: type | None) -> str:
+    # a validator's or a class check's ValueError says what is wrong: keep its words
+    if isinstance(exc, ValueError) and type_ is None and str(exc):
+        return str(exc)
+    return format_exception(exc, type_)
 
 
 def _describe(message: str) -> str:
@@ -228,11 +295,25 @@ def load_config_file(path: str | Path) -> PdtrioConfig:
 
 
 def load_config_from_env(environ: dict[str, str] | None = None) -> PdtrioConfig:
+    """The router's configuration: ``PDTRIO_CONFIG``'s file (else the default), then
+    ``PDTRIO_ETCD_ENDPOINTS`` (comma-separated URLs) over its ``discovery.etcd_endpoints``."""
     environ = dict(os.environ) if environ is None else environ
     path = environ.get("PDTRIO_CONFIG")
-    if not path:
-        return PdtrioConfig()
-    return load_config_file(path)
+    config = load_config_file(path) if path else PdtrioConfig()
+    endpoints = etcd_endpoints_from(environ)
+    if endpoints:
+        try:
+            discovery = attrs.evolve(config.discovery, etcd_endpoints=endpoints)
+        except ValueError as exc:
+            raise ConfigError(f"PDTRIO_ETCD_ENDPOINTS: {exc}") from None
+        config = attrs.evolve(config, discovery=discovery)
+    return config
+
+
+def etcd_endpoints_from(environ: dict[str, str]) -> tuple[str, ...]:
+    """``PDTRIO_ETCD_ENDPOINTS``: comma-separated etcd client URLs (empty: none)."""
+    raw = environ.get("PDTRIO_ETCD_ENDPOINTS", "")
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
 def worker_config_to_dict(config: WorkerConfig) -> dict[str, Any]:

@@ -16,7 +16,7 @@ Anything that does not decode into the expected type raises :class:`WireError`.
 from __future__ import annotations
 
 import enum
-from typing import Any, Generic, TypeVar, final
+from typing import Annotated, Any, Generic, TypeVar, final
 
 import msgspec
 
@@ -79,7 +79,7 @@ class KvHandle(_Positional, frozen=True):
     request_id: str
     instance_id: str
     transfer_host: str
-    transfer_port: int
+    transfer_port: Annotated[int, msgspec.Meta(ge=0, le=65535)]
     block_ids: tuple[int, ...]
     num_tokens: int
     layout: KvLayout
@@ -156,6 +156,11 @@ class PrefillFailed(_Positional, frozen=True, tag=int(MessageKind.PREFILL_FAILED
     message: str
     error_type: str
     param: str | None = None
+
+
+# PrefillFailed.error_type of a prefill refused because its instance is stopping: routers
+# take the instance out of rotation at once and send the request elsewhere
+DRAINING_ERROR_TYPE = "instance_draining"
 
 
 class ReleaseRequest(_Positional, frozen=True, tag=int(MessageKind.RELEASE)):

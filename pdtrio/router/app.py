@@ -41,7 +41,7 @@ from pdtrio.protocol.openai import (
     service_unavailable,
     unsupported_media_type,
 )
-from pdtrio.router.core import Outcome
+from pdtrio.router.core import Outcome, Router
 
 log = logging.getLogger("pdtrio.router")
 
@@ -102,6 +102,8 @@ class RouterApp:
         self._parse_limiter = trio.CapacityLimiter(1)
         # a big body's memory goes back to the OS once its request is done with
         self.heap_trimmer = HeapTrimmer()
+        # the running router, for a program that embeds the app with its own config (tests)
+        self.router: Router | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -125,7 +127,13 @@ class RouterApp:
 
         limit_heap_retention()
         if self._config is not None:  # embedded in another program (tests): its objects
-            await run_lifespan(scope, receive, send, self._config)
+
+            async def send_then_keep(message: Message) -> None:
+                if message["type"] == "lifespan.startup.complete":
+                    self.router = scope["state"]["router"]
+                await send(message)
+
+            await run_lifespan(scope, receive, send_then_keep, self._config)
             return
 
         async def send_then_freeze(message: Message) -> None:

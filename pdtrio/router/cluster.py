@@ -106,7 +106,7 @@ class WorkerProcess:
                 f"worker {self.name} ({self.role}) exited with status "
                 f"{process.returncode} before it was ready"
             )
-        url = f"http://{self.worker_config.host}:{ready['http_port']}"
+        url = str(ready["url"])
         log.info("worker %s (%s) ready at %s, pid %d", self.name, self.role, url, process.pid)
         await self._on_ready(self.role, url, self.name)
         task_status.started()

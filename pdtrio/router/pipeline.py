@@ -46,6 +46,7 @@ from pdtrio.protocol.openai import (
 )
 from pdtrio.protocol.sse import StreamShaper
 from pdtrio.protocol.wire import (
+    DRAINING_ERROR_TYPE,
     DecodeStart,
     KvHandle,
     PrefillFailed,
@@ -227,9 +228,9 @@ class RequestPipeline:
         # what the last instance that failed said: the answer when no other is left
         failure: OpenAIError | None = None
         while True:
-            instance = router.pick_prefill(frozenset(tried))
+            instance = router.pick_prefill(request.model, frozenset(tried))
             if instance is None or instance.link is None or len(tried) >= _PREFILL_ATTEMPTS:
-                raise failure or service_unavailable("no prefill instance is available")
+                raise failure or service_unavailable(_no_prefill_reason(router, request.model))
             tried.add(instance.name)
             self.prefill_instance = instance
             lifecycle.handle(Event.PREFILL_SENT)
@@ -258,7 +259,9 @@ class RequestPipeline:
                 if answer.status >= 500:
                     # the instance's fault, not the request's (a 4xx is not retried);
                     # 503 is a busy one (no KV room): tried elsewhere, but not suspended
-                    if answer.status != 503:
+                    if answer.error_type == DRAINING_ERROR_TYPE:
+                        router.instance_draining(instance)
+                    elif answer.status != 503:
                         router.instance_failed(instance)
                     lifecycle.handle(Event.PREFILL_LOST)
                     failure = _prefill_error(answer)
@@ -334,8 +337,10 @@ class RequestPipeline:
     ) -> Instance:
         """A decode instance with room for the request, waiting in FIFO order for one."""
         router = self.router
-        links = router.decode_links(exclude)
+        links = router.decode_links(exclude, handle.layout)
         if not links:
+            if router.decode_links(exclude):
+                last_reason = f"none takes prefill's KV layout [{handle.layout.describe()}]"
             raise service_unavailable(f"no decode instance could take the request: {last_reason}")
         num_tokens = reply.prompt_tokens + reply.token_budget
         reports = [link.capacity for link in links if link.capacity is not None]
@@ -351,7 +356,7 @@ class RequestPipeline:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        take = functools.partial(router.decode_with_room, num_tokens, exclude)
+        take = functools.partial(router.decode_with_room, num_tokens, exclude, handle.layout)
         if self._queue_place_reserved:
             # the reserved place becomes a waiter's (no checkpoint until wait_for holds it)
             self._queue_place_reserved = False
@@ -516,6 +521,18 @@ class RequestPipeline:
         if owed & Cleanup.RELEASE_ON_PREFILL and instance is not None and instance.link is not None:
             instance.link.release(self.request_id)
         self.lifecycle.handle(Event.CLEANED)
+
+
+def _no_prefill_reason(router: Router, model: str) -> str:
+    """Why no prefill instance takes a request: none is up, or none can be paired."""
+    unpaired = [
+        reason
+        for name, reason in router.unpaired().items()
+        if router.instances[name].serves_prefill and router.instances[name].model == model
+    ]
+    if unpaired:
+        return "no prefill instance is available: " + "; ".join(unpaired)
+    return "no prefill instance is available"
 
 
 def _shutting_down(message: str) -> OpenAIError:

@@ -279,6 +279,11 @@ class WorkerLink:
         return len(self._streams)
 
     @property
+    def busy(self) -> bool:
+        """Whether requests run on it, or messages wait to go: closing it would cut them."""
+        return bool(self._streams or self._prefills or self._outbox)
+
+    @property
     def available_blocks(self) -> int:
         """Free blocks decode reported, less those promised since; 0 when it cannot take any."""
         if self.capacity is None or self._ws is None:

@@ -307,7 +307,9 @@ class Processes:
     ) -> Service:
         """Wait for a worker's ready line."""
         ready: dict[str, Any] = json.loads(self.read_line(process, READY_PREFIX, timeout))
-        return Service(process, f"http://{host}:{ready['http_port']}", ready)
+        # the address it advertises, when it says (it listens on a wildcard, say)
+        url = ready.get("url") or f"http://{host}:{ready['http_port']}"
+        return Service(process, str(url), ready)
 
     def worker(
         self,

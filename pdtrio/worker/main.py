@@ -8,8 +8,11 @@ import logging
 import os
 import signal
 import sys
+import tomllib
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
 import trio
 
 from pdtrio.config import (
@@ -18,9 +21,11 @@ from pdtrio.config import (
     WorkerConfig,
     config_from_dict,
 )
+from pdtrio.discovery.worker_registration import keep_registered
 from pdtrio.engine.api import Engine, EngineError
 from pdtrio.engine.config import UnsupportedModel
 from pdtrio.kv.api import KvTransportUnavailable
+from pdtrio.protocol.registration import Registration
 from pdtrio.worker.launch import ready_line
 from pdtrio.worker.server import Worker
 
@@ -46,37 +51,154 @@ def build_engine(config: EngineConfig) -> Engine:
     return engine
 
 
-def parse_args(argv: list[str]) -> tuple[WorkerConfig, bool]:
-    parser = argparse.ArgumentParser(prog="pdtrio worker", description="run one pdtrio worker")
-    parser.add_argument("--role", choices=["prefill", "decode", "both"], default=None)
-    parser.add_argument("--host", default=None)
-    parser.add_argument("--port", type=int, default=None)
-    parser.add_argument("--engine", choices=["synthetic", "torch"], default=None)
-    parser.add_argument("--model", default=None)
-    parser.add_argument(
+@attrs.frozen
+class _Option:
+    """A worker flag: where it lands in the WorkerConfig and its environment variable."""
+
+    flag: str
+    path: tuple[str, ...]
+    help: str
+    type: Callable[[str], Any] = str
+    choices: tuple[str, ...] | None = None
+    env_name: str = ""  # "": PDTRIO_ and the flag's name
+
+    @property
+    def env(self) -> str:
+        return self.env_name or "PDTRIO_" + self.flag.removeprefix("--").replace("-", "_").upper()
+
+
+def _endpoints(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+_DEFAULTS = WorkerConfig()
+_OPTIONS = (
+    _Option("--role", ("role",), "what the worker serves", choices=("prefill", "decode", "both")),
+    _Option("--host", ("host",), "address to listen on (0.0.0.0: every interface)"),
+    _Option("--port", ("port",), "HTTP port: control API and router links (0: any free)", int),
+    _Option("--transfer-port", ("transfer_port",), "KV transfer port (0: any free)", int),
+    _Option(
+        "--advertise-host",
+        ("advertise_host",),
+        "address routers and decode workers dial (default: --host; required with a wildcard)",
+    ),
+    _Option("--advertise-port", ("advertise_port",), "advertised HTTP port (0: the bound)", int),
+    _Option(
+        "--advertise-transfer-port",
+        ("advertise_transfer_port",),
+        "advertised KV transfer port (0: the bound one)",
+        int,
+    ),
+    _Option("--instance-id", ("instance_id",), "this worker's name (default: role@host:port)"),
+    _Option(
         "--kv-transport",
-        choices=["nixl", "tcp", "auto"],
-        default=None,
-        help="how decode pulls KV from prefill (default: auto, NIXL where it works)",
+        ("kv_transport",),
+        "how decode pulls KV from prefill (auto: NIXL where it works, else TCP)",
+        choices=("nixl", "tcp", "auto"),
+    ),
+    _Option("--drain-s", ("drain_s",), "on SIGTERM, how long running requests may finish", float),
+    _Option(
+        "--etcd",
+        ("discovery", "etcd_endpoints"),
+        "etcd client URLs, comma-separated: register there",
+        _endpoints,
+        env_name="PDTRIO_ETCD_ENDPOINTS",
+    ),
+    _Option("--engine", ("engine", "kind"), "the engine", choices=("synthetic", "torch")),
+    _Option(
+        "--model",
+        ("engine", "model"),
+        "the built-in model's name, a .gguf file or a Hugging Face directory",
+    ),
+    _Option("--device", ("engine", "device"), "torch device: cpu, cuda, cuda:1, ..."),
+    _Option("--dtype", ("engine", "dtype"), "torch dtype: float32, bfloat16, float16"),
+    _Option("--kv-blocks", ("engine", "num_kv_blocks"), "KV cache blocks", int),
+)
+
+
+def _default_of(path: tuple[str, ...]) -> Any:
+    value: Any = _DEFAULTS
+    for key in path:
+        value = getattr(value, key)
+    if isinstance(value, tuple):
+        return ",".join(value) or "none"
+    return value if value != "" else "none"
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdtrio worker",
+        description=(
+            "Run one pdtrio worker: prefill, decode or both. Precedence: flag, then its "
+            "environment variable, then --config, then the default."
+        ),
     )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=os.environ.get("PDTRIO_WORKER_CONFIG"),
+        help="a TOML file with the keys of the router's [embedded.worker] section "
+        "(env PDTRIO_WORKER_CONFIG)",
+    )
+    for option in _OPTIONS:
+        parser.add_argument(
+            option.flag,
+            type=option.type,
+            choices=option.choices,
+            default=None,
+            help=f"{option.help} (env {option.env}; default: {_default_of(option.path)})",
+        )
     parser.add_argument("--config-json", default=None, help="a whole WorkerConfig as JSON")
     parser.add_argument(
         "--exit-with-stdin",
         action="store_true",
         help="exit when stdin closes (the supervising router died)",
     )
+    return parser
+
+
+def parse_args(
+    argv: list[str], environ: Mapping[str, str] | None = None
+) -> tuple[WorkerConfig, bool]:
+    environ = os.environ if environ is None else environ
+    parser = argument_parser()
     args = parser.parse_args(argv)
-    raw: dict[str, Any] = json.loads(args.config_json) if args.config_json else {}
-    for key in ("role", "host", "port", "kv_transport"):
-        if getattr(args, key) is not None:
-            raw[key] = getattr(args, key)
-    engine = raw.setdefault("engine", {})
-    if args.engine is not None:
-        engine["kind"] = args.engine
-    if args.model is not None:
-        engine["model"] = args.model
+    raw: dict[str, Any] = {}
+    if args.config:
+        raw = _read_toml(args.config)
+    if args.config_json:
+        raw = json.loads(args.config_json)
+    for option in _OPTIONS:
+        value = getattr(args, _attribute_name(option.flag))
+        if value is None and option.env in environ:
+            try:
+                value = option.type(environ[option.env])
+            except ValueError:
+                raise ConfigError(f"{option.env}={environ[option.env]!r} is not valid") from None
+            if option.choices is not None and value not in option.choices:
+                raise ConfigError(f"{option.env} must be one of {', '.join(option.choices)}")
+        if value is None:
+            continue
+        section = raw
+        for key in option.path[:-1]:
+            section = section.setdefault(key, {})
+        section[option.path[-1]] = list(value) if isinstance(value, tuple) else value
     config: WorkerConfig = config_from_dict(raw, WorkerConfig)
     return config, args.exit_with_stdin
+
+
+def _attribute_name(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
 async def _exit_when_stdin_closes(cancel_scope: trio.CancelScope) -> None:
@@ -88,15 +210,19 @@ async def _exit_when_stdin_closes(cancel_scope: trio.CancelScope) -> None:
     cancel_scope.cancel()
 
 
-async def _exit_on_signal(cancel_scope: trio.CancelScope) -> None:
-    """SIGINT or SIGTERM: stop serving and exit 0 (links close, so routers fail over)."""
+async def _on_signals(stop: trio.Event, cancel_scope: trio.CancelScope) -> None:
+    """The first SIGINT or SIGTERM asks for a graceful stop (``stop``); a second one,
+    or one before the worker serves, stops it at once.  Either way the exit status is 0."""
+    log = logging.getLogger("pdtrio.worker")
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
-            logging.getLogger("pdtrio.worker").info(
-                "%s received; exiting", signal.Signals(signum).name
-            )
-            cancel_scope.cancel()
-            return
+            name = signal.Signals(signum).name
+            if stop.is_set():
+                log.warning("%s received again: exiting now", name)
+                cancel_scope.cancel()
+                return
+            log.info("%s received: stopping (send it again to exit at once)", name)
+            stop.set()
 
 
 async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> None:
@@ -109,9 +235,10 @@ async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> N
         worker = Worker(config, engine)
     except KvTransportUnavailable as exc:
         raise ConfigError(f"kv_transport = {config.kv_transport!r}: {exc}") from None
+    stop = trio.Event()
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_exit_on_signal, nursery.cancel_scope)
+            nursery.start_soon(_on_signals, stop, nursery.cancel_scope)
             if exit_with_stdin:
                 nursery.start_soon(_exit_when_stdin_closes, nursery.cancel_scope)
             ready = await nursery.start(worker.run)
@@ -120,8 +247,31 @@ async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> N
             ready["kv_transport"] = worker.transport.name
             # the supervisor reads this line to learn the ports
             print(ready_line(ready), flush=True)
+            deregistered = trio.Event()
+            if config.discovery.uses_etcd:
+                nursery.start_soon(
+                    _stay_registered, config, worker.registration(), stop, deregistered
+                )
+            else:
+                deregistered.set()
+            await stop.wait()
+            worker.begin_drain()  # refused work is retried elsewhere by the routers
+            # deregister first (routers stop sending work), then let running work finish
+            with trio.move_on_after(config.discovery.etcd_timeout_s):
+                await deregistered.wait()
+            await worker.drain(config.drain_s)
+            nursery.cancel_scope.cancel()
     except* KvTransportUnavailable as group:
         raise ConfigError(f"kv_transport = {config.kv_transport!r}: {_first(group)}") from None
+
+
+async def _stay_registered(
+    config: WorkerConfig, registration: Registration, stop: trio.Event, done: trio.Event
+) -> None:
+    try:
+        await keep_registered(config.discovery, registration, stop)
+    finally:
+        done.set()
 
 
 def _first(group: BaseExceptionGroup[KvTransportUnavailable]) -> BaseException:

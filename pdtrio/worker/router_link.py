@@ -61,7 +61,7 @@ from pdtrio.protocol.wire import (
     TokenFrame,
     WireError,
 )
-from pdtrio.worker.admission import DecodeAdmission, Rejected
+from pdtrio.worker.admission import Decision, DecodeAdmission, Rejected
 from pdtrio.worker.fault_hooks import FaultHooks
 
 log = logging.getLogger("pdtrio.worker.link")
@@ -129,8 +129,10 @@ class _Link:
         """The current report, or None when it says what the last one said."""
         self._capacity_dirty = False
         stats = self._engine.statistics()
+        # a draining worker takes nothing new: it says it has no room
+        free_blocks = 0 if self._server.draining else stats.kv_blocks_total - stats.kv_blocks_in_use
         report = DecodeCapacity(
-            free_blocks=stats.kv_blocks_total - stats.kv_blocks_in_use,
+            free_blocks=free_blocks,
             total_blocks=stats.kv_blocks_total,
             block_size=self._engine.layout.block_size,
         )
@@ -336,7 +338,11 @@ class _Link:
             with scope:
                 admission = self._server.admission
                 assert admission is not None  # the reader rejects starts without it
-                decision = await admission.admit(start)
+                decision: Decision
+                if self._server.draining:
+                    decision = Rejected(RejectReason.SHUTTING_DOWN, "decode is draining")
+                else:
+                    decision = await admission.admit(start)
                 if isinstance(decision, Rejected):
                     ending = DecodeRejected(request_id, decision.reason, decision.message)
                 else:
@@ -399,6 +405,7 @@ class RouterLinkServer:
         self.flush = flush
         self.owner: dict[str, _Link] = {}  # request id -> the link that started it
         self._links: set[_Link] = set()
+        self.draining = False  # the worker is stopping: decode starts are refused
 
     def capacity_changed(self) -> None:
         """The engine's free blocks may have changed: every link reports it (never blocks)."""

@@ -38,7 +38,9 @@ from pdtrio.memory import limit_heap_retention
 from pdtrio.protocol import wire
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.openai import error_body
+from pdtrio.protocol.registration import Registration
 from pdtrio.protocol.wire import (
+    DRAINING_ERROR_TYPE,
     KvHandle,
     PrefillFailed,
     PrefillReply,
@@ -91,11 +93,13 @@ class Worker:
         # empty until the worker serves: the default names the bound HTTP port
         self.instance_id = config.instance_id
         self.leases = KvLeases(engine.free_request)
-        self.transfer_endpoint: tuple[str, int] = (config.host, 0)
+        self.transfer_endpoint: tuple[str, int] = (config.advertised_host, 0)
         self.http_port = 0
         self.links: RouterLinkServer | None = None  # set once the instance id is known
         self._prefill_scopes: dict[str, trio.CancelScope] = {}
         self.served_prefills = 0
+        # asked to stop: new work is refused while running requests finish (see drain)
+        self.draining = False
         # one big decode at a time: bounds the memory of bodies being decoded at once
         self._decode_limiter = trio.CapacityLimiter(1)
 
@@ -106,6 +110,18 @@ class Worker:
     @property
     def serves_decode(self) -> bool:
         return self.config.role in ("decode", "both")
+
+    @property
+    def advertised_port(self) -> int:
+        return self.config.advertise_port or self.http_port
+
+    @property
+    def url(self) -> str:
+        """The base URL others reach this worker at (its advertised address)."""
+        host = self.config.advertised_host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # an IPv6 address
+        return f"http://{host}:{self.advertised_port}"
 
     @property
     def kv_layout(self) -> KvLayout:
@@ -120,7 +136,7 @@ class Worker:
         *,
         task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Run until cancelled. Reports {"http_port", "transfer_port", "instance_id"}."""
+        """Run until cancelled. Reports {"http_port", "transfer_port", "instance_id", "url"}."""
         from hypercorn.config import Config as HypercornConfig
         from hypercorn.trio import serve
 
@@ -138,7 +154,11 @@ class Worker:
                 config.transfer_port,
             )
             if endpoint is not None:
-                self.transfer_endpoint = endpoint
+                # what decode dials: the advertised address, not the bound one
+                self.transfer_endpoint = (
+                    config.advertised_host,
+                    config.advertise_transfer_port or endpoint[1],
+                )
             hyper = HypercornConfig()
             hyper.bind = [f"{config.host}:{config.port}"]
             hyper.accesslog = None
@@ -149,7 +169,9 @@ class Worker:
             binds = await nursery.start(serve, self.asgi, hyper)
             self.http_port = int(binds[0].rsplit(":", 1)[1])
             if not self.instance_id:
-                self.instance_id = default_instance_id(config.role, config.host, self.http_port)
+                self.instance_id = default_instance_id(
+                    config.role, config.advertised_host, self.advertised_port
+                )
             admission = (
                 DecodeAdmission(
                     self.engine,
@@ -175,8 +197,46 @@ class Worker:
                     "http_port": self.http_port,
                     "transfer_port": self.transfer_endpoint[1],
                     "instance_id": self.instance_id,
+                    "url": self.url,
                 }
             )
+
+    # --- draining -------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """Refuse new work from now on: prefills get a 503, decode starts a retryable
+        rejection, and decode reports no free blocks (routers send it nothing new)."""
+        if self.draining:
+            return
+        self.draining = True
+        if self.links is not None:
+            self.links.draining = True
+            self.links.capacity_changed()
+
+    @property
+    def busy(self) -> bool:
+        """Whether anything runs here or waits to be pulled: prefills, leases, decodes."""
+        links = self.links
+        return bool(
+            self._prefill_scopes
+            or len(self.leases)
+            or (links is not None and links.request_count)
+            or self.engine.statistics().running_requests
+        )
+
+    async def drain(self, grace_s: float) -> bool:
+        """Refuse new work and wait up to ``grace_s`` for the running work to end.
+
+        True when it all ended in time.
+        """
+        self.begin_drain()
+        log.info("draining: up to %gs for running requests to finish", grace_s)
+        with trio.move_on_after(grace_s):
+            while self.busy:  # noqa: ASYNC110 - state of many parts, checked rarely
+                await trio.sleep(0.05)
+            return True
+        log.warning("drain time is up: stopping with requests still running")
+        return False
 
     # --- KvBlockSource for the transport server -----------------------------------
 
@@ -268,11 +328,27 @@ class Worker:
             "role": self.config.role,
             "model": self.engine.model_name,
             "max_model_len": self.engine.max_model_len,
+            "kv_blocks_total": self.engine.statistics().kv_blocks_total,
             # the wire form (a list): msgspec.convert(info["layout"], KvLayout) reads it
             "layout": msgspec.to_builtins(self.kv_layout),
             "transfer_endpoint": list(self.transfer_endpoint),
             "kv_transport": self.transport.info(),
         }
+
+    def registration(self) -> Registration:
+        """What this worker registers about itself: its advertised addresses and layout."""
+        return Registration(
+            instance_id=self.instance_id,
+            role=self.config.role,
+            url=self.url,
+            transfer_host=self.transfer_endpoint[0],
+            transfer_port=self.transfer_endpoint[1],
+            model=self.engine.model_name,
+            max_model_len=self.engine.max_model_len,
+            layout=self.kv_layout,
+            kv_blocks_total=self.engine.statistics().kv_blocks_total,
+            kv_transport=self.transport.name,
+        )
 
     def stats(self) -> dict[str, Any]:
         engine = self.engine.statistics()
@@ -341,6 +417,8 @@ class Worker:
             return PrefillFailed(
                 request_id, 400, f"malformed request: {exc}", "invalid_request_error"
             )
+        if self.draining:
+            return PrefillFailed(request_id, 503, "the instance is draining", DRAINING_ERROR_TYPE)
         if self._knows(request_id):
             return PrefillFailed(
                 request_id, 409, f"request {request_id} is already known", "invalid_request_error"

@@ -234,8 +234,13 @@ async def test_a_layout_mismatch_is_refused_clearly(faulty: str) -> None:
         assert info_block_size == (prefill.kv_layout.block_size, decode.kv_layout.block_size)
         async with client(cluster) as http:
             response = await http.post("/v1/completions", json=_body())
-        assert response.status_code == 500, response.text
+            health = (await http.get("/health")).json()
+        # the router pairs only matching layouts: the request is refused before any prefill
+        assert response.status_code == 503, response.text
         message = response.json()["error"]["message"]
         assert "cannot be paired" in message and "block_size" in message, message
+        ignored = {entry["instance"]: entry["reason"] for entry in health["ignored"]}
+        assert set(ignored) == {prefill.instance_id, decode.instance_id}, health
+        assert all("cannot be paired" in reason for reason in ignored.values())
         await _idle(cluster)
         assert prefill.stats()["kv_leases"] == 0

@@ -172,9 +172,15 @@ async def test_layout_mismatch_is_a_clear_error_naming_both_sides(kv_transport: 
                 "/v1/completions", json={"model": "tiny-random", "prompt": "hello", "max_tokens": 5}
             )
         await wait_until_idle(cluster)
-    assert response.status_code == 500
+    # the router pairs only matching layouts: refused before any prefill runs
+    assert response.status_code == 503
     message = response.json()["error"]["message"]
-    assert "dtype" in message and "float64" in message and "float32" in message
+    assert (
+        "cannot be paired" in message
+        and "dtype" in message
+        and "float64" in message
+        and "float32" in message
+    )
     assert "prefill has" in message and "decode has" in message
 
 

@@ -1,0 +1,268 @@
+"""Where the router learns its instances: a static list, or etcd.
+
+Both registries tell a :class:`RegistryListener` (the router) which instances
+exist; the router keeps links, rotation and pairing.  The etcd registry lists
+the prefix once, then watches it from the next revision; a lost watch is
+re-established from the last revision it saw, so no change is missed, and an
+etcd outage leaves the router on its last known view (``/health`` says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol, final
+
+import attrs
+import httpx
+import msgspec
+import trio
+
+from pdtrio.config import DiscoveryConfig, InstanceConfig, Role
+from pdtrio.discovery.etcd import (
+    EtcdClient,
+    EtcdCompacted,
+    EtcdError,
+    KeyValue,
+    WatchEvent,
+)
+from pdtrio.protocol.registration import (
+    Registration,
+    RegistrationError,
+    decode_registration,
+    instance_id_from_key,
+)
+
+log = logging.getLogger("pdtrio.router.discovery")
+
+# how long the registry waits before trying an unreachable etcd again (doubling)
+_RETRY_FIRST_S = 0.2
+_RETRY_MOST_S = 5.0
+
+
+class Registry(Protocol):
+    """Where instances come from: a static list or etcd."""
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Tell the listener every instance, until cancelled; started once the first
+        view is known (or, for etcd, found out of reach)."""
+
+
+class RegistryListener(Protocol):
+    """What a registry tells: the router."""
+
+    async def instance_listed(self, registration: Registration) -> None:
+        """A listed instance: learn it and connect its link (start-up fails if it cannot)."""
+
+    def instance_registered(self, registration: Registration) -> None:
+        """An instance appeared or changed (never blocks: links open in the background)."""
+
+    def instance_deregistered(self, instance_id: str) -> None:
+        """An instance left: no new work; what runs on it finishes."""
+
+    def registration_ignored(self, key: str, reason: str | None) -> None:
+        """A key under the prefix is not a usable registration (None: no longer)."""
+
+
+@final
+@attrs.define
+class DiscoveryState:
+    """What ``/health`` says about where instances come from."""
+
+    source: str  # "embedded", "static" or "etcd"
+    connected: bool = True
+    # when the registry was last in touch with its source (wall clock), and what failed
+    last_contact: float = attrs.field(factory=time.time)
+    problem: str = ""
+    revision: int = 0
+
+    def in_touch(self, revision: int) -> None:
+        if not self.connected:
+            log.info("etcd is reachable again: watching from revision %d", revision + 1)
+        self.connected = True
+        self.problem = ""
+        self.last_contact = time.time()
+        self.revision = revision
+
+    def lost(self, problem: str) -> None:
+        if self.connected:
+            log.warning("etcd is unreachable (%s): routing on the last known view", problem)
+        self.connected = False
+        self.problem = problem
+
+    def report(self) -> dict[str, Any]:
+        report: dict[str, Any] = {"source": self.source, "connected": self.connected}
+        if self.source == "etcd":
+            report["revision"] = self.revision
+            report["last_contact_s_ago"] = round(time.time() - self.last_contact, 3)
+            if self.problem:
+                report["problem"] = self.problem
+        return report
+
+
+@final
+class StaticRegistry:
+    """The configuration's ``[[instances]]``: each asked for its ``/pd/info`` once."""
+
+    def __init__(
+        self,
+        instances: Sequence[InstanceConfig],
+        listener: RegistryListener,
+        http: httpx.AsyncClient,
+        *,
+        timeout_s: float,
+    ) -> None:
+        self._instances = instances
+        self._listener = listener
+        self._http = http
+        self._timeout_s = timeout_s
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        for instance in self._instances:
+            registration = await static_registration(
+                self._http, instance, timeout_s=self._timeout_s
+            )
+            await self._listener.instance_listed(registration)
+        task_status.started()
+
+
+async def static_registration(
+    http: httpx.AsyncClient, instance: InstanceConfig, *, timeout_s: float
+) -> Registration:
+    """A listed instance's registration, from its ``/pd/info``."""
+    response = await http.get(f"{instance.url}/pd/info", timeout=timeout_s)
+    response.raise_for_status()
+    return registration_from_info(response.json(), instance.role, instance.url)
+
+
+def registration_from_info(info: dict[str, Any], role: Role, url: str) -> Registration:
+    """What a worker's ``/pd/info`` says, as a registration under ``role`` at ``url``."""
+    try:
+        host, port = info["transfer_endpoint"]
+        return msgspec.convert(
+            {
+                "instance_id": info["instance_id"],
+                "role": role,
+                "url": url,
+                "transfer_host": host,
+                "transfer_port": port,
+                "model": info["model"],
+                "max_model_len": info["max_model_len"],
+                "layout": info["layout"],
+                "kv_blocks_total": info.get("kv_blocks_total", 0),
+                "kv_transport": info.get("kv_transport", {}).get("transport", ""),
+            },
+            Registration,
+        )
+    except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
+        raise RegistrationError(f"the worker at {url} gave unusable /pd/info: {exc!r}") from None
+
+
+@final
+class EtcdRegistry:
+    """Watches the deployment's prefix in etcd and tells the listener every change."""
+
+    def __init__(
+        self, config: DiscoveryConfig, listener: RegistryListener, state: DiscoveryState
+    ) -> None:
+        self._config = config
+        self._prefix = config.prefix
+        self._listener = listener
+        self.state = state
+        self._known: set[str] = set()  # instance ids the listener was told about
+        self._revision = 0  # the last revision applied
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Until cancelled. Reports started after the first listing, or the first failure."""
+        started = False
+        retry_s = _RETRY_FIRST_S
+        relist = True
+        async with EtcdClient(
+            self._config.etcd_endpoints, timeout_s=self._config.etcd_timeout_s
+        ) as client:
+            while True:
+                try:
+                    if relist:
+                        kvs, revision = await client.get_prefix(self._prefix)
+                        self._reconcile(kvs, revision)
+                        relist = False
+                    self.state.in_touch(self._revision)
+                    if not started:
+                        started = True
+                        task_status.started()
+                    retry_s = _RETRY_FIRST_S
+                    await client.watch_prefix(
+                        self._prefix,
+                        start_revision=self._revision + 1,
+                        on_events=self._apply,
+                    )
+                    raise EtcdError("the watch ended")  # (it only ends by raising)
+                except EtcdCompacted as exc:
+                    # the revisions we missed are gone: list everything again
+                    log.warning(
+                        "etcd compacted past revision %d: listing again", exc.compact_revision
+                    )
+                    relist = True
+                except EtcdError as exc:
+                    self.state.lost(str(exc) or type(exc).__name__)
+                    if not started:
+                        started = True
+                        task_status.started()
+                    await trio.sleep(retry_s)
+                    retry_s = min(retry_s * 2, _RETRY_MOST_S)
+
+    def _reconcile(self, kvs: Sequence[KeyValue], revision: int) -> None:
+        """A full listing: register what is there, deregister what is no longer."""
+        present: set[str] = set()
+        for kv in kvs:
+            instance_id = self._put(kv.key, kv.value)
+            if instance_id is not None:
+                present.add(instance_id)
+        for gone in self._known - present:
+            self._listener.instance_deregistered(gone)
+        self._known = present
+        self._revision = revision
+
+    def _apply(self, events: list[WatchEvent]) -> None:
+        for event in events:
+            if event.kind == "put":
+                instance_id = self._put(event.key, event.value)
+                if instance_id is not None:
+                    self._known.add(instance_id)
+            else:
+                self._listener.registration_ignored(event.key, None)
+                instance_id = instance_id_from_key(self._prefix, event.key)
+                if instance_id is not None and instance_id in self._known:
+                    self._known.discard(instance_id)
+                    self._listener.instance_deregistered(instance_id)
+            self._revision = max(self._revision, event.mod_revision)
+        self.state.in_touch(self._revision)
+
+    def _put(self, key: str, value: bytes) -> str | None:
+        """Tell the listener of one registration; the instance id, or None if unusable."""
+        instance_id = instance_id_from_key(self._prefix, key)
+        if instance_id is None:
+            return None
+        try:
+            registration = decode_registration(value)
+        except RegistrationError as exc:
+            self._ignore(key, instance_id, str(exc))
+            return None
+        if registration.instance_id != instance_id:
+            self._ignore(
+                key,
+                instance_id,
+                f"registered under {instance_id!r} but says it is {registration.instance_id!r}",
+            )
+            return None
+        self._listener.registration_ignored(key, None)
+        self._listener.instance_registered(registration)
+        return instance_id
+
+    def _ignore(self, key: str, instance_id: str, reason: str) -> None:
+        log.warning("ignoring the registration at %s: %s", key, reason)
+        self._listener.registration_ignored(key, reason)
+        if instance_id in self._known:  # it was usable before: it is gone now
+            self._known.discard(instance_id)
+            self._listener.instance_deregistered(instance_id)
