@@ -1,0 +1,436 @@
+"""The router's metrics and its access log: one place records each request's figures.
+
+A :class:`RequestFigures` rides along with each completion request (the
+pipeline fills it: prefill, queue, handoff, each delivered event); when the
+request ends :meth:`RouterMetrics.request_ended` counts it, observes its
+latencies and writes its one access line (``pdtrio.access``, INFO).
+
+Cost: per delivered event a clock read and a local bucket count (no
+``prometheus_client`` call); the inter-token gaps and tokens go to Prometheus
+when the request ends and at most once a second while it streams.  What
+already lives in the router (instances, links, egress) is read at scrape time
+by :class:`RouterStateCollector`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, Protocol, final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pdtrio.metrics import LATENCY_BUCKETS_S, LocalHistogram, exposition, multiprocess_dir
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+
+access_log = logging.getLogger("pdtrio.access")
+
+# a streaming request's gaps and tokens reach Prometheus at least this often
+FLUSH_INTERVAL_S: Final = 1.0
+# gaps between two events of a stream: the decode step (ms) to a stall (s)
+ITL_BUCKETS_S: Final = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+# the status an access line gives a request whose client went away (nginx's convention)
+CLIENT_CLOSED_STATUS: Final = 499
+
+
+class Outcome(enum.Enum):
+    """How a completion request ended, as /metrics counts it."""
+
+    OK = "ok"
+    DISCONNECTED = "disconnected"
+    """The client went away before the response was complete."""
+    REJECTED = "rejected"
+    """Refused before any byte of the response went out (with its status)."""
+    FAILED = "failed"
+    """Ended by an error event after the stream had started (with the error's status)."""
+
+
+class RouterState(Protocol):
+    """What the collector reads of the router (``pdtrio.router.core.Router``)."""
+
+    @property
+    def instances(self) -> Mapping[str, Any]: ...
+
+    @property
+    def workers(self) -> Sequence[Any]: ...
+
+    @property
+    def tokens_delivered(self) -> int: ...
+
+    @property
+    def egress(self) -> Any: ...
+
+
+@final
+class _ModelSeries:
+    """One model's children, resolved once (``labels()`` costs as much as an observe)."""
+
+    __slots__ = (
+        "completion_tokens",
+        "e2e",
+        "handoff",
+        "itl",
+        "prefill",
+        "prompt_tokens",
+        "queued",
+        "ttft",
+    )
+
+    def __init__(self, metrics: RouterMetrics, model: str) -> None:
+        self.ttft = metrics.ttft.labels(model)
+        self.itl = metrics.itl.labels(model)
+        self.e2e = metrics.e2e.labels(model)
+        self.queued = metrics.queued.labels(model)
+        self.prefill = metrics.prefill.labels(model)
+        self.handoff = metrics.handoff.labels(model)
+        self.prompt_tokens = metrics.prompt_tokens.labels(model)
+        self.completion_tokens = metrics.completion_tokens.labels(model)
+
+
+@final
+class RequestFigures:
+    """One request's timings and token counts, as the pipeline learns them.
+
+    Times are ``time.perf_counter()`` readings; a phase that never ran stays None.
+    """
+
+    __slots__ = (
+        "_flushed_tokens",
+        "_itl",
+        "_last_event_at",
+        "_next_flush",
+        "_series",
+        "completion_tokens",
+        "first_token_at",
+        "handoff_s",
+        "prefill_s",
+        "prompt_tokens",
+        "queued_s",
+        "started",
+    )
+
+    def __init__(self, series: _ModelSeries | None, started: float) -> None:
+        self._series = series
+        self.started = started
+        self.first_token_at: float | None = None
+        self._last_event_at = started
+        self._next_flush = started + FLUSH_INTERVAL_S
+        self._itl = LocalHistogram(ITL_BUCKETS_S)
+        self.completion_tokens = 0
+        self._flushed_tokens = 0
+        self.prompt_tokens: int | None = None
+        self.prefill_s: float | None = None
+        self.queued_s: float | None = None
+        self.handoff_s: float | None = None
+
+    def delivered(self, num_tokens: int) -> None:
+        """An event with ``num_tokens`` tokens went to the client (or was gathered)."""
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            self._itl.observe(now - self._last_event_at)
+        self._last_event_at = now
+        self.completion_tokens += num_tokens
+        if now >= self._next_flush:
+            self._next_flush = now + FLUSH_INTERVAL_S
+            self.flush()
+
+    def flush(self) -> None:
+        """What was counted locally goes to Prometheus (the gaps, the tokens)."""
+        series = self._series
+        if series is None:
+            return
+        self._itl.merge_into(series.itl)
+        tokens = self.completion_tokens - self._flushed_tokens
+        if tokens:
+            series.completion_tokens.inc(tokens)
+            self._flushed_tokens = self.completion_tokens
+
+
+@final
+class RouterMetrics:
+    """The router's Prometheus metrics, in a registry of their own."""
+
+    def __init__(self, router: RouterState) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        self.state = RouterStateCollector(router)
+        registry.register(self.state)
+        self.requests = Counter(
+            "pdtrio_requests",
+            "Completion requests ended, by endpoint, model and outcome "
+            "(status: the error's status class for rejected and failed).",
+            ["endpoint", "model", "outcome", "status"],
+            registry=registry,
+        )
+        self.requests_active = Gauge(
+            "pdtrio_requests_active",
+            "Completion requests running now.",
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.streams_active = Gauge(
+            "pdtrio_streams_active",
+            "Requests decoding now (decode accepted them, they have not ended).",
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        latency = ["model"]
+        self.ttft = Histogram(
+            "pdtrio_time_to_first_token_seconds",
+            "From the request's start to its first token going out.",
+            latency,
+            registry=registry,
+            buckets=LATENCY_BUCKETS_S,
+        )
+        self.itl = Histogram(
+            "pdtrio_inter_token_latency_seconds",
+            "Gaps between two events of a response (an event may carry several tokens).",
+            latency,
+            registry=registry,
+            buckets=ITL_BUCKETS_S,
+        )
+        self.e2e = Histogram(
+            "pdtrio_e2e_request_latency_seconds",
+            "From the request's start to its end, whatever the outcome.",
+            latency,
+            registry=registry,
+            buckets=LATENCY_BUCKETS_S,
+        )
+        self.queued = Histogram(
+            "pdtrio_queue_wait_seconds",
+            "Time a prefilled request waited for decode KV room.",
+            latency,
+            registry=registry,
+            buckets=LATENCY_BUCKETS_S,
+        )
+        self.prefill = Histogram(
+            "pdtrio_prefill_seconds",
+            "From the first prefill call to prefill's answer (retries on other instances included).",
+            latency,
+            registry=registry,
+            buckets=LATENCY_BUCKETS_S,
+        )
+        self.handoff = Histogram(
+            "pdtrio_kv_handoff_seconds",
+            "From the decode start sent to decode accepting it (its KV pull included).",
+            latency,
+            registry=registry,
+            buckets=LATENCY_BUCKETS_S,
+        )
+        self.prompt_tokens = Counter(
+            "pdtrio_prompt_tokens",
+            "Prompt tokens of prefilled requests.",
+            ["model"],
+            registry=registry,
+        )
+        self.completion_tokens = Counter(
+            "pdtrio_completion_tokens",
+            "Generated tokens delivered to clients.",
+            ["model"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "pdtrio_retries",
+            "A request tried again: on another prefill instance, or for decode room or "
+            "another decode instance.",
+            ["phase"],
+            registry=registry,
+        )
+        for phase in ("prefill", "decode"):
+            self.retries.labels(phase)  # shown at 0 from the start
+        self.queue_full = Counter(
+            "pdtrio_queue_full_rejections",
+            "Requests refused with 429 because the decode queue was full.",
+            registry=registry,
+        )
+        self._series: dict[str, _ModelSeries] = {}
+        self._multiprocess = multiprocess_dir()
+
+    def figures(self, model: str) -> RequestFigures:
+        """A new request's figures, started now."""
+        series = self._series.get(model)
+        if series is None:
+            series = self._series[model] = _ModelSeries(self, model)
+        return RequestFigures(series, time.perf_counter())
+
+    def request_ended(
+        self,
+        *,
+        endpoint: str,
+        model: str,
+        outcome: Outcome,
+        status: int | None,
+        figures: RequestFigures | None = None,
+        request_id: str = "-",
+        prefill: str = "-",
+        decode: str = "-",
+    ) -> None:
+        """Count a completion request by how it ended, observe its figures, log its line.
+
+        ``status``: the error's HTTP status (None for ok and disconnected).
+        """
+        status_class = "" if status is None else f"{status // 100}xx"
+        self.requests.labels(endpoint, model, outcome.value, status_class).inc()
+        if status == 429:
+            self.queue_full.inc()
+        now = time.perf_counter()
+        ttft_ms = total_ms = None
+        if figures is not None:
+            figures.flush()
+            series = figures._series  # noqa: SLF001 - the same module
+            total_s = now - figures.started
+            total_ms = total_s * 1000
+            if figures.first_token_at is not None:
+                ttft_ms = (figures.first_token_at - figures.started) * 1000
+            if series is not None:
+                series.e2e.observe(total_s)
+                if ttft_ms is not None:
+                    series.ttft.observe(ttft_ms / 1000)
+                if figures.prompt_tokens is not None:
+                    series.prompt_tokens.inc(figures.prompt_tokens)
+                if figures.prefill_s is not None:
+                    series.prefill.observe(figures.prefill_s)
+                if figures.queued_s is not None:
+                    series.queued.observe(figures.queued_s)
+                if figures.handoff_s is not None:
+                    series.handoff.observe(figures.handoff_s)
+        if access_log.isEnabledFor(logging.INFO):
+            if status is None:
+                status = 200 if outcome is Outcome.OK else CLIENT_CLOSED_STATUS
+            fields = {
+                "request_id": request_id,
+                "model": model or "-",
+                "status": status,
+                "outcome": outcome.value,
+                "prompt_tokens": "-"
+                if figures is None or figures.prompt_tokens is None
+                else figures.prompt_tokens,
+                "completion_tokens": 0 if figures is None else figures.completion_tokens,
+                "ttft_ms": "-" if ttft_ms is None else round(ttft_ms, 1),
+                "total_ms": "-" if total_ms is None else round(total_ms, 1),
+                "prefill": prefill,
+                "decode": decode,
+            }
+            access_log.info(
+                " ".join(f"{key}={value}" for key, value in fields.items()), extra=fields
+            )
+
+    def render(self) -> bytes:
+        """``/metrics``: this router's, or with multiprocess mode every process's."""
+        return exposition(self.registry, (self.state,), multiprocess=self._multiprocess)
+
+
+@final
+class RouterStateCollector(Collector):
+    """What the router already holds, read at scrape time: instances, links, egress.
+
+    Under multiprocess mode these come from the process that answers the scrape.
+    """
+
+    def __init__(self, router: RouterState) -> None:
+        self._router = router
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # nothing to check at registration; collect reads the router
+
+    def collect(self) -> Iterator[Metric]:
+        router = self._router
+        labels = ["instance", "role", "model"]
+        up = GaugeMetricFamily(
+            "pdtrio_instance_up",
+            "1 while the instance takes new work (healthy, registered, linked, not draining).",
+            labels=labels,
+        )
+        active = GaugeMetricFamily(
+            "pdtrio_instance_active_requests",
+            "Requests on the instance now: prefill calls waiting and decode streams.",
+            labels=labels,
+        )
+        free = GaugeMetricFamily(
+            "pdtrio_instance_kv_free_blocks",
+            "Free KV blocks the decode instance last reported.",
+            labels=labels,
+        )
+        reconnects = CounterMetricFamily(
+            "pdtrio_link_reconnects",
+            "Times the router's link to the instance connected again after a break.",
+            labels=["instance"],
+        )
+        misses = CounterMetricFamily(
+            "pdtrio_link_heartbeat_misses",
+            "Links dropped because the instance sent nothing (heartbeats included) in time.",
+            labels=["instance"],
+        )
+        frames = CounterMetricFamily(
+            "pdtrio_decode_frames_received",
+            "Frames the router read from the instance's link.",
+            labels=["instance"],
+        )
+        cut_off = 0
+        for instance in router.instances.values():
+            values = [instance.name, instance.role, instance.model]
+            link = instance.link
+            up.add_metric(values, 1.0 if instance.usable else 0.0)
+            streams = 0 if link is None else link.active_requests
+            active.add_metric(values, float(streams + instance.active_prefills))
+            if link is None:
+                continue
+            if link.capacity is not None:
+                free.add_metric(values, float(link.capacity.free_blocks))
+            reconnects.add_metric([instance.name], float(max(0, link.connects - 1)))
+            misses.add_metric([instance.name], float(link.hangs))
+            frames.add_metric([instance.name], float(link.frames_received))
+            cut_off += link.clients_cut_off
+        yield from (up, active, free, reconnects, misses, frames)
+        yield CounterMetricFamily(
+            "pdtrio_slow_clients_cut_off",
+            "Streams ended because their client read too slowly.",
+            value=float(cut_off),
+        )
+        yield CounterMetricFamily(
+            "pdtrio_tokens_delivered",
+            "Tokens delivered by this process (all models; counted per event).",
+            value=float(router.tokens_delivered),
+        )
+        yield GaugeMetricFamily(
+            "pdtrio_egress_spacing_seconds",
+            "How far apart each stream's sends go now (adaptive egress; 0: at once).",
+            value=router.egress.spacing_s,
+        )
+        yield GaugeMetricFamily(
+            "pdtrio_event_loop_busy_ratio",
+            "How busy the router's event loop was lately (0 to 1).",
+            value=router.egress.busy_fraction,
+        )
+        restarts = CounterMetricFamily(
+            "pdtrio_worker_restarts",
+            "Restarts of each embedded worker.",
+            labels=["worker"],
+        )
+        for worker in router.workers:
+            restarts.add_metric([worker.name], float(worker.restarts))
+        yield restarts
