@@ -1,0 +1,166 @@
+"""Log lines: a timestamp, which process, the level, the logger, the message.
+
+Every pdtrio process (the router and each worker, embedded or not) calls
+``configure_logging`` once at start, so the lines of a router and of the workers it
+started, which share a terminal, are told apart by their label: ``router``, or the
+worker's instance id. ``text`` is for people, ``json`` (one object a line, with any
+``extra=`` fields as keys) for log collectors. Request content (prompts, generated
+text) is only ever logged at DEBUG.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any, Literal, TextIO, final, get_args
+
+LogFormat = Literal["text", "json"]
+LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVEL_ENV = "PDTRIO_LOG_LEVEL"
+LOG_FORMAT_ENV = "PDTRIO_LOG_FORMAT"
+DEFAULT_LOG_LEVEL = "INFO"
+DEFAULT_LOG_FORMAT: LogFormat = "text"
+
+# what every LogRecord carries: anything else on a record came from ``extra=``
+_RECORD_ATTRIBUTES = frozenset(
+    vars(logging.LogRecord("", logging.INFO, "", 0, "", None, None, None))
+) | {"message", "asctime", "taskName"}
+
+
+class LogSettingError(ValueError):
+    """A log level or format that is not one of the known ones."""
+
+
+def timestamp(created: float) -> str:
+    """``2026-12-01T04:50:00.123Z``: UTC, milliseconds."""
+    seconds = int(created)
+    millis = int((created - seconds) * 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
+
+
+@final
+class TextFormatter(logging.Formatter):
+    """``2026-12-01T04:50:00.123Z router INFO pdtrio.router: message``"""
+
+    def __init__(self, process_label: str) -> None:
+        super().__init__()
+        self.process_label = process_label
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = (
+            f"{timestamp(record.created)} {self.process_label} {record.levelname} "
+            f"{record.name}: {record.getMessage()}"
+        )
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+@final
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: ts, process, level, logger, message, then ``extra`` fields."""
+
+    def __init__(self, process_label: str) -> None:
+        super().__init__()
+        self.process_label = process_label
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields: dict[str, Any] = {
+            "ts": timestamp(record.created),
+            "process": self.process_label,
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _RECORD_ATTRIBUTES and key not in fields:
+                fields[key] = value
+        if record.exc_info:
+            fields["exception"] = self.formatException(record.exc_info)
+        return json.dumps(fields, default=str, ensure_ascii=False)
+
+
+@final
+class _PdtrioHandler(logging.StreamHandler[TextIO]):
+    """The root handler ``configure_logging`` installs (and replaces when called again)."""
+
+
+def parse_level(level: str) -> str:
+    name = level.strip().upper()
+    if name not in LOG_LEVELS:
+        raise LogSettingError(f"log level {level!r} is not one of {', '.join(LOG_LEVELS)}")
+    return name
+
+
+def parse_format(fmt: str) -> LogFormat:
+    name = fmt.strip().lower()
+    if name == "json":
+        return "json"
+    if name == "text":
+        return "text"
+    raise LogSettingError(f"log format {fmt!r} is not one of {', '.join(LOG_FORMATS)}")
+
+
+def settings_from_env(environ: Mapping[str, str]) -> tuple[str, LogFormat]:
+    """``PDTRIO_LOG_LEVEL`` and ``PDTRIO_LOG_FORMAT`` (else INFO and text)."""
+    level = parse_level(environ.get(LOG_LEVEL_ENV) or DEFAULT_LOG_LEVEL)
+    fmt = parse_format(environ.get(LOG_FORMAT_ENV) or DEFAULT_LOG_FORMAT)
+    return level, fmt
+
+
+def configure_logging(
+    level: str, fmt: LogFormat, process_label: str, *, stream: TextIO | None = None
+) -> None:
+    """Send every logger's records at ``level`` and above to stderr, formatted as ``fmt``.
+
+    Replaces the handler an earlier call installed; other handlers (a test's capture)
+    stay.
+    """
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, _PdtrioHandler):
+            root.removeHandler(handler)
+            handler.close()
+    level = parse_level(level)
+    handler = _PdtrioHandler(sys.stderr if stream is None else stream)
+    formatter = JsonFormatter(process_label) if fmt == "json" else TextFormatter(process_label)
+    handler.setFormatter(formatter)
+    # on the handler too: a logger with its own level (hypercorn's) propagates past root's
+    handler.setLevel(level)
+    root.addHandler(handler)
+    root.setLevel(level)
+    # httpx logs every request it makes at INFO (the router's health probes): debugging only
+    logging.getLogger("httpx").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
+
+
+def adopt_hypercorn_error_log() -> None:
+    """hypercorn's error log (by default its own handler on stderr, another format) goes
+    through ours instead; a log file it was given (``--error-logfile``) stays."""
+    logger = logging.getLogger("hypercorn.error")
+    if not any(isinstance(f, _HypercornErrorLogAdopter) for f in logger.filters):
+        logger.addFilter(_HypercornErrorLogAdopter())
+    _drop_stderr_handlers(logger)
+
+
+@final
+class _HypercornErrorLogAdopter(logging.Filter):
+    """hypercorn gives its logger a stderr handler lazily, after the app has started: this
+    filter drops it as each record passes, before the logger's handlers run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        _drop_stderr_handlers(logging.getLogger(record.name))
+        return True
+
+
+def _drop_stderr_handlers(logger: logging.Logger) -> None:
+    for handler in list(logger.handlers):
+        if type(handler) is logging.StreamHandler and handler.stream in (
+            sys.stderr,
+            sys.__stderr__,
+        ):
+            logger.removeHandler(handler)
+    logger.propagate = True
