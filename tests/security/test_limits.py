@@ -1,0 +1,94 @@
+"""Workers bound what a peer can hold: bodies in flight, router links, KV connections."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+
+from pdtrio.kv import tcp
+from pdtrio.protocol.wire import TransferRequest
+from pdtrio.router.ws_client import HandshakeError, connect_websocket
+from pdtrio.worker import router_link
+from tests.cluster import running_cluster
+
+
+async def _start_a_body(port: int) -> trio.SocketStream:
+    """A prefill POST whose body never finishes arriving."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(
+        b"POST /pd/prefill HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n" + b"\x00" * 1000
+    )
+    return stream
+
+
+async def test_prefill_bodies_in_flight_are_bounded() -> None:
+    async with running_cluster(roles=("prefill",)) as cluster:
+        prefill = cluster.workers[0]
+        held = [await _start_a_body(prefill.http_port) for _ in range(4)]
+        try:
+            await trio.sleep(0.2)  # (each is inside its read now)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{prefill.http_port}") as http:
+                refused = await http.post("/pd/prefill", content=b"x" * 10)
+            assert refused.status_code == 503, refused.text
+            assert refused.headers["retry-after"] == "1"
+            assert "retry shortly" in refused.json()["error"]["message"]
+        finally:
+            for stream in held:
+                await stream.aclose()
+        await trio.sleep(0.2)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{prefill.http_port}") as http:
+            malformed = await http.post("/pd/prefill", content=b"x" * 10)
+        assert malformed.status_code == 400  # room again: read, then refused as malformed
+
+
+async def test_router_links_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(router_link, "MAX_LINKS", 2)
+    async with running_cluster(roles=("decode",)) as cluster:
+        decode = cluster.workers[0]
+        url = f"ws://127.0.0.1:{decode.http_port}/pd/link"
+        # the router holds one already
+        extra = await connect_websocket(url, max_message_size=1 << 20)
+        try:
+            with pytest.raises(HandshakeError):
+                await connect_websocket(url, max_message_size=1 << 20)
+        finally:
+            await extra.aclose()
+
+
+async def test_kv_port_strangers_are_bounded_and_cannot_crowd_out_peers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tcp, "MAX_KV_STRANGERS", 4)
+    monkeypatch.setattr(tcp, "MAX_KV_CONNECTIONS", 1)
+    monkeypatch.setattr(tcp, "KV_PREAMBLE_TIMEOUT_S", 0.5)
+    async with running_cluster(roles=("prefill",)) as cluster:
+        prefill = cluster.workers[0]
+        port = prefill.transfer_endpoint[1]
+        silent = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(4)]
+        try:
+            # a fifth stranger is closed at once
+            fifth = await trio.open_tcp_stream("127.0.0.1", port)
+            async with fifth:
+                with trio.fail_after(10):
+                    assert await fifth.receive_some(1) == b""
+            # the silent ones go when their time to authenticate is up
+            with trio.fail_after(10):
+                for stream in silent:
+                    assert await stream.receive_some(1) == b""
+        finally:
+            for stream in silent:
+                await stream.aclose()
+        # a peer that shows the credential is served while strangers wait
+        strangers = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(3)]
+        try:
+            peer = await trio.open_tcp_stream("127.0.0.1", port)
+            async with peer:
+                await peer.send_all(tcp.SESSION_BLOCKS + prefill.secret.kv_credential)
+                await tcp.send_message(peer, TransferRequest("nobody", (0,), ""))
+                with trio.fail_after(10):
+                    answer = await tcp.receive_message(peer, tcp.answer_decoder)
+            assert not answer.granted and "no lease" in answer.reason
+        finally:
+            for stream in strangers:
+                await stream.aclose()

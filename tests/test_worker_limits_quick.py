@@ -1,0 +1,46 @@
+"""``python -m benchmarks.worker_limits --quick``: a peer without the worker secret is refused.
+
+Structure and refusals only: no timing or memory figure is compared with anything
+(the machine is shared).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_run_refuses_the_unauthenticated_peer(tmp_path: Path) -> None:
+    out = tmp_path / "worker_limits.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.worker_limits", "--quick", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    assert "unauthenticated: nothing but refusals" in completed.stdout
+
+    unauth = json.loads(out.read_text())["unauthenticated"]
+    probes = unauth["probes"]
+    posts = probes.pop("posts")
+    # each answered after its headers alone, none of its body sent yet
+    assert [post["status"] for post in posts] == [401] * 8
+    assert set(probes) == {
+        "/pd/link on decode",
+        "/pd/link on prefill",
+        "KV port, zero credential",
+        "POST /pd/release of a live request",
+    }
+    assert all(probe["refused"] for probe in probes.values()), probes
+    assert "HTTP 403" in probes["/pd/link on prefill"]["answer"]
+    assert probes["POST /pd/release of a live request"]["answer"] == "HTTP 401"
+    assert unauth["kv_blocks_after"] == unauth["kv_blocks_before"] > 0
+    assert unauth["kv_leases_after"] == unauth["kv_leases_before"] == 1
+    assert unauth["freed_with_secret_without_grant"] is False
