@@ -60,6 +60,9 @@ class SyntheticEngineConfig:
 class EngineConfig:
     kind: EngineKind = "torch"
     model: str = DEFAULT_MODEL
+    # the name clients use in `model`; empty: the model's name (a .gguf path serves under
+    # its file name without the extension)
+    served_model_name: str = ""
     num_kv_blocks: int = attrs.field(default=1024, validator=_positive)
     block_size: int = attrs.field(default=16, validator=_positive)
     max_batch_size: int = attrs.field(default=32, validator=_positive)
@@ -156,6 +159,15 @@ class WorkerConfig:
     flush: FlushConfig = FlushConfig()
     faults: WorkerFaultsConfig = WorkerFaultsConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    # the credential routers and other workers must present (PDTRIO_WORKER_SECRET, or a
+    # file); empty: none asked (loopback-only deployments)
+    secret: str = attrs.field(default="", repr=False)
+    secret_file: str = ""
+    # TLS: the worker serves HTTPS, WSS and its KV port with this certificate (its advertised
+    # host must be in it); tls_ca_file verifies the KV ports it pulls from (empty: plain TCP)
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_ca_file: str = ""
 
     def __attrs_post_init__(self) -> None:
         if self.host in WILDCARD_HOSTS and self.advertise_host in ("", *WILDCARD_HOSTS):
@@ -239,12 +251,41 @@ class RouterConfig:
 
 @final
 @attrs.frozen(kw_only=True)
+class SecurityConfig:
+    """Who may use the router, and the credential it shares with its workers (``[security]``).
+
+    Secrets never appear in logs or reprs; files hold one secret (or one API key
+    per line); the environment (``PDTRIO_API_KEYS``, ``PDTRIO_WORKER_SECRET``)
+    overrides both.
+    """
+
+    # clients must send ``Authorization: Bearer <one of these>``; none: no key asked
+    api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
+    api_keys_file: str = ""
+    # whether /health and /metrics need a key too (when keys are set)
+    protect_health: bool = False
+    protect_metrics: bool = False
+    # requests running at once: per API key, and in all; beyond: 429 with Retry-After (0: no limit)
+    max_concurrent_requests_per_key: int = attrs.field(default=0, validator=_non_negative)
+    max_concurrent_requests: int = attrs.field(default=0, validator=_non_negative)
+    # the credential every worker endpoint asks for; the embedded cluster makes one per
+    # start when none is set
+    worker_secret: str = attrs.field(default="", repr=False)
+    worker_secret_file: str = ""
+    # the CA that signed the workers' certificates: the router then dials them over TLS
+    # (https and wss); empty: plain HTTP
+    worker_tls_ca_file: str = ""
+
+
+@final
+@attrs.frozen(kw_only=True)
 class PdtrioConfig:
     router: RouterConfig = RouterConfig()
     # With ``instances`` empty and no etcd, the router starts the embedded cluster.
     instances: tuple[InstanceConfig, ...] = ()
     embedded: EmbeddedClusterConfig = EmbeddedClusterConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    security: SecurityConfig = SecurityConfig()
 
     @property
     def uses_embedded_cluster(self) -> bool:

@@ -18,6 +18,7 @@ from pdtrio.config import (
     InstanceConfig,
     PdtrioConfig,
     RouterConfig,
+    SecurityConfig,
     SyntheticEngineConfig,
     WorkerConfig,
     WorkerFaultsConfig,
@@ -52,6 +53,8 @@ def synthetic_worker(
     *,
     flush: FlushConfig | None = None,
     faults: WorkerFaultsConfig | None = None,
+    secret: str = "",
+    worker_overrides: dict[str, Any] | None = None,
     **engine_overrides: Any,
 ) -> Worker:
     synthetic = SyntheticEngineConfig(
@@ -71,7 +74,10 @@ def synthetic_worker(
         engine=engine_config,
         flush=flush or FlushConfig(),
         faults=faults or WorkerFaultsConfig(),
+        secret=secret,
     )
+    if worker_overrides:
+        config = attrs.evolve(config, **worker_overrides)
     engine = SyntheticEngine(
         synthetic,
         num_blocks=engine_config.num_kv_blocks,
@@ -96,22 +102,25 @@ async def running_cluster(
     roles: tuple[str, ...] = ("prefill", "decode"),
     router: RouterConfig | None = None,
     make_worker: Callable[[str], Worker] | None = None,
+    security: SecurityConfig | None = None,
     **engine_overrides: Any,
 ) -> AsyncIterator[Cluster]:
+    """A router over workers on loopback; ``security.worker_secret`` is the workers' too."""
+    security = security or SecurityConfig()
     workers = [
-        make_worker(role) if make_worker else synthetic_worker(role, **engine_overrides)
+        make_worker(role)
+        if make_worker
+        else synthetic_worker(role, secret=security.worker_secret, **engine_overrides)
         for role in roles
     ]
     async with trio.open_nursery() as nursery:
         instances = []
         for worker in workers:
             ready = await nursery.start(worker.run)
-            instances.append(
-                InstanceConfig(
-                    role=worker.config.role, url=f"http://127.0.0.1:{ready['http_port']}"
-                )
-            )
-        config = PdtrioConfig(router=router or RouterConfig(), instances=tuple(instances))
+            instances.append(InstanceConfig(role=worker.config.role, url=ready["url"]))
+        config = PdtrioConfig(
+            router=router or RouterConfig(), instances=tuple(instances), security=security
+        )
         app = RouterApp(config)
         url = await serve_app(app, nursery)
         yield Cluster(url=url, workers=workers, router_app=app)

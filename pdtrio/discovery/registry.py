@@ -112,8 +112,10 @@ class StaticRegistry:
         http: httpx.AsyncClient,
         *,
         timeout_s: float,
+        headers: Sequence[tuple[bytes, bytes]] = (),
     ) -> None:
         self._instances = instances
+        self._headers = headers
         self._listener = listener
         self._http = http
         self._timeout_s = timeout_s
@@ -121,17 +123,21 @@ class StaticRegistry:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         for instance in self._instances:
             registration = await static_registration(
-                self._http, instance, timeout_s=self._timeout_s
+                self._http, instance, timeout_s=self._timeout_s, headers=self._headers
             )
             await self._listener.instance_listed(registration)
         task_status.started()
 
 
 async def static_registration(
-    http: httpx.AsyncClient, instance: InstanceConfig, *, timeout_s: float
+    http: httpx.AsyncClient,
+    instance: InstanceConfig,
+    *,
+    timeout_s: float,
+    headers: Sequence[tuple[bytes, bytes]] = (),
 ) -> Registration:
     """A listed instance's registration, from its ``/pd/info``."""
-    response = await http.get(f"{instance.url}/pd/info", timeout=timeout_s)
+    response = await http.get(f"{instance.url}/pd/info", timeout=timeout_s, headers=headers)
     response.raise_for_status()
     return registration_from_info(response.json(), instance.role, instance.url)
 
@@ -174,19 +180,22 @@ class EtcdRegistry:
         self._revision = 0  # the last revision applied
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Until cancelled. Reports started after the first listing, or the first failure."""
+        """Until cancelled. Reports started after the first listing, or the first failure.
+
+        Every (re)connection lists the prefix first, then watches from the revision
+        after that listing: the listing proves etcd answers (only then is it "in
+        touch"), and reconciling it with what the router knows misses nothing,
+        whatever happened meanwhile (even a compaction of the history).
+        """
         started = False
         retry_s = _RETRY_FIRST_S
-        relist = True
         async with EtcdClient(
             self._config.etcd_endpoints, timeout_s=self._config.etcd_timeout_s
         ) as client:
             while True:
                 try:
-                    if relist:
-                        kvs, revision = await client.get_prefix(self._prefix)
-                        self._reconcile(kvs, revision)
-                        relist = False
+                    kvs, revision = await client.get_prefix(self._prefix)
+                    self._reconcile(kvs, revision)
                     self.state.in_touch(self._revision)
                     if not started:
                         started = True
@@ -199,11 +208,10 @@ class EtcdRegistry:
                     )
                     raise EtcdError("the watch ended")  # (it only ends by raising)
                 except EtcdCompacted as exc:
-                    # the revisions we missed are gone: list everything again
+                    # (rare: events came faster than we read them) list everything again
                     log.warning(
                         "etcd compacted past revision %d: listing again", exc.compact_revision
                     )
-                    relist = True
                 except EtcdError as exc:
                     self.state.lost(str(exc) or type(exc).__name__)
                     if not started:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+from collections.abc import Callable
 from typing import Protocol, final
 
 import attrs
@@ -56,6 +57,14 @@ class EngineStatistics:
     running_requests: int
     kv_blocks_in_use: int
     kv_blocks_total: int
+    # requests waiting for a step (prefills queued, decodes past the batch limit)
+    waiting_requests: int = 0
+
+
+# Told after each engine step that computed something: its seconds, how many requests it
+# ran (the batch size) and how many tokens it produced.  Called on the engine's thread
+# (torch), so it must be cheap and thread-safe (prometheus_client's metrics are).
+StepObserver = Callable[[float, int, int], None]
 
 
 @final
@@ -133,6 +142,10 @@ class Engine(Protocol):
     def max_model_len(self) -> int: ...
 
     def statistics(self) -> EngineStatistics: ...
+
+    def observe_steps(self, observer: StepObserver) -> None:
+        """Call ``observer`` after each step from now on (the worker's /metrics)."""
+        ...
 
     async def run(
         self,

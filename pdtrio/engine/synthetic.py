@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import time
 import zlib
 from typing import final
 
@@ -24,6 +25,7 @@ from pdtrio.engine.api import (
     EngineStatistics,
     KvRegion,
     PrefillResult,
+    StepObserver,
     StepOutputs,
     kv_buffer,
 )
@@ -153,6 +155,7 @@ class SyntheticEngine:
         self._running: dict[str, _Running] = {}
         self._work_arrived = trio.Event()
         self._prefilling = 0
+        self._step_observer: StepObserver | None = None
 
     # --- identity ---------------------------------------------------------------
 
@@ -174,6 +177,9 @@ class SyntheticEngine:
             kv_blocks_in_use=self._blocks.num_used,
             kv_blocks_total=self._blocks.num_blocks,
         )
+
+    def observe_steps(self, observer: StepObserver) -> None:
+        self._step_observer = observer
 
     # --- prompts ----------------------------------------------------------------
 
@@ -365,6 +371,12 @@ class SyntheticEngine:
                     await trio.sleep_until(next_step)
                 else:
                     await trio.lowlevel.checkpoint()
+                started = time.perf_counter()
+                batch = len(self._running)
                 produced = self._step()
+                observer = self._step_observer
+                if observer is not None:
+                    tokens = sum(len(entry.token_ids) for entry in produced)
+                    observer(time.perf_counter() - started, batch, tokens)
                 if produced:
                     await outputs.send(produced)

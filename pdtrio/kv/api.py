@@ -14,6 +14,7 @@ import trio
 
 from pdtrio.engine.api import KvRegion
 from pdtrio.protocol.wire import KvHandle
+from pdtrio.security import PeerCredentials
 
 
 class KvTransferError(Exception):
@@ -33,12 +34,21 @@ class KvMemory(Protocol):
 class KvBlockSource(Protocol):
     """What a transport server needs from the prefill worker."""
 
-    def holds(self, request_id: str, block_ids: tuple[int, ...]) -> bool: ...
+    def holds(
+        self, request_id: str, block_ids: tuple[int, ...], access_token: str | None = None
+    ) -> bool:
+        """Whether a lease holds the blocks; a peer's ``access_token`` must be its grant
+        (None: asked from inside the worker)."""
+        ...
 
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes: ...
 
     def release(self, request_id: str) -> bool:
-        """Decode has the bytes: free the blocks (False, and harmless, if none are held)."""
+        """Free the blocks now (False, and harmless, if none are held)."""
+        ...
+
+    def release_granted(self, request_id: str, access_token: str) -> bool:
+        """A peer says decode has the bytes: free them if ``access_token`` is their grant."""
         ...
 
 
@@ -51,6 +61,9 @@ class KvBlockSink(KvMemory, Protocol):
 
 
 class KvTransport(Protocol):
+    # the credential KV ports ask for (ours, and the peers' we pull from): set by the worker
+    secret: PeerCredentials
+
     @property
     def name(self) -> str:
         """What this worker runs: ``"nixl"`` or ``"tcp"`` (``auto`` has chosen once running)."""

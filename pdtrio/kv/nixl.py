@@ -12,7 +12,8 @@ One pull: decode asks on the session for the handle's blocks (prefill
 refuses blocks the request's lease does not hold), READs them straight into
 its own blocks (one descriptor per run of contiguous blocks), and the READ
 carries a NIXL notification (a msgpack ``TransferDone``) that tells prefill
-to free them.  Prefill looks for notifications only while a read it granted
+the read is done (the blocks stay leased until the router releases them, once
+decode has produced a token).  Prefill looks for notifications only while a read it granted
 is outstanding, so an idle worker does no work at all.
 
 The choice is per pair.  A decode instance falls back to TCP for a prefill
@@ -75,6 +76,7 @@ from pdtrio.protocol.wire import (
     TransferRequest,
     WireError,
 )
+from pdtrio.security import PeerCredentials
 
 log = logging.getLogger("pdtrio.kv")
 
@@ -326,7 +328,7 @@ class _Waiter:
 class _Session:
     """Decode's end of a NIXL session: grants asked in order, answered in order."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.ended = trio.Event()
         self.end_reason = ""
@@ -415,6 +417,8 @@ class NixlKvTransport:
     ) -> None:
         self._memory = memory
         self._required = required
+        # what peers' KV ports ask for, and ours asks for (the worker sets it)
+        self.secret = PeerCredentials("")
         self.timeout_s = timeout_s
         self._agent_name = agent_name
         self.agent: NixlAgent | None = None
@@ -429,6 +433,7 @@ class NixlKvTransport:
         self._sessions = 0
         self.pulls = {"nixl": 0, "tcp": 0}
         self.pull_seconds = {"nixl": 0.0, "tcp": 0.0}
+        self.pull_bytes = {"nixl": 0, "tcp": 0}
         self.read_seconds = 0.0  # in the READs themselves (made, posted, done)
         self.releases_notified = 0
 
@@ -478,6 +483,7 @@ class NixlKvTransport:
                         port,
                         nixl_sessions=self._serve_session if self.agent is not None else None,
                         nixl_unavailable=self.unavailable,
+                        secret=self.secret,
                     )
                 )
                 task_status.started(endpoint)
@@ -500,6 +506,7 @@ class NixlKvTransport:
             },
             "pulls": dict(self.pulls),
             "pull_seconds": dict(self.pull_seconds),
+            "pull_bytes": dict(self.pull_bytes),
             "read_seconds": self.read_seconds,
             "nixl_sessions": self._sessions,
             "reads_granted": len(self._granted),
@@ -518,7 +525,7 @@ class NixlKvTransport:
             for attempt in (1, 2):
                 peer = await self._peer_for(handle) if self.agent is not None else None
                 if peer is None or peer.transport != "nixl" or sink.kv_region() != self._region():
-                    await pull_over_tcp(handle, sink, dest_block_ids)
+                    await pull_over_tcp(handle, sink, dest_block_ids, self.secret)
                     break
                 transport = "nixl"
                 try:
@@ -534,6 +541,7 @@ class NixlKvTransport:
             )
         self.pulls[transport] += 1
         self.pull_seconds[transport] += time.perf_counter() - started
+        self.pull_bytes[transport] += len(handle.block_ids) * handle.layout.block_nbytes
 
     def _region(self) -> KvRegion:
         assert self.agent is not None
@@ -559,7 +567,7 @@ class NixlKvTransport:
 
     async def _meet(self, handle: KvHandle) -> _Peer:
         label = f"{handle.instance_id} ({handle.transfer_host}:{handle.transfer_port})"
-        stream = await connect(handle, SESSION_NIXL)
+        stream = await connect(handle, SESSION_NIXL, self.secret)
         try:
             with trio.fail_after(HANDSHAKE_TIMEOUT_S):
                 info = await receive_message(stream, _info_decoder)
@@ -657,11 +665,13 @@ class NixlKvTransport:
         if not _within(dest_block_ids, region.num_blocks):
             raise KvTransferError(f"decode has no such blocks (it has {region.num_blocks})")
         with trio.move_on_after(lease_left) as lease_deadline:
-            answer = await peer.session.ask(TransferRequest(handle.request_id, handle.block_ids))
+            answer = await peer.session.ask(
+                TransferRequest(handle.request_id, handle.block_ids, handle.access_token)
+            )
             if not answer.granted:
                 raise KvTransferError(f"prefill refused the transfer: {answer.reason}")
             local, remote = _descriptors(handle.block_ids, dest_block_ids, info, region)
-            notification = wire.encode(TransferDone(handle.request_id))
+            notification = wire.encode(TransferDone(handle.request_id, handle.access_token))
             await self._read_granted(peer, local, remote, notification)
         if lease_deadline.cancelled_caught:
             raise KvTransferError("the NIXL read did not finish before prefill's lease ends")
@@ -709,7 +719,7 @@ class NixlKvTransport:
 
     # --- prefill: grants and releases -------------------------------------------------
 
-    async def _serve_session(self, stream: trio.SocketStream) -> None:
+    async def _serve_session(self, stream: trio.abc.Stream) -> None:
         """One decode instance's NIXL session: describe the agent, then grant reads."""
         agent = self._agent_or_fail()
         region = agent.region
@@ -744,7 +754,8 @@ class NixlKvTransport:
             return TransferAnswer(False, reason="this instance serves no prefill")
         if not block_ids or not _within(block_ids, region.num_blocks):
             return TransferAnswer(False, reason=f"bad block ids for {request_id}")
-        if not source.holds(request_id, block_ids):
+        if not source.holds(request_id, block_ids, request.access_token):
+            # (no lease, or not this request's grant: the same answer, telling nothing)
             return TransferAnswer(False, reason=f"no lease held for {request_id} on those blocks")
         self._granted[request_id] = trio.current_time() + self.timeout_s + LEASE_MARGIN_S
         self._granted_changed.set()
@@ -777,13 +788,16 @@ class NixlKvTransport:
             except WireError as exc:
                 log.warning("a NIXL notification that is not a TransferDone: %s", exc)
                 continue
-            if self._granted.pop(done.request_id, None) is None:
+            if done.request_id not in self._granted:
                 # not a read this instance granted (or one given up on): the lease decides
                 log.warning("a NIXL release for %s, which no read was granted", done.request_id)
                 continue
+            if not source.holds(done.request_id, (), done.access_token):
+                continue  # gone already (expired, released by the router), or not its grant
+            # the read is done; the blocks stay leased until the router releases them, once
+            # decode has produced a token (a decode failing before that is replaced)
+            del self._granted[done.request_id]
             self.releases_notified += 1
-            # harmless when the lease is already gone (expired, or released by the router)
-            source.release(done.request_id)
             released = True
         return released
 

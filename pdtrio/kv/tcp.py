@@ -1,11 +1,15 @@
 """The plain-TCP KV transport, and the KV transfer port every prefill instance serves.
 
-A connection to the port opens with one byte that names its session:
+A connection to the port opens with one byte that names its session, then the
+32-byte credential derived from the secret routers and workers share
+(``pdtrio.security``; zeros when none is set): a peer without it is dropped
+before anything is read or sent.  Sessions:
 
 - ``B`` (blocks, the TCP transport): decode sends a ``TransferRequest``;
   prefill answers with a ``TransferAnswer`` and, when granted, the raw block
   bytes; decode acknowledges with ``TransferDone`` once the bytes are in its
-  own blocks, and prefill frees them.
+  own blocks (prefill keeps them leased until the router releases them, once
+  decode has produced a token).
 - ``N`` (NIXL control, see ``pdtrio.kv.nixl``): prefill sends its
   ``NixlAgentInfo`` first; an instance without NIXL says why not there.
 
@@ -16,9 +20,11 @@ follow their answer unframed.
 from __future__ import annotations
 
 import logging
+import ssl
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Final, TypeVar, final
 
 import trio
@@ -34,11 +40,17 @@ from pdtrio.protocol.wire import (
     TransferRequest,
     WireError,
 )
+from pdtrio.security import KV_CREDENTIAL_SIZE, PeerCredentials
 
 log = logging.getLogger("pdtrio.kv")
 
 SESSION_BLOCKS: Final = b"B"
 SESSION_NIXL: Final = b"N"
+# connections a KV port serves at once (pulls, NIXL sessions); more are closed at once
+MAX_KV_CONNECTIONS = 256
+# connections yet to show the credential, and how long each may take to
+MAX_KV_STRANGERS = 1024
+KV_PREAMBLE_TIMEOUT_S = 5.0
 # a pull that has not finished by then fails (the start is rejected, its blocks freed)
 DEFAULT_TRANSFER_TIMEOUT_S: Final = 30.0
 
@@ -52,7 +64,7 @@ answer_decoder: wire.Decoder[TransferAnswer] = wire.Decoder(TransferAnswer)
 done_decoder: wire.Decoder[TransferDone] = wire.Decoder(TransferDone)
 
 # serves one NIXL control session on an accepted connection (its opening byte already read)
-NixlSessionHandler = Callable[[trio.SocketStream], Awaitable[None]]
+NixlSessionHandler = Callable[[trio.abc.Stream], Awaitable[None]]
 
 
 async def receive_exactly(stream: trio.abc.ReceiveStream, size: int) -> bytearray:
@@ -78,18 +90,24 @@ async def receive_message(stream: trio.abc.ReceiveStream, decoder: wire.Decoder[
     return decoder.decode(await receive_exactly(stream, size))
 
 
-async def connect(handle: KvHandle, session: bytes) -> trio.SocketStream:
-    """A connection to the handle's KV transfer port, its session named."""
+async def connect(handle: KvHandle, session: bytes, secret: PeerCredentials) -> trio.abc.Stream:
+    """A connection to the handle's KV transfer port (over TLS when the credentials say),
+    its session named, the credential sent."""
     try:
-        stream = await trio.open_tcp_stream(handle.transfer_host, handle.transfer_port)
+        tcp = await trio.open_tcp_stream(handle.transfer_host, handle.transfer_port)
     except OSError as exc:
         raise KvTransferError(
             f"cannot reach KV endpoint {handle.transfer_host}:{handle.transfer_port}: {exc}"
         ) from exc
+    stream: trio.abc.Stream = tcp
     try:
-        await stream.send_all(session)
-    except trio.BrokenResourceError as exc:
-        await stream.aclose()
+        if secret.client_tls is not None:
+            tls = trio.SSLStream(tcp, secret.client_tls, server_hostname=handle.transfer_host)
+            await tls.do_handshake()
+            stream = tls
+        await stream.send_all(session + secret.kv_credential)
+    except (trio.BrokenResourceError, ssl.SSLError) as exc:
+        await trio.aclose_forcefully(stream)
         raise KvTransferError(f"KV endpoint closed the connection: {exc}") from exc
     return stream
 
@@ -101,6 +119,7 @@ async def serve_kv_port(
     *,
     nixl_sessions: NixlSessionHandler | None,
     nixl_unavailable: str,
+    secret: PeerCredentials,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the KV transfer port until cancelled; reports the bound (host, port).
@@ -108,33 +127,74 @@ async def serve_kv_port(
     Without ``nixl_sessions``, a NIXL session gets ``nixl_unavailable`` as its answer.
     """
 
-    async def handle(stream: trio.SocketStream) -> None:
+    # two bounds: connections still to show the credential (each for a few seconds at
+    # most), and authenticated ones; silent strangers can never take a peer's place
+    strangers = trio.CapacityLimiter(MAX_KV_STRANGERS)
+    peers = trio.CapacityLimiter(MAX_KV_CONNECTIONS)
+
+    async def handle(tcp: trio.SocketStream) -> None:
+        stream: trio.abc.Stream = tcp
+        if secret.server_tls is not None:
+            stream = trio.SSLStream(tcp, secret.server_tls, server_side=True)
         async with stream:
             try:
-                # a peer that connects and says nothing (or stalls mid-transfer) holds
-                # neither a task nor blocks past the transfer deadline
-                session = b""
-                with trio.move_on_after(DEFAULT_TRANSFER_TIMEOUT_S):
-                    session = await stream.receive_some(1)
-                if session == SESSION_BLOCKS:
-                    with trio.move_on_after(DEFAULT_TRANSFER_TIMEOUT_S) as transfer:
-                        await _serve_blocks(source, stream)
-                    if transfer.cancelled_caught:
-                        log.warning("a KV transfer stalled past its deadline; dropped")
-                elif session == SESSION_NIXL and nixl_sessions is not None:
-                    await nixl_sessions(stream)
-                elif session == SESSION_NIXL:
-                    await send_message(stream, NixlAgentInfo(unavailable=nixl_unavailable))
-                    await _wait_closed(stream)
-            except (KvTransferError, WireError, trio.BrokenResourceError) as exc:
+                with _slot(strangers) as admitted:
+                    if not admitted:
+                        log.warning(
+                            "refused a KV connection: %d are yet to authenticate", MAX_KV_STRANGERS
+                        )
+                        return
+                    session, credential = b"", b""
+                    # a peer that connects and says nothing goes within seconds
+                    with trio.move_on_after(KV_PREAMBLE_TIMEOUT_S):
+                        if isinstance(stream, trio.SSLStream):
+                            await stream.do_handshake()
+                        session = bytes(await stream.receive_some(1))
+                        credential = bytes(await receive_exactly(stream, KV_CREDENTIAL_SIZE))
+                if not secret.admits_kv_credential(credential):
+                    log.warning("refused a KV transfer connection without the credential")
+                    return
+                with _slot(peers) as admitted:
+                    if not admitted:
+                        log.warning("refused a KV connection: %d are open", MAX_KV_CONNECTIONS)
+                        return
+                    await serve_session(stream, session)
+            except (KvTransferError, WireError, trio.BrokenResourceError, ssl.SSLError) as exc:
                 # no ack: the lease, or the router's release, frees the blocks
                 log.warning("KV transfer to a decode instance failed: %s", exc)
+
+    async def serve_session(stream: trio.abc.Stream, session: bytes) -> None:
+        if session == SESSION_BLOCKS:
+            # a peer that stalls mid-transfer holds nothing past the transfer deadline
+            with trio.move_on_after(DEFAULT_TRANSFER_TIMEOUT_S) as transfer:
+                await _serve_blocks(source, stream)
+            if transfer.cancelled_caught:
+                log.warning("a KV transfer stalled past its deadline; dropped")
+        elif session == SESSION_NIXL and nixl_sessions is not None:
+            await nixl_sessions(stream)
+        elif session == SESSION_NIXL:
+            await send_message(stream, NixlAgentInfo(unavailable=nixl_unavailable))
+            await _wait_closed(stream)
 
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, handle, listeners)
         task_status.started((host, int(bound[1])))
+
+
+@contextmanager
+def _slot(limiter: trio.CapacityLimiter) -> Iterator[bool]:
+    """A place under ``limiter`` for the block's duration, if one is free now."""
+    try:
+        limiter.acquire_nowait()
+    except trio.WouldBlock:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        limiter.release()
 
 
 async def _wait_closed(stream: trio.abc.ReceiveStream) -> None:
@@ -153,9 +213,12 @@ class TcpKvTransport:
         nixl_unavailable: str = "kv_transport = 'tcp'",
     ) -> None:
         self.timeout_s = timeout_s
+        # what peers' KV ports ask for, and ours asks for (the worker sets it)
+        self.secret = PeerCredentials("")
         self.nixl_unavailable = nixl_unavailable  # why not NIXL: said at start, to peers, in info
         self.pulls = 0
         self.pull_seconds = 0.0
+        self.pull_bytes = 0
 
     @property
     def name(self) -> str:
@@ -179,6 +242,7 @@ class TcpKvTransport:
             port,
             nixl_sessions=None,
             nixl_unavailable=self.nixl_unavailable,
+            secret=self.secret,
             task_status=task_status,
         )
 
@@ -188,6 +252,7 @@ class TcpKvTransport:
             "nixl": {"unavailable": self.nixl_unavailable},
             "pulls": {"tcp": self.pulls},
             "pull_seconds": {"tcp": self.pull_seconds},
+            "pull_bytes": {"tcp": self.pull_bytes},
         }
 
     async def pull(
@@ -196,9 +261,10 @@ class TcpKvTransport:
         check_destination(handle, dest_block_ids)
         started = time.perf_counter()
         with trio.move_on_after(self.timeout_s) as deadline:
-            await pull_over_tcp(handle, sink, dest_block_ids)
+            await pull_over_tcp(handle, sink, dest_block_ids, self.secret)
             self.pulls += 1
             self.pull_seconds += time.perf_counter() - started
+            self.pull_bytes += len(handle.block_ids) * handle.layout.block_nbytes
         if deadline.cancelled_caught:
             raise KvTransferError(
                 f"the KV transfer stalled past its deadline ({self.timeout_s:g} s)"
@@ -213,13 +279,15 @@ def check_destination(handle: KvHandle, dest_block_ids: tuple[int, ...]) -> None
 
 
 async def pull_over_tcp(
-    handle: KvHandle, sink: KvBlockSink, dest_block_ids: tuple[int, ...]
+    handle: KvHandle, sink: KvBlockSink, dest_block_ids: tuple[int, ...], secret: PeerCredentials
 ) -> None:
     """One blocks session: the bytes through a TCP stream into ``sink``. Raises KvTransferError."""
-    stream = await connect(handle, SESSION_BLOCKS)
+    stream = await connect(handle, SESSION_BLOCKS, secret)
     async with stream:
         try:
-            await send_message(stream, TransferRequest(handle.request_id, handle.block_ids))
+            await send_message(
+                stream, TransferRequest(handle.request_id, handle.block_ids, handle.access_token)
+            )
             answer = await receive_message(stream, answer_decoder)
             if not answer.granted:
                 raise KvTransferError(f"prefill refused the transfer: {answer.reason}")
@@ -231,15 +299,15 @@ async def pull_over_tcp(
                 await sink.write_blocks(dest_block_ids, bytes(data))
             except EngineError as exc:
                 raise KvTransferError(f"the received KV does not fit: {exc}") from exc
-            await send_message(stream, TransferDone(handle.request_id))
+            await send_message(stream, TransferDone(handle.request_id, handle.access_token))
         except (trio.BrokenResourceError, WireError) as exc:
             raise KvTransferError(f"KV transfer broke: {exc}") from exc
 
 
-async def _serve_blocks(source: KvBlockSource, stream: trio.SocketStream) -> None:
+async def _serve_blocks(source: KvBlockSource, stream: trio.abc.Stream) -> None:
     request = await receive_message(stream, request_decoder)
     request_id = request.request_id
-    if not source.holds(request_id, request.block_ids):
+    if not source.holds(request_id, request.block_ids, request.access_token):
         answer = TransferAnswer(False, reason=f"no lease held for {request_id}")
         await send_message(stream, answer)
         return
@@ -249,4 +317,5 @@ async def _serve_blocks(source: KvBlockSource, stream: trio.SocketStream) -> Non
     done = await receive_message(stream, done_decoder)
     if done.request_id != request_id:
         raise WireError(f"acknowledged {done.request_id!r}, not {request_id!r}")
-    source.release(request_id)
+    # the blocks stay leased: the router releases them once decode has produced a token
+    # (a decode that fails before that is replaced by another, which pulls them again)

@@ -1,9 +1,12 @@
 """One request's lifecycle on the router, and what its cleanup owes at any moment.
 
 A request touches up to two instances: prefill may hold its KV blocks (from
-the moment the prefill call is sent until decode pulls them or prefill is told
-to release them) and decode may run it (from the moment the start is sent
-until it finishes, fails or is aborted).  Whatever ends the request, cleanup
+the moment the prefill call is sent until it is told to release them, once
+decode has produced its first token, or their lease ends) and decode may run
+it (from the moment the start is sent until it finishes, fails or is
+aborted).  Prefill keeps the blocks until decode's first token so that a
+decode that fails before it can be replaced by another, which pulls them
+again.  Whatever ends the request, cleanup
 asks :meth:`RequestLifecycle.owed` and does exactly that, then reports
 :attr:`Event.CLEANED`; so cleanup is idempotent by construction, not by
 booleans flipped in many places.
@@ -28,8 +31,11 @@ class State(enum.Enum):
     """Prefill answered with a KV handle: it holds the blocks under a lease."""
     DECODE_STARTING = "decode_starting"
     """The start is out to decode, not answered yet: both sides may hold blocks."""
+    DECODE_CONFIRMING = "decode_confirming"
+    """Decode accepted (it pulled the blocks) but has produced no token yet: prefill
+    still holds them, so a failure now can be retried on another decode."""
     DECODING = "decoding"
-    """Decode accepted: it pulled the blocks (prefill released them) and runs the request."""
+    """Decode produced a token: prefill is told to release; decode runs the request."""
     DONE = "done"
     """Nothing is held anywhere: finished, failed upstream, or cleaned up."""
 
@@ -50,6 +56,8 @@ class Event(enum.Enum):
     DECODE_NOT_STARTED = "decode_not_started"
     """The start could not be sent, or decode rejected it: decode holds nothing."""
     DECODE_ACCEPTED = "decode_accepted"
+    FIRST_DECODE_TOKEN = "first_decode_token"
+    """Decode produced its first token: the caller releases the blocks on prefill."""
     DECODE_ENDED = "decode_ended"
     """Decode sent the finish, reported a failure, or the link aborted the request
     itself (a slow client): nothing is left on decode or prefill."""
@@ -76,9 +84,12 @@ _TRANSITIONS: Final[dict[tuple[State, Event], State]] = {
     (State.PREFILLING, Event.FINISHED_AT_PREFILL): State.DONE,
     (State.PREFILLED, Event.DECODE_START_SENT): State.DECODE_STARTING,
     (State.DECODE_STARTING, Event.DECODE_NOT_STARTED): State.PREFILLED,
-    (State.DECODE_STARTING, Event.DECODE_ACCEPTED): State.DECODING,
+    (State.DECODE_STARTING, Event.DECODE_ACCEPTED): State.DECODE_CONFIRMING,
     # decode may fail a start it has not answered yet (e.g. its link broke)
     (State.DECODE_STARTING, Event.DECODE_ENDED): State.PREFILLED,
+    (State.DECODE_CONFIRMING, Event.FIRST_DECODE_TOKEN): State.DECODING,
+    # ended before its first token (failed, or finished at once): prefill still holds
+    (State.DECODE_CONFIRMING, Event.DECODE_ENDED): State.PREFILLED,
     (State.DECODING, Event.DECODE_ENDED): State.DONE,
 }
 # cleanup may come at any moment, and more than once
@@ -92,6 +103,7 @@ _OWED: Final[dict[State, Cleanup]] = {
     State.PREFILLED: Cleanup.RELEASE_ON_PREFILL,
     # decode may have pulled the blocks, or not yet: abort there, release here
     State.DECODE_STARTING: Cleanup.RELEASE_ON_PREFILL | Cleanup.ABORT_ON_DECODE,
+    State.DECODE_CONFIRMING: Cleanup.RELEASE_ON_PREFILL | Cleanup.ABORT_ON_DECODE,
     State.DECODING: Cleanup.ABORT_ON_DECODE,
     State.DONE: Cleanup.NOTHING,
 }

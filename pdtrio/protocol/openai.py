@@ -177,6 +177,32 @@ def queue_full() -> OpenAIError:
     )
 
 
+def unauthorized(has_key: bool) -> OpenAIError:
+    """No API key, or not one of the router's: 401 (OpenAI's shape and words)."""
+    message = (
+        "Incorrect API key provided."
+        if has_key
+        else "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
+    )
+    return OpenAIError(
+        message,
+        status=401,
+        code="invalid_api_key",
+        headers=(("www-authenticate", "Bearer"),),
+    )
+
+
+def too_many_requests(message: str) -> OpenAIError:
+    """A concurrency limit is reached: 429, retry in a second."""
+    return OpenAIError(
+        message,
+        status=429,
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        headers=(("retry-after", "1"),),
+    )
+
+
 def gateway_timeout(message: str) -> OpenAIError:
     return OpenAIError(message, status=504, type="server_error", code="timeout")
 

@@ -73,6 +73,13 @@ class Usage(_Positional, frozen=True):
         return self.prompt_tokens + self.completion_tokens
 
 
+# the most token (and block) ids one message may carry: beyond any model's context, and a
+# bound msgspec checks from the array's header, before decoding a huge peer frame
+MAX_TOKEN_IDS = 1 << 21
+TokenIds = Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_TOKEN_IDS)]
+BlockIds = Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_TOKEN_IDS)]
+
+
 class KvHandle(_Positional, frozen=True):
     """Where a request's prefilled KV blocks live and for how long."""
 
@@ -80,10 +87,13 @@ class KvHandle(_Positional, frozen=True):
     instance_id: str
     transfer_host: str
     transfer_port: Annotated[int, msgspec.Meta(ge=0, le=65535)]
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds
     num_tokens: int
     layout: KvLayout
     lease_expiry: float  # wall-clock seconds (time.time()); prefill frees the blocks then
+    # the grant prefill minted for this request: only its holder may read or release the
+    # blocks (knowing the request id is not enough)
+    access_token: str = ""
 
 
 # --- prompts -----------------------------------------------------------------
@@ -100,7 +110,7 @@ class TextPrompt(_Positional, frozen=True, tag="text"):
 
 
 class TokenPrompt(_Positional, frozen=True, tag="tokens"):
-    token_ids: tuple[int, ...]
+    token_ids: TokenIds
 
 
 Prompt = ChatPrompt | TextPrompt | TokenPrompt
@@ -131,7 +141,7 @@ class PrefillReply(_Positional, frozen=True, tag=int(MessageKind.PREFILLED)):
     """
 
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: TokenIds
     cached_tokens: int
     first_token_id: int
     first_text: str
@@ -167,9 +177,12 @@ class ReleaseRequest(_Positional, frozen=True, tag=int(MessageKind.RELEASE)):
     """Free a request's KV blocks on prefill (decode has them, or nobody will).
 
     Also stops a prefill still in progress: this is how the router cancels a call.
+    Over a link, a prefill that link asked for needs no token; anything else needs
+    the KV handle's ``access_token``.
     """
 
     request_id: str
+    access_token: str = ""
 
 
 class ReleaseReply(_Positional, frozen=True):
@@ -187,7 +200,7 @@ class DecodeStart(_Positional, frozen=True, tag=int(MessageKind.START)):
     """
 
     request_id: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: TokenIds
     first_token_id: int
     sampling: SamplingParams
     token_budget: int
@@ -273,10 +286,11 @@ FromWorker = (
 
 
 class TransferRequest(_Positional, frozen=True):
-    """Decode asks prefill for a request's blocks."""
+    """Decode asks prefill for a request's blocks, with the handle's grant."""
 
     request_id: str
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds
+    access_token: str = ""
 
 
 class TransferAnswer(_Positional, frozen=True):
@@ -288,9 +302,10 @@ class TransferAnswer(_Positional, frozen=True):
 
 
 class TransferDone(_Positional, frozen=True):
-    """Decode holds the bytes: prefill may free the blocks."""
+    """Decode holds the bytes: prefill may free the blocks (the grant says who may)."""
 
     request_id: str
+    access_token: str = ""
 
 
 # --- encoding -----------------------------------------------------------------

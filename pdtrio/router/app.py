@@ -25,6 +25,7 @@ from pdtrio.asgi import (
     send_json,
 )
 from pdtrio.memory import HeapTrimmer, freeze_startup_objects, limit_heap_retention
+from pdtrio.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,9 +40,11 @@ from pdtrio.protocol.openai import (
     queue_full,
     request_too_large,
     service_unavailable,
+    unauthorized,
     unsupported_media_type,
 )
-from pdtrio.router.core import Outcome, Router
+from pdtrio.router.core import Router
+from pdtrio.router.metrics import Outcome
 
 log = logging.getLogger("pdtrio.router")
 
@@ -163,8 +166,12 @@ class RouterApp:
                 raise not_found(f"no route {method} {path}")
             if method not in allowed:
                 raise method_not_allowed(method, path, allowed)
+            key_id = _client_key(router, path, scope)
             if path in _COMPLETION_PATHS:
-                await self._completion(router, scope, receive, send, path == "/v1/chat/completions")
+                with router.client_limits.admit(key_id):
+                    await self._completion(
+                        router, scope, receive, send, path == "/v1/chat/completions"
+                    )
             elif path == "/v1/models":
                 await send_json(
                     send, 200, models_list_body(router.models, created=int(time.time()))
@@ -173,18 +180,16 @@ class RouterApp:
                 health = router.health()
                 await send_json(send, 200 if health["status"] == "ok" else 503, health)
             else:
-                await send_bytes(
-                    send, 200, router.metrics_text().encode(), b"text/plain; version=0.0.4"
-                )
+                await send_bytes(send, 200, router.metrics_text(), METRICS_CONTENT_TYPE)
         except OpenAIError as exc:
             if path in _COMPLETION_PATHS:
                 # refused before the pipeline ran (method, media type, size, validation)
-                router.count_outcome(Outcome.REJECTED, exc.status)
+                router.count_outcome(Outcome.REJECTED, exc.status, endpoint=path)
             headers = [(name.encode(), value.encode()) for name, value in exc.headers]
             await send_json(send, exc.status, exc.to_body(), headers)
         except ClientDisconnected:
             if path in _COMPLETION_PATHS:
-                router.count_outcome(Outcome.DISCONNECTED)
+                router.count_outcome(Outcome.DISCONNECTED, endpoint=path)
             return
 
     async def _completion(
@@ -250,6 +255,28 @@ class RouterApp:
             if big:
                 # by the time it runs (a moment later) the response is out and all is freed
                 self.heap_trimmer.trim_soon()
+
+
+def _client_key(router: Any, path: str, scope: Scope) -> str:
+    """The id of the API key the request carries ("" when none is asked); 401 if wrong.
+
+    Checked before the body is read.  /health and /metrics are open unless configured.
+    """
+    keys = router.api_keys
+    if not keys.required:
+        return ""
+    security = router.config.security
+    if (path == "/health" and not security.protect_health) or (
+        path == "/metrics" and not security.protect_metrics
+    ):
+        return ""
+    authorization = header(scope, b"authorization")
+    key_id: str | None = keys.identify(
+        None if authorization is None else authorization.encode("latin-1")
+    )
+    if key_id is None:
+        raise unauthorized(has_key=authorization is not None)
+    return key_id
 
 
 def _parse_leaving_nothing(

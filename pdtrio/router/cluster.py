@@ -13,6 +13,7 @@ from typing import Any, final
 import trio
 
 from pdtrio.config import EmbeddedClusterConfig, Role, WorkerConfig, worker_config_to_dict
+from pdtrio.security import WORKER_SECRET_ENV
 from pdtrio.worker.launch import parse_ready_line, worker_command
 
 log = logging.getLogger("pdtrio.router.cluster")
@@ -36,8 +37,10 @@ class WorkerProcess:
         restart_backoff_s: float,
         on_ready: Callable[[Role, str, str], Awaitable[None]],
         on_lost: Callable[[str], None],
+        secret: str = "",
     ) -> None:
         self.name = name
+        self._secret = secret  # handed over in the environment, never on a command line
         self.role = role
         self.worker_config = worker_config
         self.ready_timeout_s = ready_timeout_s
@@ -46,11 +49,13 @@ class WorkerProcess:
         self._on_lost = on_lost
         self.pid: int | None = None
         self.restarts = 0
+        self._started_at = 0.0  # when its current process started (trio.current_time)
 
     def command(self) -> list[str]:
         raw: dict[str, Any] = worker_config_to_dict(self.worker_config)
         raw["role"] = self.role
         raw["instance_id"] = self.name
+        raw.pop("secret", None)  # (the command line is visible to every local user)
         return worker_command(raw)
 
     async def supervise(
@@ -72,9 +77,12 @@ class WorkerProcess:
 
     async def _run_once(self, task_status: trio.TaskStatus[None]) -> None:
         processes: list[trio.Process] = []
+        self._started_at = trio.current_time()
         try:
             async with trio.open_nursery() as nursery:
-                process: trio.Process = await nursery.start(_run_process, self.command())
+                process: trio.Process = await nursery.start(
+                    _run_process, self.command(), self._secret
+                )
                 processes.append(process)
                 self.pid = process.pid
                 try:
@@ -107,7 +115,14 @@ class WorkerProcess:
                 f"{process.returncode} before it was ready"
             )
         url = str(ready["url"])
-        log.info("worker %s (%s) ready at %s, pid %d", self.name, self.role, url, process.pid)
+        log.info(
+            "worker %s (%s) ready in %.1f s at %s, pid %d",
+            self.name,
+            self.role,
+            trio.current_time() - self._started_at,
+            url,
+            process.pid,
+        )
         await self._on_ready(self.role, url, self.name)
         task_status.started()
         # keep its stdout drained so it never blocks on a full pipe
@@ -117,13 +132,18 @@ class WorkerProcess:
 
 
 async def _run_process(
-    command: list[str], *, task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED
+    command: list[str],
+    secret: str,
+    *,
+    task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     process = await trio.lowlevel.open_process(
         command,
         stdout=subprocess.PIPE,
         stdin=subprocess.PIPE,  # closes when the router dies, however it dies
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # PDTRIO_LOG_LEVEL and PDTRIO_LOG_FORMAT pass on: each worker logs to our stderr,
+        # labelled with its instance id
+        env={**os.environ, "PYTHONUNBUFFERED": "1", WORKER_SECRET_ENV: secret},
         start_new_session=True,  # a Ctrl-C on the router's terminal is the router's to handle
     )
     try:

@@ -8,10 +8,8 @@ lifespan's nursery.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
-from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, final
@@ -34,26 +32,23 @@ from pdtrio.protocol.kv_layout import KvLayout, layout_mismatch
 from pdtrio.protocol.registration import Registration, RegistrationError
 from pdtrio.protocol.scheduling import Candidate, Scheduler
 from pdtrio.router.capacity import CapacityQueue
+from pdtrio.router.client_limits import ClientLimits
 from pdtrio.router.cluster import WorkerProcess, embedded_workers
 from pdtrio.router.loop_load import run_egress_control
+from pdtrio.router.metrics import Outcome, RouterMetrics
 from pdtrio.router.worker_link import LINK_ERRORS, HoldTimer, WorkerLink
+from pdtrio.security import (
+    ApiKeys,
+    PeerCredentials,
+    client_tls_context,
+    new_worker_secret,
+    resolve_worker_secret,
+)
 
 log = logging.getLogger("pdtrio.router")
 
 # the longest an instance failing with 5xx stays out of rotation before it is tried again
 _MAX_INSTANCE_BACKOFF_S = 30.0
-
-
-class Outcome(enum.Enum):
-    """How a completion request ended, as /metrics counts it."""
-
-    OK = "ok"
-    DISCONNECTED = "disconnected"
-    """The client went away before the response was complete."""
-    REJECTED = "rejected"
-    """Refused before any byte of the response went out (with its status)."""
-    FAILED = "failed"
-    """Ended by an error event after the stream had started (with the error's status)."""
 
 
 class RouterStartFailed(Exception):
@@ -68,6 +63,8 @@ class Instance:
     model: str
     layout: KvLayout
     max_model_len: int
+    # where its KV is pulled from, as registered: a KV handle naming another is refused
+    transfer_endpoint: tuple[str, int] = ("", 0)
     healthy: bool = True
     # still registered (etcd): once deregistered it takes no new work, then goes
     registered: bool = True
@@ -116,8 +113,6 @@ class Router:
         self.instances: dict[str, Instance] = {}
         self.workers: list[WorkerProcess] = []
         self.tokens_delivered = 0
-        # (outcome, status class or "") -> completion requests that ended so
-        self.outcomes: Counter[tuple[Outcome, str]] = Counter()
         self.active_requests = 0
         # draining: new requests are refused; drain_over: running ones are cut
         self.draining = False
@@ -143,6 +138,21 @@ class Router:
             else "static"
         )
         self.ignored_registrations: dict[str, str] = {}
+        # who may call: clients' API keys and their limits; the credential workers ask for
+        security = config.security
+        self.api_keys = ApiKeys.resolve(security.api_keys, security.api_keys_file)
+        self.client_limits = ClientLimits(
+            per_key=security.max_concurrent_requests_per_key,
+            total=security.max_concurrent_requests,
+        )
+        secret = resolve_worker_secret(security.worker_secret, security.worker_secret_file)
+        if not secret and config.uses_embedded_cluster:
+            secret = new_worker_secret()  # its workers get it from their environment
+        self.worker_secret = PeerCredentials(
+            secret, client_tls=client_tls_context(security.worker_tls_ca_file)
+        )
+        # last: its collector reads the rest of this object at scrape time
+        self.metrics = RouterMetrics(self)
 
     # --- instances ------------------------------------------------------------------
 
@@ -160,6 +170,7 @@ class Router:
                 self.http,
                 InstanceConfig(role=role, url=url),
                 timeout_s=self.config.router.connect_timeout_s,
+                headers=self.worker_secret.headers(),
             )
         except RegistrationError as exc:
             raise RouterStartFailed(str(exc)) from None
@@ -217,6 +228,7 @@ class Router:
             model=registration.model,
             layout=registration.layout,
             max_model_len=registration.max_model_len,
+            transfer_endpoint=(registration.transfer_host, registration.transfer_port),
         )
         self.instances[instance.name] = instance
         if old is not None:
@@ -300,7 +312,7 @@ class Router:
         With ``must_connect`` the first connection must succeed (start-up fails
         otherwise); a registered instance is retried until it deregisters.
         """
-        ws_url = instance.url.replace("http://", "ws://", 1) + "/pd/link"
+        ws_url = "ws" + instance.url.removeprefix("http") + "/pd/link"  # (https: wss)
         link = WorkerLink(
             instance.name,
             ws_url,
@@ -310,6 +322,8 @@ class Router:
             heartbeat_s=self.config.router.link_heartbeat_s,
             stream_idle_timeout_s=self.config.router.stream_idle_timeout_s,
             connect_timeout_s=self.config.router.connect_timeout_s,
+            headers=self.worker_secret.headers(),
+            ssl_context=self.worker_secret.client_tls,
         )
         instance.link = link
         status = task_status
@@ -333,6 +347,7 @@ class Router:
     def request_started(self, scope: trio.CancelScope) -> None:
         """Count a running request; ``scope`` is cancelled when the drain deadline passes."""
         self.active_requests += 1
+        self.metrics.requests_active.inc()
         self._running.add(scope)
         if self._idle.is_set():
             self._idle = trio.Event()
@@ -341,6 +356,7 @@ class Router:
 
     def request_ended(self, scope: trio.CancelScope) -> None:
         self.active_requests -= 1
+        self.metrics.requests_active.dec()
         self._running.discard(scope)
         if self.active_requests == 0:
             self._idle.set()
@@ -390,6 +406,23 @@ class Router:
                 return self.instances[chosen]
         return None
 
+    async def refresh_transfer_endpoint(self, instance: Instance) -> None:
+        """Ask the instance (at its registered URL) where its KV port is now: a worker
+        restarted behind the same URL serves a new one."""
+        listed = InstanceConfig(role=instance.role, url=instance.url)
+        try:
+            with trio.move_on_after(self.config.router.connect_timeout_s):
+                current = await static_registration(
+                    self.http,
+                    listed,
+                    timeout_s=self.config.router.connect_timeout_s,
+                    headers=self.worker_secret.headers(),
+                )
+                if current.instance_id == instance.name:
+                    instance.transfer_endpoint = (current.transfer_host, current.transfer_port)
+        except (httpx.HTTPError, RegistrationError) as exc:
+            log.warning("cannot ask %s where its KV port is: %s", instance.name, exc)
+
     def instance_draining(self, instance: Instance) -> None:
         """It said it is stopping: no new work goes to it (a restart registers it anew)."""
         if not instance.draining:
@@ -397,7 +430,8 @@ class Router:
             log.info("instance %s is draining: no new work goes to it", instance.name)
 
     def instance_failed(self, instance: Instance) -> None:
-        """It failed a request with a 5xx: out of rotation for a while (doubling, capped)."""
+        """It failed a request (a prefill 5xx, a decode failing a stream): out of rotation
+        for a while (doubling, capped); the next request after that probes it."""
         instance.failures_in_a_row += 1
         backoff = self.config.router.instance_backoff_s * 2 ** (instance.failures_in_a_row - 1)
         instance.suspended_until = trio.current_time() + min(backoff, _MAX_INSTANCE_BACKOFF_S)
@@ -431,7 +465,9 @@ class Router:
     def decode_with_room(
         self, num_tokens: int, exclude: frozenset[str] = frozenset(), layout: KvLayout | None = None
     ) -> Instance | None:
-        """A decode instance with room for ``num_tokens`` now, chosen by the decode policy."""
+        """A decode instance with room for ``num_tokens`` now, chosen by the decode policy;
+        one suspended for failing requests only when no other has room."""
+        now = trio.current_time()
         candidates: list[Candidate] = []
         for link in self.decode_links(exclude, layout):
             capacity = link.capacity
@@ -439,8 +475,15 @@ class Router:
                 continue
             free = link.available_blocks
             if free >= blocks_needed(num_tokens, capacity.block_size):
-                candidates.append(Candidate(link.instance_id, link.active_requests, True, free))
+                in_rotation = self.instances[link.instance_id].suspended_until <= now
+                candidates.append(
+                    Candidate(link.instance_id, link.active_requests, in_rotation, free)
+                )
         chosen = self._decode_scheduler.pick(candidates)
+        if chosen is None and candidates:
+            chosen = self._decode_scheduler.pick(
+                [attrs.evolve(c, healthy=True) for c in candidates]
+            )
         return None if chosen is None else self.instances[chosen]
 
     def health(self) -> dict[str, Any]:
@@ -463,50 +506,24 @@ class Router:
             report["ignored"] = ignored
         return report
 
-    def count_outcome(self, outcome: Outcome, status: int | None = None) -> None:
-        """Count one completion request by how it ended; errors by status class (4xx, 5xx)."""
-        self.outcomes[(outcome, "" if status is None else f"{status // 100}xx")] += 1
+    def count_outcome(
+        self, outcome: Outcome, status: int | None = None, *, endpoint: str, model: str = ""
+    ) -> None:
+        """Count (and log) a completion request that ended before its pipeline ran."""
+        self.metrics.request_ended(endpoint=endpoint, model=model, outcome=outcome, status=status)
 
-    def metrics_text(self) -> str:
-        lines = [
-            "# TYPE pdtrio_requests_active gauge",
-            f"pdtrio_requests_active {self.active_requests}",
-            "# TYPE pdtrio_requests_total counter",
-        ]
-        for (outcome, status_class), count in sorted(
-            self.outcomes.items(), key=lambda item: (item[0][0].value, item[0][1])
-        ):
-            status = f',status="{status_class}"' if status_class else ""
-            lines.append(f'pdtrio_requests_total{{outcome="{outcome.value}"{status}}} {count}')
-        cut_off = sum(i.link.clients_cut_off for i in self.instances.values() if i.link is not None)
-        lines.append("# TYPE pdtrio_slow_clients_cut_off_total counter")
-        lines.append(f"pdtrio_slow_clients_cut_off_total {cut_off}")
-        lines.append("# TYPE pdtrio_egress_spacing_seconds gauge")
-        lines.append(f"pdtrio_egress_spacing_seconds {self.egress.spacing_s:g}")
-        lines.append("# TYPE pdtrio_event_loop_busy_ratio gauge")
-        lines.append(f"pdtrio_event_loop_busy_ratio {self.egress.busy_fraction:.3f}")
-        lines.append("# TYPE pdtrio_tokens_delivered_total counter")
-        lines.append(f"pdtrio_tokens_delivered_total {self.tokens_delivered}")
-        lines.append("# TYPE pdtrio_decode_frames_received_total counter")
-        for instance in self.instances.values():
-            if instance.link is not None:
-                lines.append(
-                    f'pdtrio_decode_frames_received_total{{instance="{instance.name}"}} '
-                    f"{instance.link.frames_received}"
-                )
-        lines.append("# TYPE pdtrio_worker_restarts_total counter")
-        for worker in self.workers:
-            lines.append(
-                f'pdtrio_worker_restarts_total{{worker="{worker.name}"}} {worker.restarts}'
-            )
-        return "\n".join(lines) + "\n"
+    def metrics_text(self) -> bytes:
+        """``/metrics`` (Prometheus text format; every process's with multiprocess mode)."""
+        return self.metrics.render()
 
 
 @asynccontextmanager
 async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
     """Start everything the router needs; stop it all on exit."""
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-    async with httpx.AsyncClient(limits=limits, timeout=None) as http:
+    # workers behind TLS: verified against the configured CA
+    tls = client_tls_context(config.security.worker_tls_ca_file)
+    async with httpx.AsyncClient(limits=limits, timeout=None, verify=tls or True) as http:
         async with trio.open_nursery() as nursery:
             router = Router(config, nursery, http)
             await nursery.start(run_egress_control, router.egress)
@@ -523,6 +540,7 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
                             router,
                             http,
                             timeout_s=config.router.connect_timeout_s,
+                            headers=router.worker_secret.headers(),
                         )
                     )
                 if config.discovery.uses_etcd:
@@ -547,6 +565,7 @@ async def _start_embedded(router: Router, nursery: trio.Nursery) -> None:
                 restart_backoff_s=embedded.restart_backoff_s,
                 on_ready=router.add_instance,
                 on_lost=router.lose_instance,
+                secret=router.worker_secret.value,
             )
         )
 
@@ -567,4 +586,5 @@ def _same(instance: Instance, registration: Registration) -> bool:
         and instance.model == registration.model
         and instance.layout == registration.layout
         and instance.max_model_len == registration.max_model_len
+        and instance.transfer_endpoint == (registration.transfer_host, registration.transfer_port)
     )

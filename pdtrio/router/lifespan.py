@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 from typing import Any, NoReturn
 
 import httpx
@@ -23,6 +24,12 @@ import trio
 
 from pdtrio.asgi import Receive, Scope, Send
 from pdtrio.config import ConfigError, PdtrioConfig, load_config_from_env
+from pdtrio.logs import (
+    LogSettingError,
+    adopt_hypercorn_error_log,
+    configure_logging,
+    settings_from_env,
+)
 from pdtrio.router.cluster import WorkerStartFailed
 from pdtrio.router.core import Router, RouterStartFailed, open_router
 from pdtrio.router.worker_link import LINK_ERRORS
@@ -42,10 +49,15 @@ async def run_lifespan(
     environment) and a known start-up failure ends the process with one line.
     """
     from_env = config is None
+    started_at = time.monotonic()
     try:
         if config is None:
+            # we own the process: its log lines (and hypercorn's) get our format
+            level, fmt = settings_from_env(os.environ)
+            configure_logging(level, fmt, "router")
+            adopt_hypercorn_error_log()
             config = load_config_from_env()
-    except ConfigError as exc:
+    except (ConfigError, LogSettingError) as exc:
         await fail_startup(send, str(exc), exit_process=from_env)
         return
     workers = hypercorn_worker_count()
@@ -55,8 +67,14 @@ async def run_lifespan(
         return
     failure: str | None = None
     started = False
+    log.info(describe_start(config))
     try:
         async with open_router(config) as router:
+            log.info(
+                "router ready in %.1f s: %s",
+                time.monotonic() - started_at,
+                describe_instances(router),
+            )
             scope.setdefault("state", {})["router"] = router
             await send({"type": "lifespan.startup.complete"})
             started = True
@@ -80,6 +98,45 @@ async def run_lifespan(
         await fail_startup(send, failure, exit_process=from_env)
         return
     await send({"type": "lifespan.shutdown.complete"})
+
+
+def describe_start(config: PdtrioConfig) -> str:
+    """What the router starts, or where its instances come from, in one line."""
+    if config.uses_embedded_cluster:
+        embedded = config.embedded
+        counts = ", ".join(
+            f"{count} {role}"
+            for role, count in (
+                ("prefill", embedded.prefill),
+                ("decode", embedded.decode),
+                ("both", embedded.both),
+            )
+            if count
+        )
+        engine = embedded.worker.engine
+        model = "synthetic" if engine.kind == "synthetic" else engine.model
+        return (
+            f"starting the embedded cluster: {counts or 'no workers'} "
+            f"(engine {engine.kind}, model {model}, device {engine.device})"
+        )
+    sources = []
+    if config.instances:
+        sources.append(f"{len(config.instances)} listed instances")
+    if config.discovery.uses_etcd:
+        sources.append(
+            f"instances registered in etcd ({', '.join(config.discovery.etcd_endpoints)})"
+        )
+    return "starting: routing to " + " and ".join(sources)
+
+
+def describe_instances(router: Router) -> str:
+    instances = sorted(router.instances.values(), key=lambda instance: instance.name)
+    if not instances:
+        return "no instances yet"
+    return "instances " + ", ".join(
+        f"{instance.name} ({instance.role}, {instance.model}) at {instance.url}"
+        for instance in instances
+    )
 
 
 async def fail_startup(send: Send, message: str, *, exit_process: bool) -> None:

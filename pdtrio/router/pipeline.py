@@ -32,7 +32,7 @@ import trio
 from pdtrio.asgi import Receive, Send, send_json
 from pdtrio.engine.blocks import blocks_needed
 from pdtrio.protocol.egress import send_deadline
-from pdtrio.protocol.lifecycle import Cleanup, Event, RequestLifecycle
+from pdtrio.protocol.lifecycle import Cleanup, Event, RequestLifecycle, State
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,7 +56,8 @@ from pdtrio.protocol.wire import (
     Usage,
 )
 from pdtrio.router.capacity import QueueFull
-from pdtrio.router.core import Instance, Outcome, Router
+from pdtrio.router.core import Instance, Router
+from pdtrio.router.metrics import Outcome
 from pdtrio.router.worker_link import (
     CUT_OFF_MESSAGE,
     DecodeStream,
@@ -77,6 +78,7 @@ _SSE_HEADERS = [
 # and no system call per request (uuid4 reads the OS's randomness every time)
 _PROCESS_ID = secrets.token_hex(8)
 _request_numbers = itertools.count()
+_ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 # prefill instances a request tries (one after another, on 5xx or a lost link)
 _PREFILL_ATTEMPTS = 3
 # decode must pull the KV this long before prefill's lease frees it
@@ -121,11 +123,16 @@ class RequestPipeline:
         self.lifecycle = RequestLifecycle()
         self.prefill_instance: Instance | None = None
         self.decode_link: WorkerLink | None = None
+        self._kv_access_token = ""  # the grant in prefill's KV handle, once it answered
+        self._first_token_sent = False  # prefill's token, sent once whatever decode runs it
         self._queue_place_reserved = False  # holds a place in the router's decode queue
         # non-streaming accumulation
         self._text_parts: list[str] = []
         self._finish_reason: str | None = None
         self._usage: Usage | None = None
+        # what /metrics and the access line say of it, recorded as it goes
+        self.figures = router.metrics.figures(request.model)
+        self._decoding = False  # counted in the router's active streams
 
     # --- entry ------------------------------------------------------------------
 
@@ -134,7 +141,7 @@ class RequestPipeline:
         config = router.config.router
         if router.draining:
             refusal = _shutting_down("the router is shutting down")
-            router.count_outcome(Outcome.REJECTED, refusal.status)
+            self._ended(Outcome.REJECTED, refusal.status)
             await self._send_error(refusal)
             return
         deadline = trio.current_time() + config.request_timeout_s
@@ -161,7 +168,7 @@ class RequestPipeline:
             finally:
                 self._cleanup()
             if self.client_gone:
-                router.count_outcome(Outcome.DISCONNECTED)
+                self._ended(Outcome.DISCONNECTED)
                 return
             if error is None and router.drain_over.is_set() and not self._response_complete:
                 # the drain deadline cut it (the router's cancel of our scope)
@@ -169,14 +176,32 @@ class RequestPipeline:
             if error is not None:
                 # after the headers the status stays 200: the error travels in the stream
                 outcome = Outcome.FAILED if self.headers_sent else Outcome.REJECTED
-                router.count_outcome(outcome, error.status)
+                self._ended(outcome, error.status)
                 await self._send_error(error)
             else:
-                router.count_outcome(Outcome.OK)
+                self._ended(Outcome.OK)
         finally:
             if scope is not None:
                 # only now: a drain waits for the error event to be out
                 router.request_ended(scope)
+
+    def _ended(self, outcome: Outcome, status: int | None = None) -> None:
+        """Count the request, record its figures, write its access line (once, at its end)."""
+        prefill = self.prefill_instance
+        decode = self.decode_link
+        figures = self.figures
+        if self._usage is not None:
+            figures.completion_tokens = self._usage.completion_tokens
+        self.router.metrics.request_ended(
+            endpoint=_ENDPOINTS[self.kind],
+            model=self.request.model,
+            outcome=outcome,
+            status=status,
+            figures=figures,
+            request_id=self.request_id,
+            prefill="-" if prefill is None else prefill.name,
+            decode="-" if decode is None else decode.instance_id,
+        )
 
     async def _watch_disconnect(self, cancel_scope: trio.CancelScope) -> None:
         while True:
@@ -207,6 +232,9 @@ class RequestPipeline:
 
     async def _prefill_then_decode(self, deadline: float) -> None:
         reply = await self._prefill(deadline)
+        if reply.kv_handle is not None:
+            self._kv_access_token = reply.kv_handle.access_token  # what a release must show
+            await _check_kv_source(self.router, reply.kv_handle, self.prefill_instance)
         if self.shaper is not None:
             self.shaper.set_prompt_usage(reply.prompt_tokens, reply.cached_tokens)
         if reply.kv_handle is None:
@@ -214,8 +242,25 @@ class RequestPipeline:
             await self._finish()
             return
         # the first token goes out once decode room is claimed and the start is sent
-        stream = await self._start_decode(reply, reply.kv_handle)
-        await self._stream_tokens(stream)
+        tried: set[str] = set()
+        last_reason = "no decode instance is connected"
+        while True:
+            try:
+                stream = await self._start_decode(reply, reply.kv_handle, tried, last_reason)
+                await self._stream_tokens(stream)
+            except _FailedBeforeFirstToken as early:
+                # prefill still holds the KV: another decode instance pulls it again
+                tried.add(early.instance_id)
+                last_reason = early.message
+                if not self.router.decode_links(frozenset(tried), reply.kv_handle.layout):
+                    raise _decode_failed(early.message) from None
+                log.warning(
+                    "decode on %s failed before its first token (%s): trying another",
+                    early.instance_id,
+                    early.message,
+                )
+                continue
+            break
         await self._finish()
 
     async def _prefill(self, deadline: float) -> PrefillReply:
@@ -227,10 +272,13 @@ class RequestPipeline:
         tried: set[str] = set()
         # what the last instance that failed said: the answer when no other is left
         failure: OpenAIError | None = None
+        started = time.perf_counter()
         while True:
             instance = router.pick_prefill(request.model, frozenset(tried))
             if instance is None or instance.link is None or len(tried) >= _PREFILL_ATTEMPTS:
                 raise failure or service_unavailable(_no_prefill_reason(router, request.model))
+            if tried:
+                router.metrics.retries.labels("prefill").inc()
             tried.add(instance.name)
             self.prefill_instance = instance
             lifecycle.handle(Event.PREFILL_SENT)
@@ -273,10 +321,16 @@ class RequestPipeline:
                 raise _prefill_error(answer)
             assert type(answer) is PrefillReply
             router.instance_served(instance)
+            self.figures.prefill_s = time.perf_counter() - started
+            self.figures.prompt_tokens = answer.prompt_tokens
             lifecycle.handle(Event.PREFILLED if answer.kv_handle else Event.FINISHED_AT_PREFILL)
             return answer
 
-    async def _start_decode(self, reply: PrefillReply, handle: KvHandle) -> DecodeStream:
+    async def _start_decode(
+        self, reply: PrefillReply, handle: KvHandle, tried: set[str], last_reason: str
+    ) -> DecodeStream:
+        """Start the request on a decode instance not in ``tried`` (which grows with each
+        instance that cannot take it), with room for it, waiting for room if need be."""
         lifecycle = self.lifecycle
         start = DecodeStart(
             request_id=self.request_id,
@@ -289,11 +343,16 @@ class RequestPipeline:
             kv_handle=handle,
         )
         num_tokens = reply.prompt_tokens + reply.token_budget
-        tried: set[str] = set()
-        last_reason = "no decode instance is connected"
-        first_sent = False
+        figures = self.figures
+        attempts = 0
         while True:
+            if attempts:
+                self.router.metrics.retries.labels("decode").inc()
+            attempts += 1
+            waited_from = time.perf_counter()
             instance = await self._wait_for_decode(reply, handle, frozenset(tried), last_reason)
+            sent_at = time.perf_counter()
+            figures.queued_s = (figures.queued_s or 0.0) + (sent_at - waited_from)
             link = instance.link
             assert link is not None and link.capacity is not None  # what decode_with_room picks
             # no checkpoint from the pick to the promise inside start: the room is ours
@@ -308,17 +367,23 @@ class RequestPipeline:
                 tried.add(instance.name)
                 last_reason = str(exc)
                 continue
-            if not first_sent:
-                first_sent = True
+            if not self._first_token_sent:
+                self._first_token_sent = True
                 await self._deliver(reply.first_text, 1, reply.finish_reason, reply.usage)
             while not (stream.accepted or stream.rejection or stream.failure):
                 await stream.wait_update()
             if stream.accepted:
                 lifecycle.handle(Event.DECODE_ACCEPTED)
+                figures.handoff_s = time.perf_counter() - sent_at
+                self._decoding = True
+                self.router.metrics.streams_active.inc()
                 return stream
             if stream.failure is not None:
                 lifecycle.handle(Event.DECODE_ENDED)
-                raise service_unavailable(f"decode failed to start: {stream.failure}")
+                # (it had not answered: prefill still holds the KV) another may take it
+                raise _FailedBeforeFirstToken(
+                    instance.name, f"decode failed to start: {stream.failure}"
+                )
             rejection = stream.rejection
             assert rejection is not None
             lifecycle.handle(Event.DECODE_NOT_STARTED)
@@ -374,6 +439,11 @@ class RequestPipeline:
         assert timer.cancelled_caught
         raise service_unavailable("no decode capacity came free within the prefill KV lease")
 
+    def _decode_instance(self) -> Instance | None:
+        """The decode instance the request runs on, if it is still known."""
+        link = self.decode_link
+        return None if link is None else self.router.instances.get(link.instance_id)
+
     async def _stream_tokens(self, stream: DecodeStream) -> None:
         """Deliver decode's tokens as they come; under load, spaced (adaptive egress).
 
@@ -395,11 +465,16 @@ class RequestPipeline:
             delta = buffer.take()
             if delta is not None:
                 final = delta.finish_reason is not None
+                if delta.num_tokens and self.lifecycle.state is State.DECODE_CONFIRMING:
+                    self._decode_confirmed()
                 await self._deliver(
                     delta.text, delta.num_tokens, delta.finish_reason, delta.usage, final=final
                 )
                 if final:
                     self.lifecycle.handle(Event.DECODE_ENDED)
+                    decode = self._decode_instance()
+                    if decode is not None:
+                        self.router.instance_served(decode)
                     return
                 if spacing:
                     # spaced from the schedule, not from when the send returned: the
@@ -407,19 +482,27 @@ class RequestPipeline:
                     last_sent_at = held_until if held_until is not None else trio.current_time()
             if stream.failure is not None:
                 # decode holds nothing of it any more: it failed there, or the link aborted it
+                before_first_token = self.lifecycle.state is State.DECODE_CONFIRMING
                 self.lifecycle.handle(Event.DECODE_ENDED)
                 if stream.cut_off:
                     raise OpenAIError(
                         CUT_OFF_MESSAGE, status=503, type="server_error", code="client_too_slow"
                     )
+                decode = self._decode_instance()
+                if decode is not None:
+                    self.router.instance_failed(decode)
+                if before_first_token and self.decode_link is not None:
+                    raise _FailedBeforeFirstToken(self.decode_link.instance_id, stream.failure)
                 # a worker failed, not the router: 502 (what a non-streaming client sees)
-                raise OpenAIError(
-                    f"decode failed: {stream.failure}",
-                    status=502,
-                    type="server_error",
-                    code="decode_failed",
-                )
+                raise _decode_failed(stream.failure)
             await stream.wait_update()
+
+    def _decode_confirmed(self) -> None:
+        """Decode produced its first token: prefill may free the KV it kept until now."""
+        self.lifecycle.handle(Event.FIRST_DECODE_TOKEN)
+        instance = self.prefill_instance
+        if instance is not None and instance.link is not None:
+            instance.link.release(self.request_id, self._kv_access_token)
 
     # --- output -------------------------------------------------------------------
 
@@ -434,6 +517,7 @@ class RequestPipeline:
     ) -> None:
         """Send (or, not streaming, gather) a delta; ``final``: and end the response with it."""
         self.router.tokens_delivered += num_tokens
+        self.figures.delivered(num_tokens)
         if finish_reason is not None and usage is None:
             raise server_error("the engine finished the request without its token counts")
         if self.shaper is None:
@@ -514,13 +598,60 @@ class RequestPipeline:
         Both are queued on the links, never awaited: cleanup cannot hang, and
         needs no shield from the cancellation that usually brings it.
         """
+        if self._decoding:
+            self._decoding = False
+            self.router.metrics.streams_active.dec()
         owed = self.lifecycle.owed()
         if owed & Cleanup.ABORT_ON_DECODE and self.decode_link is not None:
             self.decode_link.abort(self.request_id)
         instance = self.prefill_instance
         if owed & Cleanup.RELEASE_ON_PREFILL and instance is not None and instance.link is not None:
-            instance.link.release(self.request_id)
+            instance.link.release(self.request_id, self._kv_access_token)
         self.lifecycle.handle(Event.CLEANED)
+
+
+class _FailedBeforeFirstToken(Exception):
+    """Decode failed the request before its first token: prefill still holds the KV."""
+
+    def __init__(self, instance_id: str, message: str) -> None:
+        super().__init__(message)
+        self.instance_id = instance_id
+        self.message = message
+
+
+def _decode_failed(message: str) -> OpenAIError:
+    """A decode worker failed the request: 502 (what a non-streaming client sees)."""
+    return OpenAIError(
+        f"decode failed: {message}", status=502, type="server_error", code="decode_failed"
+    )
+
+
+async def _check_kv_source(router: Router, handle: KvHandle, instance: Instance | None) -> None:
+    """Decode pulls only from where the prefill instance registered its KV port: a handle
+    naming another address (or instance) is refused, never passed on to decode.
+
+    A restarted worker serves a new KV port: what its /pd/info says now (asked at the
+    URL it registered, with the worker secret) is its registration then.
+    """
+    if instance is None:
+        return
+    named = (handle.transfer_host, handle.transfer_port)
+    if handle.instance_id == instance.name and named != instance.transfer_endpoint:
+        await router.refresh_transfer_endpoint(instance)
+    if handle.instance_id != instance.name or named != instance.transfer_endpoint:
+        log.error(
+            "prefill instance %s handed out KV at %s:%d (as %r), not its registered %s:%d",
+            instance.name,
+            *named,
+            handle.instance_id,
+            *instance.transfer_endpoint,
+        )
+        raise OpenAIError(
+            f"prefill instance {instance.name} named a KV source it is not registered with",
+            status=502,
+            type="server_error",
+            code="bad_kv_handle",
+        )
 
 
 def _no_prefill_reason(router: Router, model: str) -> str:

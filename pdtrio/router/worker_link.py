@@ -34,8 +34,9 @@ that long (a stopped or wedged worker: its TCP stays up), as if it broke.
 from __future__ import annotations
 
 import logging
+import ssl
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import final
 
 import trio
@@ -240,8 +241,12 @@ class WorkerLink:
         heartbeat_s: float = 0.5,
         connect_timeout_s: float = 10.0,
         stream_idle_timeout_s: float = 0.0,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.instance_id = instance_id
+        self._headers = headers  # the handshake's (the worker secret)
+        self._ssl_context = ssl_context  # for a wss:// worker
         # a stream that gets no answer or token for this long is ended (0: never)
         self.stream_idle_timeout_s = stream_idle_timeout_s
         self.link_timeout_s = link_timeout_s
@@ -251,6 +256,7 @@ class WorkerLink:
         self._last_read = 0.0  # when the reader last got frames (trio clock)
         self._hung = False  # the watchdog dropped the current connection
         self.hangs = 0  # links dropped for silence
+        self.connects = 0  # connections made (the ones after the first: reconnects)
         self._on_capacity = on_capacity
         # decode's last report (None: none on this connection yet)
         self.capacity: DecodeCapacity | None = None
@@ -308,11 +314,14 @@ class WorkerLink:
                     self._connect_url,
                     max_message_size=_MAX_MESSAGE_SIZE,
                     receive_size=_RECEIVE_SIZE,
+                    headers=self._headers,
+                    ssl_context=self._ssl_context,
                 )
             if ws is None:
                 raise HandshakeError(f"{self.url}: no websocket within {connect_timeout_s:g}s")
             self._ws = ws
             self.ever_connected = True
+            self.connects += 1
             # what was queued for the old connection: the worker ended those requests itself
             self._outbox.clear()
             self._last_read = trio.current_time()
@@ -436,7 +445,9 @@ class WorkerLink:
                     elif type(message) is PrefillReply:
                         # its caller gave up (and sent a release, which may have crossed
                         # this reply): release again, harmless if it was
-                        self._post_nowait(encode(ReleaseRequest(message.request_id)))
+                        handle = message.kv_handle
+                        token = "" if handle is None else handle.access_token
+                        self._post_nowait(encode(ReleaseRequest(message.request_id, token)))
                     continue
                 if type(message) is Heartbeat:
                     continue  # its arrival was all it had to say
@@ -566,9 +577,10 @@ class WorkerLink:
             raise WorkerLinkLost(f"worker {self.instance_id}: {pending.lost}")
         return pending.answer
 
-    def release(self, request_id: str) -> None:
-        """Free the request's KV on prefill, or stop its prefill; never blocks, idempotent."""
-        self._post_nowait(encode(ReleaseRequest(request_id)))
+    def release(self, request_id: str, access_token: str = "") -> None:
+        """Free the request's KV on prefill (``access_token``: the grant in its handle), or
+        stop its prefill (no grant needed); never blocks, idempotent."""
+        self._post_nowait(encode(ReleaseRequest(request_id, access_token)))
 
     async def start(self, start: DecodeStart, blocks: int = 0) -> DecodeStream:
         """Queue the start; the stream then reports decode's answer and tokens.

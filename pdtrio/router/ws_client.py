@@ -13,7 +13,9 @@ are serialised with a ``trio.Lock``.  No extra task, no queue.
 
 from __future__ import annotations
 
+import ssl
 import urllib.parse
+from collections.abc import Sequence
 from typing import final
 
 import trio
@@ -55,22 +57,38 @@ class ConnectionClosed(WebSocketError):
 
 
 async def connect_websocket(
-    url: str, *, max_message_size: int, receive_size: int = 65536
+    url: str,
+    *,
+    max_message_size: int,
+    receive_size: int = 65536,
+    headers: Sequence[tuple[bytes, bytes]] = (),
+    ssl_context: ssl.SSLContext | None = None,
 ) -> WebSocketClient:
     """Open a TCP connection to a ``ws://`` URL and do the opening handshake.
 
     Takes no timeout: the caller owns the cancel scope.
     """
     parts = urllib.parse.urlsplit(url)
-    if parts.scheme != "ws" or not parts.hostname:
-        raise ValueError(f"not a ws:// URL: {url!r}")
+    if parts.scheme not in ("ws", "wss") or not parts.hostname:
+        raise ValueError(f"not a ws:// or wss:// URL: {url!r}")
+    secure = parts.scheme == "wss"
     target = parts.path or "/"
     if parts.query:
         target += "?" + parts.query
-    stream = await trio.open_tcp_stream(parts.hostname, parts.port or 80)
+    stream: trio.abc.Stream = await trio.open_tcp_stream(
+        parts.hostname, parts.port or (443 if secure else 80)
+    )
     try:
+        if secure:
+            context = ssl_context or ssl.create_default_context()
+            stream = trio.SSLStream(stream, context, server_hostname=parts.hostname)
+            try:
+                await stream.do_handshake()
+            except ssl.SSLError as exc:
+                raise HandshakeError(f"{url}: TLS handshake failed: {exc}") from None
         ws = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
-        await stream.send_all(ws.send(Request(host=parts.netloc, target=target)))
+        request = Request(host=parts.netloc, target=target, extra_headers=list(headers))
+        await stream.send_all(ws.send(request))
         head = b""
         while (cut := head.find(b"\r\n\r\n")) < 0:
             if len(head) > _MAX_RESPONSE_HEAD:

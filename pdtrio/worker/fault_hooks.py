@@ -39,6 +39,7 @@ from pdtrio.kv.api import KvBlockSink, KvBlockSource, KvTransferError, KvTranspo
 from pdtrio.kv.tcp import DEFAULT_TRANSFER_TIMEOUT_S
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.wire import KvHandle, PrefillFailed, TokenFrame
+from pdtrio.security import PeerCredentials
 
 log = logging.getLogger("pdtrio.worker.faults")
 
@@ -180,6 +181,14 @@ class FaultyKvTransport:
     @property
     def name(self) -> str:
         return self.inner.name
+
+    @property
+    def secret(self) -> PeerCredentials:
+        return self.inner.secret
+
+    @secret.setter
+    def secret(self, secret: PeerCredentials) -> None:
+        self.inner.secret = secret
 
     @property
     def timeout_s(self) -> float:

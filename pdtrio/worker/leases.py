@@ -9,6 +9,8 @@ from typing import final
 import attrs
 import trio
 
+from pdtrio.security import tokens_match
+
 
 @final
 @attrs.frozen
@@ -16,6 +18,7 @@ class Lease:
     request_id: str
     block_ids: tuple[int, ...]
     expiry: float  # trio clock
+    access_token: str = attrs.field(default="", repr=False)  # the grant in the KV handle
 
 
 @final
@@ -31,13 +34,23 @@ class KvLeases:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def hold(self, request_id: str, block_ids: tuple[int, ...], expiry: float) -> None:
-        self._leases[request_id] = Lease(request_id, block_ids, expiry)
+    def hold(
+        self, request_id: str, block_ids: tuple[int, ...], expiry: float, access_token: str = ""
+    ) -> None:
+        self._leases[request_id] = Lease(request_id, block_ids, expiry, access_token)
         self._changed.set()
 
-    def holds(self, request_id: str, block_ids: tuple[int, ...]) -> bool:
+    def holds(
+        self, request_id: str, block_ids: tuple[int, ...], access_token: str | None = None
+    ) -> bool:
+        """Whether a lease holds these blocks (and, for a peer, grants them to its token).
+
+        ``access_token`` None: asked from inside this worker, no grant needed.
+        """
         lease = self._leases.get(request_id)
-        return lease is not None and set(block_ids) <= set(lease.block_ids)
+        if lease is None or not set(block_ids) <= set(lease.block_ids):
+            return False
+        return access_token is None or tokens_match(access_token, lease.access_token)
 
     def release(self, request_id: str) -> bool:
         """Free the blocks now. Returns whether a lease was held."""

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import tomllib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,19 +26,35 @@ from pdtrio.discovery.worker_registration import keep_registered
 from pdtrio.engine.api import Engine, EngineError
 from pdtrio.engine.config import UnsupportedModel
 from pdtrio.kv.api import KvTransportUnavailable
+from pdtrio.logs import (
+    DEFAULT_LOG_FORMAT,
+    DEFAULT_LOG_LEVEL,
+    LOG_FORMAT_ENV,
+    LOG_FORMATS,
+    LOG_LEVEL_ENV,
+    LOG_LEVELS,
+    LogFormat,
+    LogSettingError,
+    configure_logging,
+    parse_format,
+    parse_level,
+)
 from pdtrio.protocol.registration import Registration
 from pdtrio.worker.launch import ready_line
 from pdtrio.worker.server import Worker
 
+log = logging.getLogger("pdtrio.worker")
+
 
 def build_engine(config: EngineConfig) -> Engine:
     if config.kind == "synthetic":
-        from pdtrio.engine.synthetic import SyntheticEngine
+        from pdtrio.engine.synthetic import SYNTHETIC_MODEL_NAME, SyntheticEngine
 
         return SyntheticEngine(
             config.synthetic,
             num_blocks=config.num_kv_blocks,
             block_size=config.block_size,
+            model_name=config.served_model_name or SYNTHETIC_MODEL_NAME,
             default_max_tokens=config.default_max_tokens,
         )
     try:
@@ -104,11 +121,31 @@ _OPTIONS = (
         _endpoints,
         env_name="PDTRIO_ETCD_ENDPOINTS",
     ),
+    _Option(
+        "--secret-file",
+        ("secret_file",),
+        "a file holding the secret routers and workers share (or set PDTRIO_WORKER_SECRET); "
+        "none: no peer is asked for one",
+        env_name="PDTRIO_WORKER_SECRET_FILE",
+    ),
+    _Option("--tls-cert-file", ("tls_cert_file",), "serve HTTPS, WSS and the KV port over TLS"),
+    _Option("--tls-key-file", ("tls_key_file",), "the TLS certificate's private key"),
+    _Option(
+        "--tls-ca-file",
+        ("tls_ca_file",),
+        "the CA to verify peers' KV ports with: pull KV over TLS",
+    ),
     _Option("--engine", ("engine", "kind"), "the engine", choices=("synthetic", "torch")),
     _Option(
         "--model",
         ("engine", "model"),
         "the built-in model's name, a .gguf file or a Hugging Face directory",
+    ),
+    _Option(
+        "--served-model-name",
+        ("engine", "served_model_name"),
+        "the name clients put in `model` (none: the model's name; a .gguf path's "
+        "file name without .gguf)",
     ),
     _Option("--device", ("engine", "device"), "torch device: cpu, cuda, cuda:1, ..."),
     _Option("--dtype", ("engine", "dtype"), "torch dtype: float32, bfloat16, float16"),
@@ -138,7 +175,7 @@ def argument_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         default=os.environ.get("PDTRIO_WORKER_CONFIG"),
         help="a TOML file with the keys of the router's [embedded.worker] section "
-        "(env PDTRIO_WORKER_CONFIG)",
+        "(env PDTRIO_WORKER_CONFIG; default: none)",
     )
     for option in _OPTIONS:
         parser.add_argument(
@@ -148,11 +185,31 @@ def argument_parser() -> argparse.ArgumentParser:
             default=None,
             help=f"{option.help} (env {option.env}; default: {_default_of(option.path)})",
         )
-    parser.add_argument("--config-json", default=None, help="a whole WorkerConfig as JSON")
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        type=str.upper,
+        default=None,
+        help=f"log lines at this level and above (request content: only at DEBUG) "
+        f"(env {LOG_LEVEL_ENV}; default: {DEFAULT_LOG_LEVEL})",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=None,
+        help=f"text, or json (one object a line, for log collectors) "
+        f"(env {LOG_FORMAT_ENV}; default: {DEFAULT_LOG_FORMAT})",
+    )
+    parser.add_argument(
+        "--config-json",
+        default=None,
+        help="a whole WorkerConfig as JSON, in place of --config (how the router starts "
+        "its embedded workers; default: none)",
+    )
     parser.add_argument(
         "--exit-with-stdin",
         action="store_true",
-        help="exit when stdin closes (the supervising router died)",
+        help="exit when stdin closes (the supervising router died; default: off)",
     )
     return parser
 
@@ -185,6 +242,20 @@ def parse_args(
         section[option.path[-1]] = list(value) if isinstance(value, tuple) else value
     config: WorkerConfig = config_from_dict(raw, WorkerConfig)
     return config, args.exit_with_stdin
+
+
+def log_settings(
+    argv: list[str], environ: Mapping[str, str] | None = None
+) -> tuple[str, LogFormat]:
+    """The log level and format: the flags, then PDTRIO_LOG_LEVEL and PDTRIO_LOG_FORMAT."""
+    environ = os.environ if environ is None else environ
+    args = argument_parser().parse_args(argv)
+    try:
+        level = parse_level(args.log_level or environ.get(LOG_LEVEL_ENV) or DEFAULT_LOG_LEVEL)
+        fmt = parse_format(args.log_format or environ.get(LOG_FORMAT_ENV) or DEFAULT_LOG_FORMAT)
+    except LogSettingError as exc:
+        raise ConfigError(str(exc)) from None
+    return level, fmt
 
 
 def _attribute_name(flag: str) -> str:
@@ -225,12 +296,34 @@ async def _on_signals(stop: trio.Event, cancel_scope: trio.CancelScope) -> None:
             stop.set()
 
 
+def _describe_loading(config: EngineConfig) -> str:
+    if config.kind == "synthetic":
+        return "loading the synthetic engine (no weights; it counts prompt bytes as tokens)"
+    return (
+        f"loading model {config.model} (engine {config.kind}) on device {config.device}, "
+        f"dtype {config.dtype}"
+    )
+
+
+def _describe_loaded(engine: Engine, seconds: float) -> str:
+    stats = engine.statistics()
+    layout = engine.layout
+    mib = stats.kv_blocks_total * layout.block_nbytes / (1 << 20)
+    return (
+        f"model loaded in {seconds:.1f} s, served as {engine.model_name!r} (KV cache: "
+        f"{stats.kv_blocks_total} blocks of {layout.block_size} tokens, {mib:.1f} MiB)"
+    )
+
+
 async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> None:
+    log.info(_describe_loading(config.engine))
+    started_at = time.monotonic()
     try:
         engine = build_engine(config.engine)
     except (OSError, UnsupportedModel, EngineError) as exc:
         # a missing or unreadable model is the operator's to fix: say which, not where
         raise ConfigError(f"cannot load model {config.engine.model!r}: {exc}") from None
+    log.info(_describe_loaded(engine, time.monotonic() - started_at))
     try:
         worker = Worker(config, engine)
     except KvTransportUnavailable as exc:
@@ -245,6 +338,12 @@ async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> N
             ready["role"] = config.role
             ready["model"] = engine.model_name
             ready["kv_transport"] = worker.transport.name
+            bound = f"http://{config.host}:{worker.http_port}"
+            advertised = "" if ready["url"] == bound else f" (advertised as {ready['url']})"
+            transfer = (
+                f", KV transfer port {ready['transfer_port']}" if ready["transfer_port"] else ""
+            )
+            log.info("serving as %s on %s%s%s", ready["instance_id"], bound, advertised, transfer)
             # the supervisor reads this line to learn the ports
             print(ready_line(ready), flush=True)
             deregistered = trio.Event()
@@ -283,9 +382,10 @@ def _first(group: BaseExceptionGroup[KvTransportUnavailable]) -> BaseException:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        level, fmt = log_settings(argv)
         config, exit_with_stdin = parse_args(argv)
+        configure_logging(level, fmt, config.instance_id or config.role)
         trio.run(serve_worker, config, exit_with_stdin)
     except ConfigError as exc:
         print(f"pdtrio worker: {exc}", file=sys.stderr)

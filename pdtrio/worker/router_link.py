@@ -91,6 +91,10 @@ class Prefiller(Protocol):
         """Free the request's leased blocks, or stop its prefill; harmless when unknown."""
         ...
 
+    def release_granted(self, request_id: str, access_token: str) -> bool:
+        """Free the request's leased blocks if ``access_token`` is their grant."""
+        ...
+
 
 @final
 class _Link:
@@ -106,6 +110,8 @@ class _Link:
         # the requests this link started and that have not ended: the scope of a
         # start still in progress, None once the engine runs the request
         self.requests: dict[str, trio.CancelScope | None] = {}
+        # prefills this link asked for and not yet answered: its releases need no grant
+        self.prefilling: set[str] = set()
         self._in_flight = 0  # frames handed to the writer and not yet written
         # only a decoding worker reports its KV room; the first report goes out at once
         self._reports_capacity = server.admission is not None
@@ -257,8 +263,14 @@ class _Link:
             self.abort(message.request_id)
             return
         if isinstance(message, ReleaseRequest):
-            if server.prefiller is not None:
-                server.prefiller.release(message.request_id)
+            prefiller = server.prefiller
+            if prefiller is None:
+                return
+            if message.request_id in self.prefilling:
+                prefiller.release(message.request_id)  # its own call: stop it
+            else:
+                # an answered prefill: only the holder of its grant may free the blocks
+                prefiller.release_granted(message.request_id, message.access_token)
             return
         if isinstance(message, PrefillRequest):
             nursery.start_soon(self._prefill, message)
@@ -297,7 +309,12 @@ class _Link:
                 request.request_id, 400, "this instance does not prefill", "invalid_request_error"
             )
         else:
-            answer = await prefiller.prefill_call(request)
+            request_id = request.request_id
+            self.prefilling.add(request_id)
+            try:
+                answer = await prefiller.prefill_call(request)
+            finally:
+                self.prefilling.discard(request_id)
         if answer is None:
             return  # released while prefilling: the router has given up on it
         queued = False
@@ -376,6 +393,10 @@ class _Link:
             self._server.capacity_changed()  # allocated, or freed on the way out
         if ending is not None:
             await self.send_control(ending)
+
+
+# router links a worker keeps at once (each router process holds one)
+MAX_LINKS = 256
 
 
 @final
@@ -472,6 +493,11 @@ class RouterLinkServer:
     async def serve_websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = await receive()
         if message["type"] != "websocket.connect":
+            return
+        if len(self._links) >= MAX_LINKS:
+            # one per router process: more is a misconfiguration or a peer gone wrong
+            log.warning("refused a router link: %d are open, the most a worker keeps", MAX_LINKS)
+            await send({"type": "websocket.close", "code": 1013})  # (an HTTP 403)
             return
         await send({"type": "websocket.accept"})
         link = _Link(self, send, _heartbeat_interval(scope))

@@ -35,6 +35,7 @@ from pdtrio.engine.api import Engine, EngineError, EngineOutput, NoRoom, PromptR
 from pdtrio.kv.api import KvTransport
 from pdtrio.kv.selection import kv_transport_for
 from pdtrio.memory import limit_heap_retention
+from pdtrio.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdtrio.protocol import wire
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.openai import error_body
@@ -49,15 +50,25 @@ from pdtrio.protocol.wire import (
     ReleaseRequest,
     WireError,
 )
+from pdtrio.security import (
+    PeerCredentials,
+    client_tls_context,
+    new_access_token,
+    resolve_worker_secret,
+    server_tls_context,
+)
 from pdtrio.worker.admission import DecodeAdmission
 from pdtrio.worker.fault_hooks import fault_hooks_for
 from pdtrio.worker.leases import KvLeases
+from pdtrio.worker.metrics import WorkerMetrics
 from pdtrio.worker.router_link import OFF_LOOP_DECODE_BYTES, RouterLinkServer
 
 log = logging.getLogger("pdtrio.worker")
 
 _MAX_PREFILL_BODY = 64 * 1024 * 1024
 _MAX_RELEASE_BODY = 4096
+# prefill bodies being received over HTTP at once (each up to _MAX_PREFILL_BODY)
+_MAX_BODIES_IN_FLIGHT = 4
 _MSGPACK = wire.MSGPACK_CONTENT_TYPE.encode()
 _prefill_request_decoder: wire.Decoder[PrefillRequest] = wire.Decoder(PrefillRequest)
 _release_request_decoder: wire.Decoder[ReleaseRequest] = wire.Decoder(ReleaseRequest)
@@ -72,6 +83,7 @@ def default_instance_id(role: str, host: str, http_port: int) -> str:
 _ROUTE_METHODS = {
     "/health": "GET",
     "/pd/info": "GET",
+    "/metrics": "GET",
     "/pd/stats": "GET",
     "/pd/prefill": "POST",
     "/pd/release": "POST",
@@ -86,6 +98,13 @@ class Worker:
         self.config = config
         self.engine = engine
         self.transport: KvTransport = transport or kv_transport_for(config.kv_transport, engine)
+        # what every endpoint but /health asks of a peer (none when no secret is set)
+        self.secret = PeerCredentials(
+            resolve_worker_secret(config.secret, config.secret_file),
+            client_tls=client_tls_context(config.tls_ca_file),
+            server_tls=server_tls_context(config.tls_cert_file, config.tls_key_file),
+        )
+        self.transport.secret = self.secret
         # testing only ([faults]): None unless a hook is configured
         self.faults = fault_hooks_for(config.faults)
         if self.faults is not None:
@@ -102,6 +121,9 @@ class Worker:
         self.draining = False
         # one big decode at a time: bounds the memory of bodies being decoded at once
         self._decode_limiter = trio.CapacityLimiter(1)
+        self._bodies_in_flight = trio.CapacityLimiter(_MAX_BODIES_IN_FLIGHT)
+        self.metrics = WorkerMetrics(self)
+        engine.observe_steps(self.metrics.step)
 
     @property
     def serves_prefill(self) -> bool:
@@ -121,7 +143,8 @@ class Worker:
         host = self.config.advertised_host
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"  # an IPv6 address
-        return f"http://{host}:{self.advertised_port}"
+        scheme = "https" if self.config.tls_cert_file else "http"
+        return f"{scheme}://{host}:{self.advertised_port}"
 
     @property
     def kv_layout(self) -> KvLayout:
@@ -161,6 +184,9 @@ class Worker:
                 )
             hyper = HypercornConfig()
             hyper.bind = [f"{config.host}:{config.port}"]
+            if config.tls_cert_file:  # HTTPS and WSS (checked loadable above)
+                hyper.certfile = config.tls_cert_file
+                hyper.keyfile = config.tls_key_file
             hyper.accesslog = None
             hyper.errorlog = logging.getLogger("pdtrio.worker.hypercorn")
             hyper.keep_alive_timeout = 300
@@ -240,8 +266,15 @@ class Worker:
 
     # --- KvBlockSource for the transport server -----------------------------------
 
-    def holds(self, request_id: str, block_ids: tuple[int, ...]) -> bool:
-        return self.leases.holds(request_id, block_ids)
+    def holds(
+        self, request_id: str, block_ids: tuple[int, ...], access_token: str | None = None
+    ) -> bool:
+        return self.leases.holds(request_id, block_ids, access_token)
+
+    def release_granted(self, request_id: str, access_token: str) -> bool:
+        if not self.leases.holds(request_id, (), access_token):
+            return False
+        return self.leases.release(request_id)
 
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
         return await self.engine.read_blocks(block_ids)
@@ -261,8 +294,13 @@ class Worker:
             return
         path = scope["path"]
         links = self.links
+        # every endpoint but /health needs the shared secret: refused before any body is read
+        admitted = path == "/health" or self.secret.admits_header(_authorization(scope))
         if kind == "websocket":
-            if path != "/pd/link":
+            if not admitted:
+                log.warning("refused a router link without the worker secret")
+                await send({"type": "websocket.close", "code": 1008})  # (an HTTP 403)
+            elif path != "/pd/link":
                 await send({"type": "websocket.close", "code": 1008})  # policy: no such link
             elif links is None:
                 await send({"type": "websocket.close", "code": 1013})  # try again later
@@ -270,9 +308,23 @@ class Worker:
                 await links.serve_websocket(scope, receive, send)
             return
         method = scope["method"]
+        if not admitted:
+            await send_json(
+                send,
+                401,
+                error_body(
+                    "this worker endpoint needs the shared worker secret "
+                    "(Authorization: Bearer ...)",
+                    type_="authentication_error",
+                ),
+                [(b"www-authenticate", b"Bearer")],
+            )
+            return
         try:
             if path == "/health" and method == "GET":
                 await send_json(send, 200, {"status": "ok"})
+            elif path == "/metrics" and method == "GET":
+                await send_bytes(send, 200, self.metrics.render(), METRICS_CONTENT_TYPE)
             elif links is None:
                 await send_json(
                     send, 503, error_body("the worker is starting", type_="service_unavailable")
@@ -311,6 +363,13 @@ class Worker:
         except WireError as exc:
             await send_json(
                 send, 400, error_body(f"malformed request: {exc}", type_="invalid_request_error")
+            )
+        except Busy as exc:
+            await send_json(
+                send,
+                503,
+                error_body(str(exc), type_="service_unavailable"),
+                [(b"retry-after", b"1")],
             )
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -370,12 +429,22 @@ class Worker:
     async def _handle_release(self, receive: Receive, send: Send) -> None:
         body = await read_body(receive, _MAX_RELEASE_BODY)
         request = _release_request_decoder.decode(body)
-        released = self.release(request.request_id)
+        # a peer: only the holder of the request's grant may free its blocks
+        released = self.release_granted(request.request_id, request.access_token)
         await send_bytes(send, 200, wire.encode(ReleaseReply(released)), _MSGPACK)
 
     async def _handle_prefill(self, receive: Receive, send: Send) -> None:
         """``POST /pd/prefill``: the same call as the link's, for curl and tests."""
-        body = await read_body(receive, _MAX_PREFILL_BODY)
+        # bodies in flight are bounded: a peer (even one with the secret) cannot make the
+        # worker hold any number of 64 MB bodies at once
+        try:
+            self._bodies_in_flight.acquire_nowait()
+        except trio.WouldBlock:
+            raise Busy("too many prefill bodies are being received; retry shortly") from None
+        try:
+            body = await read_body(receive, _MAX_PREFILL_BODY)
+        finally:
+            self._bodies_in_flight.release()
         if len(body) > OFF_LOOP_DECODE_BYTES:
             request = await trio.to_thread.run_sync(
                 _prefill_request_decoder.decode, body, limiter=self._decode_limiter
@@ -481,7 +550,10 @@ class Worker:
         handle: KvHandle | None = None
         if result.finish_reason is None:
             lease_s = self.config.kv_lease_s
-            self.leases.hold(request_id, result.block_ids, trio.current_time() + lease_s)
+            access_token = new_access_token()
+            self.leases.hold(
+                request_id, result.block_ids, trio.current_time() + lease_s, access_token
+            )
             handle = KvHandle(
                 request_id=request_id,
                 instance_id=self.instance_id,
@@ -491,6 +563,7 @@ class Worker:
                 num_tokens=len(token_ids),
                 layout=self.kv_layout,
                 lease_expiry=time.time() + lease_s,
+                access_token=access_token,
             )
         return PrefillReply(
             request_id=request_id,
@@ -503,6 +576,17 @@ class Worker:
             kv_handle=handle,
             usage=result.usage,
         )
+
+
+class Busy(Exception):
+    """A bound on work in flight is reached: 503, retry shortly."""
+
+
+def _authorization(scope: Scope) -> bytes | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            return bytes(value)
+    return None
 
 
 def check_prefill_request(request: PrefillRequest) -> None:

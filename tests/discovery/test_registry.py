@@ -136,6 +136,10 @@ async def test_an_outage_keeps_the_view_and_a_restart_resumes_without_missing_a_
                 await trio.sleep(0.05)
         assert set(recorder.registered) == {"a"} and state.problem
         assert state.report()["connected"] is False
+        # it stays out of touch (retrying with a growing pause) until etcd answers again
+        for _ in range(20):
+            await trio.sleep(0.05)
+            assert not state.connected
         await etcd.start()
         async with EtcdClient([etcd.endpoint]) as client:
             await put(client, registration("b"))

@@ -17,7 +17,9 @@ from pdtrio.testing import Processes, Service, alive, command_line, descendants
 from tests.cluster import eventually
 
 SYNTHETIC_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "synthetic.toml"
-_RESTARTS = re.compile(r'^pdtrio_worker_restarts_total\{worker="([^"]+)"\} (\d+)$', re.MULTILINE)
+_RESTARTS = re.compile(
+    r'^pdtrio_worker_restarts_total\{worker="([^"]+)"\} (\d+)(?:\.0)?$', re.MULTILINE
+)
 
 
 @pytest.fixture

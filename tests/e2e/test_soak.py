@@ -1,7 +1,8 @@
 """The soak, CI-sized: clients, disconnects and faults for a few seconds; nothing may be left over.
 
 It asserts the guarantee, not speed: no leaked blocks, requests or leases, no
-hung stream, no process outliving the group (``python -m benchmarks.soak`` runs it long).
+hung stream, no process outliving the group (``python -m benchmarks.soak`` runs it long);
+and that decode's KV pulls went through the faulted proxy in front of prefill's KV port.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def test_a_quick_soak_leaves_nothing_behind(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["requests"] > 0
     assert result["faults_total"] > 0
+    assert result["kv_connections_proxied"] > 0  # decode pulled KV through the faulted port
     assert result["healthy_again"]
     assert result["leaks"] == {}, result["leaks"]
     assert result["hung"] == [], result["hung"]

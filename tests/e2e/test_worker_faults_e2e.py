@@ -135,3 +135,37 @@ def test_decode_exiting_at_token_n_ends_the_stream_or_is_a_502(
     assert response.status_code == 502, response.text
     assert all(_exited_by_fault(d) for d in decodes)
     assert _eventually(lambda: _holds_nothing(prefill))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_exiting_before_its_first_token_is_replaced_by_another(
+    procs: Processes, tmp_path: Path, stream: bool
+) -> None:
+    workers = [
+        _worker_config("prefill"),
+        _worker_config("decode", decode_exit_at_token=1),
+        _worker_config("decode"),
+    ]
+    (prefill, faulty, decode), router = _cluster(procs, tmp_path, workers)
+    for _ in range(3):  # whichever decode takes the first, the faulty one gets one of them
+        if stream:
+            with httpx.stream(
+                "POST",
+                f"{router.url}/v1/completions",
+                json=_body(12, stream=True),
+                timeout=LIVENESS_S,
+            ) as response:
+                assert response.status_code == 200
+                events = [line for line in response.iter_lines() if line]
+            assert events[-1] == "data: [DONE]"
+            chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+            assert not any("error" in chunk for chunk in chunks), events
+            text = "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk["choices"])
+        else:
+            response = _post(router, _body(12, stream=False))
+            assert response.status_code == 200, response.text
+            text = response.json()["choices"][0]["text"]
+        # all twelve tokens, the first (from prefill) once: prefill kept the KV for the retry
+        assert len(text.split()) == 12, text
+    assert _exited_by_fault(faulty)
+    assert _eventually(lambda: _holds_nothing(prefill) and _holds_nothing(decode))

@@ -125,3 +125,15 @@ async def test_a_start_with_nothing_left_to_generate_is_refused(
         await one.start_decode("x", [5, 6], 7, SamplingParams(), 3, 3, 0)
     with pytest.raises(EngineError, match="out of the vocabulary"):
         await one.start_decode("x", [5, 6], -1, SamplingParams(), 3, 1, 0)
+
+
+async def test_each_step_is_reported_to_the_step_observer() -> None:
+    engine = TorchEngine.from_config(TINY)
+    steps: list[tuple[float, int, int]] = []
+    engine.observe_steps(lambda seconds, batch, tokens: steps.append((seconds, batch, tokens)))
+    sampling = SamplingParams(temperature=0, ignore_eos=True)
+    await complete(engine, engine, sampling, max_tokens=5)
+    # the prefill step, then one decode step per token after the first
+    assert len(steps) == 5
+    assert all(seconds > 0 and batch == 1 and tokens == 1 for seconds, batch, tokens in steps)
+    assert engine.statistics().waiting_requests == 0

@@ -14,6 +14,7 @@ from pdtrio.config import SyntheticEngineConfig
 from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.kv.api import KvTransport
 from pdtrio.protocol.wire import KvHandle
+from pdtrio.security import new_access_token
 from pdtrio.worker.leases import KvLeases
 
 LOOPBACK = "127.0.0.1"
@@ -35,8 +36,10 @@ class LeasedBlocks:
         self.leases = KvLeases(engine.free_request)
         self.released: list[tuple[str, bool]] = []
 
-    def holds(self, request_id: str, block_ids: tuple[int, ...]) -> bool:
-        return self.leases.holds(request_id, block_ids)
+    def holds(
+        self, request_id: str, block_ids: tuple[int, ...], access_token: str | None = None
+    ) -> bool:
+        return self.leases.holds(request_id, block_ids, access_token)
 
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
         return await self.engine.read_blocks(block_ids)
@@ -45,6 +48,11 @@ class LeasedBlocks:
         released = self.leases.release(request_id)
         self.released.append((request_id, released))
         return released
+
+    def release_granted(self, request_id: str, access_token: str) -> bool:
+        if not self.leases.holds(request_id, (), access_token):
+            return False
+        return self.release(request_id)
 
     def blocks_in_use(self) -> int:
         return self.engine.statistics().kv_blocks_in_use
@@ -72,7 +80,8 @@ async def leased_request(
     block_ids = engine.allocate_blocks(request_id, num_tokens)
     data = random.Random(seed).randbytes(len(block_ids) * engine.layout.block_nbytes)
     await engine.write_blocks(block_ids, data)
-    source.leases.hold(request_id, block_ids, trio.current_time() + lease_s)
+    access_token = new_access_token()
+    source.leases.hold(request_id, block_ids, trio.current_time() + lease_s, access_token)
     handle = KvHandle(
         request_id=request_id,
         instance_id="prefill-0",
@@ -82,6 +91,7 @@ async def leased_request(
         num_tokens=num_tokens,
         layout=engine.layout,
         lease_expiry=time.time() + lease_s,
+        access_token=access_token,
     )
     return handle, data
 

@@ -22,7 +22,7 @@ from pdtrio.worker.admission import DecodeAdmission, Rejected
 from pdtrio.worker.leases import KvLeases
 from tests.cluster import wait_for_stats
 from tests.kv.blocks import LOOPBACK, fragment, synthetic
-from tests.kv.prefill_process import READY, RELEASED
+from tests.kv.prefill_process import READY
 from tests.kv.test_nixl_transport import start_for
 
 pytest.importorskip("nixl")
@@ -63,6 +63,7 @@ def start_prefill(procs: Processes, num_tokens: int, seed: int) -> tuple[Any, Kv
         num_tokens,
         layout,
         ready["lease_expiry"],
+        ready["access_token"],
     )
     return process, handle
 
@@ -80,8 +81,7 @@ async def test_bytes_read_from_another_process_are_the_bytes_it_holds(procs: Pro
         await transport.pull(handle, decode, dest)
         expected = random.Random(42).randbytes(len(dest) * decode.layout.block_nbytes)
         assert await decode.read_blocks(dest) == expected
-        released = json.loads(await trio.to_thread.run_sync(procs.read_line, process, RELEASED, 30))
-        assert released == {"request_id": "r", "released": True, "in_use": 5}  # the fillers
+        # (prefill keeps the blocks leased until the router releases them: not here)
         assert transport.info()["pulls"] == {"nixl": 1, "tcp": 0}
         nursery.cancel_scope.cancel()
 

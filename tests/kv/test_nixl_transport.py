@@ -50,18 +50,24 @@ def test_runs_cover_exactly_the_pairs_in_order(pairs: list[tuple[int, int]]) -> 
     assert expanded == pairs
 
 
-async def test_nixl_reads_exactly_the_named_blocks_and_prefill_frees_them_once() -> None:
+async def test_nixl_reads_exactly_the_named_blocks_and_prefill_keeps_them_until_released() -> None:
     prefill, decode = synthetic(), synthetic()
     fragment(prefill, holes=3)
     fragment(decode, holes=2)
     transport = nixl(decode)
-    async with running_pair(nixl(prefill), transport, prefill, decode) as pair:
+    serving = nixl(prefill)
+    async with running_pair(serving, transport, prefill, decode) as pair:
         handle, data = await leased_request(pair.prefill, "r", 30, pair.endpoint)
         dest = decode.allocate_blocks("r", 40)[: len(handle.block_ids)]
         assert len(coalesced_runs(handle.block_ids, dest)) > 1  # not one contiguous range
         await transport.pull(handle, decode, dest)
         assert await decode.read_blocks(dest) == data
-        await wait_for_stats(lambda: pair.prefill.released)
+        # decode's notification says the read is done; the blocks stay leased until the
+        # router releases them (after decode's first token), with the request's grant
+        await wait_for_stats(lambda: serving.releases_notified == 1)
+        assert pair.prefill.released == [] and pair.prefill.holds("r", handle.block_ids)
+        assert not pair.prefill.release_granted("r", "a guess")
+        assert pair.prefill.release_granted("r", handle.access_token)
         assert pair.prefill.released == [("r", True)]
         assert pair.prefill.blocks_in_use() == 3  # the fillers only
         info = transport.info()
@@ -81,8 +87,7 @@ async def test_a_read_of_blocks_the_handle_does_not_name_is_refused() -> None:
             await transport.pull(greedy, decode, dest)
         assert pair.prefill.released == []  # both leases stand
         await transport.pull(handle, decode, dest[: len(handle.block_ids)])
-        await wait_for_stats(lambda: pair.prefill.released)
-        assert len(pair.prefill.leases) == 1
+        assert len(pair.prefill.leases) == 2  # (released by the router, later)
 
 
 async def test_an_expired_lease_is_freed_once_and_a_late_pull_is_refused() -> None:
@@ -110,11 +115,11 @@ async def test_a_second_release_and_an_unknown_one_are_harmless() -> None:
         handle, _ = await leased_request(pair.prefill, "r", 8, pair.endpoint)
         dest = decode.allocate_blocks("r", 8)
         await transport.pull(handle, decode, dest)
-        await wait_for_stats(lambda: pair.prefill.released)
-        # the router's release after decode's notification, and one for nobody
-        assert not pair.prefill.release("r")
+        # the router's release after decode's first token, a second one, and one for nobody
+        assert pair.prefill.release_granted("r", handle.access_token)
+        assert not pair.prefill.release_granted("r", handle.access_token)
         assert not pair.prefill.release("nobody")
-        assert pair.prefill.released == [("r", True), ("r", False), ("nobody", False)]
+        assert pair.prefill.released == [("r", True), ("nobody", False)]
         assert pair.prefill.blocks_in_use() == 0
 
 
@@ -187,7 +192,7 @@ async def test_a_pair_that_cannot_agree_on_nixl_moves_kv_over_tcp(
         dest = decode.allocate_blocks("r", 8)
         await decode_transport.pull(handle, decode, dest)
         assert await decode.read_blocks(dest) == data
-        assert pair.prefill.released == [("r", True)]
+        assert pair.prefill.released == []  # kept until the router releases it
         info = decode_transport.info()
         assert info["pulls"].get("nixl", 0) == 0 and info["pulls"]["tcp"] == 1
         if decode_side == "nixl":

@@ -26,7 +26,9 @@ def _model_step(held: tuple[bool, bool], event: Event) -> tuple[bool, bool]:
     if event is Event.DECODE_NOT_STARTED:
         return prefill, False
     if event is Event.DECODE_ACCEPTED:
-        return False, True  # decode pulled the blocks and told prefill to free them
+        return prefill, True  # decode pulled the blocks; prefill keeps them until a token
+    if event is Event.FIRST_DECODE_TOKEN:
+        return False, True  # decode is alive: prefill is told to free them
     if event is Event.DECODE_ENDED:
         return prefill, False
     assert event is Event.CLEANED
@@ -105,6 +107,7 @@ def test_the_happy_path() -> None:
         Event.PREFILLED,
         Event.DECODE_START_SENT,
         Event.DECODE_ACCEPTED,
+        Event.FIRST_DECODE_TOKEN,
         Event.DECODE_ENDED,
     ):
         lifecycle.handle(event)
@@ -113,9 +116,27 @@ def test_the_happy_path() -> None:
         Cleanup.RELEASE_ON_PREFILL,
         Cleanup.RELEASE_ON_PREFILL,
         Cleanup.RELEASE_ON_PREFILL | Cleanup.ABORT_ON_DECODE,
+        Cleanup.RELEASE_ON_PREFILL | Cleanup.ABORT_ON_DECODE,
         Cleanup.ABORT_ON_DECODE,
         Cleanup.NOTHING,
     ]
+
+
+def test_a_decode_that_fails_before_its_first_token_can_be_replaced() -> None:
+    lifecycle = RequestLifecycle()
+    for event in (
+        Event.PREFILL_SENT,
+        Event.PREFILLED,
+        Event.DECODE_START_SENT,
+        Event.DECODE_ACCEPTED,
+        Event.DECODE_ENDED,
+    ):
+        lifecycle.handle(event)
+    # prefill still holds the blocks: another decode may pull them
+    assert lifecycle.state is State.PREFILLED
+    assert lifecycle.owed() is Cleanup.RELEASE_ON_PREFILL
+    lifecycle.handle(Event.DECODE_START_SENT)
+    assert lifecycle.state is State.DECODE_STARTING
 
 
 def test_a_rejected_start_can_be_retried_on_another_decode() -> None:

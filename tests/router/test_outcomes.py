@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from functools import partial
 
 import httpx
@@ -17,11 +16,11 @@ from tests.cluster import (
     synthetic_worker,
     wait_until_idle,
 )
+from tests.metrics import by_labels
 
 
-def _outcomes(metrics: str) -> dict[str, int]:
-    found = re.findall(r"^pdtrio_requests_total\{([^}]*)\} (\d+)$", metrics, re.MULTILINE)
-    return {labels: int(count) for labels, count in found}
+def _outcomes(metrics: str) -> dict[tuple[str, str], float]:
+    return by_labels(metrics, "pdtrio_requests_total", "outcome", "status")
 
 
 async def test_each_outcome_is_counted_exactly() -> None:
@@ -75,8 +74,15 @@ async def test_each_outcome_is_counted_exactly() -> None:
         async with client(cluster) as http:
             metrics = (await http.get("/metrics")).text
     assert _outcomes(metrics) == {
-        'outcome="ok"': 2,
-        'outcome="rejected",status="4xx"': 3,
-        'outcome="failed",status="5xx"': 1,
-        'outcome="disconnected"': 1,
+        ("ok", ""): 2,
+        ("rejected", "4xx"): 3,
+        ("failed", "5xx"): 1,
+        ("disconnected", ""): 1,
+    }
+    # by endpoint and model: the unknown model's refusal names none (clients choose it)
+    assert by_labels(metrics, "pdtrio_requests_total", "endpoint", "model", "outcome") == {
+        ("/v1/completions", "synthetic", "ok"): 2,
+        ("/v1/completions", "", "rejected"): 3,
+        ("/v1/completions", "synthetic", "failed"): 1,
+        ("/v1/completions", "synthetic", "disconnected"): 1,
     }

@@ -32,6 +32,8 @@ PREFILL, PREFILLED, PREFILL_FAILED, RELEASE = 8, 9, 10, 11
 # PrefillReply: [PREFILLED, request_id, prompt_token_ids, cached_tokens, first_token_id,
 #                first_text, finish_reason, token_budget, kv_handle, usage]
 R_ID, R_PROMPT, R_CACHED, R_FIRST, R_TEXT, R_FINISH, R_BUDGET, R_HANDLE, R_USAGE = range(1, 10)
+# a KV handle's last field: the grant a release (or a pull) must show
+H_GRANT = 8
 # KvHandle: [request_id, instance_id, host, port, block_ids, num_tokens, layout, lease_expiry]
 H_INSTANCE, H_PORT, H_BLOCKS = 1, 3, 4
 # TokenEntry: [request_id, token_ids, text, finish_reason, usage]; Usage: [prompt, completion, cached]
@@ -162,10 +164,19 @@ async def test_decode_frames_are_plain_msgpack_and_abort_frees_blocks() -> None:
                 await ws.send_message(decode_start(reply))
             await ws.send_message(msgpack.packb([ABORT, "req-2"]))
             streams = await _tokens_until_finished(ws, {"req-0", "req-1"}, frames)
-        # the aborted request may never have been pulled: releasing it is the router's cleanup
-        released = await post(f"{pair.prefill_url}/pd/release", msgpack.packb([RELEASE, "req-2"]))
-        assert released.status_code == 200
-        assert _strict_unpack(released.content) in ([True], [False])
+        # prefill keeps the blocks until the router (here: this test) releases them, once
+        # decode has produced a token; a release needs the grant in the request's handle
+        for reply in replies:
+            anyone = await post(
+                f"{pair.prefill_url}/pd/release", msgpack.packb([RELEASE, reply[R_ID]])
+            )
+            assert _strict_unpack(anyone.content) == [False]
+            released = await post(
+                f"{pair.prefill_url}/pd/release",
+                msgpack.packb([RELEASE, reply[R_ID], reply[R_HANDLE][H_GRANT]]),
+            )
+            assert released.status_code == 200
+            assert _strict_unpack(released.content) == [True]
     assert frames and not any(f.startswith(PICKLE_MARKERS) for f in frames)
     kinds = [_strict_unpack(f)[0] for f in frames]
     assert ACCEPTED in kinds and TOKENS in kinds
@@ -176,7 +187,7 @@ async def test_decode_frames_are_plain_msgpack_and_abort_frees_blocks() -> None:
         assert stream[E_FINISH] == "length"
         assert len(stream[E_TOKENS]) == 19
         assert stream[E_USAGE] == [len(reply[R_PROMPT]), 20, 0]
-    # prefill released each request's blocks once decode pulled them; decode freed its own
+    # prefill released each request's blocks when told to; decode freed its own
     assert pair.prefill.engine.statistics().kv_blocks_in_use == 0
     assert pair.decode.engine.statistics().kv_blocks_in_use == 0
     assert len(pair.prefill.leases) == 0
@@ -439,8 +450,9 @@ async def test_prefill_and_release_ride_the_link_by_hand() -> None:
             await ws.send_message(prefill_request("bad", ["tokens", []], max_tokens=5))
             failed = _strict_unpack(await _next_message(ws))
             assert failed[:3] == [PREFILL_FAILED, "bad", 400]
-            for request_id in replies:
-                await ws.send_message(msgpack.packb([RELEASE, request_id]))
+            for request_id, reply in replies.items():
+                grant = reply[R_HANDLE][H_GRANT]
+                await ws.send_message(msgpack.packb([RELEASE, request_id, grant]))
             await ws.send_message(msgpack.packb([RELEASE, "never-heard-of"]))  # harmless
             await wait_for_stats(lambda: not pair.prefill.stats()["kv_leases"])
         stats = pair.prefill.stats()

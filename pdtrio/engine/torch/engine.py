@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import final
 
@@ -29,6 +30,7 @@ from pdtrio.engine.api import (
     KvRegion,
     PrefillResult,
     StepFailed,
+    StepObserver,
     StepOutputs,
 )
 from pdtrio.engine.blocks import BlockOwnership, blocks_needed
@@ -126,6 +128,8 @@ class TorchEngine:
         self._generator.manual_seed(config.seed)
         self._tokenize_limiter = trio.CapacityLimiter(1)
         self._thread: threading.Thread | None = None  # the engine thread of the latest run
+        self._step_observer: StepObserver | None = None
+        self._waiting = 0  # requests the last step left waiting (set by the engine thread)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> TorchEngine:
@@ -136,7 +140,8 @@ class TorchEngine:
 
     @property
     def model_name(self) -> str:
-        return self._loaded.name
+        """The name clients use: ``engine.served_model_name``, else the model's own."""
+        return self._config.served_model_name or self._loaded.name
 
     @property
     def layout(self) -> KvLayout:
@@ -156,7 +161,11 @@ class TorchEngine:
                 running_requests=len(self._in_engine),
                 kv_blocks_in_use=self._blocks.num_used,
                 kv_blocks_total=self._blocks.num_blocks,
+                waiting_requests=self._waiting,
             )
+
+    def observe_steps(self, observer: StepObserver) -> None:
+        self._step_observer = observer
 
     # --- prompts ----------------------------------------------------------------------
 
@@ -390,6 +399,8 @@ class TorchEngine:
                 used += len(job.prompt_token_ids)
             prefills = prefills[len(step_prefills) :]
             step_decodes = list(running.values())[:max_batch]
+            self._waiting = len(prefills) + len(running) - len(step_decodes)
+            step_started = time.perf_counter()
             seqs = [SeqInput(job.prompt_token_ids, 0, job.block_table) for job in step_prefills]
             seqs += [SeqInput([s.last_token], s.position, s.block_table) for s in step_decodes]
             params = [job.sampling for job in step_prefills] + [s.sampling for s in step_decodes]
@@ -428,6 +439,10 @@ class TorchEngine:
                     running.pop(seq.request_id, None)
                     self._forget(seq.request_id)
                 entries.append(TokenEntry(seq.request_id, [token_id], text, finish, usage))
+            observer = self._step_observer
+            if observer is not None:
+                batch = len(step_prefills) + len(step_decodes)
+                observer(time.perf_counter() - step_started, batch, batch)
             if entries:
                 send_outputs(entries)
 

@@ -1,0 +1,34 @@
+"""A decode instance that fails streams leaves rotation for a while, like a failing prefill."""
+
+from __future__ import annotations
+
+import trio
+
+from pdtrio.config import RouterConfig
+from tests.cluster import client, running_cluster, wait_until_idle
+
+BODY = {"model": "synthetic", "prompt": "hi", "max_tokens": 3}
+
+
+async def test_a_failing_decode_is_suspended_then_probed_again() -> None:
+    router_config = RouterConfig(instance_backoff_s=0.5, decode_policy="round_robin")
+    async with running_cluster(
+        roles=("prefill", "decode", "decode"), router=router_config
+    ) as cluster:
+        _, first, _ = cluster.workers
+        router = cluster.router_app.router
+        assert router is not None
+        failing = router.instances[first.instance_id]
+        assert failing.link is not None
+        router.instance_failed(failing)  # as a stream failing on it does
+        frames_before = failing.link.frames_received
+        async with client(cluster) as http:
+            for _ in range(4):
+                assert (await http.post("/v1/completions", json=BODY)).status_code == 200
+            assert failing.link.frames_received == frames_before  # all went to the other
+            await trio.sleep(0.6)  # the backoff is over: probed, and served again
+            for _ in range(4):
+                assert (await http.post("/v1/completions", json=BODY)).status_code == 200
+        assert failing.link.frames_received > frames_before
+        assert failing.failures_in_a_row == 0 and failing.suspended_until == 0.0
+        await wait_until_idle(cluster)
