@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol, final
+from typing import Any, NoReturn, Protocol, final
 
 import attrs
 import httpx
@@ -36,6 +36,8 @@ from pdtrio.protocol.registration import (
 
 log = logging.getLogger("pdtrio.router.discovery")
 
+# how often a watching router checks that etcd still answers
+_PROBE_S = 2.0
 # how long the registry waits before trying an unreachable etcd again (doubling)
 _RETRY_FIRST_S = 0.2
 _RETRY_MOST_S = 5.0
@@ -201,12 +203,7 @@ class EtcdRegistry:
                         started = True
                         task_status.started()
                     retry_s = _RETRY_FIRST_S
-                    await client.watch_prefix(
-                        self._prefix,
-                        start_revision=self._revision + 1,
-                        on_events=self._apply,
-                    )
-                    raise EtcdError("the watch ended")  # (it only ends by raising)
+                    await self._watch_while_etcd_answers(client)
                 except EtcdCompacted as exc:
                     # (rare: events came faster than we read them) list everything again
                     log.warning(
@@ -219,6 +216,38 @@ class EtcdRegistry:
                         task_status.started()
                     await trio.sleep(retry_s)
                     retry_s = min(retry_s * 2, _RETRY_MOST_S)
+
+    async def _watch_while_etcd_answers(self, client: EtcdClient) -> NoReturn:
+        """Watch from the last revision; raises when the watch breaks, or when etcd stops
+        answering a probe (a frozen etcd keeps the watch's connection open, silent)."""
+        failure: EtcdError = EtcdError("the watch ended")
+
+        async def watch(cancel_scope: trio.CancelScope) -> None:
+            nonlocal failure
+            try:
+                await client.watch_prefix(
+                    self._prefix, start_revision=self._revision + 1, on_events=self._apply
+                )
+            except EtcdError as exc:
+                failure = exc
+            cancel_scope.cancel()
+
+        async def probe(cancel_scope: trio.CancelScope) -> None:
+            nonlocal failure
+            while True:
+                await trio.sleep(_PROBE_S)
+                try:
+                    await client.get(self._prefix)  # (bounded by the client's timeout)
+                except EtcdError as exc:
+                    failure = exc
+                    cancel_scope.cancel()
+                    return
+                self.state.in_touch(self._revision)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, nursery.cancel_scope)
+            nursery.start_soon(probe, nursery.cancel_scope)
+        raise failure
 
     def _reconcile(self, kvs: Sequence[KeyValue], revision: int) -> None:
         """A full listing: register what is there, deregister what is no longer."""

@@ -254,6 +254,11 @@ async def _on_sigterm(router: Router, shutdown_event: Any, drain_s: float) -> No
                 continue
             # hypercorn -w 0: we are its only process and it only stops on SIGINT
             await router.drain(drain_s)
+            if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+                # a shell that started us in the background made SIGINT ignored, so hypercorn
+                # cannot be asked to stop: the drain is done, and our workers exit when our
+                # pipes to them close
+                _exit_now("pdtrio: drained after SIGTERM; exiting (SIGINT is ignored here)", 0)
             _interrupt_hypercorn()
             return
 

@@ -142,6 +142,16 @@ class EtcdServer:
                 await self._process.wait()
         await self.kill()
 
+    def freeze(self) -> None:
+        """SIGSTOP: etcd keeps its connections open and answers nothing (a hung server)."""
+        if self._process is not None:
+            self._process.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT after :meth:`freeze`."""
+        if self._process is not None:
+            self._process.send_signal(signal.SIGCONT)
+
     async def kill(self) -> None:
         """SIGKILL (if still running) and reap."""
         process, self._process = self._process, None

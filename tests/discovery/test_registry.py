@@ -185,3 +185,25 @@ def test_registrations_round_trip_and_bad_ones_are_refused() -> None:
     assert instance_id_from_key(PREFIX, PREFIX + "a/b") == "a/b"
     assert instance_id_from_key(PREFIX, PREFIX) is None
     assert instance_id_from_key(PREFIX, "/elsewhere/a") is None
+
+
+async def test_a_frozen_etcd_is_noticed_though_the_watch_stays_open(etcd: EtcdServer) -> None:
+    recorder = Recorder()
+    state = DiscoveryState("etcd")
+    config = DiscoveryConfig(etcd_endpoints=(etcd.endpoint,), prefix=PREFIX, etcd_timeout_s=1)
+    async with trio.open_nursery() as nursery:
+        async with EtcdClient([etcd.endpoint]) as client:
+            await put(client, registration("a"))
+        await nursery.start(EtcdRegistry(config, recorder, state).run)
+        etcd.freeze()
+        try:
+            with trio.fail_after(WAIT_S):
+                while state.connected:  # noqa: ASYNC110 - the registry sets no event for it
+                    await trio.sleep(0.05)
+            assert set(recorder.registered) == {"a"}  # the last view stands
+        finally:
+            etcd.thaw()
+        with trio.fail_after(WAIT_S):
+            while not state.connected:  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
