@@ -71,6 +71,8 @@ class Instance:
     # it said it is stopping (a prefill refused as draining): no new work
     draining: bool = False
     active_prefills: int = 0
+    # requests it prefilled that have not ended: each still owes it a release of its KV
+    leases_out: int = 0
     # out of rotation until then (trio clock) after failing requests with a 5xx: the
     # next request after it probes the instance; each failure in a row doubles the wait
     suspended_until: float = 0.0
@@ -238,13 +240,21 @@ class Router:
 
     async def _retire(self, instance: Instance) -> None:
         """Close a deregistered or replaced instance's link once nothing runs on it."""
-        link = instance.link
-        while link is not None and link.connected and (link.busy or instance.active_prefills):  # noqa: ASYNC110 - state of many parts, checked rarely
+        # (the state of many parts, looked at rarely: polled)
+        while self._still_used(instance):  # noqa: ASYNC110
             await trio.sleep(0.05)
         if instance.link_scope is not None:
             instance.link_scope.cancel()
         if self.instances.get(instance.name) is instance:
             del self.instances[instance.name]
+
+    @staticmethod
+    def _still_used(instance: Instance) -> bool:
+        """Whether requests still run on, or owe a release to, the instance over its link."""
+        link = instance.link
+        if link is None or not link.connected:
+            return False
+        return link.busy or bool(instance.active_prefills or instance.leases_out)
 
     def _report_unpaired(self, instance: Instance) -> None:
         if not any(

@@ -124,6 +124,7 @@ class RequestPipeline:
         self.prefill_instance: Instance | None = None
         self.decode_link: WorkerLink | None = None
         self._kv_access_token = ""  # the grant in prefill's KV handle, once it answered
+        self._lease_holder: Instance | None = None  # the prefill instance holding our KV
         self._first_token_sent = False  # prefill's token, sent once whatever decode runs it
         self._queue_place_reserved = False  # holds a place in the router's decode queue
         # non-streaming accumulation
@@ -234,6 +235,9 @@ class RequestPipeline:
         reply = await self._prefill(deadline)
         if reply.kv_handle is not None:
             self._kv_access_token = reply.kv_handle.access_token  # what a release must show
+            self._lease_holder = self.prefill_instance
+            if self._lease_holder is not None:
+                self._lease_holder.leases_out += 1  # its link stays until this request ends
             await _check_kv_source(self.router, reply.kv_handle, self.prefill_instance)
         if self.shaper is not None:
             self.shaper.set_prompt_usage(reply.prompt_tokens, reply.cached_tokens)
@@ -607,6 +611,9 @@ class RequestPipeline:
         instance = self.prefill_instance
         if owed & Cleanup.RELEASE_ON_PREFILL and instance is not None and instance.link is not None:
             instance.link.release(self.request_id, self._kv_access_token)
+        if self._lease_holder is not None:
+            self._lease_holder.leases_out -= 1
+            self._lease_holder = None
         self.lifecycle.handle(Event.CLEANED)
 
 

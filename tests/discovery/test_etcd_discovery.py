@@ -200,8 +200,9 @@ async def test_a_killed_worker_leaves_routing_when_its_lease_expires(
             await until(lambda: len(load.statuses) >= served + 12, "requests after the kill")
             await until(lambda: "d2" not in router.known(), "the lease expires", LEASE_TTL_S + 10)
             stop.set()
-        # its streams ended with a proper error event, nothing hung; the rest all served
-        assert 1 <= cut <= 6, load.failures
+        # its streams that had tokens ended with a proper error event (one killed before its
+        # first token was replaced by the other decode), nothing hung; the rest all served
+        assert cut <= 6, load.failures
         assert all("decode_failed" in failure for failure in load.failures), load.failures
         assert len(load.failures) == cut
         async with EtcdClient([etcd.endpoint]) as client:
