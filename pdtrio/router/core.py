@@ -47,6 +47,8 @@ from pdtrio.security import (
 
 log = logging.getLogger("pdtrio.router")
 
+# how long after a registration an instance nothing can pair with is warned about
+_PAIRING_GRACE_S = 2.0
 # the longest an instance failing with 5xx stays out of rotation before it is tried again
 _MAX_INSTANCE_BACKOFF_S = 30.0
 
@@ -202,7 +204,7 @@ class Router:
             instance.url,
         )
         self._nursery.start_soon(self._keep_link, instance, False)
-        self._report_unpaired(instance)
+        self._nursery.start_soon(self._report_unpaired, instance)
 
     def instance_deregistered(self, instance_id: str) -> None:
         """A registry says the instance left: no new work; its link goes once it is idle."""
@@ -256,7 +258,12 @@ class Router:
             return False
         return link.busy or bool(instance.active_prefills or instance.leases_out)
 
-    def _report_unpaired(self, instance: Instance) -> None:
+    async def _report_unpaired(self, instance: Instance) -> None:
+        """Warn about an instance nothing can pair with, once its peers had time to come
+        (a listing registers them one at a time)."""
+        await trio.sleep(_PAIRING_GRACE_S)
+        if self.instances.get(instance.name) is not instance or not instance.registered:
+            return
         if not any(
             instance.pairs_with(other)
             for other in self.instances.values()
