@@ -25,7 +25,7 @@ import itertools
 import logging
 import secrets
 import time
-from typing import Literal, final
+from typing import Any, Literal, final
 
 import trio
 
@@ -537,7 +537,7 @@ class RequestPipeline:
         if final:
             # the last event and [DONE] in one write
             self._response_complete = True
-            await self._send(
+            await self._write(
                 {
                     "type": "http.response.body",
                     "body": chunk + self.shaper.done(),
@@ -546,8 +546,19 @@ class RequestPipeline:
             )
         elif chunk:
             self._writing = True
-            await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await self._write({"type": "http.response.body", "body": chunk, "more_body": True})
             self._writing = False
+
+    async def _write(self, message: dict[str, Any]) -> None:
+        """Send a body part.  While the router drains, the cut that may come next must not
+        tear a write in progress (the client would get half an event and no error): the
+        write is shielded, for at most cleanup_grace_s (a client that does not read)."""
+        if not self.router.draining:
+            await self._send(message)
+            return
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + self.router.config.router.cleanup_grace_s
+            await self._send(message)
 
     async def _send_headers(self) -> None:
         self.headers_sent = True
