@@ -48,6 +48,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -67,7 +68,6 @@ from pdtrio.testing import (
     Processes,
     Service,
     alive,
-    free_port,
     synthetic_worker_config,
     write_router_config,
 )
@@ -578,15 +578,27 @@ def _stop_all(procs: Processes, services: list[Service]) -> dict[str, Any]:
     return {"exit_statuses": statuses, "left_behind": left_behind}
 
 
+# ports picked now and bound later: below Linux's ephemeral range (32768-60999), where the
+# kernel hands out port 0 binds, so nothing started meanwhile can take them
+_PICKED_PORTS = range(20000, 32000)
+
+
 def _free_ports(count: int, taken: list[tuple[int, int] | None]) -> list[int]:
     """``count`` free ports, none of them one already ``taken`` (each pick is closed again)."""
     used = {port for ports in taken if ports is not None for port in ports}
     picked: list[int] = []
+    rng = random.Random()
     while len(picked) < count:
-        port = free_port()
-        if port not in used:
-            used.add(port)
-            picked.append(port)
+        port = rng.choice(_PICKED_PORTS)
+        if port in used:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind((LOOPBACK, port))
+            except OSError:
+                continue
+        used.add(port)
+        picked.append(port)
     return picked
 
 
