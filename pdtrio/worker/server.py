@@ -67,6 +67,8 @@ log = logging.getLogger("pdtrio.worker")
 
 _MAX_PREFILL_BODY = 64 * 1024 * 1024
 _MAX_RELEASE_BODY = 4096
+# an HTTP connection idle this long is closed (hypercorn's keep-alive timeout)
+_IDLE_CONNECTION_TIMEOUT_S = 5.0
 # prefill bodies being received over HTTP at once (each up to _MAX_PREFILL_BODY)
 _MAX_BODIES_IN_FLIGHT = 4
 _MSGPACK = wire.MSGPACK_CONTENT_TYPE.encode()
@@ -189,7 +191,10 @@ class Worker:
                 hyper.keyfile = config.tls_key_file
             hyper.accesslog = None
             hyper.errorlog = logging.getLogger("pdtrio.worker.hypercorn")
-            hyper.keep_alive_timeout = 300
+            # an idle HTTP connection (one that sends nothing, or nothing more) goes soon:
+            # routers talk over their links (websockets, not subject to it), so only a
+            # stranger would keep one idle; it bounds how long each can be held
+            hyper.keep_alive_timeout = _IDLE_CONNECTION_TIMEOUT_S
             hyper.websocket_max_message_size = 64 * 1024 * 1024
             # until the id is known every route but /health answers 503 (see asgi)
             binds = await nursery.start(serve, self.asgi, hyper)

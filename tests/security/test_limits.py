@@ -92,3 +92,15 @@ async def test_kv_port_strangers_are_bounded_and_cannot_crowd_out_peers(
         finally:
             for stream in strangers:
                 await stream.aclose()
+
+
+async def test_an_idle_connection_to_a_worker_is_closed_soon() -> None:
+    async with running_cluster(roles=("prefill",)) as cluster:
+        prefill = cluster.workers[0]
+        idle = await trio.open_tcp_stream("127.0.0.1", prefill.http_port)
+        async with idle:
+            with trio.fail_after(15):  # (5 s of keep-alive, with room on a slow machine)
+                assert await idle.receive_some(1) == b""
+        # the router's link (a websocket) is not idle-timed: still there
+        await trio.sleep(0.1)
+        assert prefill.stats()["router_links"] == 1
