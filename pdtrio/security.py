@@ -29,6 +29,11 @@ def _digest(secret: str | bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
+def _header_digest(token: str) -> bytes:
+    # a header value is its bytes decoded as latin-1 (asgi.header): hash those bytes
+    return _digest(token.encode("latin-1"))
+
+
 def read_secret_file(path: str, what: str) -> str:
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -100,12 +105,14 @@ class PeerCredentials:
         """The headers a request to a worker carries."""
         return [(b"authorization", self.authorization)] if self.required else []
 
-    def admits_header(self, authorization: bytes | None) -> bool:
+    def admits_header(self, authorization: str | None) -> bool:
         """Whether an ``Authorization`` header value is the secret (always, when none is set)."""
         if self._digest is None:
             return True
         presented = bearer_token(authorization)
-        return presented is not None and hmac.compare_digest(_digest(presented), self._digest)
+        return presented is not None and hmac.compare_digest(
+            _header_digest(presented), self._digest
+        )
 
     def admits_kv_credential(self, presented: bytes) -> bool:
         if self._digest is None:
@@ -113,12 +120,12 @@ class PeerCredentials:
         return hmac.compare_digest(presented, self.kv_credential)
 
 
-def bearer_token(authorization: bytes | None) -> bytes | None:
-    """The token of a ``Bearer`` authorization header, or None."""
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of a ``Bearer`` authorization header value, or None."""
     if not authorization:
         return None
-    scheme, _, token = authorization.strip().partition(b" ")
-    if scheme.lower() != b"bearer" or not token.strip():
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
 
@@ -157,7 +164,7 @@ class ApiKeys:
     def __len__(self) -> int:
         return len(self._digests)
 
-    def identify(self, authorization: bytes | None) -> str | None:
+    def identify(self, authorization: str | None) -> str | None:
         """The id of the key the header carries, or None if it carries none of them.
 
         Every key is compared, so the time taken says nothing about which matched.
@@ -165,7 +172,7 @@ class ApiKeys:
         presented = bearer_token(authorization)
         if presented is None:
             return None
-        digest = _digest(presented)
+        digest = _header_digest(presented)
         matched: bytes | None = None
         for known in self._digests:
             if hmac.compare_digest(digest, known):

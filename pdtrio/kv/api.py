@@ -43,14 +43,6 @@ class KvBlockSource(Protocol):
 
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes: ...
 
-    def release(self, request_id: str) -> bool:
-        """Free the blocks now (False, and harmless, if none are held)."""
-        ...
-
-    def release_granted(self, request_id: str, access_token: str) -> bool:
-        """A peer says decode has the bytes: free them if ``access_token`` is their grant."""
-        ...
-
 
 class KvBlockSink(KvMemory, Protocol):
     """Where pulled blocks land: the decode engine."""

@@ -271,9 +271,7 @@ def _client_key(router: Any, path: str, scope: Scope) -> str:
     ):
         return ""
     authorization = header(scope, b"authorization")
-    key_id: str | None = keys.identify(
-        None if authorization is None else authorization.encode("latin-1")
-    )
+    key_id: str | None = keys.identify(authorization)
     if key_id is None:
         raise unauthorized(has_key=authorization is not None)
     return key_id

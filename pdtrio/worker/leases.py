@@ -60,6 +60,12 @@ class KvLeases:
         self._free(request_id)
         return True
 
+    def release_granted(self, request_id: str, access_token: str) -> bool:
+        """A peer's release: frees the blocks only if ``access_token`` is their grant."""
+        if not self.holds(request_id, (), access_token):
+            return False
+        return self.release(request_id)
+
     def hand_over(self, request_id: str) -> bool:
         """The blocks stay with the request (colocated decode took them): stop the clock."""
         return self._leases.pop(request_id, None) is not None

@@ -26,6 +26,7 @@ from pdtrio.asgi import (
     Receive,
     Scope,
     Send,
+    header,
     read_body,
     send_bytes,
     send_json,
@@ -277,9 +278,7 @@ class Worker:
         return self.leases.holds(request_id, block_ids, access_token)
 
     def release_granted(self, request_id: str, access_token: str) -> bool:
-        if not self.leases.holds(request_id, (), access_token):
-            return False
-        return self.leases.release(request_id)
+        return self.leases.release_granted(request_id, access_token)
 
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
         return await self.engine.read_blocks(block_ids)
@@ -300,7 +299,7 @@ class Worker:
         path = scope["path"]
         links = self.links
         # every endpoint but /health needs the shared secret: refused before any body is read
-        admitted = path == "/health" or self.secret.admits_header(_authorization(scope))
+        admitted = path == "/health" or self.secret.admits_header(header(scope, b"authorization"))
         if kind == "websocket":
             if not admitted:
                 log.warning("refused a router link without the worker secret")
@@ -585,13 +584,6 @@ class Worker:
 
 class Busy(Exception):
     """A bound on work in flight is reached: 503, retry shortly."""
-
-
-def _authorization(scope: Scope) -> bytes | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            return bytes(value)
-    return None
 
 
 def check_prefill_request(request: PrefillRequest) -> None:
