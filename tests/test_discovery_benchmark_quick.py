@@ -6,26 +6,15 @@ Structure only: no timing is compared with anything (the machine is shared).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from pdtrio.testing.etcd import require_etcd
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.quick_benchmarks import run_quick
 
 
 def test_quick_run_prints_the_tables_and_the_goals(tmp_path: Path) -> None:
     require_etcd()
-    out = tmp_path / "discovery.json"
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.discovery", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    completed, out = run_quick("benchmarks.discovery", tmp_path, timeout=240)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     printed = completed.stdout
     for heading in ("## 1. cost", "## 2. churn under load", "## 3. etcd outages"):

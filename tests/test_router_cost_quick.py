@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import json
 import numbers
-import subprocess
-import sys
 from pathlib import Path
 
 from benchmarks.router_cost import QUICK, plan
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.quick_benchmarks import run_quick
 
 _RUN_KEYS = {
     "server",
@@ -42,15 +39,7 @@ _RUN_KEYS = {
 
 
 def test_quick_run_reports_every_row(tmp_path: Path) -> None:
-    out = tmp_path / "router_cost.json"
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.router_cost", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    completed, out = run_quick("benchmarks.router_cost", tmp_path, timeout=300)
     assert completed.returncode == 0, completed.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["quick"] is True

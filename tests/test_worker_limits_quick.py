@@ -7,23 +7,13 @@ Structure and refusals only: no timing or memory figure is compared with anythin
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.quick_benchmarks import run_quick
 
 
 def test_quick_run_refuses_the_unauthenticated_peer(tmp_path: Path) -> None:
-    out = tmp_path / "worker_limits.json"
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.worker_limits", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    completed, out = run_quick("benchmarks.worker_limits", tmp_path, timeout=120)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     assert "unauthenticated: nothing but refusals" in completed.stdout
 

@@ -26,7 +26,7 @@ from pdtrio.router.app import RouterApp
 from pdtrio.router.core import Router
 from pdtrio.testing.etcd import EtcdServer, require_etcd, running_etcd
 from pdtrio.testing.processes import Processes, Service, synthetic_worker_config
-from tests.cluster import serve_app
+from tests.cluster import serve_app, wait_for_stats
 
 WAIT_S = 20.0  # a bound on waiting for the system to act, never a performance threshold
 LEASE_TTL_S = 2
@@ -96,12 +96,11 @@ async def running_router(etcd: EtcdServer, **router: Any) -> AsyncIterator[Runni
 
 
 async def until(condition: Callable[[], bool], what: str, within_s: float = WAIT_S) -> None:
-    deadline = trio.current_time() + within_s
-    # other processes' state, seen from outside: polled
-    while not condition():
-        if trio.current_time() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        await trio.sleep(0.05)
+    """wait_for_stats, failing with what it waited for."""
+    try:
+        await wait_for_stats(condition, within_s)
+    except trio.TooSlowError:
+        raise AssertionError(f"timed out waiting for: {what}") from None
 
 
 def body(max_tokens: int = 16) -> dict[str, Any]:

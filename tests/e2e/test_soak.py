@@ -8,22 +8,13 @@ and that decode's KV pulls went through the faulted proxy in front of prefill's 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.quick_benchmarks import run_quick
 
 
 def test_a_quick_soak_leaves_nothing_behind(tmp_path: Path) -> None:
-    out = tmp_path / "soak.json"
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.soak", "--quick", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    completed, out = run_quick("benchmarks.soak", tmp_path, timeout=300)
     print(completed.stdout, completed.stderr)
     assert out.exists(), completed.stderr[-4000:]
     result = json.loads(out.read_text())
