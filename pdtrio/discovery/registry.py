@@ -145,26 +145,13 @@ async def static_registration(
 
 
 def registration_from_info(info: dict[str, Any], role: Role, url: str) -> Registration:
-    """What a worker's ``/pd/info`` says, as a registration under ``role`` at ``url``."""
+    """The registration a worker's ``/pd/info`` carries, under the ``role`` and ``url`` it
+    was listed with."""
     try:
-        host, port = info["transfer_endpoint"]
-        return msgspec.convert(
-            {
-                "instance_id": info["instance_id"],
-                "role": role,
-                "url": url,
-                "transfer_host": host,
-                "transfer_port": port,
-                "model": info["model"],
-                "max_model_len": info["max_model_len"],
-                "layout": info["layout"],
-                "kv_blocks_total": info.get("kv_blocks_total", 0),
-                "kv_transport": info.get("kv_transport", {}).get("transport", ""),
-            },
-            Registration,
-        )
-    except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
+        registration = msgspec.convert(info["registration"], Registration)
+    except (KeyError, TypeError, msgspec.ValidationError) as exc:
         raise RegistrationError(f"the worker at {url} gave unusable /pd/info: {exc!r}") from None
+    return msgspec.structs.replace(registration, role=role, url=url)
 
 
 @final

@@ -391,11 +391,12 @@ class Worker:
             "role": self.config.role,
             "model": self.engine.model_name,
             "max_model_len": self.engine.max_model_len,
-            "kv_blocks_total": self.engine.statistics().kv_blocks_total,
             # the wire form (a list): msgspec.convert(info["layout"], KvLayout) reads it
             "layout": msgspec.to_builtins(self.kv_layout),
             "transfer_endpoint": list(self.transfer_endpoint),
             "kv_transport": self.transport.info(),
+            # what it would register in etcd: what a router listing it statically reads
+            "registration": msgspec.to_builtins(self.registration()),
         }
 
     def registration(self) -> Registration:
