@@ -19,9 +19,15 @@ is sampled every 20 ms; idle probes just before each attack are the baseline.
    to the decode worker.  Reported: answers, peak RSS, RSS after, /health p99
    during vs. idle.
 
-Last, a finding rather than a refusal: silent connections to the KV port hold its
+Then, a finding rather than a refusal: silent connections to the KV port hold its
 connection slots until the transfer deadline, credential or not; the line says
 whether a pull with the credential is still served while they are open.
+
+Last, a flood: ``--connections`` silent connections to the prefill worker's HTTP
+port, held open; then a peer with the secret opens a new one and asks for
+``/pd/info``.  Reported: how many the worker kept open (its bound on connections
+without the secret), how many it closed for room, the peer's answer, RSS, and
+/health latency (probed with the secret, as a router does).
 """
 
 from __future__ import annotations
@@ -116,8 +122,10 @@ def percentile(samples: list[float], fraction: float) -> float:
 # --- watching: /health and RSS while something runs -------------------------------------
 
 
-async def _probe_health(url: str, latencies: list[float], failures: list[str]) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+async def _probe_health(
+    url: str, latencies: list[float], failures: list[str], headers: dict[str, str] | None = None
+) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as http:
         while True:
             started = time.perf_counter()
             try:
@@ -137,19 +145,24 @@ async def _sample_rss(pid: int, samples: list[float]) -> None:
         await trio.sleep(RSS_INTERVAL_S)
 
 
-async def idle_health(url: str, seconds: float) -> list[float]:
+async def idle_health(
+    url: str, seconds: float, headers: dict[str, str] | None = None
+) -> list[float]:
     latencies: list[float] = []
     failures: list[str] = []
     with trio.move_on_after(seconds):
-        await _probe_health(url, latencies, failures)
+        await _probe_health(url, latencies, failures, headers)
     return latencies
 
 
 async def watched(
-    service: Service, attack: Callable[[], Awaitable[None]], idle_s: float
+    service: Service,
+    attack: Callable[[], Awaitable[None]],
+    idle_s: float,
+    probe_headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``attack()`` with /health probed and RSS sampled; an idle baseline first."""
-    idle = await idle_health(service.url, idle_s)
+    idle = await idle_health(service.url, idle_s, probe_headers)
     pid = service.pid
     precise_peak = reset_peak(pid)
     latencies: list[float] = []
@@ -158,7 +171,7 @@ async def watched(
     before = rss_mb(pid)
     started = time.perf_counter()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_probe_health, service.url, latencies, failures)
+        nursery.start_soon(_probe_health, service.url, latencies, failures, probe_headers)
         nursery.start_soon(_sample_rss, pid, samples)
         await trio.sleep(0.05)
         await attack()
@@ -577,6 +590,64 @@ async def silent_kv_slots(prefill: Service) -> dict[str, Any]:
     return {"silent": len(silent), "while_held": while_held, "after": after}
 
 
+# --- a flood of silent connections to the HTTP port -------------------------------------
+
+
+async def _closed_by_worker(stream: trio.SocketStream) -> bool:
+    """Whether the worker has closed ``stream`` (it never sent anything)."""
+    with trio.move_on_after(0.001):
+        try:
+            return await stream.receive_some(1) == b""
+        except (trio.BrokenResourceError, OSError):
+            return True
+    return False
+
+
+async def http_connection_flood(prefill: Service, count: int, idle_s: float) -> dict[str, Any]:
+    """``count`` silent connections to the prefill worker's HTTP port, held open; meanwhile
+    a peer with the secret opens a new connection and asks for /pd/info."""
+    port = int(prefill.ready["http_port"])
+    headers = {"authorization": CREDENTIALS.authorization.decode()}
+    held: list[trio.SocketStream] = []
+    found: dict[str, Any] = {}
+
+    async def attack() -> None:
+        started = time.perf_counter()
+        for _ in range(count):
+            held.append(await trio.open_tcp_stream(LOOPBACK, port))
+        found["opened_s"] = time.perf_counter() - started
+        await trio.sleep(0.3)  # the worker has accepted them all
+        started = time.perf_counter()
+        async with httpx.AsyncClient(base_url=prefill.url, headers=headers, timeout=10) as http:
+            try:
+                answer = await http.get("/pd/info")
+                found["peer_answer"] = str(answer.status_code)
+            except httpx.HTTPError as exc:
+                found["peer_answer"] = type(exc).__name__
+        found["peer_s"] = time.perf_counter() - started
+        closed = [await _closed_by_worker(stream) for stream in held]
+        found["still_open"] = closed.count(False)
+
+    try:
+        result = await watched(prefill, attack, idle_s, probe_headers=headers)
+    finally:
+        for stream in held:
+            await trio.aclose_forcefully(stream)
+    async with httpx.AsyncClient(base_url=prefill.url, headers=headers, timeout=10) as http:
+        metrics = (await http.get("/metrics")).text
+    evicted = [
+        line.split()[-1]
+        for line in metrics.splitlines()
+        if line.startswith("pdtrio_worker_http_connections_evicted_total")
+    ]
+    return {
+        **result,
+        **found,
+        "count": count,
+        "evicted": float(evicted[0]) if evicted else float("nan"),
+    }
+
+
 # --- the run -----------------------------------------------------------------------------
 
 
@@ -587,7 +658,7 @@ def start_worker(procs: Processes, role: str) -> subprocess.Popen[bytes]:
     )
 
 
-def run(size: int, idle_s: float) -> dict[str, Any]:
+def run(size: int, idle_s: float, flood: int) -> dict[str, Any]:
     with Processes(stop_grace_s=10) as procs:
         prefill_process = start_worker(procs, "prefill")
         decode_process = start_worker(procs, "decode")
@@ -601,6 +672,7 @@ def run(size: int, idle_s: float) -> dict[str, Any]:
                 trio.run(authenticated_decode_start, decode, prefill, size, 3, idle_s),
             ],
             "kv_slots": trio.run(silent_kv_slots, prefill),
+            "http_flood": trio.run(http_connection_flood, prefill, flood, idle_s),
         }
     return result
 
@@ -707,6 +779,35 @@ def render(result: dict[str, Any]) -> str:
             rows,
         )
     )
+    flood = result["http_flood"]
+    out += [
+        "",
+        f"## {flood['count']} silent connections to the prefill worker's HTTP port, held open",
+        "",
+        markdown(
+            [
+                "opened in s",
+                "still open (the worker's bound)",
+                "evicted by the worker",
+                "then: a peer with the secret, new connection, GET /pd/info",
+                "RSS before -> peak -> after MB",
+                "/health p99 idle -> during ms (probe with the secret)",
+                "probe failures",
+            ],
+            [
+                [
+                    f"{flood['opened_s']:.2f}",
+                    str(flood["still_open"]),
+                    f"{flood['evicted']:.0f}",
+                    f"{flood['peer_answer']} in {_ms(flood['peer_s'])} ms",
+                    f"{flood['rss_before_mb']:.0f} -> {flood['rss_peak_mb']:.0f} -> "
+                    f"{flood['rss_after_mb']:.0f}",
+                    f"{flood['idle_p99_ms']:.2f} -> {flood['during_p99_ms']:.2f}",
+                    str(flood["probe_failures"] or 0),
+                ]
+            ],
+        ),
+    ]
     out += ["", *verdicts(result)]
     return "\n".join(out)
 
@@ -738,6 +839,11 @@ def verdicts(result: dict[str, Any]) -> list[str]:
         f"finding: {slots['silent']} silent unauthenticated connections to the KV port; a pull "
         f"with the credential meanwhile: {slots['while_held']}; after they closed: {slots['after']}"
     )
+    flood = result["http_flood"]
+    lines.append(
+        f"HTTP flood: {flood['count']} silent connections, {flood['still_open']} left open by "
+        f"the worker; a peer with the secret meanwhile: {flood['peer_answer']}"
+    )
     return lines
 
 
@@ -745,14 +851,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="8 MB bodies, short baselines")
     parser.add_argument("--mb", type=float, help="body and frame size in MB (default 60)")
+    parser.add_argument(
+        "--connections",
+        type=int,
+        help="silent connections in the HTTP flood (default 2000; quick: 400)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     size = int((args.mb or (8 if args.quick else 60)) * 1e6)
-    result = run(size, idle_s=0.5 if args.quick else 1.5)
+    flood = args.connections or (400 if args.quick else 2000)
+    result = run(size, idle_s=0.5 if args.quick else 1.5, flood=flood)
     print(render(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str))
-    return 0 if not only_refusals(result["unauthenticated"]) else 1
+    kept_out = result["http_flood"]["peer_answer"] != "200"
+    return 0 if not only_refusals(result["unauthenticated"]) and not kept_out else 1
 
 
 if __name__ == "__main__":

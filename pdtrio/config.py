@@ -168,6 +168,10 @@ class WorkerConfig:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_ca_file: str = ""
+    # open HTTP connections: those on which no request has shown the secret yet (each is
+    # closed after 5 s idle), and those on which one has (router links, probes, workers)
+    max_unauthenticated_connections: int = attrs.field(default=256, validator=_positive)
+    max_authenticated_connections: int = attrs.field(default=512, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.host in WILDCARD_HOSTS and self.advertise_host in ("", *WILDCARD_HOSTS):

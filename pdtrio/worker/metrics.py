@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from pdtrio.engine.api import Engine
 from pdtrio.kv.api import KvTransport
+from pdtrio.worker.http_listener import HttpConnections
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -32,6 +33,9 @@ class WorkerState(Protocol):
 
     @property
     def leases(self) -> Sized: ...
+
+    @property
+    def http_connections(self) -> HttpConnections: ...
 
 
 STEP_BUCKETS_S: Final = (
@@ -127,6 +131,20 @@ class WorkerStateCollector(Collector):
             "pdtrio_worker_kv_leases",
             "Prefilled requests whose KV waits for decode to pull it.",
             value=len(worker.leases),
+        )
+        connections = worker.http_connections
+        open_connections = GaugeMetricFamily(
+            "pdtrio_worker_http_connections",
+            "Open connections to the HTTP port, by whether a request on them showed the secret.",
+            labels=["authenticated"],
+        )
+        open_connections.add_metric(["false"], connections.strangers)
+        open_connections.add_metric(["true"], connections.peers)
+        yield open_connections
+        yield CounterMetricFamily(
+            "pdtrio_worker_http_connections_evicted",
+            "Connections without the secret closed to make room for a new connection.",
+            value=connections.evicted,
         )
         info: dict[str, Any] = worker.transport.info()
         pulls = CounterMetricFamily(

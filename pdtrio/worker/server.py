@@ -60,6 +60,7 @@ from pdtrio.security import (
 )
 from pdtrio.worker.admission import DecodeAdmission
 from pdtrio.worker.fault_hooks import fault_hooks_for
+from pdtrio.worker.http_listener import HttpConnections, serve_http
 from pdtrio.worker.leases import KvLeases
 from pdtrio.worker.metrics import WorkerMetrics
 from pdtrio.worker.router_link import OFF_LOOP_DECODE_BYTES, RouterLinkServer
@@ -125,6 +126,10 @@ class Worker:
         # one big decode at a time: bounds the memory of bodies being decoded at once
         self._decode_limiter = trio.CapacityLimiter(1)
         self._bodies_in_flight = trio.CapacityLimiter(_MAX_BODIES_IN_FLIGHT)
+        self.http_connections = HttpConnections(
+            max_strangers=config.max_unauthenticated_connections,
+            max_peers=config.max_authenticated_connections,
+        )
         self.metrics = WorkerMetrics(self)
         engine.observe_steps(self.metrics.step)
 
@@ -164,7 +169,6 @@ class Worker:
     ) -> None:
         """Run until cancelled. Reports {"http_port", "transfer_port", "instance_id", "url"}."""
         from hypercorn.config import Config as HypercornConfig
-        from hypercorn.trio import serve
 
         config = self.config
         limit_heap_retention()  # huge prompts' memory goes back to the OS (pdtrio.memory)
@@ -185,8 +189,7 @@ class Worker:
                     config.advertised_host,
                     config.advertise_transfer_port or endpoint[1],
                 )
-            hyper = HypercornConfig()
-            hyper.bind = [f"{config.host}:{config.port}"]
+            hyper = HypercornConfig()  # protocol settings; the listener is ours (capped)
             if config.tls_cert_file:  # HTTPS and WSS (checked loadable above)
                 hyper.certfile = config.tls_cert_file
                 hyper.keyfile = config.tls_key_file
@@ -198,8 +201,9 @@ class Worker:
             hyper.keep_alive_timeout = _IDLE_CONNECTION_TIMEOUT_S
             hyper.websocket_max_message_size = 64 * 1024 * 1024
             # until the id is known every route but /health answers 503 (see asgi)
-            binds = await nursery.start(serve, self.asgi, hyper)
-            self.http_port = int(binds[0].rsplit(":", 1)[1])
+            self.http_port = await nursery.start(
+                serve_http, self.asgi, hyper, self.http_connections, config.host, config.port
+            )
             if not self.instance_id:
                 self.instance_id = default_instance_id(
                     config.role, config.advertised_host, self.advertised_port
@@ -299,7 +303,11 @@ class Worker:
         path = scope["path"]
         links = self.links
         # every endpoint but /health needs the shared secret: refused before any body is read
-        admitted = path == "/health" or self.secret.admits_header(header(scope, b"authorization"))
+        authenticated = self.secret.admits_header(header(scope, b"authorization"))
+        if authenticated:
+            # its connection leaves the strangers' bound (see http_listener)
+            self.http_connections.authenticated(scope.get("client"))
+        admitted = authenticated or path == "/health"
         if kind == "websocket":
             if not admitted:
                 log.warning("refused a router link without the worker secret")

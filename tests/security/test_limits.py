@@ -1,4 +1,4 @@
-"""Workers bound what a peer can hold: bodies in flight, router links, KV connections."""
+"""Workers bound what a peer can hold: bodies in flight, router links, KV and HTTP connections."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import httpx
 import pytest
 import trio
 
+from pdtrio.config import SecurityConfig
 from pdtrio.kv import tcp
 from pdtrio.protocol.wire import TransferRequest
 from pdtrio.router.ws_client import HandshakeError, connect_websocket
 from pdtrio.worker import router_link
-from tests.cluster import running_cluster
+from tests.cluster import running_cluster, synthetic_worker, wait_for_stats
 
 
 async def _start_a_body(port: int) -> trio.SocketStream:
@@ -104,3 +105,52 @@ async def test_an_idle_connection_to_a_worker_is_closed_soon() -> None:
         # the router's link (a websocket) is not idle-timed: still there
         await trio.sleep(0.1)
         assert prefill.stats()["router_links"] == 1
+
+
+async def test_http_connections_without_the_secret_are_bounded_and_never_keep_the_router_out() -> (
+    None
+):
+    limits = {"max_unauthenticated_connections": 4, "max_authenticated_connections": 8}
+    security = SecurityConfig(worker_secret="s3cret")
+    async with running_cluster(
+        roles=("prefill", "decode"),
+        security=security,
+        make_worker=lambda role: synthetic_worker(role, secret="s3cret", worker_overrides=limits),
+    ) as cluster:
+        prefill = cluster.workers[0]
+        connections = prefill.http_connections
+        await wait_for_stats(lambda: connections.peers >= 1)  # the router's link showed the secret
+        silent = [await trio.open_tcp_stream("127.0.0.1", prefill.http_port) for _ in range(4)]
+        try:
+            await wait_for_stats(lambda: connections.strangers == 4)
+            # a fifth takes the place of the oldest, which is closed
+            fifth = await trio.open_tcp_stream("127.0.0.1", prefill.http_port)
+            async with fifth:
+                with trio.fail_after(10):
+                    assert await silent[0].receive_some(1) == b""
+                await wait_for_stats(lambda: connections.strangers == 4)
+                assert connections.evicted == 1
+                # a peer with the secret gets in while strangers are at their bound, and
+                # leaves their count: a new router probe is served
+                headers = {"authorization": "Bearer s3cret"}
+                async with httpx.AsyncClient(
+                    base_url=f"http://127.0.0.1:{prefill.http_port}", headers=headers
+                ) as http:
+                    info = await http.get("/pd/info")
+                    assert info.status_code == 200
+                    # it took the oldest stranger's place, then left the strangers
+                    assert (connections.strangers, connections.evicted) == (3, 2)
+                    assert connections.peers >= 2
+                # and routed requests go on
+                async with httpx.AsyncClient(base_url=cluster.url) as client:
+                    answer = await client.post(
+                        "/v1/completions",
+                        json={"model": "synthetic", "prompt": "hi", "max_tokens": 3},
+                    )
+                assert answer.status_code == 200, answer.text
+        finally:
+            for stream in silent:
+                await stream.aclose()
+        metrics = prefill.metrics.render().decode()
+        assert "pdtrio_worker_http_connections_evicted_total 2.0" in metrics
+        assert 'pdtrio_worker_http_connections{authenticated="true"}' in metrics
