@@ -36,6 +36,25 @@ async def read_body(receive: Receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
+async def read_body_buffer(receive: Receive, limit: int) -> bytearray:
+    """:func:`read_body`, grown chunk by chunk: no copy of the whole body at its end.
+
+    Joining a body of megabytes is one call of milliseconds (15 MB: 5-7, mostly
+    page faults) on the event loop; a chunk at a time is a fraction of one.
+    """
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        chunk = message.get("body", b"")
+        if len(body) + len(chunk) > limit:
+            raise BodyTooLarge
+        body += chunk
+        if not message.get("more_body", False):
+            return body
+
+
 async def send_bytes(
     send: Send,
     status: int,

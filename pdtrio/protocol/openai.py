@@ -238,12 +238,24 @@ class CompletionRequest:
 
 
 def parse_chat_completion_request(
-    body: bytes, *, served_models: Collection[str], max_tokens_limit: int
+    body: bytes | bytearray,
+    *,
+    served_models: Collection[str],
+    max_tokens_limit: int,
+    context_lengths: Mapping[str, int] | None = None,
 ) -> ChatCompletionRequest:
-    """Validate a ``POST /v1/chat/completions`` body; raises :class:`OpenAIError`."""
-    obj = _load_object(body)
+    """Validate a ``POST /v1/chat/completions`` body; raises :class:`OpenAIError`.
+
+    ``context_lengths`` (model -> tokens) lets a request with more messages than
+    its model's context has tokens be refused here: every chat template wraps
+    each message in role markers, so each message is at least one token.
+    """
+    # messages past the longest context are only counted, never kept (as token ids are)
+    longest = max(context_lengths.values(), default=None) if context_lengths else None
+    obj = _load_object(body, None if longest is None else ("messages", longest))
     model = _model(obj, served_models)
-    prompt = ChatPrompt(_messages(obj))
+    context_length = None if context_lengths is None else context_lengths.get(model)
+    prompt = ChatPrompt(_messages(obj, context_length))
     _reject_unsupported(obj)
     _reject_truthy_flag(obj, "logprobs", "logprobs are not supported.")
     _reject_tools(obj)
@@ -263,7 +275,7 @@ def parse_chat_completion_request(
 
 
 def parse_completion_request(
-    body: bytes,
+    body: bytes | bytearray,
     *,
     served_models: Collection[str],
     max_tokens_limit: int,
@@ -418,7 +430,7 @@ def _json_type(value: Any) -> str:
         return "a decimal number"
     if isinstance(value, str):
         return "a string"
-    if isinstance(value, list):
+    if isinstance(value, list | CountedArray):
         return "an array"
     return "an object"
 
@@ -437,7 +449,9 @@ def _missing(param: str) -> OpenAIError:
     )
 
 
-def _load_object(body: bytes, count_past: tuple[str, int] | None = None) -> dict[str, Any]:
+def _load_object(
+    body: bytes | bytearray, count_past: tuple[str, int] | None = None
+) -> dict[str, Any]:
     try:
         if len(body) > PIECEWISE_JSON_BYTES:
             obj = _load_piecewise(body, count_past)
@@ -496,7 +510,7 @@ class CountedArray:
     length: int
 
 
-def _load_piecewise(body: bytes, count_past: tuple[str, int] | None = None) -> Any:
+def _load_piecewise(body: bytes | bytearray, count_past: tuple[str, int] | None = None) -> Any:
     """``json.loads`` for big bodies, one small C call at a time.
 
     A single json.loads of megabytes holds the GIL for tens of milliseconds, so
@@ -509,7 +523,8 @@ def _load_piecewise(body: bytes, count_past: tuple[str, int] | None = None) -> A
 
     ``count_past=(key, limit)``: an array under the top-level ``key`` (or an
     array in it) longer than ``limit`` becomes a :class:`CountedArray`; the
-    numbers past the limit are counted, not built (nor checked one by one).
+    numbers past the limit are counted, not built (nor checked one by one), and
+    other elements (messages) are dropped as soon as they are parsed.
     """
     text = _decode_piecewise(body)
     pos = _skip_whitespace(text, 0)
@@ -522,7 +537,7 @@ def _load_piecewise(body: bytes, count_past: tuple[str, int] | None = None) -> A
     return value
 
 
-def _decode_piecewise(body: bytes) -> str:
+def _decode_piecewise(body: bytes | bytearray) -> str:
     """``body.decode`` as json.loads does it, a megabyte per call; joining is a copy."""
     decoder = codecs.getincrementaldecoder(json.detect_encoding(body))("surrogatepass")
     view = memoryview(body)
@@ -766,10 +781,17 @@ def _model(obj: dict[str, Any], served_models: Collection[str]) -> str:
     return model
 
 
-def _messages(obj: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+def _messages(obj: dict[str, Any], context_length: int | None) -> tuple[tuple[str, str], ...]:
     raw = obj.get("messages")
     if raw is None:
         raise _missing("messages")
+    if isinstance(raw, CountedArray) or (
+        isinstance(raw, list) and context_length is not None and len(raw) >= context_length
+    ):
+        # each message is at least one token, and the engine needs room for one more
+        raise _too_many_messages(
+            raw.length if isinstance(raw, CountedArray) else len(raw), context_length
+        )
     if not isinstance(raw, list):
         raise _type_error("messages", "an array", raw)
     if not raw:
@@ -779,6 +801,20 @@ def _messages(obj: dict[str, Any]) -> tuple[tuple[str, str], ...]:
             code="empty_array",
         )
     return tuple(_message(m, f"messages.[{i}]") for i, m in enumerate(raw))
+
+
+def _too_many_messages(count: int, context_length: int | None) -> OpenAIError:
+    limit = (
+        "any served model's maximum context length"
+        if context_length is None
+        else f"this model's maximum context length of {context_length} tokens"
+    )
+    return bad_request(
+        f"The request has {count} messages, more than {limit} (every message takes at "
+        "least one token). Please reduce the number of messages.",
+        param="messages",
+        code="context_length_exceeded",
+    )
 
 
 def _message(message: Any, where: str) -> tuple[str, str]:

@@ -16,7 +16,9 @@ Anything that does not decode into the expected type raises :class:`WireError`.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Generic, TypeVar, final
+import secrets
+from collections.abc import Iterator
+from typing import Annotated, Any, Final, Generic, TypeVar, final
 
 import msgspec
 
@@ -317,6 +319,75 @@ _T = TypeVar("_T")
 def encode(message: Any) -> bytes:
     """Any wire message (or list of them) as msgpack bytes."""
     return _encoder.encode(message)
+
+
+# A prompt text at least this long is encoded a slice at a time (a fraction of a millisecond).
+PIECEWISE_TEXT_CHARS: Final = 256 * 1024
+
+
+def prompt_is_long(prompt: Prompt) -> bool:
+    """Whether :func:`encode_in_pieces` would cut ``prompt``'s text (else: just encode)."""
+    if type(prompt) is TextPrompt:
+        return len(prompt.text) >= PIECEWISE_TEXT_CHARS
+    if type(prompt) is ChatPrompt:
+        return any(len(text) >= PIECEWISE_TEXT_CHARS for _, text in prompt.messages)
+    return False
+
+
+def encode_in_pieces(request: PrefillRequest, piece_bytes: int) -> Iterator[bytes]:
+    """``encode(request)``, as consecutive pieces: a long prompt text a slice at a time.
+
+    One msgpack call over a prompt of megabytes holds the GIL (the event loop)
+    for milliseconds, 5-8 for 15 MB, most of it the page faults of its fresh
+    output buffer; slices of at most ``piece_bytes`` bytes cost a fraction of
+    one, each made just before it is sent.  A text's UTF-8 length comes first
+    (msgpack's header): ASCII's is its length, anything else is encoded once
+    to count it, a slice per step, with an empty piece after each (nothing to
+    send, a moment for others).
+    """
+    long_texts: list[str] = []
+
+    def stand_in(text: str) -> str:
+        if len(text) < PIECEWISE_TEXT_CHARS:
+            return text
+        long_texts.append(text)
+        return f"{marker}{len(long_texts) - 1}"
+
+    # random: no client string can be mistaken for one
+    marker = f"\x00pdtrio-long-text-{secrets.token_hex(8)}-"
+    prompt = request.prompt
+    if type(prompt) is TextPrompt:
+        prompt = TextPrompt(stand_in(prompt.text))
+    elif type(prompt) is ChatPrompt:
+        prompt = ChatPrompt(tuple((role, stand_in(text)) for role, text in prompt.messages))
+    skeleton = encode(msgspec.structs.replace(request, prompt=prompt))
+    del prompt
+    start = 0
+    for index, text in enumerate(long_texts):
+        stand_in_bytes = encode(f"{marker}{index}")
+        at = skeleton.index(stand_in_bytes, start)
+        yield skeleton[start:at]
+        start = at + len(stand_in_bytes)
+        yield from _text_in_pieces(text, piece_bytes)
+    yield skeleton[start:]
+
+
+def _text_in_pieces(text: str, piece_bytes: int) -> Iterator[bytes]:
+    """A msgpack str, header first, then the UTF-8 bytes a slice at a time."""
+    if text.isascii():  # O(1): CPython keeps the flag
+        size, chars = len(text), piece_bytes
+    else:
+        chars = piece_bytes // 4  # at most 4 bytes a character
+        size = 0
+        for start in range(0, len(text), chars):
+            size += len(text[start : start + chars].encode())
+            yield b""
+    yield _STR32_HEADER + size.to_bytes(4, "big")
+    for start in range(0, len(text), chars):
+        yield text[start : start + chars].encode()
+
+
+_STR32_HEADER: Final = b"\xdb"  # msgpack str, 32-bit length: a long text always is one
 
 
 @final

@@ -20,7 +20,7 @@ from pdtrio.asgi import (
     Scope,
     Send,
     header,
-    read_body,
+    read_body_buffer,
     send_bytes,
     send_json,
 )
@@ -204,11 +204,11 @@ class RouterApp:
             raise unsupported_media_type(content_type)
         limit = router.config.router.max_request_bytes
         timeout_s = router.config.router.body_read_timeout_s
-        body: bytes | None = None
+        body: bytearray | None = None
         try:
             # a client that sends headers and never the whole body holds no task for long
             with trio.move_on_after(timeout_s):
-                body = await read_body(receive, limit)
+                body = await read_body_buffer(receive, limit)
         except BodyTooLarge:
             raise request_too_large(limit) from None
         if body is None:
@@ -224,6 +224,7 @@ class RouterApp:
                 body,
                 served_models=router.models,
                 max_tokens_limit=router.config.router.max_tokens_limit,
+                context_lengths=context_lengths(router),
             )
         else:
             parse = functools.partial(

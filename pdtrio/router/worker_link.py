@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import ssl
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import final
 
 import trio
@@ -58,7 +58,9 @@ from pdtrio.protocol.wire import (
     TokenEntry,
     TokenFrame,
     encode,
+    encode_in_pieces,
     from_worker_decoder,
+    prompt_is_long,
 )
 from pdtrio.router.ws_client import (
     ConnectionClosed,
@@ -76,6 +78,9 @@ _MAX_MESSAGE_SIZE = 64 * 1024 * 1024
 _RECEIVE_SIZE = 64 * 1024
 CUT_OFF_MESSAGE = "the client fell too far behind the token stream and was cut off"
 
+
+# a long prompt goes to the writer in pieces of this size, each encoded just before it is sent
+_PROMPT_PIECE_BYTES = 256 * 1024
 
 # messages waiting for the writer; a caller that finds it full waits for room
 _OUTBOX_LIMIT = 4096
@@ -268,7 +273,7 @@ class WorkerLink:
         self._streams: dict[str, DecodeStream] = {}
         self._prefills: dict[str, _PendingPrefill] = {}
         # encoded messages for the writer, in order; a list swapped out whole per write
-        self._outbox: list[bytes] = []
+        self._outbox: list[bytes | Iterator[bytes]] = []
         self._writer_waiting = trio.lowlevel.ParkingLot()
         self._room_waiting = trio.lowlevel.ParkingLot()
         self.ever_connected = False
@@ -522,7 +527,7 @@ class WorkerLink:
         if self._writer_waiting:
             self._writer_waiting.unpark()
 
-    async def _post(self, data: bytes) -> None:
+    async def _post(self, data: bytes | Iterator[bytes]) -> None:
         """Queue a message for the writer, waiting while the outbox is full."""
         while len(self._outbox) >= _OUTBOX_LIMIT and self._ws is not None:
             await self._room_waiting.park()
@@ -562,7 +567,12 @@ class WorkerLink:
             raise WorkerLinkClosed(f"worker {self.instance_id} is not connected")
         if request_id in self._prefills:
             raise WorkerLinkError(f"request {request_id} is already prefilling on this link")
-        data = encode(request)
+        # a long prompt is encoded a slice at a time by the writer, as it sends them
+        data: bytes | Iterator[bytes] = (
+            encode_in_pieces(request, _PROMPT_PIECE_BYTES)
+            if prompt_is_long(request.prompt)
+            else encode(request)
+        )
         pending = _PendingPrefill()
         self._prefills[request_id] = pending
         try:

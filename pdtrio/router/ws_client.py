@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ssl
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import final
 
 import trio
@@ -216,10 +216,12 @@ class WebSocketClient:
         """Send one binary message; raises :class:`ConnectionClosed` when closed."""
         await self.send_messages([data])
 
-    async def send_messages(self, messages: list[bytes]) -> None:
+    async def send_messages(self, messages: Sequence[bytes | Iterable[bytes]]) -> None:
         """Send binary messages, in order; :class:`ConnectionClosed` when closed.
 
-        Small messages share one write.  A big one goes out in fragments of
+        A message is its bytes, or an iterable of its consecutive pieces (made
+        as they are sent; an empty piece is a moment for others).  Small
+        messages share one write.  A big one goes out in fragments of
         ``_FRAGMENT_BYTES``: masking 15 MB in one go holds the event loop for
         tens of milliseconds; a fragment at a time, others run in between.
         """
@@ -235,19 +237,13 @@ class WebSocketClient:
                 ws_send = self._ws.send
                 pending: list[bytes] = []
                 for data in messages:
-                    if len(data) <= _FRAGMENT_BYTES:
+                    if isinstance(data, bytes) and len(data) <= _FRAGMENT_BYTES:
                         pending.append(ws_send(BytesMessage(data=data)))
                         continue
                     if pending:
                         await self._stream.send_all(b"".join(pending))
                         pending = []
-                    view = memoryview(data)
-                    for start in range(0, len(data), _FRAGMENT_BYTES):
-                        end = start + _FRAGMENT_BYTES
-                        fragment = BytesMessage(
-                            data=bytes(view[start:end]), message_finished=end >= len(data)
-                        )
-                        await self._stream.send_all(ws_send(fragment))
+                    await self._send_fragments([data] if isinstance(data, bytes) else data)
                 if pending:
                     await self._stream.send_all(b"".join(pending))
             except (LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -255,6 +251,26 @@ class WebSocketClient:
                 raise ConnectionClosed(closed.code, closed.reason) from exc
         finally:
             self._send_lock.release()
+
+    async def _send_fragments(self, pieces: Iterable[bytes]) -> None:
+        """One message from its pieces, in fragments of at most ``_FRAGMENT_BYTES``."""
+        ws_send = self._ws.send
+        # each fragment waits for the next: the last one is sent as the message's end
+        held = b""
+        for piece in pieces:
+            if not piece:
+                await trio.lowlevel.checkpoint()
+                continue
+            if len(held) + len(piece) <= _FRAGMENT_BYTES:
+                held += piece  # small pieces (a header) share a fragment
+                continue
+            view = memoryview(piece)
+            for start in range(0, len(piece), _FRAGMENT_BYTES):
+                if held:
+                    fragment = BytesMessage(data=held, message_finished=False)
+                    await self._stream.send_all(ws_send(fragment))
+                held = bytes(view[start : start + _FRAGMENT_BYTES])
+        await self._stream.send_all(ws_send(BytesMessage(data=held, message_finished=True)))
 
     async def _send_event(self, event: Event) -> None:
         async with self._send_lock:

@@ -689,3 +689,38 @@ def test_completion_body() -> None:
             "prompt_tokens_details": {"cached_tokens": 0},
         },
     }
+
+
+def _chat_with(messages: int, context_length: int) -> ChatCompletionRequest:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "m"}] * messages}
+    return parse_chat_completion_request(
+        json.dumps(body).encode(),
+        served_models={MODEL},
+        max_tokens_limit=LIMIT,
+        context_lengths={MODEL: context_length},
+    )
+
+
+def test_chat_with_as_many_messages_as_context_tokens_is_refused() -> None:
+    # every message is at least one token, and the completion needs one more
+    assert len(_chat_with(99, context_length=100).prompt.messages) == 99
+    with pytest.raises(OpenAIError) as refused:
+        _chat_with(100, context_length=100)
+    assert refused.value.status == 400
+    assert refused.value.code == "context_length_exceeded"
+    assert refused.value.param == "messages"
+    assert "100 messages" in refused.value.message
+
+
+def test_huge_chat_is_refused_with_its_message_count_before_the_messages_are_built() -> None:
+    # past the longest context the messages are counted, not checked: a bad one is not seen
+    messages: list[Any] = [{"role": "user", "content": "m"}] * 100_000 + [{"role": 1}]
+    body = json.dumps({"model": MODEL, "messages": messages}).encode()
+    with pytest.raises(OpenAIError) as refused:
+        parse_chat_completion_request(
+            body, served_models={MODEL}, max_tokens_limit=LIMIT, context_lengths={MODEL: 8192}
+        )
+    assert refused.value.code == "context_length_exceeded"
+    assert refused.value.param == "messages"
+    assert "100001 messages" in refused.value.message
+    assert "8192 tokens" in refused.value.message

@@ -11,12 +11,14 @@ from pathlib import Path
 from unittest import mock
 
 import httpx
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdtrio import memory
-from pdtrio.protocol import openai
+from pdtrio.asgi import BodyTooLarge, ClientDisconnected, Receive, read_body_buffer
+from pdtrio.protocol import openai, wire
 from pdtrio.protocol.openai import (
     PIECEWISE_JSON_BYTES,
     CountedArray,
@@ -47,6 +49,41 @@ async def test_token_prompt_plus_max_tokens_over_context_is_refused() -> None:
         response = await http.post("/v1/completions", json=body)
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_chat_with_more_messages_than_the_context_is_refused_by_the_router() -> None:
+    messages = [{"role": "user", "content": f"message {i}"} for i in range(100_000)]
+    async with running_cluster() as cluster, client(cluster) as http:
+        response = await http.post(
+            "/v1/chat/completions", json={"model": "synthetic", "messages": messages}
+        )
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded"
+        assert error["param"] == "messages"
+        # refused before forwarding: prefill never saw it
+        assert cluster.workers[0].stats()["served_prefills"] == 0
+
+
+async def test_a_long_prompt_goes_to_prefill_without_being_encoded_whole() -> None:
+    # one msgpack call over megabytes holds the event loop for milliseconds
+    encoded: list[int] = []
+
+    class SpyEncoder:
+        def encode(self, message: object) -> bytes:
+            data = msgspec.msgpack.encode(message)
+            encoded.append(len(data))
+            return data
+
+    prompt = "\u00e9" * 400_000  # 800,000 bytes of UTF-8: the synthetic engine's tokens, +1
+    with mock.patch.object(wire, "_encoder", SpyEncoder()):
+        async with running_cluster() as cluster, client(cluster) as http:
+            response = await http.post(
+                "/v1/completions", json={"model": "synthetic", "prompt": prompt}
+            )
+    assert response.status_code == 400  # the whole prompt arrived: every byte counted
+    assert "your prompt has 800001 tokens" in response.json()["error"]["message"]
+    assert max(encoded) < 64 * 1024
 
 
 async def test_big_chat_body_is_parsed_off_the_loop_and_answered() -> None:
@@ -193,6 +230,28 @@ def test_a_lone_surrogate_past_the_first_megabyte_is_refused() -> None:
     assert "unpaired surrogate" in refused.value.message
 
 
+def _messages(count: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"message {i}"} for i in range(count)]
+
+
+async def test_a_body_is_read_into_one_buffer_up_to_its_limit() -> None:
+    def receiver(*messages: dict[str, object]) -> Receive:
+        queue = list(messages)
+
+        async def receive() -> dict[str, object]:
+            return queue.pop(0)
+
+        return receive
+
+    chunks = [{"type": "http.request", "body": b"ab", "more_body": True}]
+    chunks.append({"type": "http.request", "body": b"cd", "more_body": False})
+    assert await read_body_buffer(receiver(*chunks), 4) == bytearray(b"abcd")
+    with pytest.raises(BodyTooLarge):
+        await read_body_buffer(receiver(*chunks), 3)
+    with pytest.raises(ClientDisconnected):
+        await read_body_buffer(receiver(chunks[0], {"type": "http.disconnect"}), 4)
+
+
 def _rss_mb(pids: list[int]) -> float:
     total = 0
     for pid in pids:
@@ -210,6 +269,8 @@ def test_the_router_gives_the_memory_of_huge_requests_back() -> None:
     bodies = [
         ("/v1/completions", {"model": "synthetic", "prompt": list(range(1_000_000))}),
         ("/v1/completions", {"model": "synthetic", "prompt": "a" * 15_000_000}),
+        ("/v1/chat/completions", {"model": "synthetic", "messages": _messages(100_000)}),
+        ("/v1/chat/completions", {"model": "synthetic", "messages": _messages(8_000)}),
     ]
     encoded = [(path, json.dumps(body).encode()) for path, body in bodies]
     with Processes(stop_grace_s=10) as procs, tempfile.TemporaryDirectory() as tmp:

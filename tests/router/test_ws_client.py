@@ -207,3 +207,33 @@ async def test_a_refused_handshake_is_a_handshake_error() -> None:
         port = await nursery.start(refuse)
         with trio.fail_after(10), pytest.raises(HandshakeError, match="403"):
             await connect_websocket(f"ws://127.0.0.1:{port}/", max_message_size=1024)
+
+
+async def test_a_message_given_in_pieces_arrives_whole_between_the_others() -> None:
+    pieces = [b"head", b"", b"x" * 600_000, b"", b"y" * 10, b"z" * 300_000, b"tail"]
+    messages: list[bytes] = []
+    frames: list[int] = []
+
+    async def handler(stream: trio.SocketStream, ws: wsproto.WSConnection) -> None:
+        parts: list[bytes] = []
+        frame = 0
+        while len(messages) < 3:
+            ws.receive_data(await stream.receive_some(65536))
+            for event in ws.events():
+                if isinstance(event, BytesMessage):
+                    parts.append(event.data)
+                    frame += len(event.data)
+                    if event.frame_finished:
+                        frames.append(frame)
+                        frame = 0
+                    if event.message_finished:
+                        messages.append(b"".join(parts))
+                        parts = []
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_serve_one, handler)
+        client = await connect_websocket(f"ws://127.0.0.1:{port}/", max_message_size=1024)
+        await client.send_messages([b"before", iter(pieces), b"after"])
+        await client.aclose()
+    assert messages == [b"before", b"".join(pieces), b"after"]
+    assert max(frames) <= 256 * 1024  # the big piece went out in fragments
