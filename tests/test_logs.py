@@ -12,14 +12,18 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+import trio
 
 from pdtrio.logs import (
+    ACCESS_LOG_BATCH_LINES,
     LogSettingError,
     adopt_hypercorn_error_log,
     configure_logging,
+    flush_access_log,
     settings_from_env,
 )
-from tests.cluster import client, running_cluster
+from pdtrio.router.lifespan import _flush_access_log_periodically
+from tests.cluster import client, running_cluster, wait_for_stats
 
 TEXT_LINE = re.compile(
     r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (?P<label>\S+) (?P<level>[A-Z]+) "
@@ -161,3 +165,46 @@ def test_hypercorns_error_log_goes_through_ours_even_when_it_starts_later(
         hypercorn.filters = filters
         hypercorn.handlers = []
         hypercorn.setLevel(logging.NOTSET)
+
+
+def test_access_lines_are_written_in_batches_and_in_order(root_logging: None) -> None:
+    stream = io.StringIO()
+    configure_logging("INFO", "text", "router", stream=stream)
+    access = logging.getLogger("pdtrio.access")
+    access.info("request_id=a status=200")
+    access.info("request_id=b status=200")
+    assert stream.getvalue() == ""  # waiting: one write per request was a system call each
+    logging.getLogger("pdtrio.router").info("something else")
+    # another logger's line goes out at once, after the access lines before it
+    assert [line.rsplit(": ", 1)[1] for line in stream.getvalue().splitlines()] == [
+        "request_id=a status=200",
+        "request_id=b status=200",
+        "something else",
+    ]
+    access.info("request_id=c status=200")
+    access.warning("request_id=d status=500")  # a warning is not held
+    assert stream.getvalue().count("request_id=") == 4
+    access.info("request_id=e status=200")
+    flush_access_log()
+    assert "request_id=e" in stream.getvalue()
+    for index in range(ACCESS_LOG_BATCH_LINES):  # a full batch goes without a flush
+        access.info("request_id=f%d status=200", index)
+    assert stream.getvalue().count("request_id=f") == ACCESS_LOG_BATCH_LINES
+    access.info("request_id=g status=200")
+    configure_logging("INFO", "text", "router", stream=io.StringIO())  # replaced: flushed
+    assert "request_id=g" in stream.getvalue()
+
+
+async def test_the_router_flushes_access_lines_periodically_and_when_it_stops(
+    root_logging: None,
+) -> None:
+    stream = io.StringIO()
+    configure_logging("INFO", "text", "router", stream=stream)
+    access = logging.getLogger("pdtrio.access")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_flush_access_log_periodically)
+        access.info("request_id=a status=200")
+        await wait_for_stats(lambda: "request_id=a" in stream.getvalue(), deadline_s=10)
+        access.info("request_id=b status=200")
+        nursery.cancel_scope.cancel()
+    assert "request_id=b" in stream.getvalue()

@@ -25,9 +25,11 @@ import trio
 from pdtrio.asgi import Receive, Scope, Send
 from pdtrio.config import ConfigError, PdtrioConfig, load_config_from_env
 from pdtrio.logs import (
+    ACCESS_LOG_FLUSH_INTERVAL_S,
     LogSettingError,
     adopt_hypercorn_error_log,
     configure_logging,
+    flush_access_log,
     settings_from_env,
 )
 from pdtrio.router.cluster import WorkerStartFailed
@@ -80,6 +82,8 @@ async def run_lifespan(
             started = True
             async with trio.open_nursery() as watchers:
                 _watch_for_shutdown(router, watchers)
+                if from_env:  # our handler is installed (see pdtrio.logs)
+                    watchers.start_soon(_flush_access_log_periodically)
                 while (await receive())["type"] != "lifespan.shutdown":
                     pass
                 log.info("router shutting down")
@@ -98,6 +102,15 @@ async def run_lifespan(
         await fail_startup(send, failure, exit_process=from_env)
         return
     await send({"type": "lifespan.shutdown.complete"})
+
+
+async def _flush_access_log_periodically() -> None:
+    try:
+        while True:
+            await trio.sleep(ACCESS_LOG_FLUSH_INTERVAL_S)
+            flush_access_log()
+    finally:
+        flush_access_log()  # the last lines, when the router stops
 
 
 def describe_start(config: PdtrioConfig) -> str:

@@ -186,6 +186,8 @@ class RouterMetrics:
             ["endpoint", "model", "outcome", "status"],
             registry=registry,
         )
+        # each label set's child, looked up once: labels() costs microseconds a call
+        self._requests_by_labels: dict[tuple[str, str, str, str], Any] = {}
         self.requests_active = Gauge(
             "pdtrio_requests_active",
             "Completion requests running now.",
@@ -294,7 +296,11 @@ class RouterMetrics:
         ``status``: the error's HTTP status (None for ok and disconnected).
         """
         status_class = "" if status is None else f"{status // 100}xx"
-        self.requests.labels(endpoint, model, outcome.value, status_class).inc()
+        labels = (endpoint, model, outcome.value, status_class)
+        counter = self._requests_by_labels.get(labels)
+        if counter is None:
+            counter = self._requests_by_labels[labels] = self.requests.labels(*labels)
+        counter.inc()
         if status == 429:
             self.queue_full.inc()
         now = time.perf_counter()
