@@ -137,7 +137,10 @@ async def serve_http(
         # closed to make room, hypercorn's own close was cut short: the socket goes here
         await trio.aclose_forcefully(stream)
 
-    listeners = await trio.open_tcp_listeners(port, host=host, backlog=hyper_config.backlog)
+    # the kernel's longest accept queue (trio's default), not hypercorn's 100: a burst of
+    # connections waits there for the accept loop instead of its SYNs being dropped (each
+    # dropped one is retried a second later, whoever it is from)
+    listeners = await trio.open_tcp_listeners(port, host=host)
     bound_port = int(listeners[0].socket.getsockname()[1])
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, handle, listeners)
