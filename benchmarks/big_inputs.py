@@ -2,7 +2,8 @@
 
 Starts a subprocess cluster on the synthetic engine (prefill, decode, and
 ``hypercorn -k trio`` router), sends a few huge requests one after the other
-(each ``--repeat`` times) while probing ``GET /health`` every 5 ms, and
+(each ``--repeat`` times) while probing ``GET /health`` every 5 ms (from a process of
+its own, so that the sending client's own stalls are not counted), and
 reports per kind of request: its status, how long it took, the /health
 latency p50/p99/max from just before it until a while after its answer (the
 router's heap trim runs then), and the RSS of the router and of the prefill
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -75,38 +78,70 @@ def percentile(samples: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
-async def probe_health(url: str, latencies: list[float], stop: trio.Event) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        while not stop.is_set():
-            started = time.perf_counter()
-            response = await http.get("/health")
-            latencies.append(time.perf_counter() - started)
-            assert response.status_code == 200, response.text
-            await trio.sleep(PROBE_INTERVAL_S)
-
-
-async def measure_one(router: Service, path: str, body: bytes, repeat: int) -> dict[str, Any]:
-    """``repeat`` sends of ``body``, one after the other, with /health probed all along."""
+async def probe_health(url: str) -> None:
+    """``--probe URL``: GET /health every PROBE_INTERVAL_S until stdin closes, then print
+    the latencies (s) as JSON.  A process of its own: the client that sends the huge
+    bodies stalls its own event loop for tens of ms (httpx copying 15 MB), and a probe
+    sharing that loop would count the client's stall as the router's."""
     latencies: list[float] = []
-    answers: list[float] = []
-    stop = trio.Event()
-    async with httpx.AsyncClient(base_url=router.url, timeout=120) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(probe_health, router.url, latencies, stop)
-            await trio.sleep(0.1)  # a few probes of the quiet router first
-            for _ in range(repeat):
+
+            async def until_stdin_closes() -> None:
+                await trio.to_thread.run_sync(sys.stdin.read)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(until_stdin_closes)
+            print("probing", flush=True)
+            while True:
                 started = time.perf_counter()
-                response = await http.post(
-                    path, content=body, headers={"content-type": "application/json"}
-                )
-                answers.append(time.perf_counter() - started)
-                await trio.sleep(AFTER_ANSWER_S)
-            stop.set()
+                response = await http.get("/health")
+                latencies.append(time.perf_counter() - started)
+                assert response.status_code == 200, response.text
+                await trio.sleep(PROBE_INTERVAL_S)
+    print(json.dumps(latencies), flush=True)
+
+
+async def send_all_of(router: Service, path: str, body: bytes, repeat: int) -> dict[str, Any]:
+    """``repeat`` sends of ``body``, one after the other: the answer and its time."""
+    answers: list[float] = []
+    async with httpx.AsyncClient(base_url=router.url, timeout=120) as http:
+        await trio.sleep(0.1)  # a few probes of the quiet router first
+        for _ in range(repeat):
+            started = time.perf_counter()
+            response = await http.post(
+                path, content=body, headers={"content-type": "application/json"}
+            )
+            answers.append(time.perf_counter() - started)
+            await trio.sleep(AFTER_ANSWER_S)
     error = response.json().get("error") or {}
     return {
         "status": response.status_code,
         "code": error.get("code"),
         "seconds": percentile(answers, 0.5),
+    }
+
+
+def measure_one(router: Service, path: str, body: bytes, repeat: int) -> dict[str, Any]:
+    """``repeat`` sends of ``body`` with /health probed all along, from another process."""
+    probe = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.big_inputs", "--probe", router.url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert probe.stdin is not None and probe.stdout is not None
+    try:
+        assert probe.stdout.readline().strip() == "probing"
+        result = trio.run(send_all_of, router, path, body, repeat)
+        probe.stdin.close()  # the probe stops when its stdin closes
+        latencies: list[float] = json.loads(probe.stdout.readline())
+    finally:
+        if not probe.stdin.closed:
+            probe.stdin.close()
+        probe.wait(timeout=30)
+    return {
+        **result,
         "health_p50_ms": percentile(latencies, 0.5) * 1e3,
         "health_p99_ms": percentile(latencies, 0.99) * 1e3,
         "health_max_ms": max(latencies) * 1e3,
@@ -134,7 +169,7 @@ def run(quick: bool, repeat: int) -> tuple[list[dict[str, Any]], dict[str, float
         start = {"router": rss_mb(router_pids), "prefill": rss_mb([prefill.pid])}
         for kind, path, body in bodies:
             router_before, prefill_before = rss_mb(router_pids), rss_mb([prefill.pid])
-            result = trio.run(measure_one, router, path, body, repeat)
+            result = measure_one(router, path, body, repeat)
             rows.append(
                 {
                     "kind": kind,
@@ -207,7 +242,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a tenth of each size")
     parser.add_argument("--repeat", type=int, default=3, help="sends of each huge request")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--probe", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.probe:
+        trio.run(probe_health, args.probe)
+        return
     rows, memory = run(args.quick, args.repeat)
     print(table(rows))
     print(memory_line(memory))
