@@ -39,6 +39,7 @@ from pdtrio.logs import (
     parse_format,
     parse_level,
 )
+from pdtrio.memory import freeze_startup_objects
 from pdtrio.protocol.registration import Registration
 from pdtrio.worker.launch import ready_line
 from pdtrio.worker.server import Worker
@@ -346,6 +347,9 @@ async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> N
             log.info("serving as %s on %s%s%s", ready["instance_id"], bound, advertised, transfer)
             # the supervisor reads this line to learn the ports
             print(ready_line(ready), flush=True)
+            # what exists now lives as long as the process: the heap trimmer's collections
+            # (after big messages) skip it, and take a fraction of a ms instead of ~50
+            freeze_startup_objects()
             deregistered = trio.Event()
             if config.discovery.uses_etcd:
                 nursery.start_soon(

@@ -484,3 +484,17 @@ async def test_a_decode_only_worker_refuses_a_prefill_call_on_the_link() -> None
             failed = _strict_unpack(await _next_message(ws))
             assert failed[:3] == [PREFILL_FAILED, "p", 400]
             assert "does not prefill" in failed[3]
+
+
+async def test_a_big_bad_frame_is_dropped_and_its_memory_trimmed_and_the_link_goes_on() -> None:
+    async with running_pair(decode_step_s=0.001) as pair:
+        good = await _prefill(pair.prefill_url, "good", "prompt", 3)
+        trimmer = pair.decode.links.heap_trimmer if pair.decode.links else None
+        assert trimmer is not None
+        async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
+            # past the size decoded on a thread; 0xc1 is never valid msgpack
+            await ws.send_message(b"\xc1" * 400_000)
+            await wait_for_stats(lambda: trimmer.trims >= 1, deadline_s=10)
+            await ws.send_message(decode_start(good))
+            stream = (await _tokens_until_finished(ws, {"good"}, []))["good"]
+        assert stream[E_FINISH] == "length"
