@@ -10,7 +10,6 @@ text) is only ever logged at DEBUG.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import sys
@@ -121,7 +120,8 @@ class _PdtrioHandler(logging.StreamHandler[TextIO]):
         super().emit(record)
 
     def flush(self) -> None:
-        with self.lock or contextlib.nullcontext():
+        self.acquire()
+        try:
             if self._pending:
                 text = self.terminator.join(self._pending) + self.terminator
                 self._pending.clear()
@@ -132,6 +132,8 @@ class _PdtrioHandler(logging.StreamHandler[TextIO]):
                         logging.LogRecord(ACCESS_LOGGER, logging.INFO, "", 0, text, None, None)
                     )
             super().flush()
+        finally:
+            self.release()
 
 
 def flush_access_log() -> None:

@@ -20,7 +20,7 @@ from pdtrio.asgi import (
     Scope,
     Send,
     header,
-    read_body_buffer,
+    read_body,
     send_bytes,
     send_json,
 )
@@ -208,7 +208,7 @@ class RouterApp:
         try:
             # a client that sends headers and never the whole body holds no task for long
             with trio.move_on_after(timeout_s):
-                body = await read_body_buffer(receive, limit)
+                body = await read_body(receive, limit)
         except BodyTooLarge:
             raise request_too_large(limit) from None
         if body is None:

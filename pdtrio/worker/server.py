@@ -28,7 +28,6 @@ from pdtrio.asgi import (
     Send,
     header,
     read_body,
-    read_body_buffer,
     send_bytes,
     send_json,
 )
@@ -297,10 +296,7 @@ class Worker:
     # --- ASGI -----------------------------------------------------------------------
 
     async def asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind == "lifespan":
-            await self._lifespan(receive, send)
-            return
+        kind = scope["type"]  # "http" or "websocket": our listener sends no lifespan
         path = scope["path"]
         links = self.links
         # every endpoint but /health needs the shared secret: refused before any body is read
@@ -385,15 +381,6 @@ class Worker:
                 [(b"retry-after", b"1")],
             )
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
     def info(self) -> dict[str, Any]:
         return {
             "instance_id": self.instance_id,
@@ -456,8 +443,7 @@ class Worker:
         except trio.WouldBlock:
             raise Busy("too many prefill bodies are being received; retry shortly") from None
         try:
-            # grown chunk by chunk: joining 60 MB at the end held the loop for tens of ms
-            body = await read_body_buffer(receive, _MAX_PREFILL_BODY)
+            body = await read_body(receive, _MAX_PREFILL_BODY)
         finally:
             self._bodies_in_flight.release()
         if len(body) > OFF_LOOP_DECODE_BYTES:

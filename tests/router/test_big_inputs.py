@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdtrio import memory
-from pdtrio.asgi import BodyTooLarge, ClientDisconnected, Receive, read_body_buffer
+from pdtrio.asgi import BodyTooLarge, ClientDisconnected, Receive, read_body
 from pdtrio.protocol import openai, wire
 from pdtrio.protocol.openai import (
     PIECEWISE_JSON_BYTES,
@@ -245,11 +245,11 @@ async def test_a_body_is_read_into_one_buffer_up_to_its_limit() -> None:
 
     chunks = [{"type": "http.request", "body": b"ab", "more_body": True}]
     chunks.append({"type": "http.request", "body": b"cd", "more_body": False})
-    assert await read_body_buffer(receiver(*chunks), 4) == bytearray(b"abcd")
+    assert await read_body(receiver(*chunks), 4) == bytearray(b"abcd")
     with pytest.raises(BodyTooLarge):
-        await read_body_buffer(receiver(*chunks), 3)
+        await read_body(receiver(*chunks), 3)
     with pytest.raises(ClientDisconnected):
-        await read_body_buffer(receiver(chunks[0], {"type": "http.disconnect"}), 4)
+        await read_body(receiver(chunks[0], {"type": "http.disconnect"}), 4)
 
 
 def _rss_mb(pids: list[int]) -> float:
