@@ -16,10 +16,12 @@ import trio
 
 from pdtrio.logs import (
     ACCESS_LOG_BATCH_LINES,
+    LogFormat,
     LogSettingError,
     adopt_hypercorn_error_log,
     configure_logging,
     flush_access_log,
+    log_access,
     settings_from_env,
 )
 from pdtrio.router.lifespan import _flush_access_log_periodically
@@ -208,3 +210,42 @@ async def test_the_router_flushes_access_lines_periodically_and_when_it_stops(
         access.info("request_id=b status=200")
         nursery.cancel_scope.cancel()
     assert "request_id=b" in stream.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_an_access_line_written_straight_is_the_line_logging_would_write(
+    root_logging: None, fmt: LogFormat
+) -> None:
+    fields = {"request_id": "cmpl-1", "status": 200, "ttft_ms": 1.5, "decode": "decode-0"}
+    message = "request_id=cmpl-1 status=200 ttft_ms=1.5 decode=decode-0"
+    lines = []
+    for straight in (True, False):
+        stream = io.StringIO()
+        configure_logging("INFO", fmt, "router", stream=stream)
+        if straight:
+            log_access(message, fields)
+        else:
+            logging.getLogger("pdtrio.access").info(message, extra=fields)
+        flush_access_log()
+        lines.append(stream.getvalue())
+    straight_line, logged_line = lines
+    if fmt == "json":  # the same object, the timestamps aside
+        straight_object, logged_object = json.loads(straight_line), json.loads(logged_line)
+        assert straight_object.pop("ts")[:16] == logged_object.pop("ts")[:16]
+        assert straight_object == logged_object
+    else:
+        assert straight_line.split(" ", 1)[1] == logged_line.split(" ", 1)[1]
+
+
+def test_an_access_line_goes_through_logging_when_another_handler_listens(
+    root_logging: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    configure_logging("INFO", "text", "router", stream=io.StringIO())
+    with caplog.at_level(logging.INFO, logger="pdtrio.access"):
+        log_access("request_id=x status=200", {"request_id": "x", "status": 200})
+    assert [record.getMessage() for record in caplog.records] == ["request_id=x status=200"]
+    assert caplog.records[0].request_id == "x"  # type: ignore[attr-defined]
+    configure_logging("WARNING", "text", "router", stream=(stream := io.StringIO()))
+    log_access("request_id=y status=200", {"request_id": "y"})
+    flush_access_log()
+    assert stream.getvalue() == ""  # below the level: nothing

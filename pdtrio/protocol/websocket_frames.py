@@ -272,6 +272,32 @@ class ClientFrameReader:
         return FrameBatch(batch.messages, batch.replies, reply, closure)
 
 
+def masked_binary_frame(payload: bytes, mask: bytes) -> bytes:
+    """A client's whole binary message as one frame (RFC 6455 5.2), masked with ``mask``.
+
+    What ``WSConnection.send(BytesMessage(payload))`` produces with that mask
+    (the caller draws a fresh one per frame), at a fraction of its cost: the
+    link's messages are small and many, and wsproto's frame object and its
+    per-call masker were a tenth of the router's CPU for a short request.
+    The mask goes over the payload as one big-integer XOR.
+    """
+    if len(mask) != 4:
+        raise ValueError("a websocket mask is 4 bytes")
+    size = len(payload)
+    if size < 126:
+        header = bytes((_FIN_BINARY, 0x80 | size))
+    elif size < 1 << 16:
+        header = bytes((_FIN_BINARY, 0x80 | 126)) + size.to_bytes(2, "big")
+    else:
+        header = bytes((_FIN_BINARY, 0x80 | 127)) + size.to_bytes(8, "big")
+    if not size:
+        return header + mask
+    repeated = mask * (size // 4 + 1)
+    key = int.from_bytes(repeated[:size] if size % 4 else repeated[:-4], "big")
+    masked = (int.from_bytes(payload, "big") ^ key).to_bytes(size, "big")
+    return header + mask + masked
+
+
 def _join(parts: list[bytes | str], *, text: bool) -> bytes | str:
     if text:
         return "".join(part for part in parts if isinstance(part, str))

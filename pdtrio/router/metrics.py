@@ -24,12 +24,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdtrio.logs import ACCESS_LOGGER, log_access
 from pdtrio.metrics import LATENCY_BUCKETS_S, LocalHistogram, exposition, multiprocess_dir
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-access_log = logging.getLogger("pdtrio.access")
+access_log = logging.getLogger(ACCESS_LOGGER)
 
 # a streaming request's gaps and tokens reach Prometheus at least this often
 FLUSH_INTERVAL_S: Final = 1.0
@@ -92,6 +93,7 @@ class _ModelSeries:
         "e2e",
         "handoff",
         "itl",
+        "pending",
         "prefill",
         "prompt_tokens",
         "queued",
@@ -107,6 +109,34 @@ class _ModelSeries:
         self.handoff = metrics.handoff.labels(model)
         self.prompt_tokens = metrics.prompt_tokens.labels(model)
         self.completion_tokens = metrics.completion_tokens.labels(model)
+        # ended requests' figures, not in the children yet (see RouterMetrics.request_ended)
+        self.pending = _PendingFigures()
+
+    def merge_pending(self) -> None:
+        pending = self.pending
+        pending.e2e.merge_into(self.e2e)
+        pending.ttft.merge_into(self.ttft)
+        pending.prefill.merge_into(self.prefill)
+        pending.queued.merge_into(self.queued)
+        pending.handoff.merge_into(self.handoff)
+        if pending.prompt_tokens:
+            self.prompt_tokens.inc(pending.prompt_tokens)
+            pending.prompt_tokens = 0
+
+
+@final
+class _PendingFigures:
+    """Per-request observations of one model, counted locally until the next scrape."""
+
+    __slots__ = ("e2e", "handoff", "prefill", "prompt_tokens", "queued", "ttft")
+
+    def __init__(self) -> None:
+        self.e2e = LocalHistogram(LATENCY_BUCKETS_S)
+        self.ttft = LocalHistogram(LATENCY_BUCKETS_S)
+        self.prefill = LocalHistogram(LATENCY_BUCKETS_S)
+        self.queued = LocalHistogram(LATENCY_BUCKETS_S)
+        self.handoff = LocalHistogram(LATENCY_BUCKETS_S)
+        self.prompt_tokens = 0
 
 
 @final
@@ -313,17 +343,23 @@ class RouterMetrics:
             if figures.first_token_at is not None:
                 ttft_ms = (figures.first_token_at - figures.started) * 1000
             if series is not None:
-                series.e2e.observe(total_s)
+                # counted here, given to Prometheus at the next scrape (a few calls per
+                # bucket, not a locked call per figure); other processes' scrapes read
+                # what this one wrote, so under multiprocess mode it is given at once
+                pending = series.pending
+                pending.e2e.observe(total_s)
                 if ttft_ms is not None:
-                    series.ttft.observe(ttft_ms / 1000)
+                    pending.ttft.observe(ttft_ms / 1000)
                 if figures.prompt_tokens is not None:
-                    series.prompt_tokens.inc(figures.prompt_tokens)
+                    pending.prompt_tokens += figures.prompt_tokens
                 if figures.prefill_s is not None:
-                    series.prefill.observe(figures.prefill_s)
+                    pending.prefill.observe(figures.prefill_s)
                 if figures.queued_s is not None:
-                    series.queued.observe(figures.queued_s)
+                    pending.queued.observe(figures.queued_s)
                 if figures.handoff_s is not None:
-                    series.handoff.observe(figures.handoff_s)
+                    pending.handoff.observe(figures.handoff_s)
+                if self._multiprocess:
+                    series.merge_pending()
         if access_log.isEnabledFor(logging.INFO):
             if status is None:
                 status = 200 if outcome is Outcome.OK else CLIENT_CLOSED_STATUS
@@ -341,12 +377,12 @@ class RouterMetrics:
                 "prefill": prefill,
                 "decode": decode,
             }
-            access_log.info(
-                " ".join(f"{key}={value}" for key, value in fields.items()), extra=fields
-            )
+            log_access(" ".join(f"{key}={value}" for key, value in fields.items()), fields)
 
     def render(self) -> bytes:
         """``/metrics``: this router's, or with multiprocess mode every process's."""
+        for series in self._series.values():
+            series.merge_pending()
         return exposition(self.registry, (self.state,), multiprocess=self._multiprocess)
 
 

@@ -134,6 +134,9 @@ class RequestPipeline:
         # what /metrics and the access line say of it, recorded as it goes
         self.figures = router.metrics.figures(request.model)
         self._decoding = False  # counted in the router's active streams
+        # the request's nursery scope, and what a client is told when its deadline passes
+        self._scope = trio.CancelScope()
+        self._timeout_message = ""
 
     # --- entry ------------------------------------------------------------------
 
@@ -146,34 +149,39 @@ class RequestPipeline:
             await self._send_error(refusal)
             return
         deadline = trio.current_time() + config.request_timeout_s
+        self._timeout_message = f"the request did not complete within {config.request_timeout_s:g}s"
         error: OpenAIError | None = None
         scope: trio.CancelScope | None = None
+        ran_to_the_end = False
         try:
             try:
                 async with trio.open_nursery() as nursery:
-                    scope = nursery.cancel_scope
+                    # the request's deadline is the nursery's (one cancel scope, not two):
+                    # what cut the pipeline short is told apart below
+                    scope = self._scope = nursery.cancel_scope
+                    scope.deadline = deadline
                     router.request_started(scope)
                     nursery.start_soon(self._watch_disconnect, scope)
                     try:
-                        with trio.fail_at(deadline):
-                            await self._pipeline(deadline)
+                        await self._pipeline(deadline)
                     except OpenAIError as exc:
                         # its traceback holds this frame, and the frame the error: a cycle
                         # that would keep the request (a huge prompt) alive until a full GC
                         error = exc.with_traceback(None)
-                    except trio.TooSlowError:
-                        error = gateway_timeout(
-                            f"the request did not complete within {config.request_timeout_s:g}s"
-                        )
+                    ran_to_the_end = True
                     scope.cancel()
             finally:
                 self._cleanup()
             if self.client_gone:
                 self._ended(Outcome.DISCONNECTED)
                 return
-            if error is None and router.drain_over.is_set() and not self._response_complete:
-                # the drain deadline cut it (the router's cancel of our scope)
-                error = _shutting_down("the router is shutting down; the request was cut short")
+            if error is None and not ran_to_the_end:
+                if not router.drain_over.is_set():
+                    # no one else cancels the scope: its deadline (the request's or prefill's)
+                    error = gateway_timeout(self._timeout_message)
+                elif not self._response_complete:
+                    # the drain deadline cut it (the router's cancel of our scope)
+                    error = _shutting_down("the router is shutting down; the request was cut short")
             if error is not None:
                 # after the headers the status stays 200: the error travels in the stream
                 outcome = Outcome.FAILED if self.headers_sent else Outcome.REJECTED
@@ -273,6 +281,7 @@ class RequestPipeline:
         request = self.request
         call = PrefillRequest(self.request_id, request.prompt, request.sampling, request.max_tokens)
         prefill_timeout_s = router.config.router.prefill_timeout_s
+        request_timeout_message = self._timeout_message
         tried: set[str] = set()
         # what the last instance that failed said: the answer when no other is left
         failure: OpenAIError | None = None
@@ -287,14 +296,16 @@ class RequestPipeline:
             self.prefill_instance = instance
             lifecycle.handle(Event.PREFILL_SENT)
             instance.active_prefills += 1
+            # prefill's own timeout, when it comes first, is the request scope's deadline for
+            # the call (no scope of its own); cut by it, the request ends as timed out
+            scope = self._scope
+            prefill_deadline = trio.current_time() + prefill_timeout_s
+            if prefill_deadline < deadline:
+                scope.deadline = prefill_deadline
+                self._timeout_message = "prefill did not answer in time"
             try:
                 # a cancelled call releases the request on prefill itself
-                with trio.move_on_at(
-                    min(deadline, trio.current_time() + prefill_timeout_s)
-                ) as timer:
-                    answer = await instance.link.prefill(call)
-                if timer.cancelled_caught:
-                    raise gateway_timeout("prefill did not answer in time")
+                answer = await instance.link.prefill(call)
             except WorkerLinkClosed:
                 # it never saw the request: another instance may
                 lifecycle.handle(Event.PREFILL_NOT_SENT)
@@ -307,6 +318,9 @@ class RequestPipeline:
                 continue
             finally:
                 instance.active_prefills -= 1
+                if not scope.cancel_called:
+                    scope.deadline = deadline
+                    self._timeout_message = request_timeout_message
             if type(answer) is PrefillFailed:
                 if answer.status >= 500:
                     # the instance's fault, not the request's (a 4xx is not retried);

@@ -13,6 +13,7 @@ are serialised with a ``trio.Lock``.  No extra task, no queue.
 
 from __future__ import annotations
 
+import os
 import ssl
 import urllib.parse
 from collections.abc import Iterable, Sequence
@@ -20,6 +21,7 @@ from typing import final
 
 import trio
 import wsproto
+from wsproto.connection import ConnectionState
 from wsproto.events import (
     AcceptConnection,
     BytesMessage,
@@ -30,7 +32,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
-from pdtrio.protocol.websocket_frames import ClientFrameReader, FrameBatch
+from pdtrio.protocol.websocket_frames import ClientFrameReader, FrameBatch, masked_binary_frame
 
 _MAX_RESPONSE_HEAD = 64 * 1024
 # a message bigger than this is sent as fragments of this size
@@ -234,11 +236,15 @@ class WebSocketClient:
             await self._send_lock.acquire()
         try:
             try:
-                ws_send = self._ws.send
+                if self._ws.state is not ConnectionState.OPEN:
+                    self._ws.send(BytesMessage(data=b""))  # raises what a closed one does
+                # a fresh mask per frame, drawn for the whole batch at once
+                masks = os.urandom(4 * len(messages))
                 pending: list[bytes] = []
-                for data in messages:
+                for index, data in enumerate(messages):
                     if isinstance(data, bytes) and len(data) <= _FRAGMENT_BYTES:
-                        pending.append(ws_send(BytesMessage(data=data)))
+                        offset = 4 * index
+                        pending.append(masked_binary_frame(data, masks[offset : offset + 4]))
                         continue
                     if pending:
                         await self._stream.send_all(b"".join(pending))

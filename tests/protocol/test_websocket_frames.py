@@ -33,6 +33,7 @@ from pdtrio.protocol.websocket_frames import (
     Closure,
     FrameBatch,
     ReaderClosedError,
+    masked_binary_frame,
 )
 
 _OP_TEXT = 0x1
@@ -450,3 +451,31 @@ def _check_outcome(fed: _Fed, client: wsproto.WSConnection, max_message_size: in
     if fed.close_reply is not None:
         assert fed.closed is not None
         client.send(fed.close_reply)
+
+
+# --- the client's own frames ---------------------------------------------------------
+
+
+@given(payload=st.binary(max_size=70_000), mask=st.binary(min_size=4, max_size=4))
+@settings(max_examples=60, deadline=None)
+def test_masked_binary_frame_is_what_wsproto_writes_and_a_server_reads(
+    payload: bytes, mask: bytes
+) -> None:
+    import wsproto.frame_protocol
+
+    # wsproto draws its mask from os.urandom: give it ours, and compare the bytes
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(wsproto.frame_protocol.os, "urandom", lambda size: mask[:size])
+        client = wsproto.frame_protocol.FrameProtocol(client=True, extensions=[])
+        assert masked_binary_frame(payload, mask) == client.send_data(payload, fin=True)
+    # and a server takes it for the message it is
+    server = wsproto.frame_protocol.FrameProtocol(client=False, extensions=[])
+    server.receive_bytes(masked_binary_frame(payload, mask))
+    frames = list(server.received_frames())
+    assert b"".join(bytes(frame.payload) for frame in frames) == payload
+    assert frames[-1].frame_finished and frames[-1].message_finished
+
+
+def test_masked_binary_frame_wants_a_four_byte_mask() -> None:
+    with pytest.raises(ValueError, match="4 bytes"):
+        masked_binary_frame(b"x", b"abc")

@@ -72,6 +72,21 @@ async def test_deadline_ends_request_with_error_and_frees_blocks() -> None:
         await wait_until_idle(cluster)
 
 
+async def test_prefills_timeout_bounds_prefill_only_not_the_decode_after_it() -> None:
+    # prefill's timeout narrows the request's deadline while prefill runs: once it answered,
+    # the stream may last well past that timeout
+    router = RouterConfig(prefill_timeout_s=0.3, request_timeout_s=30)
+    async with running_cluster(router=router, decode_step_s=0.05) as cluster:
+        async with client(cluster) as http:
+            response = await http.post(CHAT, content=_long_story(16))
+        assert response.status_code == 200
+        events = [e for e in response.text.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        assert '"error"' not in response.text
+        assert '"finish_reason":"length"' in events[-2], events[-2]
+        await wait_until_idle(cluster)
+
+
 async def test_decode_that_can_never_hold_it_answers_400_and_leaks_nothing() -> None:
     def make(role: str):
         from tests.cluster import synthetic_worker
