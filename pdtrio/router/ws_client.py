@@ -5,7 +5,9 @@ follow are cut by :class:`~pdtrio.protocol.websocket_frames.ClientFrameReader`
 (the sans-IO core, which says why it exists beside wsproto): each read is fed
 to it whole and :meth:`WebSocketClient.receive_messages` hands the caller every
 message that read completed as one batch, after sending the pongs and close
-replies it asks for.
+replies it asks for.  A whole binary message goes out as one frame made by
+:func:`~pdtrio.protocol.websocket_frames.masked_binary_frame`; fragments,
+pongs and closes are wsproto's, which keeps the connection's state.
 
 One reader (whoever calls :meth:`WebSocketClient.receive_messages`); writes
 are serialised with a ``trio.Lock``.  No extra task, no queue.
