@@ -19,6 +19,7 @@ from pdtrio.asgi import (
     Receive,
     Scope,
     Send,
+    hang_up,
     header,
     read_body,
     send_bytes,
@@ -248,7 +249,12 @@ class RouterApp:
             if isinstance(request, OpenAIError):
                 raise request
             pipeline = RequestPipeline(
-                router, request, "chat" if chat else "completion", receive, send
+                router,
+                request,
+                "chat" if chat else "completion",
+                receive,
+                send,
+                functools.partial(hang_up, scope),
             )
             del request
             await pipeline.run()

@@ -25,11 +25,12 @@ import itertools
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any, Literal, final
 
 import trio
 
-from pdtrio.asgi import Receive, Send, send_json
+from pdtrio.asgi import Message, Receive, Send, send_json
 from pdtrio.engine.blocks import blocks_needed
 from pdtrio.protocol.egress import send_deadline
 from pdtrio.protocol.lifecycle import Cleanup, Event, RequestLifecycle, State
@@ -94,12 +95,18 @@ class RequestPipeline:
         kind: Literal["chat", "completion"],
         receive: Receive,
         send: Send,
+        hang_up: Callable[[], bool] = lambda: False,
     ) -> None:
         self.router = router
         self.request = request
         self.kind = kind
         self._receive = receive
-        self._send = send
+        self._send_to_server = send
+        # shuts the client's connection down (a client that stopped reading); True if done
+        self._hang_up = hang_up
+        self._sending = False  # a send to the server is under way
+        self._send_ended: trio.Event | None = None  # set as each send ends, while watched
+        self._hung_up = False
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         self.request_id = f"{prefix}{_PROCESS_ID}{next(_request_numbers):x}"
         self.created = int(time.time())
@@ -213,13 +220,54 @@ class RequestPipeline:
         )
 
     async def _watch_disconnect(self, cancel_scope: trio.CancelScope) -> None:
-        while True:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                if not self._response_complete:
-                    self.client_gone = True
-                    cancel_scope.cancel()
-                return
+        try:
+            while True:
+                message = await self._receive()
+                if message["type"] == "http.disconnect":
+                    if not self._response_complete:
+                        self.client_gone = True
+                        cancel_scope.cancel()
+                    return
+        except trio.Cancelled:
+            if self._sending:
+                # the request was cut (deadline, drain) while the pipeline waits on a send,
+                # which no cancellation reaches: see that it ends
+                with trio.CancelScope(shield=True):
+                    await self._hang_up_if_stuck()
+            raise
+
+    async def _send(self, message: Message) -> None:
+        self._sending = True
+        try:
+            await self._send_to_server(message)
+        finally:
+            self._sending = False
+            if self._send_ended is not None:
+                self._send_ended.set()
+
+    async def _hang_up_if_stuck(self) -> None:
+        """Hang up on the client if the send under way has not ended within cleanup_grace_s.
+
+        hypercorn shields its socket writes from cancellation: a client that
+        stopped reading would hold the request (and a server shutting down)
+        for as long as its TCP stays up.
+        """
+        if not self._sending:
+            return
+        ended = self._send_ended = trio.Event()
+        with trio.move_on_after(self.router.config.router.cleanup_grace_s):
+            await ended.wait()
+            return
+        if self._hang_up():
+            self._hung_up = True
+            log.warning("request %s: its client stopped reading; hung up on it", self.request_id)
+
+    async def _send_bounded(self, message: Message) -> None:
+        """A send that a client which stopped reading cannot hold past cleanup_grace_s."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._hang_up_if_stuck)
+            await self._send(message)
+            nursery.cancel_scope.cancel()
 
     # --- the pipeline --------------------------------------------------------------
 
@@ -602,22 +650,23 @@ class RequestPipeline:
         await send_json(self._send, 200, payload)
 
     async def _send_error(self, error: OpenAIError) -> None:
+        if self._hung_up:
+            return  # the connection is gone
         if self.headers_sent:
             if self._writing:
                 return  # a write was cut mid-way: more bytes would corrupt the stream; hang up
             if self.shaper is not None and not self.shaper.closed:
                 # a client that is not reading must not hold this task: bounded
-                with trio.move_on_after(self.router.config.router.cleanup_grace_s):
-                    await self._send(
-                        {
-                            "type": "http.response.body",
-                            "body": self.shaper.error(error),
-                            "more_body": False,
-                        }
-                    )
+                await self._send_bounded(
+                    {
+                        "type": "http.response.body",
+                        "body": self.shaper.error(error),
+                        "more_body": False,
+                    }
+                )
             return
         extra = [(name.encode(), value.encode()) for name, value in error.headers]
-        await send_json(self._send, error.status, error.to_body(), extra or None)
+        await send_json(self._send_bounded, error.status, error.to_body(), extra or None)
 
     # --- cleanup ------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -125,6 +126,77 @@ def test_sigterm_drains_streams(
     print(f"-w {workers}: {expected} x{STREAMS}, late request: {late_seen}, exit {took:.2f}s")
     if workers == "0":
         assert late_seen == "503"
+
+
+def _frozen_client(url: str, max_tokens: int) -> socket.socket:
+    """A streamed request whose client then never reads (a small window: it fills fast)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    body = json.dumps(
+        {
+            "model": "synthetic",
+            "prompt": "frozen",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    ).encode()
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    return sock
+
+
+def test_sigterm_stops_the_router_while_a_client_does_not_read(
+    procs: Processes, tmp_path: Path
+) -> None:
+    # hypercorn's writes ignore cancellation: before, the process waited on the frozen
+    # client for as long as its TCP stayed up (here: until the test closed it)
+    router = _start(procs, _config(tmp_path / "c.toml", drain_s=1, decode_step_s=0.001), "-w", "1")
+    tree = router.tree()
+    with _frozen_client(router.url, 8_000) as frozen:
+        _wait_until_writes_stall(router.url)
+        sent = time.monotonic()
+        router.process.send_signal(signal.SIGTERM)
+        # drain (1 s), then the cut, then the stuck write's grace (cleanup_grace_s, 2 s)
+        assert router.process.wait(timeout=30) == 0
+        took = time.monotonic() - sent
+        # what the client finds when it reads at last: part of the stream, then the hang-up
+        frozen.settimeout(10)
+        received = b""
+        while chunk := frozen.recv(1 << 20):
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 200")
+    assert b'"finish_reason":"length"' not in received
+    gone = time.monotonic() + 10
+    while any(alive(pid) for pid in tree) and time.monotonic() < gone:
+        time.sleep(0.05)
+    assert not [pid for pid in tree if alive(pid)]
+    output = procs.output(router.process).decode(errors="replace")
+    assert "stopped reading; hung up on it" in output, output[-2000:]
+    print(f"exit {took:.2f}s after SIGTERM with a frozen client")
+
+
+def _wait_until_writes_stall(url: str) -> None:
+    """Until the router's count of tokens sent stops growing: its write waits on the client."""
+    last = -1.0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        sent = next(
+            float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("pdtrio_tokens_delivered_total ")
+        )
+        if sent == last and sent > 0:
+            return
+        last = sent
+    raise AssertionError("the router's writes never stalled")
 
 
 @pytest.mark.parametrize("case", ["bad key", "missing file", "missing model"])

@@ -76,3 +76,31 @@ async def test_a_stalled_client_is_cut_off_without_stalling_its_link() -> None:
         assert '"finish_reason":"length"' not in text
         if "data: [DONE]" in text:
             assert '"error"' in text and "too far behind" in text
+
+
+async def test_a_client_that_stops_reading_is_hung_up_on_at_the_request_deadline() -> None:
+    # hypercorn's write waits on the frozen socket and ignores cancellation: the deadline
+    # (or a drain's cut) gives it cleanup_grace_s, then the router shuts the connection
+    router = RouterConfig(request_timeout_s=1.0, cleanup_grace_s=0.5)
+    async with running_cluster(router=router, decode_step_s=0.001) as cluster:
+        stalled = await _open_stalled_stream(cluster.url, max_tokens=8000)
+        async with stalled:
+            with trio.fail_after(20):  # liveness bound: before, it waited for the client
+                while cluster.router_app.router is None or (  # noqa: ASYNC110
+                    cluster.router_app.router.active_requests == 0
+                ):
+                    await trio.sleep(0.01)
+                while cluster.router_app.router.active_requests:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            await wait_until_idle(cluster, deadline_s=20)  # nothing held on the workers
+            async with client(cluster) as http:
+                metrics = (await http.get("/metrics")).text
+            ended = value(metrics, "pdtrio_requests_total", outcome="failed", status="5xx")
+            assert ended == 1, metrics
+            # the client, reading at last: part of the stream, then the connection's end
+            received = b""
+            with trio.fail_after(10):
+                while chunk := await stalled.receive_some(1 << 20):
+                    received += chunk
+        assert received.startswith(b"HTTP/1.1 200")
+        assert b'"finish_reason":"length"' not in received
