@@ -20,8 +20,10 @@ from its first request on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import socket
 import time
 from typing import Any, Final, final
 
@@ -91,6 +93,22 @@ class HttpConnections:
         self._peers.discard(peer)
 
 
+async def _shut_down_if_cut(stream: trio.SocketStream, ended: trio.Event) -> None:
+    """Shut the connection's socket down if it is cut (the worker stopping, an eviction).
+
+    hypercorn shields its socket writes from cancellation: a write to a peer
+    that stopped reading (a frozen router) would hold the connection, and the
+    worker's exit, for as long as the peer's TCP stays up.  A shutdown makes
+    that write fail at once.
+    """
+    try:
+        await trio.sleep_forever()
+    finally:
+        if not ended.is_set():
+            with contextlib.suppress(OSError):
+                stream.socket.shutdown(socket.SHUT_RDWR)
+
+
 async def serve_http(
     app: Any,
     hyper_config: Any,
@@ -131,7 +149,12 @@ async def serve_http(
                     served = trio.SSLStream(
                         stream, ssl_context, server_side=True, https_compatible=True
                     )
-                await TCPServer(wrapped, hyper_config, context, {}, served).run()  # type: ignore[arg-type]
+                ended = trio.Event()
+                async with trio.open_nursery() as connection:
+                    connection.start_soon(_shut_down_if_cut, stream, ended)
+                    await TCPServer(wrapped, hyper_config, context, {}, served).run()  # type: ignore[arg-type]
+                    ended.set()
+                    connection.cancel_scope.cancel()
             finally:
                 connections.closed(peer)
         # closed to make room, hypercorn's own close was cut short: the socket goes here

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from pdtrio.testing import LOOPBACK, Processes, Service, alive, descendants, free_port
+from tests.cluster import eventually
 
 STREAMS = 20
 
@@ -179,6 +180,57 @@ def test_sigterm_stops_the_router_while_a_client_does_not_read(
     output = procs.output(router.process).decode(errors="replace")
     assert "stopped reading; hung up on it" in output, output[-2000:]
     print(f"exit {took:.2f}s after SIGTERM with a frozen client")
+
+
+def test_a_worker_stops_on_sigterm_while_its_router_is_frozen(
+    procs: Processes, tmp_path: Path
+) -> None:
+    # the worker's writes to the frozen router's link wait on full buffers, and hypercorn
+    # shields them from cancellation: before, the worker outlived its drain until the
+    # router woke up
+    config = tmp_path / "c.toml"
+    config.write_text(
+        "[embedded]\nprefill = 1\ndecode = 1\n[embedded.worker]\ndrain_s = 1\n"
+        '[embedded.worker.engine]\nkind = "synthetic"\nnum_kv_blocks = 4096\n'
+        "[embedded.worker.engine.synthetic]\ndecode_step_s = 0.001\n"
+    )
+    router = _start(procs, config, "-w", "0")
+    decode = next(
+        pid
+        for pid in router.tree()
+        if b'"role": "decode"' in Path(f"/proc/{pid}/cmdline").read_bytes()
+    )
+    results = [[] for _ in range(4)]  # type: list[list[str]]
+    errors: list[BaseException] = []
+    threads = [
+        threading.Thread(target=_stream, args=(router.url, 8000, out, errors)) for out in results
+    ]
+    for thread in threads:
+        thread.start()
+    _wait_until_tokens_flow(router.url)
+    router.process.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(3)  # decode's link writes fill the frozen router's buffers
+        os.kill(decode, signal.SIGTERM)
+        stopped = eventually(lambda: not alive(decode), 20)
+    finally:
+        router.process.send_signal(signal.SIGCONT)
+    assert stopped, "the decode worker did not stop while its router was frozen"
+    for thread in threads:
+        thread.join(60)
+
+
+def _wait_until_tokens_flow(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        if any(
+            line.startswith("pdtrio_tokens_delivered_total ") and float(line.split()[-1]) > 0
+            for line in metrics.splitlines()
+        ):
+            return
+        time.sleep(0.1)
+    raise AssertionError("no token came")
 
 
 def _wait_until_writes_stall(url: str) -> None:
