@@ -237,13 +237,17 @@ class RequestPipeline:
             raise
 
     async def _send(self, message: Message) -> None:
+        """Send to the server, marked as under way (the hot path, _write, marks its own)."""
         self._sending = True
         try:
             await self._send_to_server(message)
         finally:
-            self._sending = False
-            if self._send_ended is not None:
-                self._send_ended.set()
+            self._sent()
+
+    def _sent(self) -> None:
+        self._sending = False
+        if self._send_ended is not None:
+            self._send_ended.set()
 
     async def _hang_up_if_stuck(self) -> None:
         """Hang up on the client if the send under way has not ended within cleanup_grace_s.
@@ -615,12 +619,16 @@ class RequestPipeline:
         """Send a body part.  While the router drains, the cut that may come next must not
         tear a write in progress (the client would get half an event and no error): the
         write is shielded, for at most cleanup_grace_s (a client that does not read)."""
-        if not self.router.draining:
-            await self._send(message)
-            return
-        with trio.CancelScope(shield=True) as scope:
-            scope.deadline = trio.current_time() + self.router.config.router.cleanup_grace_s
-            await self._send(message)
+        self._sending = True
+        try:
+            if not self.router.draining:
+                await self._send_to_server(message)
+                return
+            with trio.CancelScope(shield=True) as scope:
+                scope.deadline = trio.current_time() + self.router.config.router.cleanup_grace_s
+                await self._send_to_server(message)
+        finally:
+            self._sent()
 
     async def _send_headers(self) -> None:
         self.headers_sent = True
