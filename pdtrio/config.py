@@ -216,6 +216,9 @@ class RouterConfig:
     request_timeout_s: float = attrs.field(default=600.0, validator=_positive)
     prefill_timeout_s: float = attrs.field(default=120.0, validator=_positive)
     cleanup_grace_s: float = attrs.field(default=2.0, validator=_positive)
+    # a write to a client that has not read for this long (its buffers full) is given up:
+    # the router hangs up on the client and the request ends
+    client_write_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     max_tokens_limit: int = attrs.field(default=1_000_000, validator=_positive)
     stream_buffer_tokens: int = attrs.field(default=65536, validator=_positive)
     max_request_bytes: int = attrs.field(default=16 * 1024 * 1024, validator=_positive)

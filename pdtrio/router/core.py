@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, final
+from typing import Any, Protocol, final
 
 import attrs
 import httpx
@@ -106,6 +106,13 @@ class Instance:
         return self.role in ("decode", "both")
 
 
+class RunningRequest(Protocol):
+    """What the router asks of a running request (``pdtrio.router.pipeline``)."""
+
+    def check_write(self, now: float, timeout: float) -> None:
+        """Give up a write to the client that has waited more than ``timeout`` by ``now``."""
+
+
 @final
 class Router:
     def __init__(
@@ -121,7 +128,8 @@ class Router:
         # draining: new requests are refused; drain_over: running ones are cut
         self.draining = False
         self.drain_over = trio.Event()
-        self._running: set[trio.CancelScope] = set()
+        # each running request's cancel scope, and what it is (to look for stalled writes)
+        self._running: dict[trio.CancelScope, RunningRequest] = {}
         self._idle = trio.Event()
         self._idle.set()
         # prefilled requests waiting for decode KV room, woken by the links' reports
@@ -361,11 +369,11 @@ class Router:
 
     # --- requests and draining ------------------------------------------------------
 
-    def request_started(self, scope: trio.CancelScope) -> None:
+    def request_started(self, scope: trio.CancelScope, request: RunningRequest) -> None:
         """Count a running request; ``scope`` is cancelled when the drain deadline passes."""
         self.active_requests += 1
         self.metrics.requests_active.inc()
-        self._running.add(scope)
+        self._running[scope] = request
         if self._idle.is_set():
             self._idle = trio.Event()
         if self.drain_over.is_set():
@@ -374,9 +382,19 @@ class Router:
     def request_ended(self, scope: trio.CancelScope) -> None:
         self.active_requests -= 1
         self.metrics.requests_active.dec()
-        self._running.discard(scope)
+        self._running.pop(scope, None)
         if self.active_requests == 0:
             self._idle.set()
+
+    async def hang_up_stalled_clients(self) -> None:
+        """Every quarter of ``client_write_timeout_s``, look for writes that have waited on
+        their client for longer than that (one pass over the running requests)."""
+        timeout = self.config.router.client_write_timeout_s
+        while True:
+            await trio.sleep(timeout / 4)
+            now = trio.current_time()
+            for request in list(self._running.values()):
+                request.check_write(now, timeout)
 
     async def drain(self, drain_s: float) -> None:
         """Refuse new requests, give running ones ``drain_s`` to finish, then cut them.
@@ -545,6 +563,7 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
             router = Router(config, nursery, http)
             await nursery.start(run_egress_control, router.egress)
             nursery.start_soon(router.hold_timer.run)
+            nursery.start_soon(router.hang_up_stalled_clients)
             if config.uses_embedded_cluster:
                 await _start_embedded(router, nursery)
             else:

@@ -84,6 +84,7 @@ _ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _PREFILL_ATTEMPTS = 3
 # decode must pull the KV this long before prefill's lease frees it
 _LEASE_MARGIN_S = 1.0
+_STALLED_MESSAGE = "the client read nothing for too long; the router hung up"
 
 
 @final
@@ -106,6 +107,9 @@ class RequestPipeline:
         self._hang_up = hang_up
         self._sending = False  # a send to the server is under way
         self._send_ended: trio.Event | None = None  # set as each send ends, while watched
+        self._sends = 0  # sends started: the router's stall check tells one from the next
+        self._stall_mark: tuple[int, float] | None = None  # (send, when first seen under way)
+        self._client_stalled = False  # a send waited past client_write_timeout_s
         self._hung_up = False
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         self.request_id = f"{prefix}{_PROCESS_ID}{next(_request_numbers):x}"
@@ -167,7 +171,7 @@ class RequestPipeline:
                     # what cut the pipeline short is told apart below
                     scope = self._scope = nursery.cancel_scope
                     scope.deadline = deadline
-                    router.request_started(scope)
+                    router.request_started(scope, self)
                     nursery.start_soon(self._watch_disconnect, scope)
                     try:
                         await self._pipeline(deadline)
@@ -183,7 +187,11 @@ class RequestPipeline:
                 self._ended(Outcome.DISCONNECTED)
                 return
             if error is None and not ran_to_the_end:
-                if not router.drain_over.is_set():
+                if self._client_stalled:
+                    error = OpenAIError(
+                        _STALLED_MESSAGE, status=503, type="server_error", code="client_too_slow"
+                    )
+                elif not router.drain_over.is_set():
                     # no one else cancels the scope: its deadline (the request's or prefill's)
                     error = gateway_timeout(self._timeout_message)
                 elif not self._response_complete:
@@ -239,6 +247,7 @@ class RequestPipeline:
     async def _send(self, message: Message) -> None:
         """Send to the server, marked as under way (the hot path, _write, marks its own)."""
         self._sending = True
+        self._sends += 1
         try:
             await self._send_to_server(message)
         finally:
@@ -248,6 +257,30 @@ class RequestPipeline:
         self._sending = False
         if self._send_ended is not None:
             self._send_ended.set()
+
+    def check_write(self, now: float, timeout: float) -> None:
+        """The router's periodic look (every quarter ``timeout``): a send seen under way
+        ``timeout`` ago and still not done waits on a client that stopped reading.  Its
+        request ends, and the router hangs up on the client (no cancellation reaches the
+        send).  No clock read per send: the look notes which send it saw, and when."""
+        if not self._sending or self._client_stalled:
+            self._stall_mark = None
+            return
+        mark = self._stall_mark
+        if mark is None or mark[0] != self._sends:
+            self._stall_mark = (self._sends, now)
+            return
+        if now - mark[1] < timeout:
+            return
+        self._client_stalled = True
+        log.warning(
+            "request %s: its client has read nothing for %gs; hanging up on it",
+            self.request_id,
+            timeout,
+        )
+        if self._hang_up():
+            self._hung_up = True
+        self._scope.cancel()
 
     async def _hang_up_if_stuck(self) -> None:
         """Hang up on the client if the send under way has not ended within cleanup_grace_s.
@@ -620,6 +653,7 @@ class RequestPipeline:
         tear a write in progress (the client would get half an event and no error): the
         write is shielded, for at most cleanup_grace_s (a client that does not read)."""
         self._sending = True
+        self._sends += 1
         try:
             if not self.router.draining:
                 await self._send_to_server(message)

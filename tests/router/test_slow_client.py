@@ -104,3 +104,49 @@ async def test_a_client_that_stops_reading_is_hung_up_on_at_the_request_deadline
                     received += chunk
         assert received.startswith(b"HTTP/1.1 200")
         assert b'"finish_reason":"length"' not in received
+
+
+async def test_a_client_that_reads_nothing_for_the_write_timeout_is_hung_up_on() -> None:
+    # long before the request's deadline: a write that waited client_write_timeout_s on
+    # the client ends the request, and the router hangs up
+    router = RouterConfig(client_write_timeout_s=1.0, request_timeout_s=600)
+    async with running_cluster(router=router, decode_step_s=0.001) as cluster:
+        stalled = await _open_stalled_stream(cluster.url, max_tokens=8000)
+        async with stalled:
+            with trio.fail_after(20):  # liveness bound: before, it waited for the deadline
+                while cluster.router_app.router is None or (  # noqa: ASYNC110
+                    cluster.router_app.router.active_requests == 0
+                ):
+                    await trio.sleep(0.01)
+                while cluster.router_app.router.active_requests:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            await wait_until_idle(cluster, deadline_s=20)
+            async with client(cluster) as http:
+                metrics = (await http.get("/metrics")).text
+            ended = value(metrics, "pdtrio_requests_total", outcome="failed", status="5xx")
+            assert ended == 1, metrics
+            received = b""
+            with trio.fail_after(10):
+                while chunk := await stalled.receive_some(1 << 20):
+                    received += chunk
+        assert received.startswith(b"HTTP/1.1 200")
+        assert b'"finish_reason":"length"' not in received
+
+
+async def test_a_client_that_reads_slowly_but_steadily_is_not_hung_up_on() -> None:
+    # each write waits on the client for less than the timeout: the stream completes
+    router = RouterConfig(client_write_timeout_s=1.0)
+    async with running_cluster(router=router, decode_step_s=0.001) as cluster:
+        stalled = await _open_stalled_stream(cluster.url, max_tokens=3000)
+        received = b""
+        async with stalled:
+            with trio.fail_after(60):
+                while chunk := await stalled.receive_some(2048):
+                    received += chunk
+                    if received.endswith(b"data: [DONE]\n\n"):
+                        break
+                    await trio.sleep(0.02)  # about 100 KB/s: behind decode, never 1 s stuck
+        assert b'"finish_reason":"length"' in received
+        async with client(cluster) as http:
+            metrics = (await http.get("/metrics")).text
+        assert value(metrics, "pdtrio_requests_total", outcome="ok") == 1, metrics
