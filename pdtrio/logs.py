@@ -59,17 +59,17 @@ class TextFormatter(logging.Formatter):
         self.process_label = process_label
 
     def format(self, record: logging.LogRecord) -> str:
-        line = (
-            f"{timestamp(record.created)} {self.process_label} {record.levelname} "
-            f"{record.name}: {record.getMessage()}"
-        )
+        line = self._line(record.created, record.levelname, record.name, record.getMessage())
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
 
     def format_access(self, created: float, message: str, fields: Mapping[str, Any]) -> str:
         """What ``format`` makes of an INFO access record with this message."""
-        return f"{timestamp(created)} {self.process_label} INFO {ACCESS_LOGGER}: {message}"
+        return self._line(created, "INFO", ACCESS_LOGGER, message)
+
+    def _line(self, created: float, level: str, logger: str, message: str) -> str:
+        return f"{timestamp(created)} {self.process_label} {level} {logger}: {message}"
 
 
 @final
@@ -81,33 +81,33 @@ class JsonFormatter(logging.Formatter):
         self.process_label = process_label
 
     def format(self, record: logging.LogRecord) -> str:
-        fields: dict[str, Any] = {
-            "ts": timestamp(record.created),
-            "process": self.process_label,
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        for key, value in vars(record).items():
-            if key not in _RECORD_ATTRIBUTES and key not in fields:
-                fields[key] = value
+        fields = self._fields(
+            record.created, record.levelname, record.name, record.getMessage(), vars(record)
+        )
         if record.exc_info:
             fields["exception"] = self.formatException(record.exc_info)
         return json.dumps(fields, default=str, ensure_ascii=False)
 
     def format_access(self, created: float, message: str, fields: Mapping[str, Any]) -> str:
         """What ``format`` makes of an INFO access record with this message and extra."""
-        line: dict[str, Any] = {
+        line = self._fields(created, "INFO", ACCESS_LOGGER, message, fields)
+        return json.dumps(line, default=str, ensure_ascii=False)
+
+    def _fields(
+        self, created: float, level: str, logger: str, message: str, extra: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """The line's object: its own fields, then those of ``extra`` no record has."""
+        fields: dict[str, Any] = {
             "ts": timestamp(created),
             "process": self.process_label,
-            "level": "INFO",
-            "logger": ACCESS_LOGGER,
+            "level": level,
+            "logger": logger,
             "message": message,
         }
-        for key, value in fields.items():
-            if key not in _RECORD_ATTRIBUTES and key not in line:
-                line[key] = value
-        return json.dumps(line, default=str, ensure_ascii=False)
+        for key, value in extra.items():
+            if key not in _RECORD_ATTRIBUTES and key not in fields:
+                fields[key] = value
+        return fields
 
 
 # Access lines wait in the handler until this many are pending, a line of another

@@ -109,8 +109,9 @@ class Instance:
 class RunningRequest(Protocol):
     """What the router asks of a running request (``pdtrio.router.pipeline``)."""
 
-    def check_write(self, now: float, timeout: float) -> None:
-        """Give up a write to the client that has waited more than ``timeout`` by ``now``."""
+    def check_write(self, now: float, write_timeout: float, cut_grace: float) -> None:
+        """Give up a write that has waited on its client more than ``write_timeout`` by
+        ``now`` (``cut_grace`` once the request was cut)."""
 
 
 @final
@@ -387,14 +388,16 @@ class Router:
             self._idle.set()
 
     async def hang_up_stalled_clients(self) -> None:
-        """Every quarter of ``client_write_timeout_s``, look for writes that have waited on
-        their client for longer than that (one pass over the running requests)."""
-        timeout = self.config.router.client_write_timeout_s
+        """Look for writes that have waited on their client for ``client_write_timeout_s``,
+        or ``cleanup_grace_s`` once their request was cut: one pass over the running
+        requests every quarter of the shorter."""
+        write_timeout = self.config.router.client_write_timeout_s
+        cut_grace = self.config.router.cleanup_grace_s
         while True:
-            await trio.sleep(timeout / 4)
+            await trio.sleep(min(write_timeout, cut_grace) / 4)
             now = trio.current_time()
             for request in list(self._running.values()):
-                request.check_write(now, timeout)
+                request.check_write(now, write_timeout, cut_grace)
 
     async def drain(self, drain_s: float) -> None:
         """Refuse new requests, give running ones ``drain_s`` to finish, then cut them.

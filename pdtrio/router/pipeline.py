@@ -106,11 +106,10 @@ class RequestPipeline:
         # shuts the client's connection down (a client that stopped reading); True if done
         self._hang_up = hang_up
         self._sending = False  # a send to the server is under way
-        self._send_ended: trio.Event | None = None  # set as each send ends, while watched
         self._sends = 0  # sends started: the router's stall check tells one from the next
         self._stall_mark: tuple[int, float] | None = None  # (send, when first seen under way)
         self._client_stalled = False  # a send waited past client_write_timeout_s
-        self._hung_up = False
+        self._gave_up_on_client = False  # a stuck send was given up: the client is hung up on
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         self.request_id = f"{prefix}{_PROCESS_ID}{next(_request_numbers):x}"
         self.created = int(time.time())
@@ -145,8 +144,9 @@ class RequestPipeline:
         # what /metrics and the access line say of it, recorded as it goes
         self.figures = router.metrics.figures(request.model)
         self._decoding = False  # counted in the router's active streams
-        # the request's nursery scope, and what a client is told when its deadline passes
-        self._scope = trio.CancelScope()
+        # the request's nursery scope (once it runs), and what a client is told when its
+        # deadline passes
+        self._scope: trio.CancelScope | None = None
         self._timeout_message = ""
 
     # --- entry ------------------------------------------------------------------
@@ -228,21 +228,13 @@ class RequestPipeline:
         )
 
     async def _watch_disconnect(self, cancel_scope: trio.CancelScope) -> None:
-        try:
-            while True:
-                message = await self._receive()
-                if message["type"] == "http.disconnect":
-                    if not self._response_complete:
-                        self.client_gone = True
-                        cancel_scope.cancel()
-                    return
-        except trio.Cancelled:
-            if self._sending:
-                # the request was cut (deadline, drain) while the pipeline waits on a send,
-                # which no cancellation reaches: see that it ends
-                with trio.CancelScope(shield=True):
-                    await self._hang_up_if_stuck()
-            raise
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                if not self._response_complete:
+                    self.client_gone = True
+                    cancel_scope.cancel()
+                return
 
     async def _send(self, message: Message) -> None:
         """Send to the server, marked as under way (the hot path, _write, marks its own)."""
@@ -251,60 +243,42 @@ class RequestPipeline:
         try:
             await self._send_to_server(message)
         finally:
-            self._sent()
+            self._sending = False
 
-    def _sent(self) -> None:
-        self._sending = False
-        if self._send_ended is not None:
-            self._send_ended.set()
+    def check_write(self, now: float, write_timeout: float, cut_grace: float) -> None:
+        """The router's periodic look for a send that waits on a client that stopped reading.
 
-    def check_write(self, now: float, timeout: float) -> None:
-        """The router's periodic look (every quarter ``timeout``): a send seen under way
-        ``timeout`` ago and still not done waits on a client that stopped reading.  Its
-        request ends, and the router hangs up on the client (no cancellation reaches the
-        send).  No clock read per send: the look notes which send it saw, and when."""
-        if not self._sending or self._client_stalled:
+        hypercorn shields its socket writes from cancellation, so such a send
+        would hold the request (and a server shutting down) for as long as the
+        client's TCP stays up.  A send seen under way ``write_timeout`` ago, or
+        ``cut_grace`` ago once the request was cut (deadline, drain, an error),
+        is given up: the router hangs up on the client, the send fails and the
+        request ends.  No clock read per send: the look notes which send it
+        saw, and when.
+        """
+        if not self._sending or self._gave_up_on_client:
             self._stall_mark = None
             return
         mark = self._stall_mark
         if mark is None or mark[0] != self._sends:
             self._stall_mark = (self._sends, now)
             return
-        if now - mark[1] < timeout:
+        scope = self._scope
+        cut = scope is None or scope.cancel_called
+        if now - mark[1] < (cut_grace if cut else write_timeout):
             return
-        self._client_stalled = True
-        log.warning(
-            "request %s: its client has read nothing for %gs; hanging up on it",
-            self.request_id,
-            timeout,
-        )
+        self._gave_up_on_client = True
+        if not cut:
+            self._client_stalled = True  # the request ends for it
+            assert scope is not None
+            scope.cancel()
+        why = "stopped reading" if cut else f"has read nothing for {write_timeout:g}s"
         if self._hang_up():
-            self._hung_up = True
-        self._scope.cancel()
-
-    async def _hang_up_if_stuck(self) -> None:
-        """Hang up on the client if the send under way has not ended within cleanup_grace_s.
-
-        hypercorn shields its socket writes from cancellation: a client that
-        stopped reading would hold the request (and a server shutting down)
-        for as long as its TCP stays up.
-        """
-        if not self._sending:
-            return
-        ended = self._send_ended = trio.Event()
-        with trio.move_on_after(self.router.config.router.cleanup_grace_s):
-            await ended.wait()
-            return
-        if self._hang_up():
-            self._hung_up = True
-            log.warning("request %s: its client stopped reading; hung up on it", self.request_id)
-
-    async def _send_bounded(self, message: Message) -> None:
-        """A send that a client which stopped reading cannot hold past cleanup_grace_s."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._hang_up_if_stuck)
-            await self._send(message)
-            nursery.cancel_scope.cancel()
+            log.warning("request %s: its client %s; hung up on it", self.request_id, why)
+        else:
+            log.warning(
+                "request %s: its client %s; its connection is not found", self.request_id, why
+            )
 
     # --- the pipeline --------------------------------------------------------------
 
@@ -384,6 +358,7 @@ class RequestPipeline:
             # prefill's own timeout, when it comes first, is the request scope's deadline for
             # the call (no scope of its own); cut by it, the request ends as timed out
             scope = self._scope
+            assert scope is not None  # run() set it
             prefill_deadline = trio.current_time() + prefill_timeout_s
             if prefill_deadline < deadline:
                 scope.deadline = prefill_deadline
@@ -649,20 +624,23 @@ class RequestPipeline:
             self._writing = False
 
     async def _write(self, message: dict[str, Any]) -> None:
-        """Send a body part.  While the router drains, the cut that may come next must not
-        tear a write in progress (the client would get half an event and no error): the
-        write is shielded, for at most cleanup_grace_s (a client that does not read)."""
+        """Send a body part (the hot path: marked as under way here, as _send does).
+
+        While the router drains, the cut that may come next must not tear a write
+        in progress (the client would get half an event and no error): the write
+        is shielded.  A client that does not read cannot hold it past the cut's
+        grace: the router's stall check (check_write) hangs up on it.
+        """
         self._sending = True
         self._sends += 1
         try:
             if not self.router.draining:
                 await self._send_to_server(message)
                 return
-            with trio.CancelScope(shield=True) as scope:
-                scope.deadline = trio.current_time() + self.router.config.router.cleanup_grace_s
+            with trio.CancelScope(shield=True):
                 await self._send_to_server(message)
         finally:
-            self._sent()
+            self._sending = False
 
     async def _send_headers(self) -> None:
         self.headers_sent = True
@@ -692,14 +670,14 @@ class RequestPipeline:
         await send_json(self._send, 200, payload)
 
     async def _send_error(self, error: OpenAIError) -> None:
-        if self._hung_up:
+        if self._gave_up_on_client:
             return  # the connection is gone
         if self.headers_sent:
             if self._writing:
                 return  # a write was cut mid-way: more bytes would corrupt the stream; hang up
             if self.shaper is not None and not self.shaper.closed:
                 # a client that is not reading must not hold this task: bounded
-                await self._send_bounded(
+                await self._send(
                     {
                         "type": "http.response.body",
                         "body": self.shaper.error(error),
@@ -708,7 +686,7 @@ class RequestPipeline:
                 )
             return
         extra = [(name.encode(), value.encode()) for name, value in error.headers]
-        await send_json(self._send_bounded, error.status, error.to_body(), extra or None)
+        await send_json(self._send, error.status, error.to_body(), extra or None)
 
     # --- cleanup ------------------------------------------------------------------
 

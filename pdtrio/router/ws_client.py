@@ -239,7 +239,7 @@ class WebSocketClient:
         try:
             try:
                 if self._ws.state is not ConnectionState.OPEN:
-                    self._ws.send(BytesMessage(data=b""))  # raises what a closed one does
+                    raise LocalProtocolError("the connection is closing")
                 # a fresh mask per frame, drawn for the whole batch at once
                 masks = os.urandom(4 * len(messages))
                 pending: list[bytes] = []

@@ -93,20 +93,20 @@ class HttpConnections:
         self._peers.discard(peer)
 
 
-async def _shut_down_if_cut(stream: trio.SocketStream, ended: trio.Event) -> None:
-    """Shut the connection's socket down if it is cut (the worker stopping, an eviction).
+async def _shut_down_when_cut(stream: trio.SocketStream) -> None:
+    """Shut the connection's socket down when it is cut (the worker stopping, an eviction).
 
     hypercorn shields its socket writes from cancellation: a write to a peer
     that stopped reading (a frozen router) would hold the connection, and the
     worker's exit, for as long as the peer's TCP stays up.  A shutdown makes
-    that write fail at once.
+    that write fail at once.  Once hypercorn is done the socket is closed, and
+    this does nothing.
     """
     try:
         await trio.sleep_forever()
     finally:
-        if not ended.is_set():
-            with contextlib.suppress(OSError):
-                stream.socket.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            stream.socket.shutdown(socket.SHUT_RDWR)
 
 
 async def serve_http(
@@ -149,11 +149,9 @@ async def serve_http(
                     served = trio.SSLStream(
                         stream, ssl_context, server_side=True, https_compatible=True
                     )
-                ended = trio.Event()
                 async with trio.open_nursery() as connection:
-                    connection.start_soon(_shut_down_if_cut, stream, ended)
+                    connection.start_soon(_shut_down_when_cut, stream)
                     await TCPServer(wrapped, hyper_config, context, {}, served).run()  # type: ignore[arg-type]
-                    ended.set()
                     connection.cancel_scope.cancel()
             finally:
                 connections.closed(peer)
