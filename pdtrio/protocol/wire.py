@@ -5,7 +5,9 @@ the wire (a msgpack array, no field names), named in code, and decoded
 straight into the struct, validated, with no intermediate lists.  Messages of
 the worker link (the one websocket between the router and each worker: prefill
 calls, releases, decode starts, aborts, tokens) carry an integer tag as their
-first element (``[kind, ...fields]``), so one decoder tells them apart.  The token entry is
+first element (``[kind, ...fields]``), so one decoder tells them apart.  A worker
+whose router asks for it (``?batch=1`` on the link) sends what is ready at once
+as one batch, an array of such messages (:func:`is_batch`).  The token entry is
 the hot path: a frame of many entries decodes faster this way than plain
 msgpack into lists did, and nobody indexes by magic number any more.
 
@@ -413,6 +415,35 @@ DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError)
 
 to_worker_decoder: Decoder[ToWorker] = Decoder(ToWorker)
 from_worker_decoder: Decoder[FromWorker] = Decoder(FromWorker)
+# a worker's batch: several messages in one websocket message, when the router asks (?batch=1)
+from_worker_batch_decoder: Decoder[list[FromWorker]] = Decoder(list[FromWorker])
+
+# msgpack array headers: fixarray (0x90-0x9f, the length inside), array 16 and array 32
+_ARRAY16: Final = 0xDC
+_ARRAY32: Final = 0xDD
+
+
+def is_batch(data: bytes) -> bool:
+    """Whether ``data`` is a batch of messages (an array of arrays), not one message.
+
+    A message is an array whose first item is its tag, an integer; a batch is
+    an array whose first item is a message: an array.
+    """
+    if not data:
+        return False
+    first = data[0]
+    if 0x90 <= first <= 0x9F:
+        item = 1
+    elif first == _ARRAY16:
+        item = 3
+    elif first == _ARRAY32:
+        item = 5
+    else:
+        return False
+    if len(data) <= item:
+        return True  # an empty array: no message has no tag, so an empty batch
+    head = data[item]
+    return 0x90 <= head <= 0x9F or head == _ARRAY16 or head == _ARRAY32
 
 
 # --- decode <- prefill: NIXL (a control session on the KV transfer port) --------

@@ -5,7 +5,9 @@ and its answer, the release, the decode start, its answer and tokens, the
 abort.  No HTTP exchange per request: one connection, request ids, one reader
 task, one writer task draining a bounded outbox.
 
-The reader decodes each frame and hands each token entry to its stream's
+The router asks each worker for batches (``?batch=1``): what queued on the
+worker during a write comes as one message (``wire.is_batch``); a single
+message is read too.  The reader decodes each frame and hands each token entry to its stream's
 bounded buffer without ever awaiting the stream's consumer, so a slow client
 cannot stall the others; the stream's own task drains its buffer.  The
 writer sends whatever is queued in one write, so under load many messages
@@ -59,7 +61,9 @@ from pdtrio.protocol.wire import (
     TokenFrame,
     encode,
     encode_in_pieces,
+    from_worker_batch_decoder,
     from_worker_decoder,
+    is_batch,
     prompt_is_long,
 )
 from pdtrio.router.ws_client import (
@@ -257,7 +261,8 @@ class WorkerLink:
         self.link_timeout_s = link_timeout_s
         self.heartbeat_s = heartbeat_s
         self._connect_timeout_s = connect_timeout_s
-        self._connect_url = f"{url}?heartbeat_s={heartbeat_s!r}"
+        # batch=1: the worker may send several messages as one (see wire.is_batch)
+        self._connect_url = f"{url}?heartbeat_s={heartbeat_s!r}&batch=1"
         self._last_read = 0.0  # when the reader last got frames (trio clock)
         self._hung = False  # the watchdog dropped the current connection
         self.hangs = 0  # links dropped for silence
@@ -417,61 +422,63 @@ class WorkerLink:
     async def _read(self, ws: WebSocketClient) -> None:
         streams = self._streams
         decode = from_worker_decoder.decode_raw
+        decode_batch = from_worker_batch_decoder.decode_raw
         dispatch_entries = self._dispatch_entries
         clock = trio.current_time
         while True:
             try:
-                batch = await ws.receive_messages()
+                frames = await ws.receive_messages()
             except ConnectionClosed:
                 return
             self._last_read = clock()  # the watchdog's only input: once per read
-            self.frames_received += len(batch)
-            # every frame of the read goes to its streams before anyone else runs
-            for data in batch:
+            self.frames_received += len(frames)
+            # every message of the read goes to its streams before anyone else runs
+            for data in frames:
                 if isinstance(data, str):
                     log.warning("worker %s sent a text frame", self.instance_id)
                     continue
                 try:
-                    message = decode(data)
+                    messages = decode_batch(data) if is_batch(data) else (decode(data),)
                 except DECODE_ERRORS as exc:
                     log.warning("bad frame from worker %s: %s", self.instance_id, exc)
                     continue
-                if type(message) is TokenFrame:
-                    dispatch_entries(message.entries)
-                    continue
-                if type(message) is DecodeCapacity:
-                    self.capacity = message
-                    self._on_capacity()
-                    continue
-                if type(message) is PrefillReply or type(message) is PrefillFailed:
-                    pending = self._prefills.pop(message.request_id, None)
-                    if pending is not None:
-                        pending.settle(message)
-                    elif type(message) is PrefillReply:
-                        # its caller gave up (and sent a release, which may have crossed
-                        # this reply): release again, harmless if it was
-                        handle = message.kv_handle
-                        token = "" if handle is None else handle.access_token
-                        self._post_nowait(encode(ReleaseRequest(message.request_id, token)))
-                    continue
-                if type(message) is Heartbeat:
-                    continue  # its arrival was all it had to say
-                self._settle(message.request_id)
-                stream = streams.get(message.request_id)
-                if stream is None:
-                    continue  # already ended here
-                if type(message) is DecodeAccepted:
-                    # no wake-up: the waiter learns it with the first tokens (one wake-up
-                    # per request fewer); a rejection or failure wakes it at once
-                    stream.accepted = True
-                    continue
-                if type(message) is DecodeRejected:
-                    stream.rejection = message
-                    del streams[message.request_id]
-                else:  # DecodeFailed: decode holds nothing of it any more
-                    stream.failure = message.message
-                    del streams[message.request_id]
-                stream.notify()
+                for message in messages:
+                    if type(message) is TokenFrame:
+                        dispatch_entries(message.entries)
+                        continue
+                    if type(message) is DecodeCapacity:
+                        self.capacity = message
+                        self._on_capacity()
+                        continue
+                    if type(message) is PrefillReply or type(message) is PrefillFailed:
+                        pending = self._prefills.pop(message.request_id, None)
+                        if pending is not None:
+                            pending.settle(message)
+                        elif type(message) is PrefillReply:
+                            # its caller gave up (and sent a release, which may have crossed
+                            # this reply): release again, harmless if it was
+                            handle = message.kv_handle
+                            token = "" if handle is None else handle.access_token
+                            self._post_nowait(encode(ReleaseRequest(message.request_id, token)))
+                        continue
+                    if type(message) is Heartbeat:
+                        continue  # its arrival was all it had to say
+                    self._settle(message.request_id)
+                    stream = streams.get(message.request_id)
+                    if stream is None:
+                        continue  # already ended here
+                    if type(message) is DecodeAccepted:
+                        # no wake-up: the waiter learns it with the first tokens (one wake-up
+                        # per request fewer); a rejection or failure wakes it at once
+                        stream.accepted = True
+                        continue
+                    if type(message) is DecodeRejected:
+                        stream.rejection = message
+                        del streams[message.request_id]
+                    else:  # DecodeFailed: decode holds nothing of it any more
+                        stream.failure = message.message
+                        del streams[message.request_id]
+                    stream.notify()
 
     def _dispatch_entries(self, entries: list[TokenEntry]) -> None:
         """Hand each entry to its stream; never waits (the hot path)."""

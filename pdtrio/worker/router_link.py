@@ -21,6 +21,10 @@ abort): a dirty flag and a poke of the outbox, so reports coalesce to the
 latest value and nothing polls.  The report a control message may change goes
 out just before it, so the router never sees an accept its report lacks.
 
+A router that asks for it (``?batch=1``) gets the frames that queued during
+a write in one message, a batch (``wire.is_batch``): one send through the
+websocket, and one wake-up of the router, for all of them.
+
 Liveness: after ``heartbeat_s`` without a frame (the router names the
 interval in the link's URL, ``?heartbeat_s=``), the sender writes a
 ``Heartbeat``, so the router can tell a silent link from a hung worker.
@@ -73,6 +77,8 @@ DEFAULT_HEARTBEAT_S: Final = 0.5
 _MIN_HEARTBEAT_S: Final = 0.01
 _MAX_HEARTBEAT_S: Final = 3600.0
 _HEARTBEAT: Final = Heartbeat()
+# at most this many frames in one batch (the sender's channel holds a few)
+_MAX_BATCH_FRAMES: Final = 16
 
 _Control = DecodeAccepted | DecodeRejected | DecodeFailed | PrefillReply | PrefillFailed
 # What reaches the sender: a step's entries, a control message, or None: a write finished.
@@ -99,10 +105,17 @@ class Prefiller(Protocol):
 @final
 class _Link:
     def __init__(
-        self, server: RouterLinkServer, send: Send, heartbeat_s: float = DEFAULT_HEARTBEAT_S
+        self,
+        server: RouterLinkServer,
+        send: Send,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        *,
+        batches: bool = False,
     ) -> None:
         self._server = server
         self._heartbeat_s = heartbeat_s
+        # the router reads batches (?batch=1): what is ready goes out in one message
+        self._batches = batches
         self._last_write = trio.current_time()  # when the writer last finished a frame
         self._engine = server.engine
         self._send = send
@@ -209,11 +222,22 @@ class _Link:
         poke = self.outbox_send.clone()
         faults = self._faults
         async for frame in frames:
+            batch = [frame]
+            if self._batches:
+                # the frames that queued during the last write go out with this one: one
+                # send (and one wake-up of the router) for all of them
+                while len(batch) < _MAX_BATCH_FRAMES:
+                    try:
+                        batch.append(frames.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
             if faults is not None:
-                await faults.before_frame(frame)  # a stall (testing only)
-            await self._send({"type": "websocket.send", "bytes": wire.encode(frame)})
+                for queued in batch:
+                    await faults.before_frame(queued)  # a stall (testing only)
+            data = wire.encode(batch if self._batches else frame)
+            await self._send({"type": "websocket.send", "bytes": data})
             self._last_write = trio.current_time()
-            self._in_flight -= 1
+            self._in_flight -= len(batch)
             try:
                 # wake the collector; a full outbox wakes it anyway, so never wait here
                 poke.send_nowait(None)
@@ -504,7 +528,7 @@ class RouterLinkServer:
             await send({"type": "websocket.close", "code": 1013})  # (an HTTP 403)
             return
         await send({"type": "websocket.accept"})
-        link = _Link(self, send, _heartbeat_interval(scope))
+        link = _Link(self, send, _heartbeat_interval(scope), batches=_wants_batches(scope))
         self._links.add(link)
         try:
             async with trio.open_nursery() as nursery:
@@ -520,9 +544,18 @@ class RouterLinkServer:
             self.capacity_changed()  # the other routers learn what it freed
 
 
+def _query(scope: Scope) -> dict[str, list[str]]:
+    return urllib.parse.parse_qs(bytes(scope.get("query_string", b"")).decode("latin-1"))
+
+
+def _wants_batches(scope: Scope) -> bool:
+    """Whether the router reads batches of messages (``?batch=1``)."""
+    return _query(scope).get("batch", [""])[-1] == "1"
+
+
 def _heartbeat_interval(scope: Scope) -> float:
     """The interval the router asked for (``?heartbeat_s=``), within sane bounds."""
-    query = urllib.parse.parse_qs(bytes(scope.get("query_string", b"")).decode("latin-1"))
+    query = _query(scope)
     try:
         asked = float(query["heartbeat_s"][-1])
     except (KeyError, ValueError):

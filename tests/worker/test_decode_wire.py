@@ -18,6 +18,7 @@ import pytest
 import trio
 import trio_websocket
 
+from pdtrio.config import WorkerFaultsConfig
 from pdtrio.engine.api import EngineOutput, StepFailed
 from pdtrio.worker.server import Worker
 from tests.cluster import synthetic_worker, wait_for_stats
@@ -191,6 +192,52 @@ async def test_decode_frames_are_plain_msgpack_and_abort_frees_blocks() -> None:
     assert pair.prefill.engine.statistics().kv_blocks_in_use == 0
     assert pair.decode.engine.statistics().kv_blocks_in_use == 0
     assert len(pair.prefill.leases) == 0
+
+
+async def test_a_router_that_asks_for_batches_gets_what_queued_in_one_message() -> None:
+    """``?batch=1``: every frame is an array of messages; what queued during a write shares
+    one; the messages are the ones an unbatched link carries, in an order that still puts
+    each accept's capacity report ahead of it.  (A stall of the links' writes at the first
+    token frame makes frames queue for sure.)"""
+    stall = WorkerFaultsConfig(decode_stall_s=0.2)
+    async with running_pair(decode_step_s=0.001, faults=stall) as pair:
+        replies = [
+            await _prefill(pair.prefill_url, f"req-{i}", f"prompt {i}", 12) for i in range(8)
+        ]
+        sizes: list[int] = []
+        messages: list[list[Any]] = []
+        finished: set[str] = set()
+        async with trio_websocket.open_websocket_url(pair.ws_url + "?batch=1") as ws:
+            for reply in replies:
+                await ws.send_message(decode_start(reply))
+            with trio.fail_after(30):
+                while len(finished) < len(replies):
+                    data = await ws.get_message()
+                    assert isinstance(data, bytes)
+                    batch = _strict_unpack(data)
+                    assert isinstance(batch, list) and batch
+                    assert all(isinstance(m, list) and isinstance(m[0], int) for m in batch)
+                    sizes.append(len(batch))
+                    messages += batch
+                    for message in batch:
+                        if message[0] == TOKENS:
+                            finished |= {e[E_ID] for e in message[1] if e[E_FINISH] is not None}
+        assert max(sizes) > 1, sizes  # what queued during the stall went out together
+        capacity_seen = False
+        accepted = set()
+        tokens: dict[str, int] = {}
+        for message in messages:
+            if message[0] == CAPACITY:
+                capacity_seen = True
+            elif message[0] == ACCEPTED:
+                assert capacity_seen  # a report went out ahead of the first accept
+                accepted.add(message[1])
+            else:
+                assert message[0] == TOKENS, message
+                for entry in message[1]:
+                    assert entry[E_ID] in accepted  # no token ahead of its accept
+                    tokens[entry[E_ID]] = tokens.get(entry[E_ID], 0) + len(entry[E_TOKENS])
+        assert tokens == {reply[R_ID]: 11 for reply in replies}
 
 
 async def test_a_stop_string_spanning_the_first_token_is_cut_and_counted() -> None:
