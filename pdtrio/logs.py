@@ -35,18 +35,19 @@ class LogSettingError(ValueError):
     """A log level or format that is not one of the known ones."""
 
 
-# the formatted second of the last timestamp: lines come many to a second
-_last_second: list[Any] = [-1, ""]
+# the last timestamp's second and its text (lines come many to a second); one tuple,
+# replaced whole, so a line logged from another thread never pairs one's text with another
+_last_second: tuple[int, str] = (-1, "")
 
 
 def timestamp(created: float) -> str:
     """``2026-12-01T04:50:00.123Z``: UTC, milliseconds."""
+    global _last_second
     seconds = int(created)
     millis = int((created - seconds) * 1000)
     last = _last_second
     if last[0] != seconds:
-        last[1] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
-        last[0] = seconds
+        last = _last_second = (seconds, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)))
     return f"{last[1]}.{millis:03d}Z"
 
 

@@ -676,7 +676,8 @@ class RequestPipeline:
             if self._writing:
                 return  # a write was cut mid-way: more bytes would corrupt the stream; hang up
             if self.shaper is not None and not self.shaper.closed:
-                # a client that is not reading must not hold this task: bounded
+                # a client that is not reading cannot hold this: the router's stall check
+                # (check_write) hangs up on it after cleanup_grace_s
                 await self._send(
                     {
                         "type": "http.response.body",

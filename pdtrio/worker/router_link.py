@@ -77,8 +77,6 @@ DEFAULT_HEARTBEAT_S: Final = 0.5
 _MIN_HEARTBEAT_S: Final = 0.01
 _MAX_HEARTBEAT_S: Final = 3600.0
 _HEARTBEAT: Final = Heartbeat()
-# at most this many frames in one batch (the sender's channel holds a few)
-_MAX_BATCH_FRAMES: Final = 16
 
 _Control = DecodeAccepted | DecodeRejected | DecodeFailed | PrefillReply | PrefillFailed
 # What reaches the sender: a step's entries, a control message, or None: a write finished.
@@ -225,8 +223,9 @@ class _Link:
             batch = [frame]
             if self._batches:
                 # the frames that queued during the last write go out with this one: one
-                # send (and one wake-up of the router) for all of them
-                while len(batch) < _MAX_BATCH_FRAMES:
+                # send (and one wake-up of the router) for all of them; the channel's
+                # bound bounds a batch
+                while True:
                     try:
                         batch.append(frames.receive_nowait())
                     except (trio.WouldBlock, trio.EndOfChannel):
