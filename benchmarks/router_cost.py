@@ -13,16 +13,21 @@ same loads, one after the other, in the same run:
   default ("egress on") or 0 ("egress off");
 - **trivial app**: ``benchmarks.trivial_sse_app``: the same SSE bytes for the
   same request (headers, chunks, ``[DONE]`` in the last write), the same number
-  of tokens, paced on the same 10 ms clock, and nothing else: hypercorn's cost.
+  of tokens, paced on the same 10 ms clock (one ticker task for every stream),
+  and nothing else: hypercorn's cost.
 
 The rows:
 
 1. N concurrent requests of 2 tokens, in rounds (all N sent at once, the next
    round when all have ended), on kept-alive connections, then with a new
-   connection per request: router CPU per request, TTFT;
+   connection per request: router CPU per request, TTFT; then N requests of 1
+   token (prefill's token is the whole answer: one worker exchange, the least
+   a request can cost pdtrio's router);
 2. 128 and 512 streams of 128 tokens, decode paced at 10 ms per token, each
    client sending its next request when one ends, egress on and off: router
-   CPU per token, ITL, TTFT, tokens delivered against those offered;
+   CPU per token, ITL, TTFT, tokens delivered against those offered; then the
+   512 streams against the trivial app sending 5 tokens an event (what pdtrio's
+   egress sends at its 50 ms cap): what that many SSE events cost hypercorn;
 3. 64 streams of 256 tokens, decode as fast as it can (pdtrio only);
 4. the 512-stream row with two router processes (``hypercorn -w 2``, the same
    config; each process has its own links to the workers), both pinned to the
@@ -65,7 +70,10 @@ load for pdtrio (egress on, off), the trivial app and decode's own, tokens/s
 against the number of streams, and the short requests' TTFT CDFs.
 
 Goals (issue 9) are evaluated on the default configuration (egress on) and
-printed PASS/FAIL under the table, never as an error.  The machine is small
+printed PASS/FAIL under the table, never as an error; beside them, what the
+trivial app itself does at each goal's load (its cost with one exchange less
+than the least pdtrio makes, its own TTFT, its cost per token at pdtrio's
+event rate).  The machine is small
 and shared: notes list the runs where other processes took the router's core,
 or the load core was saturated, or decode itself could not keep 10 ms.
 """
@@ -108,6 +116,8 @@ from pdtrio.testing import (
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CAP_S = RouterConfig().egress_max_delay_s
 PACED_STEP_S = 0.01
+# the tokens an event carries when egress spaces a paced stream's sends by the cap
+GROUPED_TOKENS = max(1, round(DEFAULT_CAP_S / PACED_STEP_S))
 # the synthetic engine's context is 8192 tokens: a direct request of at most this many
 _DIRECT_MAX_TOKENS = 8000
 _KV_BLOCKS = 16384  # 512 streams x 9 blocks, the direct reader's 501, and room to spare
@@ -140,6 +150,7 @@ class Server:
     step_s: float  # the decode step (pdtrio) or the pace (trivial)
     egress_s: float | None = None  # pdtrio's router.egress_max_delay_s; None: its default
     processes: int = 1  # hypercorn -w
+    tokens_per_event: int = 1  # the trivial app's grouping of paced tokens
 
     @property
     def cap_s(self) -> float | None:
@@ -163,16 +174,23 @@ def plan(sizes: Sizes) -> list[tuple[Server, list[Load]]]:
     small, large = sizes.paced_streams
     short = Load("short", sizes.short_clients, sizes.short_tokens, 0.0, rounds=True)
     short_new = dataclasses.replace(short, key="short_new_conn", keepalive=False)
+    # prefill's token is the whole answer: one worker exchange, the least a request can cost
+    short_one = dataclasses.replace(short, key="short_one", max_tokens=1)
     paced_small = Load("paced_small", small, sizes.paced_tokens, PACED_STEP_S)
     paced_large = Load("paced_large", large, sizes.paced_tokens, PACED_STEP_S)
     fast = Load("fast", sizes.fast_streams, sizes.fast_tokens, 0.0)
     return [
-        (Server("pdtrio_fast", "pdtrio", 0.0), [short, short_new, fast]),
-        (Server("trivial_fast", "trivial", 0.0), [short, short_new]),
+        (Server("pdtrio_fast", "pdtrio", 0.0), [short, short_new, short_one, fast]),
+        (Server("trivial_fast", "trivial", 0.0), [short, short_new, short_one]),
         (Server("pdtrio_fast_off", "pdtrio", 0.0, egress_s=0.0), [fast]),
         (Server("pdtrio_on", "pdtrio", PACED_STEP_S), [paced_small, paced_large]),
         (Server("pdtrio_off", "pdtrio", PACED_STEP_S, egress_s=0.0), [paced_small, paced_large]),
         (Server("trivial_paced", "trivial", PACED_STEP_S), [paced_small, paced_large]),
+        # as many events as pdtrio's router sends with its egress at the cap
+        (
+            Server("trivial_grouped", "trivial", PACED_STEP_S, tokens_per_event=GROUPED_TOKENS),
+            [paced_large],
+        ),
         (Server("pdtrio_two", "pdtrio", PACED_STEP_S, processes=2), [paced_large]),
         (Server("trivial_two", "trivial", PACED_STEP_S, processes=2), [paced_large]),
     ]
@@ -224,6 +242,7 @@ def start_server(
     else:
         command = router_command(f"{LOOPBACK}:{port}", app="benchmarks.trivial_sse_app:app")
         env["TRIVIAL_SSE_STEP_S"] = repr(server.step_s)
+        env["TRIVIAL_SSE_TOKENS_PER_EVENT"] = str(server.tokens_per_event)
     # a listen backlog that takes 512 connections at once; -w: hypercorn's app processes
     command[-1:-1] = ["--backlog", "4096", "-w", str(server.processes)]
     process = procs.start(command, env=env, output="capture", cpus=cpus)
@@ -408,6 +427,7 @@ def summarise(
         "app": server.app,
         "router_processes": server.processes,
         "egress_max_delay_s": server.cap_s,
+        "tokens_per_event": server.tokens_per_event if server.app == "trivial" else None,
         "load": load.key,
         "clients": load.clients,
         "max_tokens": load.max_tokens,
@@ -612,6 +632,39 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
             f"{t['requests_per_s']:,.0f}; {_failures(t)}; {_cores(t)}",
         )
 
+    # prefill's token alone: one worker exchange, the least a request can cost
+    p, t = by["pdtrio_fast", "short_one"], by["trivial_fast", "short_one"]
+    one_ratio = _ratio(p["router_ms_per_request"] or 0.0, t["router_ms_per_request"] or 0.0)
+    row(
+        f"{p['clients']} concurrent requests of 1 token (prefill's token is the answer: "
+        "one worker exchange, the least a request costs), kept-alive connections",
+        "router CPU per request",
+        _fmt(p["router_ms_per_request"], ".2f", " ms"),
+        _fmt(t["router_ms_per_request"], ".2f", " ms"),
+        _fmt(one_ratio, ".2f", "×"),
+    )
+    row(
+        "",
+        "TTFT p50 / p99",
+        _pair(p["ttft_p50_ms"], p["ttft_p99_ms"]),
+        _pair(t["ttft_p50_ms"], t["ttft_p99_ms"]),
+    )
+    row(
+        "",
+        "requests/s; failures; router / load core",
+        f"{p['requests_per_s']:,.0f}; {_failures(p)}; {_cores(p)}",
+        f"{t['requests_per_s']:,.0f}; {_failures(t)}; {_cores(t)}",
+    )
+    short_trivial = by["trivial_fast", "short"]
+    floors = [
+        f"the least a request costs (1 token, prefill's; one worker exchange): "
+        f"{_fmt(p['router_ms_per_request'], '.2f', ' ms')} of router CPU, "
+        f"{_fmt(one_ratio, '.2f', '×')} the trivial app's (the goal, for 2 tokens: ≤ 1.3×)",
+        f"the trivial app's own TTFT p50 for {short_trivial['clients']} concurrent "
+        f"{short_trivial['max_tokens']}-token requests: "
+        f"{_fmt(short_trivial['ttft_p50_ms'])} ms (the goal for pdtrio: ≤ 8 ms)",
+    ]
+
     # 2. paced streams, egress on and off
     large = sizes.paced_streams[1]
     for load_key in ("paced_small", "paced_large"):
@@ -746,6 +799,44 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
                 met,
             )
 
+    # the same streams against the trivial app sending as many events as pdtrio's capped egress
+    p, t = by["pdtrio_on", "paced_large"], by["trivial_grouped", "paced_large"]
+    name = (
+        f"{p['clients']} streams × {p['max_tokens']} tokens, decode every {p['step_ms']:g} ms, "
+        f"egress on, against the trivial app sending {t['tokens_per_event']} tokens an event "
+        "(the events pdtrio's egress sends at its cap)"
+    )
+    row(
+        name,
+        "router CPU per token",
+        _fmt(p["router_us_per_token"], ".1f", " µs"),
+        _fmt(t["router_us_per_token"], ".1f", " µs"),
+        _fmt(_ratio(p["router_us_per_token"] or 0.0, t["router_us_per_token"] or 0.0), ".2f", "×"),
+    )
+    row(
+        "",
+        "ITL p50 / p99, per token",
+        _pair(p["itl_token_p50_ms"], p["itl_token_p99_ms"]),
+        _pair(t["itl_token_p50_ms"], t["itl_token_p99_ms"]),
+    )
+    row(
+        "",
+        "TTFT p50 / p99",
+        _pair(p["ttft_p50_ms"], p["ttft_p99_ms"]),
+        _pair(t["ttft_p50_ms"], t["ttft_p99_ms"]),
+    )
+    row(
+        "",
+        "failures; tok/read; router / load core",
+        f"{_failures(p)}; {_fmt(p['tokens_per_read'], '.2f')}; {_cores(p)}",
+        f"{_failures(t)}; {_fmt(t['tokens_per_read'], '.2f')}; {_cores(t)}",
+    )
+    floors.append(
+        f"the trivial app sending {t['tokens_per_event']} tokens an event to {t['clients']} "
+        f"streams: {_fmt(t['router_us_per_token'], '.1f', ' µs')} of CPU per token "
+        "(the goal for pdtrio: ≤ 15 µs)"
+    )
+
     # 3. decode as fast as it can
     for server_key in ("pdtrio_fast", "pdtrio_fast_off"):
         p = by[server_key, "fast"]
@@ -806,7 +897,7 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
         f"{_failures(p)}; {_fmt(p['tokens_per_read'], '.2f')}; {_cores(p)}",
         f"{_failures(t)}; {_fmt(t['tokens_per_read'], '.2f')}; {_cores(t)}",
     )
-    return {"rows": rows, "goals": goals, "notes": notes(runs, large)}
+    return {"rows": rows, "goals": goals, "floors": floors, "notes": notes(runs, large)}
 
 
 def notes(runs: list[dict[str, Any]], large: int) -> list[str]:
@@ -849,6 +940,8 @@ def render(summary: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(cells) + " |" for cells in summary["rows"]]
     lines += ["", "goals:"]
     lines += [f"  {_verdict(g['pass']):4}  {g['goal']}: {g['measured']}" for g in summary["goals"]]
+    lines += ["", "what hypercorn-trio itself does here (beside the goals):"]
+    lines += [f"  {floor}" for floor in summary["floors"]]
     if summary["notes"]:
         lines += ["", "notes:"] + [f"  {n}" for n in summary["notes"]]
     return "\n".join(lines)

@@ -13,8 +13,17 @@ same write as the last token), and
 synthetic token.  The first token goes out at once, as prefill's does; the
 others are paced as the synthetic decode engine paces them: every stream on
 one shared clock that ticks every ``TRIVIAL_SSE_STEP_S`` (the engine steps all
-of its requests together): the second token on the clock's next tick, each
-later one a step after the one before (at once if that moment has passed).
+of its requests together), a token per tick from the next one.  One ticker
+task per process keeps the clock and wakes, at each tick, the streams waiting
+for it: the cheapest pacing trio has (a ``sleep_until`` per stream would add a
+cancel scope with a deadline, and a ``Cancelled`` raised and caught, to every
+event, which is not hypercorn's cost).
+
+``TRIVIAL_SSE_TOKENS_PER_EVENT`` (default 1) groups the paced tokens: a stream
+sends every k ticks one event carrying the k tokens of those ticks, as
+pdtrio's router does when its adaptive egress spaces a stream's sends (at its
+cap, 50 ms over a 10 ms step: 5 tokens an event).  What that costs here is
+what an SSE event costs hypercorn at the event rate pdtrio's router has then.
 
 No prefill, no decode, no links, no disconnect watcher, no validation beyond
 reading ``max_tokens``: what is left is hypercorn's own cost per request and
@@ -25,11 +34,10 @@ answers 200.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 import uuid
-from typing import Any, Final
+from typing import Any, Final, NoReturn, final
 
 import trio
 
@@ -37,6 +45,7 @@ from pdtrio.protocol.sse import StreamShaper
 from pdtrio.protocol.wire import Usage
 
 STEP_S: Final = float(os.environ.get("TRIVIAL_SSE_STEP_S", "0") or 0)
+TOKENS_PER_EVENT: Final = max(1, int(os.environ.get("TRIVIAL_SSE_TOKENS_PER_EVENT", "1") or 1))
 
 # pdtrio.router.pipeline's SSE headers
 _SSE_HEADERS: Final = [
@@ -49,14 +58,50 @@ _FIRST_ID: Final = 300
 _IDS: Final = 700  # ids 300..999: three digits, as the synthetic engine's (vocab 1000)
 
 
-async def _lifespan(receive: Any, send: Any) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
+@final
+class _SharedClock:
+    """The process's pace: ``ticks`` counts the ticks so far, one every ``STEP_S``."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self._waiting: dict[int, trio.Event] = {}  # tick number -> the streams waiting for it
+
+    async def run(self, step_s: float) -> NoReturn:
+        next_at = trio.current_time()
+        while True:
+            # a late tick comes at once and the next a step after it, as the engine steps
+            next_at = max(next_at + step_s, trio.current_time())
+            await trio.sleep_until(next_at)
+            self.ticks += 1
+            due = self._waiting.pop(self.ticks, None)
+            if due is not None:
+                due.set()
+
+    async def wait_for(self, tick: int) -> None:
+        """Until tick number ``tick`` (at once if it has passed)."""
+        if tick <= self.ticks:
             return
+        due = self._waiting.get(tick)
+        if due is None:
+            due = self._waiting[tick] = trio.Event()
+        await due.wait()
+
+
+_CLOCK: Final = _SharedClock()
+
+
+async def _lifespan(receive: Any, send: Any) -> None:
+    async with trio.open_nursery() as nursery:  # the clock's ticker runs here
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                if STEP_S:
+                    nursery.start_soon(_CLOCK.run, STEP_S)
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                nursery.cancel_scope.cancel()
+                break
+    await send({"type": "lifespan.shutdown.complete"})
 
 
 async def _respond(send: Any, status: int, body: bytes) -> None:
@@ -92,19 +137,21 @@ async def _completion(receive: Any, send: Any) -> None:
     )
     await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
     seed = uuid.uuid4().int
-    tick = -math.inf
-    for index in range(max_tokens):
+    index = 0  # tokens sent
+    tick = _CLOCK.ticks  # the tick the last paced event went out on
+    while index < max_tokens:
+        # the first token alone and at once (prefill's); then groups, a token per tick
+        count = 1 if index == 0 else min(TOKENS_PER_EVENT, max_tokens - index)
         if index and STEP_S:
-            now = trio.current_time()
-            if tick == -math.inf:
-                tick = (math.floor(now / STEP_S) + 1) * STEP_S  # the clock's next tick
-            else:
-                tick = max(tick + STEP_S, now)  # a late stream goes at once, as the engine does
-            await trio.sleep_until(tick)
-        last = index == max_tokens - 1
-        text = f" t{_FIRST_ID + (seed + index * 7919) % _IDS}"
+            tick += count
+            await _CLOCK.wait_for(tick)
+        text = "".join(
+            f" t{_FIRST_ID + (seed + token * 7919) % _IDS}" for token in range(index, index + count)
+        )
+        index += count
+        last = index == max_tokens
         usage = Usage(prompt_tokens, max_tokens, 0) if last else None
-        body = shaper.delta(text, 1, "length" if last else None, usage)
+        body = shaper.delta(text, count, "length" if last else None, usage)
         if last:  # the last event and [DONE] in one write, as pdtrio's router sends them
             body += shaper.done()
         await send({"type": "http.response.body", "body": body, "more_body": not last})

@@ -61,7 +61,9 @@ def test_quick_run_reports_every_row(tmp_path: Path) -> None:
     rows = report["rows"]
     assert rows and all(len(cells) == 6 for cells in rows)
     loads = [cells[0] for cells in rows if cells[0]]
-    assert len(loads) == 2 + 4 + 2 + 1  # short x2, paced x2 x egress on/off, fast x2, two routers
+    # short x2, one token, paced x2 x egress on/off, paced against grouped events, fast x2,
+    # two routers
+    assert len(loads) == 2 + 1 + 4 + 1 + 2 + 1
     assert any("two router processes" in label for label in loads)
 
     # goals: each one named, with a verdict (or none when nothing was measured)
@@ -70,6 +72,11 @@ def test_quick_run_reports_every_row(tmp_path: Path) -> None:
     for g in goals:
         assert g["goal"] and g["pass"] in (True, False, None)
         assert g["value"] is None or isinstance(g["value"], numbers.Real)
+
+    # what hypercorn-trio itself does, beside each goal (the trivial app's floor)
+    assert len(report["floors"]) == 3 and all(report["floors"])
+    grouped = next(r for r in runs if r["server"] == "trivial_grouped")
+    assert grouped["tokens_per_event"] > 1
 
     # the printed report: the markdown table and the goals
     assert (
