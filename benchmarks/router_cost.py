@@ -531,6 +531,40 @@ def _pair(a: Any, b: Any, spec: str = ".1f", unit: str = " ms") -> str:
     return f"{_fmt(a, spec)} / {_fmt(b, spec)}{unit}"
 
 
+def _cost_ratio(p: dict[str, Any], t: dict[str, Any], key: str) -> float | None:
+    return _ratio(p[key] or 0.0, t[key] or 0.0)
+
+
+def _ms_per_request(r: dict[str, Any]) -> str:
+    return _fmt(r["router_ms_per_request"], ".2f", " ms")
+
+
+def _us_per_token(r: dict[str, Any]) -> str:
+    return _fmt(r["router_us_per_token"], ".1f", " µs")
+
+
+def _ttft(r: dict[str, Any]) -> str:
+    return _pair(r["ttft_p50_ms"], r["ttft_p99_ms"])
+
+
+def _itl_per_read(r: dict[str, Any]) -> str:
+    return _pair(r["itl_p50_ms"], r["itl_p99_ms"])
+
+
+def _itl_per_token(r: dict[str, Any]) -> str:
+    return _pair(r["itl_token_p50_ms"], r["itl_token_p99_ms"])
+
+
+def _request_load(r: dict[str, Any]) -> str:
+    """Requests/s; failures; router / load core."""
+    return f"{r['requests_per_s']:,.0f}; {_failures(r)}; {_cores(r)}"
+
+
+def _stream_load(r: dict[str, Any]) -> str:
+    """Failures; tokens per read; router / load core."""
+    return f"{_failures(r)}; {_fmt(r['tokens_per_read'], '.2f')}; {_cores(r)}"
+
+
 def _verdict(ok: bool | None) -> str:
     return "—" if ok is None else ("PASS" if ok else "FAIL")
 
@@ -590,7 +624,7 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
             f"{p['clients']} concurrent requests of {p['max_tokens']} tokens "
             f"(rounds of {p['clients']} at once), {label}"
         )
-        ratio = _ratio(p["router_ms_per_request"] or 0.0, t["router_ms_per_request"] or 0.0)
+        ratio = _cost_ratio(p, t, "router_ms_per_request")
         met = ""
         if key == "short":
             met = goal(
@@ -603,8 +637,8 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
         row(
             name,
             "router CPU per request",
-            _fmt(p["router_ms_per_request"], ".2f", " ms"),
-            _fmt(t["router_ms_per_request"], ".2f", " ms"),
+            _ms_per_request(p),
+            _ms_per_request(t),
             _fmt(ratio, ".2f", "×"),
             ("≤ 1.3×: " + met) if met else "",
         )
@@ -620,40 +654,40 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
         row(
             "",
             "TTFT p50 / p99",
-            _pair(p["ttft_p50_ms"], p["ttft_p99_ms"]),
-            _pair(t["ttft_p50_ms"], t["ttft_p99_ms"]),
+            _ttft(p),
+            _ttft(t),
             "",
             ("p50 ≤ 8 ms: " + met) if met else "",
         )
         row(
             "",
             "requests/s; failures; router / load core",
-            f"{p['requests_per_s']:,.0f}; {_failures(p)}; {_cores(p)}",
-            f"{t['requests_per_s']:,.0f}; {_failures(t)}; {_cores(t)}",
+            _request_load(p),
+            _request_load(t),
         )
 
     # prefill's token alone: one worker exchange, the least a request can cost
     p, t = by["pdtrio_fast", "short_one"], by["trivial_fast", "short_one"]
-    one_ratio = _ratio(p["router_ms_per_request"] or 0.0, t["router_ms_per_request"] or 0.0)
+    one_ratio = _cost_ratio(p, t, "router_ms_per_request")
     row(
         f"{p['clients']} concurrent requests of 1 token (prefill's token is the answer: "
         "one worker exchange, the least a request costs), kept-alive connections",
         "router CPU per request",
-        _fmt(p["router_ms_per_request"], ".2f", " ms"),
-        _fmt(t["router_ms_per_request"], ".2f", " ms"),
+        _ms_per_request(p),
+        _ms_per_request(t),
         _fmt(one_ratio, ".2f", "×"),
     )
     row(
         "",
         "TTFT p50 / p99",
-        _pair(p["ttft_p50_ms"], p["ttft_p99_ms"]),
-        _pair(t["ttft_p50_ms"], t["ttft_p99_ms"]),
+        _ttft(p),
+        _ttft(t),
     )
     row(
         "",
         "requests/s; failures; router / load core",
-        f"{p['requests_per_s']:,.0f}; {_failures(p)}; {_cores(p)}",
-        f"{t['requests_per_s']:,.0f}; {_failures(t)}; {_cores(t)}",
+        _request_load(p),
+        _request_load(t),
     )
     short_trivial = by["trivial_fast", "short"]
     floors = [
@@ -679,7 +713,7 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
             )
             goaled = server_key == "pdtrio_on"  # the goals are for the default configuration
             big = goaled and load_key == "paced_large"
-            ratio = _ratio(p["router_us_per_token"] or 0.0, t["router_us_per_token"] or 0.0)
+            ratio = _cost_ratio(p, t, "router_us_per_token")
             met = ""
             if big:
                 met = goal(
@@ -692,8 +726,8 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
             row(
                 name,
                 "router CPU per token",
-                _fmt(p["router_us_per_token"], ".1f", " µs"),
-                _fmt(t["router_us_per_token"], ".1f", " µs"),
+                _us_per_token(p),
+                _us_per_token(t),
                 _fmt(ratio, ".2f", "×"),
                 ("≤ 15 µs: " + met) if met else "",
             )
@@ -713,15 +747,15 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
             row(
                 "",
                 "ITL p50 / p99, per read",
-                _pair(p["itl_p50_ms"], p["itl_p99_ms"]),
-                _pair(t["itl_p50_ms"], t["itl_p99_ms"]),
+                _itl_per_read(p),
+                _itl_per_read(t),
                 f"p99 {_fmt(_minus(p['itl_p99_ms'], t['itl_p99_ms']), '+.1f')} ms",
             )
             row(
                 "",
                 "ITL p50 / p99, per token",
-                _pair(p["itl_token_p50_ms"], p["itl_token_p99_ms"]),
-                _pair(t["itl_token_p50_ms"], t["itl_token_p99_ms"]),
+                _itl_per_token(p),
+                _itl_per_token(t),
                 "",
                 met,
             )
@@ -756,8 +790,8 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
             row(
                 "",
                 "TTFT p50 / p99",
-                _pair(p["ttft_p50_ms"], p["ttft_p99_ms"]),
-                _pair(t["ttft_p50_ms"], t["ttft_p99_ms"]),
+                _ttft(p),
+                _ttft(t),
                 "",
                 met,
             )
@@ -793,8 +827,8 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
             row(
                 "",
                 "failures; tok/read; router / load core",
-                f"{_failures(p)}; {_fmt(p['tokens_per_read'], '.2f')}; {_cores(p)}",
-                f"{_failures(t)}; {_fmt(t['tokens_per_read'], '.2f')}; {_cores(t)}",
+                _stream_load(p),
+                _stream_load(t),
                 "",
                 met,
             )
@@ -809,27 +843,27 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
     row(
         name,
         "router CPU per token",
-        _fmt(p["router_us_per_token"], ".1f", " µs"),
-        _fmt(t["router_us_per_token"], ".1f", " µs"),
-        _fmt(_ratio(p["router_us_per_token"] or 0.0, t["router_us_per_token"] or 0.0), ".2f", "×"),
+        _us_per_token(p),
+        _us_per_token(t),
+        _fmt(_cost_ratio(p, t, "router_us_per_token"), ".2f", "×"),
     )
     row(
         "",
         "ITL p50 / p99, per token",
-        _pair(p["itl_token_p50_ms"], p["itl_token_p99_ms"]),
-        _pair(t["itl_token_p50_ms"], t["itl_token_p99_ms"]),
+        _itl_per_token(p),
+        _itl_per_token(t),
     )
     row(
         "",
         "TTFT p50 / p99",
-        _pair(p["ttft_p50_ms"], p["ttft_p99_ms"]),
-        _pair(t["ttft_p50_ms"], t["ttft_p99_ms"]),
+        _ttft(p),
+        _ttft(t),
     )
     row(
         "",
         "failures; tok/read; router / load core",
-        f"{_failures(p)}; {_fmt(p['tokens_per_read'], '.2f')}; {_cores(p)}",
-        f"{_failures(t)}; {_fmt(t['tokens_per_read'], '.2f')}; {_cores(t)}",
+        _stream_load(p),
+        _stream_load(t),
     )
     floors.append(
         f"the trivial app sending {t['tokens_per_event']} tokens an event to {t['clients']} "
@@ -845,7 +879,7 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
         name = (
             f"{p['clients']} streams × {p['max_tokens']} tokens, decode as fast as it can, {egress}"
         )
-        row(name, "router CPU per token", _fmt(p["router_us_per_token"], ".1f", " µs"), "—")
+        row(name, "router CPU per token", _us_per_token(p), "—")
         row(
             "",
             "tok/s; tok/read; failures; router / load core",
@@ -872,30 +906,27 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
         "router CPU per token, processes summed (split)",
         f"{_fmt(p['router_us_per_token'], '.1f', ' µs')} ({split(p)})",
         f"{_fmt(t['router_us_per_token'], '.1f', ' µs')} ({split(t)})",
-        _fmt(_ratio(p["router_us_per_token"] or 0.0, t["router_us_per_token"] or 0.0), ".2f", "×"),
-        "vs one process: "
-        + _fmt(
-            _ratio(p["router_us_per_token"] or 0.0, one["router_us_per_token"] or 0.0), ".2f", "×"
-        ),
+        _fmt(_cost_ratio(p, t, "router_us_per_token"), ".2f", "×"),
+        "vs one process: " + _fmt(_cost_ratio(p, one, "router_us_per_token"), ".2f", "×"),
     )
     row(
         "",
         "ITL p50 / p99, per read",
-        _pair(p["itl_p50_ms"], p["itl_p99_ms"]),
-        _pair(t["itl_p50_ms"], t["itl_p99_ms"]),
+        _itl_per_read(p),
+        _itl_per_read(t),
     )
     row(
         "",
         "TTFT p50 / p99",
-        _pair(p["ttft_p50_ms"], p["ttft_p99_ms"]),
-        _pair(t["ttft_p50_ms"], t["ttft_p99_ms"]),
+        _ttft(p),
+        _ttft(t),
     )
     row("", "delivered / offered tok/s; pace", _delivered(p), _delivered(t))
     row(
         "",
         "failures; tok/read; routers / load core",
-        f"{_failures(p)}; {_fmt(p['tokens_per_read'], '.2f')}; {_cores(p)}",
-        f"{_failures(t)}; {_fmt(t['tokens_per_read'], '.2f')}; {_cores(t)}",
+        _stream_load(p),
+        _stream_load(t),
     )
     return {"rows": rows, "goals": goals, "floors": floors, "notes": notes(runs, large)}
 

@@ -60,7 +60,10 @@ _IDS: Final = 700  # ids 300..999: three digits, as the synthetic engine's (voca
 
 @final
 class _SharedClock:
-    """The process's pace: ``ticks`` counts the ticks so far, one every ``STEP_S``."""
+    """The process's pace: ``ticks`` counts the ticks so far, one every ``STEP_S``.
+
+    Its ticker runs in the app's lifespan (hypercorn's default is to run it).
+    """
 
     def __init__(self) -> None:
         self.ticks = 0

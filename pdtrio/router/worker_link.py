@@ -9,11 +9,10 @@ The router asks each worker for batches (``?batch=1``): what queued on the
 worker during a write comes as one message (``wire.is_batch``); a single
 message is read too.  The reader decodes each frame and hands each token
 entry to its stream's bounded buffer without ever awaiting the stream's
-consumer, so a slow client
-cannot stall the others; the stream's own task drains its buffer.  The
-writer sends whatever is queued in one write, so under load many messages
-share a syscall, and a request cancelled mid-way can never tear a frame
-(only the writer writes).
+consumer, so a slow client cannot stall the others; the stream's own task
+drains its buffer.  The writer sends whatever is queued in one write, so
+under load many messages share a syscall, and a request cancelled mid-way
+can never tear a frame (only the writer writes).
 
 Cancellation: a prefill call whose request is cancelled sends a release,
 which stops the prefill on the worker (or frees the blocks it leased).  The
