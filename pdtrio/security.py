@@ -56,6 +56,12 @@ def resolve_worker_secret(value: str, file: str, environ: Mapping[str, str] | No
     return value
 
 
+def derive_key(secret: str, purpose: str) -> bytes:
+    """A key for one use of the deployment's secret (signing registrations, proving a peer
+    holds it): each purpose gets its own, so a value made for one is worthless for another."""
+    return hmac.new(secret.encode(), b"pdtrio key\0" + purpose.encode(), hashlib.sha256).digest()
+
+
 def new_worker_secret() -> str:
     """A secret for one start of an embedded cluster."""
     return secrets.token_urlsafe(32)
