@@ -8,7 +8,7 @@ is sampled every 20 ms; idle probes just before each attack are the baseline.
 1. A peer without the secret: 8 concurrent ``POST /pd/prefill`` of ``--mb`` MB each
    (raw sockets: the headers go out, the answer is read, only then is the body
    pushed, to see how much of it the worker still takes); a ``/pd/link`` handshake;
-   a KV port connection with a zero credential asking for a real request's blocks;
+   a KV port connection with a zero proof asking for a real request's blocks;
    a ``POST /pd/release`` naming that request.  Reported: what each got back, how
    soon, how much of the body the worker can have read (no more than the kernel took
    before the worker closed: ``rchar`` does not count ``recv``), its RSS and KV blocks
@@ -50,9 +50,12 @@ from pdtrio.kv.tcp import (
     MAX_KV_CONNECTIONS,
     SESSION_BLOCKS,
     answer_decoder,
+    connect_kv_port,
+    receive_exactly,
     receive_message,
     send_message,
 )
+from pdtrio.peer_auth import WorkerAuth, link_authorization
 from pdtrio.protocol import wire
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
@@ -67,12 +70,18 @@ from pdtrio.protocol.wire import (
     TransferRequest,
 )
 from pdtrio.router.ws_client import HandshakeError, connect_websocket
-from pdtrio.security import WORKER_SECRET_ENV, PeerCredentials
+from pdtrio.security import (
+    WORKER_SECRET_ENV,
+    PeerCredentials,
+    answer_challenge,
+    new_nonce,
+    opening_authorization,
+)
 from pdtrio.testing import LOOPBACK, Processes, Service, synthetic_worker_config, worker_command
 
 SECRET: Final = "worker-limits-benchmark-secret"
 CREDENTIALS: Final = PeerCredentials(SECRET)
-AUTH: Final = [(b"authorization", CREDENTIALS.authorization)]
+WORKER_AUTH: Final = WorkerAuth(CREDENTIALS)
 PEERS: Final = 8
 PROBE_INTERVAL_S: Final = 5e-3
 RSS_INTERVAL_S: Final = 0.02
@@ -123,9 +132,11 @@ def percentile(samples: list[float], fraction: float) -> float:
 
 
 async def _probe_health(
-    url: str, latencies: list[float], failures: list[str], headers: dict[str, str] | None = None
+    url: str, latencies: list[float], failures: list[str], as_peer: bool = False
 ) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        if as_peer:  # one proven request makes the probes' connection a peer's
+            (await http.get("/pd/stats", auth=WORKER_AUTH)).raise_for_status()
         while True:
             started = time.perf_counter()
             try:
@@ -145,13 +156,11 @@ async def _sample_rss(pid: int, samples: list[float]) -> None:
         await trio.sleep(RSS_INTERVAL_S)
 
 
-async def idle_health(
-    url: str, seconds: float, headers: dict[str, str] | None = None
-) -> list[float]:
+async def idle_health(url: str, seconds: float, as_peer: bool = False) -> list[float]:
     latencies: list[float] = []
     failures: list[str] = []
     with trio.move_on_after(seconds):
-        await _probe_health(url, latencies, failures, headers)
+        await _probe_health(url, latencies, failures, as_peer)
     return latencies
 
 
@@ -159,10 +168,10 @@ async def watched(
     service: Service,
     attack: Callable[[], Awaitable[None]],
     idle_s: float,
-    probe_headers: dict[str, str] | None = None,
+    probe_as_peer: bool = False,
 ) -> dict[str, Any]:
     """Run ``attack()`` with /health probed and RSS sampled; an idle baseline first."""
-    idle = await idle_health(service.url, idle_s, probe_headers)
+    idle = await idle_health(service.url, idle_s, probe_as_peer)
     pid = service.pid
     precise_peak = reset_peak(pid)
     latencies: list[float] = []
@@ -171,7 +180,7 @@ async def watched(
     before = rss_mb(pid)
     started = time.perf_counter()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_probe_health, service.url, latencies, failures, probe_headers)
+        nursery.start_soon(_probe_health, service.url, latencies, failures, probe_as_peer)
         nursery.start_soon(_sample_rss, pid, samples)
         await trio.sleep(0.05)
         await attack()
@@ -199,15 +208,25 @@ async def watched(
 # --- raw HTTP, so that headers, answer and body can be timed apart --------------------
 
 
-def _head(path: str, length: int, *, authorized: bool) -> bytes:
+async def fresh_authorization(url: str) -> str:
+    """An answer to a fresh challenge of the worker at ``url``, for one raw request."""
+    async with httpx.AsyncClient(base_url=url) as http:
+        nonce = new_nonce()
+        challenge = await http.get(
+            "/pd/auth", headers={"authorization": opening_authorization(nonce)}
+        )
+    return answer_challenge(CREDENTIALS, challenge.headers.get("www-authenticate"), nonce, None)
+
+
+def _head(path: str, length: int, *, authorization: str = "") -> bytes:
     lines = [
         f"POST {path} HTTP/1.1",
         f"host: {LOOPBACK}",
         f"content-type: {wire.MSGPACK_CONTENT_TYPE}",
         f"content-length: {length}",
     ]
-    if authorized:
-        lines.append(f"authorization: Bearer {SECRET}")
+    if authorization:
+        lines.append(f"authorization: {authorization}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
@@ -251,7 +270,7 @@ async def unauthenticated_post(port: int, body: bytes) -> dict[str, Any]:
     stream = await trio.open_tcp_stream(LOOPBACK, port)
     async with stream:
         started = time.perf_counter()
-        await stream.send_all(_head("/pd/prefill", len(body), authorized=False))
+        await stream.send_all(_head("/pd/prefill", len(body)))
         status = 0
         with trio.move_on_after(ANSWER_WITHOUT_BODY_S):
             status, _ = await _read_answer(stream)
@@ -270,6 +289,7 @@ async def unauthenticated_post(port: int, body: bytes) -> dict[str, Any]:
 
 async def authenticated_post(port: int, body: bytes) -> dict[str, Any]:
     """Headers and body sent while the answer is awaited (a 503 may come before the body)."""
+    authorization = await fresh_authorization(f"http://{LOOPBACK}:{port}")
     stream = await trio.open_tcp_stream(LOOPBACK, port)
     async with stream:
         started = time.perf_counter()
@@ -278,7 +298,7 @@ async def authenticated_post(port: int, body: bytes) -> dict[str, Any]:
         async with trio.open_nursery() as nursery:
 
             async def send() -> None:
-                await stream.send_all(_head("/pd/prefill", len(body), authorized=True))
+                await stream.send_all(_head("/pd/prefill", len(body), authorization=authorization))
                 await _push(stream, memoryview(body), sent)
 
             nursery.start_soon(send)
@@ -305,10 +325,8 @@ async def prefill_small(url: str, request_id: str) -> PrefillReply:
         response = await http.post(
             "/pd/prefill",
             content=prefill_body(request_id, 2000),
-            headers={
-                "content-type": wire.MSGPACK_CONTENT_TYPE,
-                "authorization": f"Bearer {SECRET}",
-            },
+            headers={"content-type": wire.MSGPACK_CONTENT_TYPE},
+            auth=WORKER_AUTH,
         )
     response.raise_for_status()
     reply = wire.from_worker_decoder.decode(response.content)
@@ -318,7 +336,7 @@ async def prefill_small(url: str, request_id: str) -> PrefillReply:
 
 async def stats(url: str) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        response = await http.get("/pd/stats", headers={"authorization": f"Bearer {SECRET}"})
+        response = await http.get("/pd/stats", auth=WORKER_AUTH)
     response.raise_for_status()
     result: dict[str, Any] = response.json()
     return result
@@ -356,12 +374,14 @@ async def _ws_without_secret(port: int) -> dict[str, Any]:
     return {"answer": "the websocket opened", "refused": False, "s": _since(started)}
 
 
-async def _kv_zero_credential(port: int, handle: KvHandle) -> dict[str, Any]:
+async def _kv_zero_proof(port: int, handle: KvHandle) -> dict[str, Any]:
     started = time.perf_counter()
     stream = await trio.open_tcp_stream(LOOPBACK, port)
     async with stream:
         try:
-            await stream.send_all(SESSION_BLOCKS + bytes(32))
+            await stream.send_all(SESSION_BLOCKS + new_nonce())
+            await receive_exactly(stream, 64)  # the port's nonce and proof
+            await stream.send_all(bytes(32))  # a proof of nothing
             request = TransferRequest(handle.request_id, handle.block_ids, handle.access_token)
             await send_message(stream, request)
             with trio.fail_after(10):
@@ -396,10 +416,8 @@ async def _release_without_grant(url: str, request_id: str) -> bool:
         response = await http.post(
             "/pd/release",
             content=wire.encode(ReleaseRequest(request_id)),
-            headers={
-                "content-type": wire.MSGPACK_CONTENT_TYPE,
-                "authorization": f"Bearer {SECRET}",
-            },
+            headers={"content-type": wire.MSGPACK_CONTENT_TYPE},
+            auth=WORKER_AUTH,
         )
     response.raise_for_status()
     return msgspec.msgpack.decode(response.content, type=ReleaseReply).released
@@ -438,8 +456,8 @@ async def unauthenticated(
             nursery.start_soon(other, "/pd/link on prefill", _ws_without_secret, port)
             nursery.start_soon(
                 other,
-                "KV port, zero credential",
-                _kv_zero_credential,
+                "KV port, zero proof",
+                _kv_zero_proof,
                 prefill.ready["transfer_port"],
                 handle,
             )
@@ -518,7 +536,8 @@ async def authenticated_decode_start(
     decode: Service, prefill: Service, size: int, id_bytes: int, idle_s: float
 ) -> dict[str, Any]:
     async with httpx.AsyncClient(base_url=decode.url, timeout=30) as http:
-        info = (await http.get("/pd/info", headers={"authorization": f"Bearer {SECRET}"})).json()
+        info = (await http.get("/pd/info", auth=WORKER_AUTH)).json()
+        handshake = await link_authorization(http, decode.url, CREDENTIALS, None)
     layout = msgspec.convert(info["layout"], KvLayout)
     frame = decode_start_frame(size, layout, int(prefill.ready["transfer_port"]), id_bytes)
     replies: list[str] = []
@@ -526,7 +545,7 @@ async def authenticated_decode_start(
     async def attack() -> None:
         with trio.fail_after(120):
             ws = await connect_websocket(
-                f"ws://{decode.address}/pd/link", max_message_size=64 << 20, headers=AUTH
+                f"ws://{decode.address}/pd/link", max_message_size=64 << 20, headers=handshake
             )
             try:
                 await ws.send_messages([frame])
@@ -557,10 +576,14 @@ async def authenticated_decode_start(
 
 
 async def _pull_answer(port: int, handle: KvHandle) -> str:
-    stream = await trio.open_tcp_stream(LOOPBACK, port)
+    try:
+        stream = await connect_kv_port(
+            LOOPBACK, port, SESSION_BLOCKS, CREDENTIALS, handle.instance_id
+        )
+    except KvTransferError as exc:
+        return f"closed ({type(exc).__name__})"
     async with stream:
         try:
-            await stream.send_all(SESSION_BLOCKS + CREDENTIALS.kv_credential)
             await send_message(
                 stream, TransferRequest(handle.request_id, handle.block_ids, handle.access_token)
             )
@@ -607,7 +630,6 @@ async def http_connection_flood(prefill: Service, count: int, idle_s: float) -> 
     """``count`` silent connections to the prefill worker's HTTP port, held open; meanwhile
     a peer with the secret opens a new connection and asks for /pd/info."""
     port = int(prefill.ready["http_port"])
-    headers = {"authorization": CREDENTIALS.authorization.decode()}
     held: list[trio.SocketStream] = []
     found: dict[str, Any] = {}
 
@@ -618,7 +640,7 @@ async def http_connection_flood(prefill: Service, count: int, idle_s: float) -> 
         found["opened_s"] = time.perf_counter() - started
         await trio.sleep(0.3)  # the worker has accepted them all
         started = time.perf_counter()
-        async with httpx.AsyncClient(base_url=prefill.url, headers=headers, timeout=10) as http:
+        async with httpx.AsyncClient(base_url=prefill.url, auth=WORKER_AUTH, timeout=10) as http:
             try:
                 answer = await http.get("/pd/info")
                 found["peer_answer"] = str(answer.status_code)
@@ -629,11 +651,11 @@ async def http_connection_flood(prefill: Service, count: int, idle_s: float) -> 
         found["still_open"] = closed.count(False)
 
     try:
-        result = await watched(prefill, attack, idle_s, probe_headers=headers)
+        result = await watched(prefill, attack, idle_s, probe_as_peer=True)
     finally:
         for stream in held:
             await trio.aclose_forcefully(stream)
-    async with httpx.AsyncClient(base_url=prefill.url, headers=headers, timeout=10) as http:
+    async with httpx.AsyncClient(base_url=prefill.url, auth=WORKER_AUTH, timeout=10) as http:
         metrics = (await http.get("/metrics")).text
     evicted = [
         line.split()[-1]

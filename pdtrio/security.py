@@ -1,4 +1,4 @@
-"""Credentials: clients' API keys, the secret routers and workers share, KV grants.
+"""Credentials: clients' API keys, the secret routers and workers prove to each other, KV grants.
 
 Every comparison is constant-time over SHA-256 digests, so neither a key's
 content nor its length leaks through timing.  Secrets come from the
@@ -7,6 +7,8 @@ configuration, a file, or the environment, and are never logged.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import os
@@ -20,8 +22,6 @@ from pdtrio.config import ConfigError
 
 WORKER_SECRET_ENV: Final = "PDTRIO_WORKER_SECRET"
 API_KEYS_ENV: Final = "PDTRIO_API_KEYS"
-# the bytes after a KV port connection's session byte: a digest of the shared secret
-KV_CREDENTIAL_SIZE: Final = 32
 
 
 def _digest(secret: str | bytes) -> bytes:
@@ -76,13 +76,35 @@ def tokens_match(presented: str, expected: str) -> bool:
     return hmac.compare_digest(_digest(presented), _digest(expected))
 
 
+# the HTTP authentication scheme of routers and workers (RFC 9110 challenge and response)
+AUTH_SCHEME: Final = "PDTRIO-HMAC"
+NONCE_SIZE: Final = 32
+# a worker's challenge is good for one answer, within this long
+CHALLENGE_TTL_S: Final = 30.0
+# challenges a worker keeps at once; the oldest goes first (a flood only costs its sender)
+MAX_OPEN_CHALLENGES: Final = 4096
+
+
+class PeerAuthenticationError(Exception):
+    """A peer did not prove it holds the deployment's secret (or we hold none to check)."""
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_SIZE)
+
+
 @final
 class PeerCredentials:
-    """What routers and workers show each other: the shared secret every worker endpoint
-    asks for (none: every peer is let in), and the TLS contexts of cross-host connections
-    (None: plain TCP)."""
+    """What routers and workers prove to each other, and the TLS of cross-host connections.
 
-    __slots__ = ("_digest", "authorization", "client_tls", "kv_credential", "server_tls", "value")
+    Nothing that opens a door is ever sent: each side answers the other's fresh nonce
+    with an HMAC under a key derived from the shared secret, bound to the worker's
+    identity (an instance id), so a listener the registry names without holding the
+    secret learns nothing it can use, and cannot pose as the instance it relays to.
+    No secret: every peer is let in and no proof is asked of anyone.
+    """
+
+    __slots__ = ("_auth_key", "_kv_key", "client_tls", "identity", "server_tls", "value")
 
     def __init__(
         self,
@@ -94,36 +116,194 @@ class PeerCredentials:
         self.value = secret  # for the embedded cluster's children (their environment)
         self.client_tls = client_tls  # dialing a worker (its HTTP, link, KV port)
         self.server_tls = server_tls  # a worker's own KV port
-        self._digest = _digest(secret) if secret else None
-        # what a peer sends: the HTTP header value, the KV port's opening bytes
-        self.authorization = f"Bearer {secret}".encode() if secret else b""
-        self.kv_credential = (
-            hashlib.sha256(b"pdtrio kv port\0" + secret.encode()).digest()
-            if secret
-            else bytes(KV_CREDENTIAL_SIZE)
-        )
+        # a worker's own instance id, which its proofs are bound to ("" until it is known)
+        self.identity = ""
+        self._auth_key = derive_key(secret, "peer authentication") if secret else None
+        self._kv_key = derive_key(secret, "kv port") if secret else None
 
     @property
     def required(self) -> bool:
-        return self._digest is not None
+        return self._auth_key is not None
 
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        """The headers a request to a worker carries."""
-        return [(b"authorization", self.authorization)] if self.required else []
+    def _proof(self, key: bytes | None, *parts: bytes) -> bytes:
+        if key is None:
+            return bytes(32)
+        mac = hmac.new(key, digestmod=hashlib.sha256)
+        for part in parts:  # each part length-prefixed: no two splits give the same bytes
+            mac.update(len(part).to_bytes(4, "big") + part)
+        return mac.digest()
 
-    def admits_header(self, authorization: str | None) -> bool:
-        """Whether an ``Authorization`` header value is the secret (always, when none is set)."""
-        if self._digest is None:
-            return True
-        presented = bearer_token(authorization)
-        return presented is not None and hmac.compare_digest(
-            _header_digest(presented), self._digest
+    def worker_proof(self, client_nonce: bytes, worker_nonce: bytes, instance: str) -> bytes:
+        """A worker's answer to a router's nonce."""
+        return self._proof(self._auth_key, b"worker", client_nonce, worker_nonce, instance.encode())
+
+    def router_proof(self, client_nonce: bytes, worker_nonce: bytes, instance: str) -> bytes:
+        """A router's (or a tool's) answer to a worker's nonce."""
+        return self._proof(self._auth_key, b"router", client_nonce, worker_nonce, instance.encode())
+
+    def kv_proof(
+        self, side: bytes, session: bytes, client_nonce: bytes, server_nonce: bytes, instance: str
+    ) -> bytes:
+        """An answer on a KV transfer port; ``side`` is b"server" (prefill) or b"client"."""
+        return self._proof(
+            self._kv_key, b"kv " + side, session, client_nonce, server_nonce, instance.encode()
         )
 
-    def admits_kv_credential(self, presented: bytes) -> bool:
-        if self._digest is None:
+    def proof_matches(self, presented: bytes, expected: bytes) -> bool:
+        """Whether a peer's proof is the one expected (always, when no secret is set)."""
+        return self._auth_key is None or hmac.compare_digest(presented, expected)
+
+
+def format_auth_params(params: Mapping[str, str]) -> str:
+    """An ``Authorization`` / ``WWW-Authenticate`` value of our scheme."""
+    return AUTH_SCHEME + " " + ", ".join(f'{name}="{value}"' for name, value in params.items())
+
+
+def parse_auth_params(value: str | None) -> dict[str, str] | None:
+    """The parameters of a header value of our scheme (None: another scheme, or malformed).
+
+    Values are base64url or instance ids, so no quoting rules beyond plain quotes apply.
+    """
+    if not value or len(value) > 4096:
+        return None
+    scheme, _, rest = value.strip().partition(" ")
+    if scheme.upper() != AUTH_SCHEME:
+        return None
+    params: dict[str, str] = {}
+    for item in rest.split(","):
+        name, equals, raw = item.strip().partition("=")
+        if not equals:
+            if item.strip():
+                return None
+            continue
+        params[name.strip().lower()] = raw.strip().strip('"')
+    return params
+
+
+def encode_nonce(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def decode_nonce(text: str | None) -> bytes | None:
+    """Bytes of a base64url field, or None when absent or malformed."""
+    if not text or len(text) > 128:
+        return None
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (ValueError, binascii.Error):
+        return None
+
+
+@final
+class ChallengeBook:
+    """A worker's side of the HTTP exchange: it hands out challenges (each proving the
+    worker holds the secret, when the caller sent a nonce of its own) and admits a request
+    whose answer matches one it handed out, once.  Pure: the caller passes the clock."""
+
+    __slots__ = ("_credentials", "_open", "_ttl_s")
+
+    def __init__(self, credentials: PeerCredentials, *, ttl_s: float = CHALLENGE_TTL_S) -> None:
+        self._credentials = credentials
+        self._ttl_s = ttl_s
+        # worker nonce -> (the client's nonce it answered, when it expires); insertion order
+        self._open: dict[bytes, tuple[bytes, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def admits(self, authorization: str | None, now: float) -> bool:
+        """Whether the ``Authorization`` header answers an open challenge (consumed here)."""
+        credentials = self._credentials
+        if not credentials.required:
             return True
-        return hmac.compare_digest(presented, self.kv_credential)
+        params = parse_auth_params(authorization)
+        if params is None:
+            return False
+        worker_nonce = decode_nonce(params.get("nonce"))
+        client_nonce = decode_nonce(params.get("client-nonce"))
+        proof = decode_nonce(params.get("proof"))
+        if worker_nonce is None or client_nonce is None or proof is None:
+            return False
+        issued = self._open.pop(worker_nonce, None)
+        if issued is None or issued[1] < now or issued[0] != client_nonce:
+            return False
+        expected = credentials.router_proof(client_nonce, worker_nonce, credentials.identity)
+        return credentials.proof_matches(proof, expected)
+
+    def challenge(self, authorization: str | None, now: float, nonce: bytes) -> str:
+        """A ``WWW-Authenticate`` value for a request that was not admitted; ``nonce`` is
+        fresh randomness.  It proves this worker holds the secret when the request
+        carried a client nonce (an ``Authorization`` of our scheme with ``client-nonce``)."""
+        params = parse_auth_params(authorization) or {}
+        client_nonce = decode_nonce(params.get("client-nonce"))
+        challenge = {"nonce": encode_nonce(nonce), "instance": self._credentials.identity}
+        if client_nonce is not None and len(client_nonce) == NONCE_SIZE:
+            self._forget_expired(now)
+            while len(self._open) >= MAX_OPEN_CHALLENGES:
+                del self._open[next(iter(self._open))]
+            self._open[nonce] = (client_nonce, now + self._ttl_s)
+            challenge["client-nonce"] = encode_nonce(client_nonce)
+            challenge["proof"] = encode_nonce(
+                self._credentials.worker_proof(client_nonce, nonce, self._credentials.identity)
+            )
+        return format_auth_params(challenge)
+
+    def _forget_expired(self, now: float) -> None:
+        for nonce, (_, expires) in list(self._open.items()):
+            if expires >= now:
+                break  # insertion order is expiry order
+            del self._open[nonce]
+
+
+def answer_challenge(
+    credentials: PeerCredentials,
+    www_authenticate: str | None,
+    client_nonce: bytes,
+    expected_instance: str | None,
+) -> str:
+    """The ``Authorization`` value that answers a worker's challenge, once the challenge
+    proves the worker holds the secret (and is ``expected_instance``, when given).
+
+    Raises PeerAuthenticationError otherwise.
+    """
+    params = parse_auth_params(www_authenticate)
+    if params is None:
+        raise PeerAuthenticationError(
+            f"the peer asks for no {AUTH_SCHEME} answer, so it did not prove it holds the "
+            "worker secret (is it a pdtrio worker started with the same secret?)"
+        )
+    worker_nonce = decode_nonce(params.get("nonce"))
+    proof = decode_nonce(params.get("proof"))
+    instance = params.get("instance", "")
+    if (
+        worker_nonce is None
+        or proof is None
+        or decode_nonce(params.get("client-nonce")) != (client_nonce)
+    ):
+        raise PeerAuthenticationError("the peer's challenge is malformed or answers another nonce")
+    if expected_instance is not None and instance != expected_instance:
+        raise PeerAuthenticationError(
+            f"the peer says it is {instance!r}, not {expected_instance!r}"
+        )
+    if not hmac.compare_digest(
+        proof, credentials.worker_proof(client_nonce, worker_nonce, instance)
+    ):
+        raise PeerAuthenticationError(
+            "the peer does not hold the worker secret (its proof is wrong)"
+        )
+    answer = credentials.router_proof(client_nonce, worker_nonce, instance)
+    return format_auth_params(
+        {
+            "nonce": encode_nonce(worker_nonce),
+            "client-nonce": encode_nonce(client_nonce),
+            "proof": encode_nonce(answer),
+        }
+    )
+
+
+def opening_authorization(client_nonce: bytes) -> str:
+    """The ``Authorization`` value of a first request: our nonce, for the worker to answer."""
+    return format_auth_params({"client-nonce": encode_nonce(client_nonce)})
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -27,7 +27,7 @@ def test_quick_run_refuses_the_unauthenticated_peer(tmp_path: Path) -> None:
     assert set(probes) == {
         "/pd/link on decode",
         "/pd/link on prefill",
-        "KV port, zero credential",
+        "KV port, zero proof",
         "POST /pd/release of a live request",
     }
     assert all(probe["refused"] for probe in probes.values()), probes

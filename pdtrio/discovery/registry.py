@@ -27,12 +27,14 @@ from pdtrio.discovery.etcd import (
     KeyValue,
     WatchEvent,
 )
+from pdtrio.peer_auth import WorkerAuth
 from pdtrio.protocol.registration import (
     Registration,
     RegistrationError,
     decode_registration,
     instance_id_from_key,
 )
+from pdtrio.security import PeerCredentials
 
 log = logging.getLogger("pdtrio.router.discovery")
 
@@ -114,10 +116,10 @@ class StaticRegistry:
         http: httpx.AsyncClient,
         *,
         timeout_s: float,
-        headers: Sequence[tuple[bytes, bytes]] = (),
+        credentials: PeerCredentials | None = None,
     ) -> None:
         self._instances = instances
-        self._headers = headers
+        self._credentials = credentials
         self._listener = listener
         self._http = http
         self._timeout_s = timeout_s
@@ -125,7 +127,7 @@ class StaticRegistry:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         for instance in self._instances:
             registration = await static_registration(
-                self._http, instance, timeout_s=self._timeout_s, headers=self._headers
+                self._http, instance, timeout_s=self._timeout_s, credentials=self._credentials
             )
             await self._listener.instance_listed(registration)
         task_status.started()
@@ -136,10 +138,13 @@ async def static_registration(
     instance: InstanceConfig,
     *,
     timeout_s: float,
-    headers: Sequence[tuple[bytes, bytes]] = (),
+    credentials: PeerCredentials | None = None,
+    expected_instance: str | None = None,
 ) -> Registration:
-    """A listed instance's registration, from its ``/pd/info``."""
-    response = await http.get(f"{instance.url}/pd/info", timeout=timeout_s, headers=headers)
+    """A listed instance's registration, from its ``/pd/info`` (asked with our proof of
+    the secret, once it proved it holds it too, as ``expected_instance`` when given)."""
+    auth = None if credentials is None else WorkerAuth(credentials, expected_instance)
+    response = await http.get(f"{instance.url}/pd/info", timeout=timeout_s, auth=auth)
     response.raise_for_status()
     return registration_from_info(response.json(), instance.role, instance.url)
 

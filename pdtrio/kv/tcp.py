@@ -1,9 +1,13 @@
 """The plain-TCP KV transport, and the KV transfer port every prefill instance serves.
 
-A connection to the port opens with one byte that names its session, then the
-32-byte credential derived from the secret routers and workers share
-(``pdtrio.security``; zeros when none is set): a peer without it is dropped
-before anything is read or sent.  Sessions:
+A connection to the port opens with a mutual proof of the secret routers and
+workers share (``pdtrio.security``), in which neither side sends anything the
+other could reuse: the client sends one byte that names its session and a
+fresh nonce; prefill answers with its own nonce and an HMAC over both (and its
+instance id); the client checks it (a listener without the secret gets no
+further: no grant, no request) and answers with its own HMAC, which prefill
+checks before it reads anything else.  Without a secret the proofs are zeros
+and go unchecked.  Sessions:
 
 - ``B`` (blocks, the TCP transport): decode sends a ``TransferRequest``;
   prefill answers with a ``TransferAnswer`` and, when granted, the raw block
@@ -40,7 +44,7 @@ from pdtrio.protocol.wire import (
     TransferRequest,
     WireError,
 )
-from pdtrio.security import KV_CREDENTIAL_SIZE, PeerCredentials
+from pdtrio.security import NONCE_SIZE, PeerCredentials, new_nonce
 
 log = logging.getLogger("pdtrio.kv")
 
@@ -55,6 +59,7 @@ KV_PREAMBLE_TIMEOUT_S = 5.0
 DEFAULT_TRANSFER_TIMEOUT_S: Final = 30.0
 
 _LENGTH = struct.Struct("!I")
+KV_PROOF_SIZE: Final = 32  # an HMAC-SHA256
 _MAX_MESSAGE = 1 << 20
 _T = TypeVar("_T")
 
@@ -92,23 +97,46 @@ async def receive_message(stream: trio.abc.ReceiveStream, decoder: wire.Decoder[
 
 async def connect(handle: KvHandle, session: bytes, secret: PeerCredentials) -> trio.abc.Stream:
     """A connection to the handle's KV transfer port (over TLS when the credentials say),
-    its session named, the credential sent."""
+    its session named, and the port's owner and we proven to each other."""
+    return await connect_kv_port(
+        handle.transfer_host, handle.transfer_port, session, secret, handle.instance_id
+    )
+
+
+async def connect_kv_port(
+    host: str, port: int, session: bytes, secret: PeerCredentials, instance_id: str
+) -> trio.abc.Stream:
+    """A connection to ``instance_id``'s KV transfer port at ``host:port``, proven both ways;
+    KvTransferError when it cannot be reached or does not prove it holds the secret."""
     try:
-        tcp = await trio.open_tcp_stream(handle.transfer_host, handle.transfer_port)
+        tcp = await trio.open_tcp_stream(host, port)
     except OSError as exc:
-        raise KvTransferError(
-            f"cannot reach KV endpoint {handle.transfer_host}:{handle.transfer_port}: {exc}"
-        ) from exc
+        raise KvTransferError(f"cannot reach KV endpoint {host}:{port}: {exc}") from exc
     stream: trio.abc.Stream = tcp
     try:
         if secret.client_tls is not None:
-            tls = trio.SSLStream(tcp, secret.client_tls, server_hostname=handle.transfer_host)
+            tls = trio.SSLStream(tcp, secret.client_tls, server_hostname=host)
             await tls.do_handshake()
             stream = tls
-        await stream.send_all(session + secret.kv_credential)
+        client_nonce = new_nonce()
+        await stream.send_all(session + client_nonce)
+        hello = await receive_exactly(stream, NONCE_SIZE + KV_PROOF_SIZE)
+        server_nonce, server_proof = bytes(hello[:NONCE_SIZE]), bytes(hello[NONCE_SIZE:])
+        expected = secret.kv_proof(b"server", session, client_nonce, server_nonce, instance_id)
+        if not secret.proof_matches(server_proof, expected):
+            raise KvTransferError(
+                f"the KV endpoint {host}:{port} did not prove it is {instance_id!r} holding "
+                "the worker secret"
+            )
+        await stream.send_all(
+            secret.kv_proof(b"client", session, client_nonce, server_nonce, instance_id)
+        )
     except (trio.BrokenResourceError, ssl.SSLError) as exc:
         await trio.aclose_forcefully(stream)
         raise KvTransferError(f"KV endpoint closed the connection: {exc}") from exc
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
     return stream
 
 
@@ -144,15 +172,14 @@ async def serve_kv_port(
                             "refused a KV connection: %d are yet to authenticate", MAX_KV_STRANGERS
                         )
                         return
-                    session, credential = b"", b""
+                    session, proven = b"", False
                     # a peer that connects and says nothing goes within seconds
                     with trio.move_on_after(KV_PREAMBLE_TIMEOUT_S):
                         if isinstance(stream, trio.SSLStream):
                             await stream.do_handshake()
-                        session = bytes(await stream.receive_some(1))
-                        credential = bytes(await receive_exactly(stream, KV_CREDENTIAL_SIZE))
-                if not secret.admits_kv_credential(credential):
-                    log.warning("refused a KV transfer connection without the credential")
+                        session, proven = await _prove_peer(stream, secret)
+                if not proven:
+                    log.warning("refused a KV transfer connection without proof of the secret")
                     return
                 with _slot(peers) as admitted:
                     if not admitted:
@@ -181,6 +208,20 @@ async def serve_kv_port(
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, handle, listeners)
         task_status.started((host, int(bound[1])))
+
+
+async def _prove_peer(stream: trio.abc.Stream, secret: PeerCredentials) -> tuple[bytes, bool]:
+    """The server's side of the opening: the session byte, and whether the client proved
+    it holds the secret (having seen our proof first)."""
+    opening = await receive_exactly(stream, 1 + NONCE_SIZE)
+    session, client_nonce = bytes(opening[:1]), bytes(opening[1:])
+    server_nonce = new_nonce()
+    identity = secret.identity
+    proof = secret.kv_proof(b"server", session, client_nonce, server_nonce, identity)
+    await stream.send_all(server_nonce + proof)
+    presented = bytes(await receive_exactly(stream, KV_PROOF_SIZE))
+    expected = secret.kv_proof(b"client", session, client_nonce, server_nonce, identity)
+    return session, secret.proof_matches(presented, expected)
 
 
 @contextmanager

@@ -8,6 +8,7 @@ lifespan's nursery.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from pdtrio.discovery.registry import (
     static_registration,
 )
 from pdtrio.engine.blocks import blocks_needed
+from pdtrio.peer_auth import PeerAuthenticationError, link_authorization
 from pdtrio.protocol.egress import EgressConfig, EgressController
 from pdtrio.protocol.kv_layout import KvLayout, layout_mismatch
 from pdtrio.protocol.registration import Registration, RegistrationError
@@ -183,9 +185,10 @@ class Router:
                 self.http,
                 InstanceConfig(role=role, url=url),
                 timeout_s=self.config.router.connect_timeout_s,
-                headers=self.worker_secret.headers(),
+                credentials=self.worker_secret,
+                expected_instance=name,
             )
-        except RegistrationError as exc:
+        except (RegistrationError, PeerAuthenticationError) as exc:
             raise RouterStartFailed(str(exc)) from None
         if name != registration.instance_id:
             raise RouterStartFailed(
@@ -348,7 +351,9 @@ class Router:
             heartbeat_s=self.config.router.link_heartbeat_s,
             stream_idle_timeout_s=self.config.router.stream_idle_timeout_s,
             connect_timeout_s=self.config.router.connect_timeout_s,
-            headers=self.worker_secret.headers(),
+            authorize=functools.partial(
+                link_authorization, self.http, instance.url, self.worker_secret, instance.name
+            ),
             ssl_context=self.worker_secret.client_tls,
         )
         instance.link = link
@@ -454,11 +459,12 @@ class Router:
                     self.http,
                     listed,
                     timeout_s=self.config.router.connect_timeout_s,
-                    headers=self.worker_secret.headers(),
+                    credentials=self.worker_secret,
+                    expected_instance=instance.name,
                 )
                 if current.instance_id == instance.name:
                     instance.transfer_endpoint = (current.transfer_host, current.transfer_port)
-        except (httpx.HTTPError, RegistrationError) as exc:
+        except (httpx.HTTPError, RegistrationError, PeerAuthenticationError) as exc:
             log.warning("cannot ask %s where its KV port is: %s", instance.name, exc)
 
     def instance_draining(self, instance: Instance) -> None:
@@ -579,7 +585,7 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
                             router,
                             http,
                             timeout_s=config.router.connect_timeout_s,
-                            headers=router.worker_secret.headers(),
+                            credentials=router.worker_secret,
                         )
                     )
                 if config.discovery.uses_etcd:

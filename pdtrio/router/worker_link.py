@@ -38,9 +38,10 @@ from __future__ import annotations
 import logging
 import ssl
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import final
 
+import httpx
 import trio
 
 from pdtrio.protocol.stream_buffer import PushResult, StreamBuffer
@@ -72,6 +73,7 @@ from pdtrio.router.ws_client import (
     WebSocketClient,
     connect_websocket,
 )
+from pdtrio.security import PeerAuthenticationError
 
 log = logging.getLogger("pdtrio.router.worker_link")
 
@@ -250,11 +252,12 @@ class WorkerLink:
         heartbeat_s: float = 0.5,
         connect_timeout_s: float = 10.0,
         stream_idle_timeout_s: float = 0.0,
-        headers: Sequence[tuple[bytes, bytes]] = (),
+        authorize: Callable[[], Awaitable[Sequence[tuple[bytes, bytes]]]] | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.instance_id = instance_id
-        self._headers = headers  # the handshake's (the worker secret)
+        # the handshake's headers: our answer to a fresh challenge of the worker's, each time
+        self._authorize = authorize
         self._ssl_context = ssl_context  # for a wss:// worker
         # a stream that gets no answer or token for this long is ended (0: never)
         self.stream_idle_timeout_s = stream_idle_timeout_s
@@ -311,6 +314,16 @@ class WorkerLink:
         if self._promised.pop(request_id, None) is not None:
             self._on_capacity()
 
+    async def _authorization(self) -> Sequence[tuple[bytes, bytes]]:
+        if self._authorize is None:
+            return ()
+        try:
+            return await self._authorize()
+        except PeerAuthenticationError as exc:
+            raise HandshakeError(f"{self.url}: refused to link: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise HandshakeError(f"{self.url}: cannot ask for a challenge: {exc!r}") from exc
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Connect, then read and write frames until the link breaks (the caller reconnects)."""
         ws: WebSocketClient | None = None
@@ -320,11 +333,12 @@ class WorkerLink:
         connect_timeout_s = self.link_timeout_s if self.ever_connected else self._connect_timeout_s
         try:
             with trio.move_on_after(connect_timeout_s):
+                headers = await self._authorization()
                 ws = await connect_websocket(
                     self._connect_url,
                     max_message_size=_MAX_MESSAGE_SIZE,
                     receive_size=_RECEIVE_SIZE,
-                    headers=self._headers,
+                    headers=headers,
                     ssl_context=self._ssl_context,
                 )
             if ws is None:

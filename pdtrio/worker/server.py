@@ -52,9 +52,12 @@ from pdtrio.protocol.wire import (
     WireError,
 )
 from pdtrio.security import (
+    AUTH_SCHEME,
+    ChallengeBook,
     PeerCredentials,
     client_tls_context,
     new_access_token,
+    new_nonce,
     resolve_worker_secret,
     server_tls_context,
 )
@@ -86,6 +89,7 @@ def default_instance_id(role: str, host: str, http_port: int) -> str:
 # the worker's HTTP routes and the one method each takes (a wrong method is a 405)
 _ROUTE_METHODS = {
     "/health": "GET",
+    "/pd/auth": "GET",
     "/pd/info": "GET",
     "/metrics": "GET",
     "/pd/stats": "GET",
@@ -109,6 +113,8 @@ class Worker:
             server_tls=server_tls_context(config.tls_cert_file, config.tls_key_file),
         )
         self.transport.secret = self.secret
+        # routers prove they hold the secret by answering a challenge of ours, once each
+        self.challenges = ChallengeBook(self.secret)
         # testing only ([faults]): None unless a hook is configured
         self.faults = fault_hooks_for(config.faults)
         if self.faults is not None:
@@ -208,6 +214,7 @@ class Worker:
                 self.instance_id = default_instance_id(
                     config.role, config.advertised_host, self.advertised_port
                 )
+            self.secret.identity = self.instance_id  # what its proofs are bound to
             admission = (
                 DecodeAdmission(
                     self.engine,
@@ -299,15 +306,16 @@ class Worker:
         kind = scope["type"]  # "http" or "websocket": our listener sends no lifespan
         path = scope["path"]
         links = self.links
-        # every endpoint but /health needs the shared secret: refused before any body is read
-        authenticated = self.secret.admits_header(header(scope, b"authorization"))
+        # every endpoint but /health needs a router's proof: refused before any body is read
+        authorization = header(scope, b"authorization")
+        authenticated = self.challenges.admits(authorization, trio.current_time())
         if authenticated:
             # its connection leaves the strangers' bound (see http_listener)
             self.http_connections.authenticated(scope.get("client"))
         admitted = authenticated or path == "/health"
         if kind == "websocket":
             if not admitted:
-                log.warning("refused a router link without the worker secret")
+                log.warning("refused a router link that did not answer a challenge of ours")
                 await send({"type": "websocket.close", "code": 1008})  # (an HTTP 403)
             elif path != "/pd/link":
                 await send({"type": "websocket.close", "code": 1008})  # policy: no such link
@@ -318,15 +326,17 @@ class Worker:
             return
         method = scope["method"]
         if not admitted:
+            # the challenge proves we hold the secret when the caller sent a nonce to answer
+            challenge = self.challenges.challenge(authorization, trio.current_time(), new_nonce())
             await send_json(
                 send,
                 401,
                 error_body(
-                    "this worker endpoint needs the shared worker secret "
-                    "(Authorization: Bearer ...)",
+                    "this worker endpoint needs proof of the shared worker secret "
+                    f"(the {AUTH_SCHEME} challenge in WWW-Authenticate)",
                     type_="authentication_error",
                 ),
-                [(b"www-authenticate", b"Bearer")],
+                [(b"www-authenticate", challenge.encode())],
             )
             return
         try:
@@ -338,6 +348,9 @@ class Worker:
                 await send_json(
                     send, 503, error_body("the worker is starting", type_="service_unavailable")
                 )
+            elif path == "/pd/auth" and method == "GET":
+                # admitted without a challenge: this worker holds no secret
+                await send_json(send, 200, {"authentication": "none"})
             elif path == "/pd/info" and method == "GET":
                 await send_json(send, 200, self.info())
             elif path == "/pd/stats" and method == "GET":

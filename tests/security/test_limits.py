@@ -8,8 +8,10 @@ import trio
 
 from pdtrio.config import SecurityConfig
 from pdtrio.kv import tcp
+from pdtrio.peer_auth import WorkerAuth
 from pdtrio.protocol.wire import TransferRequest
 from pdtrio.router.ws_client import HandshakeError, connect_websocket
+from pdtrio.security import PeerCredentials
 from pdtrio.worker import router_link
 from tests.cluster import running_cluster, synthetic_worker, wait_for_stats
 
@@ -83,9 +85,10 @@ async def test_kv_port_strangers_are_bounded_and_cannot_crowd_out_peers(
         # a peer that shows the credential is served while strangers wait
         strangers = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(3)]
         try:
-            peer = await trio.open_tcp_stream("127.0.0.1", port)
+            peer = await tcp.connect_kv_port(
+                "127.0.0.1", port, tcp.SESSION_BLOCKS, prefill.secret, prefill.instance_id
+            )
             async with peer:
-                await peer.send_all(tcp.SESSION_BLOCKS + prefill.secret.kv_credential)
                 await tcp.send_message(peer, TransferRequest("nobody", (0,), ""))
                 with trio.fail_after(10):
                     answer = await tcp.receive_message(peer, tcp.answer_decoder)
@@ -132,9 +135,9 @@ async def test_http_connections_without_the_secret_are_bounded_and_never_keep_th
                 assert connections.evicted == 1
                 # a peer with the secret gets in while strangers are at their bound, and
                 # leaves their count: a new router probe is served
-                headers = {"authorization": "Bearer s3cret"}
+                auth = WorkerAuth(PeerCredentials("s3cret"))
                 async with httpx.AsyncClient(
-                    base_url=f"http://127.0.0.1:{prefill.http_port}", headers=headers
+                    base_url=f"http://127.0.0.1:{prefill.http_port}", auth=auth
                 ) as http:
                     info = await http.get("/pd/info")
                     assert info.status_code == 200
