@@ -163,6 +163,10 @@ class WorkerConfig:
     # file); empty: none asked (loopback-only deployments)
     secret: str = attrs.field(default="", repr=False)
     secret_file: str = ""
+    # a bearer token for GET /metrics alone (a scraper cannot answer challenges; it can
+    # read metrics, nothing else); PDTRIO_METRICS_TOKEN, or a file; empty: the secret's proof
+    metrics_token: str = attrs.field(default="", repr=False)
+    metrics_token_file: str = ""
     # TLS: the worker serves HTTPS, WSS and its KV port with this certificate (its advertised
     # host must be in it); tls_ca_file verifies the KV ports it pulls from (empty: plain TCP)
     tls_cert_file: str = ""

@@ -22,6 +22,7 @@ from pdtrio.config import ConfigError
 
 WORKER_SECRET_ENV: Final = "PDTRIO_WORKER_SECRET"
 API_KEYS_ENV: Final = "PDTRIO_API_KEYS"
+METRICS_TOKEN_ENV: Final = "PDTRIO_METRICS_TOKEN"
 
 
 def _digest(secret: str | bytes) -> bytes:
@@ -54,6 +55,25 @@ def resolve_worker_secret(value: str, file: str, environ: Mapping[str, str] | No
             raise ConfigError(f"the worker secret file {file} is empty")
         return secret
     return value
+
+
+def resolve_metrics_token(value: str, file: str, environ: Mapping[str, str] | None = None) -> str:
+    """A worker's /metrics token: the environment, else the file, else the configured value."""
+    environ = os.environ if environ is None else environ
+    if environ.get(METRICS_TOKEN_ENV, ""):
+        return environ[METRICS_TOKEN_ENV]
+    if file:
+        token = read_secret_file(file, "metrics token")
+        if not token:
+            raise ConfigError(f"the metrics token file {file} is empty")
+        return token
+    return value
+
+
+def bearer_matches(authorization: str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header carries ``Bearer <token>`` (never, for no token)."""
+    presented = bearer_token(authorization)
+    return bool(token) and presented is not None and tokens_match(presented, token)
 
 
 def derive_key(secret: str, purpose: str) -> bytes:

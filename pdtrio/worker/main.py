@@ -129,6 +129,12 @@ _OPTIONS = (
         "none: no peer is asked for one",
         env_name="PDTRIO_WORKER_SECRET_FILE",
     ),
+    _Option(
+        "--metrics-token-file",
+        ("metrics_token_file",),
+        "a file holding a bearer token that opens GET /metrics alone, for a scraper "
+        "(or set PDTRIO_METRICS_TOKEN)",
+    ),
     _Option("--tls-cert-file", ("tls_cert_file",), "serve HTTPS, WSS and the KV port over TLS"),
     _Option("--tls-key-file", ("tls_key_file",), "the TLS certificate's private key"),
     _Option(

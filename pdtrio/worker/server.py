@@ -55,9 +55,11 @@ from pdtrio.security import (
     AUTH_SCHEME,
     ChallengeBook,
     PeerCredentials,
+    bearer_matches,
     client_tls_context,
     new_access_token,
     new_nonce,
+    resolve_metrics_token,
     resolve_worker_secret,
     server_tls_context,
 )
@@ -115,6 +117,7 @@ class Worker:
         self.transport.secret = self.secret
         # routers prove they hold the secret by answering a challenge of ours, once each
         self.challenges = ChallengeBook(self.secret)
+        self._metrics_token = resolve_metrics_token(config.metrics_token, config.metrics_token_file)
         # testing only ([faults]): None unless a hook is configured
         self.faults = fault_hooks_for(config.faults)
         if self.faults is not None:
@@ -312,7 +315,11 @@ class Worker:
         if authenticated:
             # its connection leaves the strangers' bound (see http_listener)
             self.http_connections.authenticated(scope.get("client"))
-        admitted = authenticated or path == "/health"
+        admitted = (
+            authenticated
+            or path == "/health"
+            or (path == "/metrics" and bearer_matches(authorization, self._metrics_token))
+        )
         if kind == "websocket":
             if not admitted:
                 log.warning("refused a router link that did not answer a challenge of ours")

@@ -413,3 +413,23 @@ async def test_a_kv_port_that_cannot_prove_itself_gets_no_request() -> None:
         nursery.cancel_scope.cancel()
     # the session byte and our nonce: no proof of ours, no request, no grant
     assert len(received) == 33 and received[:1] == SESSION_BLOCKS
+
+
+async def test_a_metrics_token_opens_the_metrics_and_nothing_else() -> None:
+    token = "scraper-token"
+    async with running_cluster(
+        roles=("prefill",),
+        security=SecurityConfig(worker_secret=SECRET),
+        make_worker=lambda role: synthetic_worker(
+            role, secret=SECRET, worker_overrides={"metrics_token": token}
+        ),
+    ) as cluster:
+        bearer = {"authorization": f"Bearer {token}"}
+        async with httpx.AsyncClient(base_url=worker_url(cluster.workers[0])) as scraper:
+            metrics = await scraper.get("/metrics", headers=bearer)
+            assert metrics.status_code == 200 and "pdtrio_worker" in metrics.text
+            assert (await scraper.get("/metrics")).status_code == 401
+            wrong = await scraper.get("/metrics", headers={"authorization": "Bearer nope"})
+            assert wrong.status_code == 401
+            for path in ("/pd/info", "/pd/stats"):
+                assert (await scraper.get(path, headers=bearer)).status_code == 401
