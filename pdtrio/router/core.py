@@ -38,7 +38,7 @@ from pdtrio.router.client_limits import ClientLimits
 from pdtrio.router.cluster import WorkerProcess, embedded_workers
 from pdtrio.router.loop_load import run_egress_control
 from pdtrio.router.metrics import Outcome, RouterMetrics
-from pdtrio.router.worker_link import LINK_ERRORS, HoldTimer, WorkerLink
+from pdtrio.router.worker_link import LINK_ERRORS, HoldTimer, PeerRefused, WorkerLink
 from pdtrio.security import (
     ApiKeys,
     PeerCredentials,
@@ -48,6 +48,9 @@ from pdtrio.security import (
 )
 
 log = logging.getLogger("pdtrio.router")
+
+# the longest wait between links asked of an instance that keeps failing to prove itself
+_REFUSED_RETRY_MAX_S = 30.0
 
 # how long after a registration an instance nothing can pair with is warned about
 _PAIRING_GRACE_S = 2.0
@@ -360,18 +363,26 @@ class Router:
         status = task_status
         with trio.CancelScope() as scope:
             instance.link_scope = scope
+            refusals = 0  # in a row: an instance that cannot prove itself is asked less often
             while True:
                 try:
                     await link.run(task_status=status)
+                except PeerRefused as exc:
+                    if must_connect and not link.ever_connected:
+                        raise
+                    if refusals == 0:
+                        log.warning("not linking to %s: %s", instance.name, exc)
+                    refusals += 1
                 except LINK_ERRORS as exc:
                     if must_connect and not link.ever_connected:
                         raise
+                    refusals = 0
                     if link.ever_connected:
                         log.warning("the link to %s is down: %r", instance.name, exc)
                     else:
                         log.warning("cannot reach %s at %s: %r", instance.name, instance.url, exc)
                 status = trio.TASK_STATUS_IGNORED
-                await trio.sleep(0.5)
+                await trio.sleep(min(0.5 * 2.0 ** min(refusals, 6), _REFUSED_RETRY_MAX_S))
 
     # --- requests and draining ------------------------------------------------------
 

@@ -109,6 +109,10 @@ class WorkerLinkHung(WorkerLinkError):
 
 
 # what a broken, refused or silent websocket raises out of WorkerLink.run
+class PeerRefused(HandshakeError):
+    """The instance did not prove it holds the worker secret: no link, nothing sent."""
+
+
 LINK_ERRORS = (OSError, trio.BrokenResourceError, HandshakeError, ConnectionClosed, WorkerLinkHung)
 
 
@@ -320,7 +324,7 @@ class WorkerLink:
         try:
             return await self._authorize()
         except PeerAuthenticationError as exc:
-            raise HandshakeError(f"{self.url}: refused to link: {exc}") from exc
+            raise PeerRefused(f"{self.url}: refused to link: {exc}") from exc
         except httpx.HTTPError as exc:
             raise HandshakeError(f"{self.url}: cannot ask for a challenge: {exc!r}") from exc
 
