@@ -17,7 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdtrio.testing import LOOPBACK, Processes, Service, alive, descendants, free_port
+from pdtrio.testing import (
+    LOOPBACK,
+    Processes,
+    Service,
+    alive,
+    command_line,
+    descendants,
+    free_port,
+)
 from tests.cluster import eventually
 
 STREAMS = 20
@@ -362,3 +370,17 @@ def test_router_exits_when_hypercorn_master_is_killed(procs: Processes, tmp_path
     took = time.monotonic() - killed
     assert not [pid for pid in below if alive(pid)], "orphans left behind"
     print(f"orphans gone {took:.2f}s after the master was killed")
+
+
+def test_hypercorn_exits_when_its_app_process_is_killed(procs: Processes, tmp_path: Path) -> None:
+    # hypercorn's master sets its shutdown event when its app process dies; the router
+    # waited on that event in a thread, and the master's set() then waited for that dead
+    # thread to wake, forever
+    config = _config(tmp_path / "c.toml", drain_s=1, decode_step_s=0.005, kv_transport="tcp")
+    router = _start(procs, config, "-w", "1")
+    below = descendants(router.pid)
+    app = [pid for pid in below if "spawn_main" in " ".join(command_line(pid))]
+    assert len(app) == 1, [command_line(pid) for pid in below]
+    os.kill(app[0], signal.SIGKILL)
+    router.process.wait(timeout=30)
+    assert eventually(lambda: not any(alive(pid) for pid in below), timeout=10), "orphans left"
