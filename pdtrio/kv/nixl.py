@@ -29,17 +29,27 @@ post is itself the copy: a big one runs on a worker thread, so trio's thread
 never waits on it; calls that return at once (a small READ, a look at a
 transfer's state or at notifications) run on trio's thread.  A READ still in
 flight after its post is polled from trio with growing sleeps, never spun on.
+
+NIXL's own listener thread is off (metadata goes on the authenticated KV port),
+but UCX's TCP transport listens on every network device UCX uses, outside the
+worker's secret: ``UCX_NET_DEVICES`` keeps those to the worker's own interface
+(loopback for a loopback host), see :func:`ucx_net_devices`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import ipaddress
 import logging
 import os
 import secrets
+import socket
+import struct
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Final, TypeVar, final
 
 import attrs
@@ -157,9 +167,13 @@ class NixlAgent:
         self.metadata = made.metadata
 
     @classmethod
-    async def open(cls, region: KvRegion, name: str | None = None) -> NixlAgent:
+    async def open(
+        cls, region: KvRegion, name: str | None = None, host: str | None = None
+    ) -> NixlAgent:
         """Import NIXL, make the agent, register the region, and check a loopback READ.
 
+        ``host``: the address the worker's own ports are bound to; UCX's listeners stay
+        on its interface (None: UCX's default, every device).
         Raises KvTransportUnavailable with the reason when any step fails.
         """
         memory = memory_kind(region)
@@ -168,7 +182,10 @@ class NixlAgent:
         name = name or f"pdtrio-{os.getpid()}-{secrets.token_hex(4)}"
         limiter = trio.CapacityLimiter(1)
         try:
-            made = await trio.to_thread.run_sync(_make_agent, name, region, memory, limiter=limiter)
+            devices = None if host is None else ucx_net_devices(host)
+            made = await trio.to_thread.run_sync(
+                _make_agent, name, region, memory, devices, limiter=limiter
+            )
         except ImportError as exc:
             raise KvTransportUnavailable(f"NIXL does not import: {exc}") from None
         except Exception as exc:  # NIXL raises its own classes, all plain Exceptions
@@ -235,14 +252,17 @@ class _MadeAgent:
     metadata: bytes  # what a peer loads to reach the agent and its registered region
 
 
-def _make_agent(name: str, region: KvRegion, memory: str) -> _MadeAgent:
+def _make_agent(name: str, region: KvRegion, memory: str, devices: str | None) -> _MadeAgent:
     from nixl._api import nixl_agent, nixl_agent_config
 
     _quiet_nixl_logging()
     # no progress thread (it spins a core while idle), no listener (metadata goes on the KV port)
     config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
     agent = nixl_agent(name, config)
-    agent.create_backend("UCX", dict(UCX_BACKEND_PARAMS))
+    # UCX reads its configuration from the environment when the backend makes its context
+    # (NIXL 1.5.1's ucx_devices parameter leaves the TCP listeners on every device)
+    with _environment("UCX_NET_DEVICES", devices):
+        agent.create_backend("UCX", dict(UCX_BACKEND_PARAMS))
     kinds = frozenset(str(kind).removesuffix("_SEG") for kind in agent.get_backend_mem_types("UCX"))
     if memory not in kinds:
         raise KvTransportUnavailable(f"UCX here cannot register {memory} (only {sorted(kinds)})")
@@ -250,6 +270,110 @@ def _make_agent(name: str, region: KvRegion, memory: str) -> _MadeAgent:
         [(region.address, region.nbytes, region.device_id, "")], memory
     )
     return _MadeAgent(agent, registration, kinds, bytes(agent.get_agent_metadata()))
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """``name=value`` in the environment for the block (None: left as it is)."""
+    if value is None:
+        yield
+        return
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+_WILDCARDS: Final = frozenset({"", "0.0.0.0", "::"})
+_SIOCGIFFLAGS: Final = 0x8913
+_SIOCGIFADDR: Final = 0x8915
+_IFF_LOOPBACK: Final = 0x8
+
+
+def ucx_net_devices(host: str) -> str | None:
+    """``UCX_NET_DEVICES`` for a worker whose ports are bound to ``host``; None: UCX's default.
+
+    UCX's TCP transport listens on each network device it uses, and without this it
+    uses all of them. Loopback host: the loopback device alone (every peer is on this
+    machine). A specific address: the interfaces holding it, and the RDMA ports (no
+    TCP listener, and where NIXL's fast path runs). A wildcard host: the worker's own
+    ports are on every interface already. An operator's ``UCX_NET_DEVICES`` stands.
+    """
+    if os.environ.get("UCX_NET_DEVICES") or host in _WILDCARDS:
+        return None
+    try:
+        addresses = {
+            ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+            for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+        }
+    except (OSError, ValueError):
+        return None
+    interfaces = [name for _, name in socket.if_nameindex()]
+    if all(address.is_loopback for address in addresses):
+        chosen = [name for name in interfaces if _flags(name) & _IFF_LOOPBACK]
+    else:
+        held = _interface_addresses(interfaces)
+        chosen = [name for name in interfaces if held.get(name, set()) & addresses]
+        if chosen:
+            chosen += _rdma_ports()
+    if not chosen:
+        log.warning("no network interface holds %s: UCX listens on every device", host)
+        return None
+    return ",".join(chosen)
+
+
+def _ioctl(name: str, request: int) -> bytes | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            return fcntl.ioctl(probe.fileno(), request, struct.pack("256s", name.encode()[:15]))
+        except OSError:  # no IPv4 address, or gone meanwhile
+            return None
+
+
+def _flags(name: str) -> int:
+    answer = _ioctl(name, _SIOCGIFFLAGS)
+    return 0 if answer is None else int(struct.unpack_from("H", answer, 16)[0])
+
+
+def _interface_addresses(
+    interfaces: Iterable[str],
+) -> dict[str, set[ipaddress.IPv4Address | ipaddress.IPv6Address]]:
+    held: dict[str, set[ipaddress.IPv4Address | ipaddress.IPv6Address]] = {}
+    for name in interfaces:
+        answer = _ioctl(name, _SIOCGIFADDR)
+        if answer is not None:  # its (primary) IPv4 address: a sockaddr_in at offset 16
+            held.setdefault(name, set()).add(ipaddress.IPv4Address(answer[20:24]))
+    try:
+        with open("/proc/net/if_inet6") as lines:
+            for line in lines:
+                fields = line.split()
+                if len(fields) >= 6:
+                    address = ipaddress.IPv6Address(bytes.fromhex(fields[0]))
+                    held.setdefault(fields[5], set()).add(address)
+    except OSError:  # no IPv6
+        pass
+    return held
+
+
+def _rdma_ports() -> list[str]:
+    """UCX's names for the RDMA ports here (``mlx5_0:1``)."""
+    root = "/sys/class/infiniband"
+    try:
+        devices = sorted(os.listdir(root))
+    except OSError:
+        return []
+    ports = []
+    for device in devices:
+        try:
+            ports += [f"{device}:{port}" for port in sorted(os.listdir(f"{root}/{device}/ports"))]
+        except OSError:
+            continue
+    return ports
 
 
 def _loopback_read(agent: Any, name: str, region: KvRegion, memory: str) -> None:
@@ -452,7 +576,7 @@ class NixlKvTransport:
         task_status: trio.TaskStatus[tuple[str, int] | None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         try:
-            self.agent = await NixlAgent.open(self._memory.kv_region(), self._agent_name)
+            self.agent = await NixlAgent.open(self._memory.kv_region(), self._agent_name, host)
         except KvTransportUnavailable as exc:
             if self._required:
                 raise

@@ -40,6 +40,9 @@ log = logging.getLogger("pdtrio.router")
 
 _STARTUP_ERRORS = (ConfigError, WorkerStartFailed, RouterStartFailed, httpx.HTTPError, *LINK_ERRORS)
 _STARTUP_FAILED_STATUS = 3
+# how long a SIGTERM under hypercorn's master waits for the master to start stopping by
+# itself (a signal to the whole process group reaches it too) before we forward it
+MASTER_SIGNAL_GRACE_S = 1.0
 
 
 async def run_lifespan(
@@ -189,13 +192,16 @@ def _watch_for_shutdown(router: Router, nursery: trio.Nursery) -> None:
                 max(room, 0.0),
             )
             drain_s = max(room, 0.0)
+    master_stopping = trio.Event()
     if shutdown_event is not None:
-        nursery.start_soon(_drain_when_master_stops, router, shutdown_event, drain_s)
+        nursery.start_soon(
+            _drain_when_master_stops, router, shutdown_event, drain_s, master_stopping
+        )
         parent = multiprocessing.parent_process()
         if parent is not None:
             nursery.start_soon(_stop_when_master_dies, router, parent.sentinel, shutdown_event)
     if threading_is_main():
-        nursery.start_soon(_on_sigterm, router, shutdown_event, drain_s)
+        nursery.start_soon(_on_sigterm, router, shutdown_event, drain_s, master_stopping)
 
 
 def threading_is_main() -> bool:
@@ -238,11 +244,33 @@ def _hypercorn_master() -> tuple[Any, float | None]:
     return event, float(timeout) if isinstance(timeout, int | float) else None
 
 
-async def _drain_when_master_stops(router: Router, shutdown_event: Any, drain_s: float) -> None:
+async def _drain_when_master_stops(
+    router: Router, shutdown_event: Any, drain_s: float, master_stopping: trio.Event
+) -> None:
     # a blocking wait on hypercorn's cross-process event, in a thread we can abandon
-    await trio.to_thread.run_sync(shutdown_event.wait, abandon_on_cancel=True)
+    await trio.to_thread.run_sync(_wait_until_set, shutdown_event, abandon_on_cancel=True)
+    master_stopping.set()
     log.info("hypercorn is stopping: draining")
     await router.drain(drain_s)
+
+
+def _wait_until_set(event: Any) -> None:
+    """Block until hypercorn's ``multiprocessing.Event`` is set, holding none of its locks.
+
+    ``Event.wait()`` would make this thread a sleeper on the event's condition, and
+    the master's ``Event.set()`` then waits, holding the event's lock, until this
+    thread wakes in its own process: a second signal arriving meanwhile re-enters the
+    master's handler, whose ``set()`` then deadlocks on that lock; and if this process
+    died while waiting, the master's ``set()`` would wait for it forever. The event's
+    flag semaphore is released by ``set()`` and only read elsewhere: waiting on it
+    (taking it and giving it straight back) blocks nobody.
+    """
+    flag = getattr(event, "_flag", None)
+    if flag is None or not callable(getattr(flag, "acquire", None)):
+        event.wait()  # not the stdlib's Event: its own wait
+        return
+    flag.acquire()
+    flag.release()
 
 
 async def _stop_when_master_dies(router: Router, sentinel: int, shutdown_event: Any) -> None:
@@ -254,13 +282,24 @@ async def _stop_when_master_dies(router: Router, sentinel: int, shutdown_event: 
     await router.drain(0)
 
 
-async def _on_sigterm(router: Router, shutdown_event: Any, drain_s: float) -> None:
+async def _on_sigterm(
+    router: Router, shutdown_event: Any, drain_s: float, master_stopping: trio.Event
+) -> None:
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         async for _ in signals:
             if shutdown_event is not None:
-                # a worker of hypercorn's master: the master stops every worker (and drains us)
+                # a worker of hypercorn's master: the master stops every worker (and drains
+                # us). A SIGTERM to the process group (systemd's default) reaches the master
+                # at the same time, and its handler is not reentrant: a second SIGTERM from
+                # us while it sets its event deadlocks it. So we forward only a SIGTERM the
+                # master does not act on by itself: one sent to this process alone.
+                with trio.move_on_after(MASTER_SIGNAL_GRACE_S):
+                    await master_stopping.wait()
+                if master_stopping.is_set():
+                    continue
                 parent = multiprocessing.parent_process()
                 if parent is not None and parent.pid is not None and parent.is_alive():
+                    log.info("SIGTERM to this process alone: asking hypercorn's master to stop")
                     os.kill(parent.pid, signal.SIGTERM)
                 else:
                     shutdown_event.set()

@@ -268,12 +268,15 @@ class Processes:
         stdin: bool = False,
         output: Output = "discard",
         cpus: Collection[int] | None = None,
+        new_session: bool = False,
     ) -> subprocess.Popen[bytes]:
         """Start ``command``.
 
         ``env``: changes to this process's environment (None removes a variable).
         ``stdin``: give it a pipe that stays open until it is stopped.
         ``cpus``: pin it there from the start (its children inherit that).
+        ``new_session``: in its own session and process group (its PID is the group's),
+        as a supervisor such as systemd starts it.
         """
         environ = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for name, value in (env or {}).items():
@@ -287,6 +290,7 @@ class Processes:
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.DEVNULL if output == "discard" else subprocess.PIPE,
             stderr=subprocess.STDOUT if output == "capture" else subprocess.DEVNULL,
+            start_new_session=new_session,
         )
         self._started.append(process)
         self._seen[process.pid] = {}

@@ -17,7 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdtrio.testing import LOOPBACK, Processes, Service, alive, descendants, free_port
+from pdtrio.testing import (
+    LOOPBACK,
+    Processes,
+    Service,
+    alive,
+    command_line,
+    descendants,
+    free_port,
+)
 from tests.cluster import eventually
 
 STREAMS = 20
@@ -29,23 +37,30 @@ def procs() -> Iterator[Processes]:
         yield group
 
 
-def _config(path: Path, *, drain_s: float, decode_step_s: float = 0.05) -> Path:
+def _config(
+    path: Path, *, drain_s: float, decode_step_s: float = 0.05, kv_transport: str = "auto"
+) -> Path:
     path.write_text(
         f"[router]\ndrain_s = {drain_s}\n"
         "[embedded]\nprefill = 1\ndecode = 1\n"
+        f'[embedded.worker]\nkv_transport = "{kv_transport}"\n'
         '[embedded.worker.engine]\nkind = "synthetic"\nnum_kv_blocks = 4096\n'
         f"[embedded.worker.engine.synthetic]\ndecode_step_s = {decode_step_s}\n"
     )
     return path
 
 
-def _start(procs: Processes, config: Path, *hypercorn_args: str) -> Service:
+def _start(
+    procs: Processes, config: Path, *hypercorn_args: str, new_session: bool = False
+) -> Service:
     port = free_port()
     command = [
         sys.executable, "-m", "hypercorn", "-k", "trio", *hypercorn_args,
         "-b", f"{LOOPBACK}:{port}", "pdtrio.app:app",
     ]  # fmt: skip
-    process = procs.start(command, env={"PDTRIO_CONFIG": str(config)}, output="capture")
+    process = procs.start(
+        command, env={"PDTRIO_CONFIG": str(config)}, output="capture", new_session=new_session
+    )
     service = Service(process, f"http://{LOOPBACK}:{port}")
     procs.wait_healthy(service)
     return service
@@ -127,6 +142,53 @@ def test_sigterm_drains_streams(
     print(f"-w {workers}: {expected} x{STREAMS}, late request: {late_seen}, exit {took:.2f}s")
     if workers == "0":
         assert late_seen == "503"
+
+
+GROUP_SIGTERM_RUNS = 20
+GROUP_STREAMS = 4
+
+
+@pytest.mark.parametrize("workers", ["1", "0"])
+def test_sigterm_to_the_process_group_drains_every_time(
+    procs: Processes, tmp_path: Path, workers: str
+) -> None:
+    # systemd's default KillMode=control-group signals every process of the service at
+    # once. hypercorn's master and its app process both got it, and the app forwarded its
+    # copy to the master: a second SIGTERM inside the master's (non-reentrant) handler hung
+    # it in 1 run of 3, streams open, until SIGKILL. The embedded workers run in sessions
+    # of their own, so only the router's drain stops them.
+    config = _config(tmp_path / "c.toml", drain_s=1, decode_step_s=0.02, kv_transport="tcp")
+    runs = GROUP_SIGTERM_RUNS if workers == "1" else 3
+    for run in range(1, runs + 1):
+        _sigterm_the_group(procs, config, workers, f"run {run} of {runs}")
+    print(f"-w {workers}: {runs} group SIGTERMs, every one drained and exited")
+
+
+def _sigterm_the_group(procs: Processes, config: Path, workers: str, run: str) -> None:
+    router = _start(procs, config, "-w", workers, "--graceful-timeout", "5", new_session=True)
+    tree = router.tree()
+    results: list[list[str]] = [[] for _ in range(GROUP_STREAMS)]
+    errors: list[BaseException] = []
+    threads = [
+        threading.Thread(target=_stream, args=(router.url, 1000, out, errors)) for out in results
+    ]
+    for thread in threads:
+        thread.start()
+    assert eventually(lambda: all(len(r) >= 2 for r in results), timeout=20), results
+    os.killpg(router.pid, signal.SIGTERM)
+    try:
+        status = router.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{run}: hypercorn did not exit after the group's SIGTERM")
+    for thread in threads:
+        thread.join(30)
+    assert status == 0, f"{run}: exit status {status}"
+    assert not errors, f"{run}: {errors}"
+    outcomes = [_outcome(r) for r in results]
+    assert outcomes == ["shutting_down"] * GROUP_STREAMS, f"{run}: {outcomes}"
+    assert eventually(lambda: not any(alive(pid) for pid in tree), timeout=10), (
+        f"{run}: left running: {[pid for pid in tree if alive(pid)]}"
+    )
 
 
 def _frozen_client(url: str, max_tokens: int) -> socket.socket:
@@ -308,3 +370,17 @@ def test_router_exits_when_hypercorn_master_is_killed(procs: Processes, tmp_path
     took = time.monotonic() - killed
     assert not [pid for pid in below if alive(pid)], "orphans left behind"
     print(f"orphans gone {took:.2f}s after the master was killed")
+
+
+def test_hypercorn_exits_when_its_app_process_is_killed(procs: Processes, tmp_path: Path) -> None:
+    # hypercorn's master sets its shutdown event when its app process dies; the router
+    # waited on that event in a thread, and the master's set() then waited for that dead
+    # thread to wake, forever
+    config = _config(tmp_path / "c.toml", drain_s=1, decode_step_s=0.005, kv_transport="tcp")
+    router = _start(procs, config, "-w", "1")
+    below = descendants(router.pid)
+    app = [pid for pid in below if "spawn_main" in " ".join(command_line(pid))]
+    assert len(app) == 1, [command_line(pid) for pid in below]
+    os.kill(app[0], signal.SIGKILL)
+    router.process.wait(timeout=30)
+    assert eventually(lambda: not any(alive(pid) for pid in below), timeout=10), "orphans left"
