@@ -26,12 +26,19 @@ from pdtrio.discovery.etcd import (
     EtcdError,
     KeyValue,
     WatchEvent,
+    etcd_client,
 )
 from pdtrio.protocol.registration import (
+    REJECTED_INTERNAL,
+    REJECTED_ROUTER_URL,
+    REJECTED_WRONG_KEY,
+    ROUTER_HEADER,
     Registration,
     RegistrationError,
+    check_registration,
     decode_registration,
     instance_id_from_key,
+    verify_registration,
 )
 
 log = logging.getLogger("pdtrio.router.discovery")
@@ -66,6 +73,10 @@ class RegistryListener(Protocol):
     def registration_ignored(self, key: str, reason: str | None) -> None:
         """A key under the prefix is not a usable registration (None: no longer)."""
 
+    def registration_rejected(self, key: str, reason: str) -> None:
+        """Count one refused entry (once per change of the key) by ``reason``, a
+        ``REJECTED_*`` of :mod:`pdtrio.protocol.registration`."""
+
 
 @final
 @attrs.define
@@ -80,6 +91,8 @@ class DiscoveryState:
     revision: int = 0
 
     def in_touch(self, revision: int) -> None:
+        if self.stopped:
+            return
         if not self.connected:
             log.info("etcd is reachable again: watching from revision %d", revision + 1)
         self.connected = True
@@ -87,14 +100,25 @@ class DiscoveryState:
         self.last_contact = time.time()
         self.revision = revision
 
+    # the registry no longer runs: nothing it reports is current any more
+    stopped: bool = False
+
     def lost(self, problem: str) -> None:
         if self.connected:
             log.warning("etcd is unreachable (%s): routing on the last known view", problem)
         self.connected = False
         self.problem = problem
 
+    def ended(self, problem: str) -> None:
+        """The registry stopped (it never does on its own): the view is frozen for good."""
+        self.stopped = True
+        self.connected = False
+        self.problem = f"discovery stopped: {problem}"
+
     def report(self) -> dict[str, Any]:
         report: dict[str, Any] = {"source": self.source, "connected": self.connected}
+        if self.stopped:
+            report["stopped"] = True
         if self.source == "etcd":
             report["revision"] = self.revision
             report["last_contact_s_ago"] = round(time.time() - self.last_contact, 3)
@@ -140,6 +164,10 @@ async def static_registration(
 ) -> Registration:
     """A listed instance's registration, from its ``/pd/info``."""
     response = await http.get(f"{instance.url}/pd/info", timeout=timeout_s, headers=headers)
+    if ROUTER_HEADER in response.headers:
+        raise RegistrationError(
+            f"{instance.url} is a pdtrio router, not a worker", REJECTED_ROUTER_URL
+        )
     response.raise_for_status()
     return registration_from_info(response.json(), instance.role, instance.url)
 
@@ -151,22 +179,39 @@ def registration_from_info(info: dict[str, Any], role: Role, url: str) -> Regist
         registration = msgspec.convert(info["registration"], Registration)
     except (KeyError, TypeError, msgspec.ValidationError) as exc:
         raise RegistrationError(f"the worker at {url} gave unusable /pd/info: {exc!r}") from None
-    return msgspec.structs.replace(registration, role=role, url=url)
+    registration = msgspec.structs.replace(registration, role=role, url=url)
+    try:
+        check_registration(registration)
+    except RegistrationError as exc:
+        raise RegistrationError(f"the worker at {url} gave unusable /pd/info: {exc}") from None
+    return registration
 
 
 @final
 class EtcdRegistry:
-    """Watches the deployment's prefix in etcd and tells the listener every change."""
+    """Watches the deployment's prefix in etcd and tells the listener every change.
+
+    With a ``signing_key`` (derived from the deployment's worker secret) only entries
+    signed with it are used; every other entry is ignored and reported, never fatal.
+    """
 
     def __init__(
-        self, config: DiscoveryConfig, listener: RegistryListener, state: DiscoveryState
+        self,
+        config: DiscoveryConfig,
+        listener: RegistryListener,
+        state: DiscoveryState,
+        *,
+        signing_key: bytes | None = None,
     ) -> None:
         self._config = config
         self._prefix = config.prefix
         self._listener = listener
         self.state = state
+        self._signing_key = signing_key
         self._known: set[str] = set()  # instance ids the listener was told about
         self._revision = 0  # the last revision applied
+        # the keys refused, and the revision refused (one warning and count per change)
+        self._rejected: dict[str, int] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Until cancelled. Reports started after the first listing, or the first failure.
@@ -174,13 +219,23 @@ class EtcdRegistry:
         Every (re)connection lists the prefix first, then watches from the revision
         after that listing: the listing proves etcd answers (only then is it "in
         touch"), and reconciling it with what the router knows misses nothing,
-        whatever happened meanwhile (even a compaction of the history).
+        whatever happened meanwhile (even a compaction of the history). However it
+        ends, the state says discovery stopped.
         """
+        try:
+            await self._run(task_status)
+        except BaseException as exc:
+            self.state.ended(
+                "cancelled" if isinstance(exc, trio.Cancelled) else f"{type(exc).__name__}: {exc}"
+            )
+            if not isinstance(exc, trio.Cancelled):
+                log.error("etcd discovery stopped: routing on the last known view", exc_info=exc)
+            raise
+
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
         started = False
         retry_s = _RETRY_FIRST_S
-        async with EtcdClient(
-            self._config.etcd_endpoints, timeout_s=self._config.etcd_timeout_s
-        ) as client:
+        async with etcd_client(self._config) as client:
             while True:
                 try:
                     kvs, revision = await client.get_prefix(self._prefix)
@@ -240,22 +295,24 @@ class EtcdRegistry:
         """A full listing: register what is there, deregister what is no longer."""
         present: set[str] = set()
         for kv in kvs:
-            instance_id = self._put(kv.key, kv.value)
+            instance_id = self._put_isolated(kv.key, kv.value, kv.mod_revision)
             if instance_id is not None:
                 present.add(instance_id)
         for gone in self._known - present:
             self._listener.instance_deregistered(gone)
+        for key in set(self._rejected) - {kv.key for kv in kvs}:
+            self._forget(key)
         self._known = present
         self._revision = revision
 
     def _apply(self, events: list[WatchEvent]) -> None:
         for event in events:
             if event.kind == "put":
-                instance_id = self._put(event.key, event.value)
+                instance_id = self._put_isolated(event.key, event.value, event.mod_revision)
                 if instance_id is not None:
                     self._known.add(instance_id)
             else:
-                self._listener.registration_ignored(event.key, None)
+                self._forget(event.key)
                 instance_id = instance_id_from_key(self._prefix, event.key)
                 if instance_id is not None and instance_id in self._known:
                     self._known.discard(instance_id)
@@ -263,30 +320,49 @@ class EtcdRegistry:
             self._revision = max(self._revision, event.mod_revision)
         self.state.in_touch(self._revision)
 
-    def _put(self, key: str, value: bytes) -> str | None:
+    def _put_isolated(self, key: str, value: bytes, revision: int) -> str | None:
+        """:meth:`_put`, which no entry may break: whatever fails handling one entry
+        (a bug: decoding is total) leaves that entry ignored and discovery running."""
+        try:
+            return self._put(key, value, revision)
+        except Exception as exc:  # (no await in here) one entry must not stop discovery
+            log.error("could not handle the registry entry at %s", key, exc_info=exc)
+            self._reject(key, revision, REJECTED_INTERNAL, f"could not be handled: {exc!r}")
+            return None
+
+    def _put(self, key: str, value: bytes, revision: int) -> str | None:
         """Tell the listener of one registration; the instance id, or None if unusable."""
         instance_id = instance_id_from_key(self._prefix, key)
         if instance_id is None:
             return None
         try:
             registration = decode_registration(value)
+            if registration.instance_id != instance_id:
+                raise RegistrationError(
+                    f"registered under {instance_id!r} but says it is {registration.instance_id!r}",
+                    REJECTED_WRONG_KEY,
+                )
+            if self._signing_key is not None:
+                verify_registration(registration, key, self._signing_key)
         except RegistrationError as exc:
-            self._ignore(key, instance_id, str(exc))
+            self._reject(key, revision, exc.reason, str(exc))
+            if instance_id in self._known:  # it was usable before: it is gone now
+                self._known.discard(instance_id)
+                self._listener.instance_deregistered(instance_id)
             return None
-        if registration.instance_id != instance_id:
-            self._ignore(
-                key,
-                instance_id,
-                f"registered under {instance_id!r} but says it is {registration.instance_id!r}",
-            )
-            return None
-        self._listener.registration_ignored(key, None)
+        self._forget(key)
         self._listener.instance_registered(registration)
         return instance_id
 
-    def _ignore(self, key: str, instance_id: str, reason: str) -> None:
-        log.warning("ignoring the registration at %s: %s", key, reason)
-        self._listener.registration_ignored(key, reason)
-        if instance_id in self._known:  # it was usable before: it is gone now
-            self._known.discard(instance_id)
-            self._listener.instance_deregistered(instance_id)
+    def _reject(self, key: str, revision: int, reason: str, message: str) -> None:
+        """Ignore the entry; warn and count once per change of it."""
+        self._listener.registration_ignored(key, message)
+        if self._rejected.get(key) == revision:
+            return  # (listed again after a reconnection: already reported)
+        self._rejected[key] = revision
+        log.warning("ignoring the registration at %s (%s): %s", key, reason, message)
+        self._listener.registration_rejected(key, reason)
+
+    def _forget(self, key: str) -> None:
+        self._rejected.pop(key, None)
+        self._listener.registration_ignored(key, None)

@@ -50,6 +50,7 @@ class Recorder:
         self.registered: dict[str, Registration] = {}
         self.calls: list[tuple[str, str]] = []
         self.ignored: dict[str, str] = {}
+        self.rejected: list[tuple[str, str]] = []  # (key, reason) as counted
         self._changed = trio.Event()
 
     def instance_registered(self, registration: Registration) -> None:
@@ -66,6 +67,9 @@ class Recorder:
         else:
             self.ignored[key] = reason
             self._note("ignored", key)
+
+    def registration_rejected(self, key: str, reason: str) -> None:
+        self.rejected.append((key, reason))
 
     def _note(self, kind: str, name: str) -> None:
         self.calls.append((kind, name))
