@@ -289,6 +289,17 @@ async def test_etcd_user_and_password_a_worker_registers_and_the_router_sees_it(
                     "/v1/completions", json={"model": "synthetic", "prompt": "hi", "max_tokens": 4}
                 )
                 assert response.status_code == 200, response.text
+            # a restarted etcd forgets its tokens: both sides authenticate again
+            await etcd.stop()
+            await until(lambda: not router.router.discovery.connected, "the outage is seen")
+            await etcd.start()
+            await until(lambda: router.router.discovery.connected, "watching again")
+            async with EtcdClient(
+                [etcd.endpoint], username="root", password=ROOT_PASSWORD
+            ) as client:
+                later = sign_registration(registration("later"), key_of("later"), SIGNING_KEY)
+                await client.put(key_of("later"), encode_registration(later))
+            await until(lambda: router.known() == {"w1", "later"}, "a later entry is seen")
         # a wrong password: no crash; /health says why discovery is not live
         wrong = discovery_config(etcd, etcd_username="root", etcd_password="not it")
         async with running_router(wrong, secret=SECRET) as router:
