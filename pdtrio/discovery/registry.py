@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, Protocol, final
 
 import attrs
@@ -89,6 +89,8 @@ class DiscoveryState:
     last_contact: float = attrs.field(factory=time.time)
     problem: str = ""
     revision: int = 0
+    # the registry no longer runs: nothing it reports is current any more
+    stopped: bool = False
 
     def in_touch(self, revision: int) -> None:
         if self.stopped:
@@ -99,9 +101,6 @@ class DiscoveryState:
         self.problem = ""
         self.last_contact = time.time()
         self.revision = revision
-
-    # the registry no longer runs: nothing it reports is current any more
-    stopped: bool = False
 
     def lost(self, problem: str) -> None:
         if self.connected:
@@ -188,6 +187,17 @@ def registration_from_info(info: dict[str, Any], role: Role, url: str) -> Regist
 
 
 @final
+class _OnStarted:
+    """A ``task_status`` that calls back when the task says it started."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+
+    def started(self, value: None = None) -> None:
+        self._callback()
+
+
+@final
 class EtcdRegistry:
     """Watches the deployment's prefix in etcd and tells the listener every change.
 
@@ -212,6 +222,7 @@ class EtcdRegistry:
         self._revision = 0  # the last revision applied
         # the keys refused, and the revision refused (one warning and count per change)
         self._rejected: dict[str, int] = {}
+        self._watched = False  # whether the last watch was created
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Until cancelled. Reports started after the first listing, or the first failure.
@@ -240,11 +251,9 @@ class EtcdRegistry:
                 try:
                     kvs, revision = await client.get_prefix(self._prefix)
                     self._reconcile(kvs, revision)
-                    self.state.in_touch(self._revision)
                     if not started:
                         started = True
                         task_status.started()
-                    retry_s = _RETRY_FIRST_S
                     await self._watch_while_etcd_answers(client)
                 except EtcdCompacted as exc:
                     # (rare: events came faster than we read them) list everything again
@@ -256,6 +265,9 @@ class EtcdRegistry:
                     if not started:
                         started = True
                         task_status.started()
+                    # (a watch that ran resets it: one that keeps failing backs off)
+                    retry_s = _RETRY_FIRST_S if self._watched else retry_s
+                    self._watched = False
                     await trio.sleep(retry_s)
                     retry_s = min(retry_s * 2, _RETRY_MOST_S)
 
@@ -268,7 +280,10 @@ class EtcdRegistry:
             nonlocal failure
             try:
                 await client.watch_prefix(
-                    self._prefix, start_revision=self._revision + 1, on_events=self._apply
+                    self._prefix,
+                    start_revision=self._revision + 1,
+                    on_events=self._apply,
+                    task_status=_OnStarted(self._watching),
                 )
             except EtcdError as exc:
                 failure = exc
@@ -290,6 +305,12 @@ class EtcdRegistry:
             nursery.start_soon(watch, nursery.cancel_scope)
             nursery.start_soon(probe, nursery.cancel_scope)
         raise failure
+
+    def _watching(self) -> None:
+        """etcd created the watch: only now is discovery live (a listing that works
+        under a watch that keeps failing is not)."""
+        self._watched = True
+        self.state.in_touch(self._revision)
 
     def _reconcile(self, kvs: Sequence[KeyValue], revision: int) -> None:
         """A full listing: register what is there, deregister what is no longer."""
