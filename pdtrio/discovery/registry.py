@@ -236,10 +236,11 @@ class EtcdRegistry:
         try:
             await self._run(task_status)
         except BaseException as exc:
-            self.state.ended(
-                "cancelled" if isinstance(exc, trio.Cancelled) else f"{type(exc).__name__}: {exc}"
+            cancelled = isinstance(exc, trio.Cancelled) or (
+                isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None
             )
-            if not isinstance(exc, trio.Cancelled):
+            self.state.ended("cancelled" if cancelled else f"{type(exc).__name__}: {exc}")
+            if not cancelled:
                 log.error("etcd discovery stopped: routing on the last known view", exc_info=exc)
             raise
 
