@@ -131,6 +131,16 @@ class DiscoveryConfig:
     lease_ttl_s: int = attrs.field(default=10, validator=_positive)
     # how long one etcd call may take before etcd counts as unreachable
     etcd_timeout_s: float = attrs.field(default=5.0, validator=_positive)
+    # etcd's own authentication: a user (empty: none) and its password (PDTRIO_ETCD_PASSWORD,
+    # or a file, over the value)
+    etcd_username: str = ""
+    etcd_password: str = attrs.field(default="", repr=False)
+    etcd_password_file: str = ""
+    # client TLS to https endpoints: the CA that signed etcd's certificate (empty: the
+    # system's), and the certificate and key shown to an etcd with --client-cert-auth
+    etcd_ca_file: str = ""
+    etcd_cert_file: str = ""
+    etcd_key_file: str = ""
 
     @property
     def uses_etcd(self) -> bool:

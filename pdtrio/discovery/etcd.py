@@ -6,20 +6,32 @@ fields are strings; the private `_*Reply` structs below decode both (msgspec rea
 `bytes`, and `strict=False` reads "42" as 42). Every failure leaves this module as an
 `EtcdError`: the caller decides whether to retry, this module never does beyond trying the
 next endpoint when one cannot be reached at all.
+
+etcd's own authentication is supported: a user and password (the client authenticates
+first, sends the token on every call, and authenticates again when etcd says the token
+is no longer valid) and client TLS (https endpoints, a CA, a client certificate for
+etcd's ``--client-cert-auth``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+import ssl
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Literal, Self, TypeVar, final
+from typing import TYPE_CHECKING, Final, Literal, Self, TypeVar, final
 
 import attrs
 import httpx
 import msgspec
 import trio
 
+if TYPE_CHECKING:
+    from pdtrio.config import DiscoveryConfig
+
 __all__ = [
+    "ETCD_PASSWORD_ENV",
+    "EtcdAuthFailed",
     "EtcdClient",
     "EtcdCompacted",
     "EtcdError",
@@ -27,12 +39,20 @@ __all__ = [
     "EtcdUnavailable",
     "KeyValue",
     "WatchEvent",
+    "etcd_client",
+    "etcd_tls_context",
+    "resolve_etcd_password",
 ]
+
+# the etcd password, over [discovery] etcd_password_file and etcd_password
+ETCD_PASSWORD_ENV: Final = "PDTRIO_ETCD_PASSWORD"
 
 # gRPC codes that mean "try again later", not "you asked for something wrong":
 # CANCELLED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE
 _RETRYABLE_CODES = frozenset({1, 4, 8, 14})
 _NOT_FOUND = 5
+_INVALID_ARGUMENT = 3
+_UNAUTHENTICATED = 16
 
 _T = TypeVar("_T")
 
@@ -55,6 +75,15 @@ class EtcdCompacted(EtcdError):
     def __init__(self, compact_revision: int) -> None:
         super().__init__(f"revision compacted; the oldest revision kept is {compact_revision}")
         self.compact_revision = compact_revision
+
+
+class EtcdAuthFailed(EtcdError):
+    """etcd refused the configured user and password, or asks for credentials none were
+    configured for."""
+
+
+class _TokenInvalid(EtcdError):
+    """etcd no longer takes the auth token (expired, or etcd restarted): authenticate again."""
 
 
 class _NotFound(EtcdError):
@@ -133,6 +162,10 @@ class _WatchLine(msgspec.Struct):
     error: str | dict[str, object] | None = None
 
 
+class _AuthReply(msgspec.Struct):
+    token: str = ""
+
+
 class _ErrorReply(msgspec.Struct):
     error: str | dict[str, object] | None = None
     message: str = ""
@@ -149,6 +182,7 @@ _LEASE_REPLY = _decoder(_LeaseReply)
 _KEEP_ALIVE_LINE = _decoder(_KeepAliveLine)
 _WATCH_LINE = _decoder(_WatchLine)
 _ERROR_REPLY = _decoder(_ErrorReply)
+_AUTH_REPLY = _decoder(_AuthReply)
 
 
 def _key_bytes(key: str) -> bytes:
@@ -201,6 +235,10 @@ def _error_of(error: str | dict[str, object] | None, code: int, message: str) ->
 
 def _answer_error(endpoint: str, code: int, message: str, status: int = 0) -> EtcdError:
     what = f"etcd at {endpoint}: {message} (code {code}{f', HTTP {status}' if status else ''})"
+    if code == _UNAUTHENTICATED or "invalid auth token" in message:
+        return _TokenInvalid(what)
+    if code == _INVALID_ARGUMENT and "user name is empty" in message:
+        return EtcdAuthFailed(f"{what}: etcd has authentication on; set etcd_username")
     if status >= 500 or code in _RETRYABLE_CODES:
         return EtcdUnavailable(what)
     if code == _NOT_FOUND:
@@ -224,14 +262,31 @@ def _decode(decoder: msgspec.json.Decoder[_T], endpoint: str, body: bytes) -> _T
 class EtcdClient:
     """etcd's KV, lease and watch APIs; owns its httpx client (close with `aclose`)."""
 
-    def __init__(self, endpoints: Sequence[str], *, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout_s: float = 5.0,
+        username: str = "",
+        password: str = "",
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        """``username`` (and ``password``): etcd's authentication; ``tls``: the context
+        https endpoints are verified with (and the client certificate shown), else the
+        system's CAs."""
         if not endpoints:
             raise ValueError("EtcdClient needs at least one endpoint")
         self._endpoints = [endpoint.rstrip("/") for endpoint in endpoints]
         self._current = 0  # the endpoint that answered last; tried first
         # a watch waits for events indefinitely; only connecting and sending are bounded
         self._watch_timeout = httpx.Timeout(timeout_s, read=None)
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), trust_env=False)
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s), trust_env=False, verify=tls or True
+        )
+        self._username = username
+        self._password = password
+        self._token = ""  # etcd's auth token, once authenticated
+        self._authenticating = trio.Lock()
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -331,11 +386,16 @@ class EtcdClient:
                 }
             }
         )
+        headers = await self._headers()
         failures: list[str] = []
         for endpoint in self._rotation():
             try:
                 async with self._http.stream(
-                    "POST", endpoint + "/v3/watch", content=payload, timeout=self._watch_timeout
+                    "POST",
+                    endpoint + "/v3/watch",
+                    content=payload,
+                    timeout=self._watch_timeout,
+                    headers=headers,
                 ) as response:
                     self._current = self._endpoints.index(endpoint)
                     if response.status_code != 200:
@@ -348,6 +408,9 @@ class EtcdClient:
                 raise EtcdUnavailable(
                     f"etcd at {endpoint}: watch broke: {type(exc).__name__}: {exc}"
                 ) from exc
+            except _TokenInvalid:
+                self._token_refused(headers.get("authorization", ""))
+                raise
             raise EtcdUnavailable(f"etcd at {endpoint} ended the watch stream")
         raise EtcdUnavailable("no etcd endpoint reachable: " + "; ".join(failures))
 
@@ -385,13 +448,61 @@ class EtcdClient:
         n = len(self._endpoints)
         return [self._endpoints[(self._current + i) % n] for i in range(n)]
 
+    async def _headers(self) -> dict[str, str]:
+        """The headers of a call: etcd's auth token, authenticating first if need be."""
+        if not self._username:
+            return {}
+        if not self._token:
+            await self._authenticate("")
+        return {"authorization": self._token}
+
+    async def _authenticate(self, stale: str) -> None:
+        """Get a token (once, for every task that found ``stale`` refused at once)."""
+        async with self._authenticating:
+            if self._token and self._token != stale:
+                return  # another task authenticated meanwhile
+            self._token = ""
+            body: dict[str, object] = {"name": self._username, "password": self._password}
+            try:
+                endpoint, reply = await self._post_once("/v3/auth/authenticate", body, {})
+            except _TokenInvalid as exc:
+                raise EtcdAuthFailed(str(exc)) from exc
+            except EtcdError as exc:
+                if isinstance(exc, EtcdUnavailable):
+                    raise
+                # (the reason is etcd's; the password is never part of a message)
+                raise EtcdAuthFailed(f"etcd refused the user {self._username!r}: {exc}") from exc
+            token = _decode(_AUTH_REPLY, endpoint, reply).token
+            if not token:
+                raise EtcdAuthFailed(
+                    f"etcd at {endpoint} gave no token to {self._username!r} "
+                    "(is its authentication enabled?)"
+                )
+            self._token = token
+
     async def _post(self, path: str, body: dict[str, object]) -> tuple[str, bytes]:
         """(endpoint that answered, its 200 body); every failure as an EtcdError."""
+        headers = await self._headers()
+        try:
+            return await self._post_once(path, body, headers)
+        except _TokenInvalid:
+            if not self._username:
+                raise EtcdAuthFailed(
+                    f"etcd at {self._endpoints[self._current]} asks for authentication: "
+                    "set etcd_username and etcd_password"
+                ) from None
+        # the token expired (or etcd restarted and forgot it): once more with a new one
+        await self._authenticate(headers.get("authorization", ""))
+        return await self._post_once(path, body, await self._headers())
+
+    async def _post_once(
+        self, path: str, body: dict[str, object], headers: Mapping[str, str]
+    ) -> tuple[str, bytes]:
         payload = msgspec.json.encode(body)
         failures: list[str] = []
         for endpoint in self._rotation():
             try:
-                response = await self._http.post(endpoint + path, content=payload)
+                response = await self._http.post(endpoint + path, content=payload, headers=headers)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 failures.append(f"{endpoint}: {exc or type(exc).__name__}")
                 continue
@@ -402,6 +513,11 @@ class EtcdClient:
                 raise _http_error(endpoint, response.status_code, response.content)
             return endpoint, response.content
         raise EtcdUnavailable("no etcd endpoint reachable: " + "; ".join(failures))
+
+    def _token_refused(self, token: str) -> None:
+        """A watch was refused for its token: the next call authenticates again."""
+        if self._token == token:
+            self._token = ""
 
 
 def _watch_result(endpoint: str, text: str) -> _WatchReply:
@@ -414,7 +530,12 @@ def _watch_result(endpoint: str, text: str) -> _WatchReply:
         raise EtcdCompacted(line.result.compact_revision)
     if line.result.canceled:
         reason = line.result.cancel_reason or "no reason given"
-        raise EtcdUnavailable(f"etcd at {endpoint} cancelled the watch: {reason}")
+        what = f"etcd at {endpoint} cancelled the watch: {reason}"
+        if "Unauthenticated" in reason or "invalid auth token" in reason:
+            raise _TokenInvalid(what)
+        if "user name is empty" in reason:
+            raise EtcdAuthFailed(f"{what}: etcd has authentication on; set etcd_username")
+        raise EtcdUnavailable(what)
     return line.result
 
 
@@ -425,3 +546,58 @@ def _http_error(endpoint: str, status: int, body: bytes) -> EtcdError:
         return _answer_error(endpoint, 0, f"unreadable error reply {body[:200]!r}", status)
     code, message = _error_of(reply.error, reply.code, reply.message)
     return _answer_error(endpoint, code, message, status)
+
+
+# --- from the configuration -------------------------------------------------------------
+
+
+def resolve_etcd_password(value: str, file: str, environ: Mapping[str, str] | None = None) -> str:
+    """etcd's password: ``PDTRIO_ETCD_PASSWORD``, else the file, else the configured value."""
+    from pdtrio.config import ConfigError
+    from pdtrio.security import read_secret_file
+
+    environ = os.environ if environ is None else environ
+    from_env = environ.get(ETCD_PASSWORD_ENV, "")
+    if from_env:
+        return from_env
+    if file:
+        password = read_secret_file(file, "etcd password")
+        if not password:
+            raise ConfigError(f"the etcd password file {file} is empty")
+        return password
+    return value
+
+
+def etcd_tls_context(ca_file: str, cert_file: str, key_file: str) -> ssl.SSLContext | None:
+    """The context https etcd endpoints are dialed with; None: the system's CAs, no client
+    certificate."""
+    from pdtrio.config import ConfigError
+
+    if not (ca_file or cert_file or key_file):
+        return None
+    if bool(cert_file) != bool(key_file):
+        raise ConfigError("etcd client TLS needs both etcd_cert_file and etcd_key_file")
+    try:
+        context = ssl.create_default_context(cafile=ca_file or None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load the etcd CA file {ca_file}: {exc}") from None
+    if cert_file:
+        try:
+            context.load_cert_chain(cert_file, key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                f"cannot load the etcd client certificate {cert_file}: {exc}"
+            ) from None
+    return context
+
+
+def etcd_client(config: DiscoveryConfig) -> EtcdClient:
+    """A client for the configuration's etcd, with its credentials (ConfigError when a
+    file cannot be read)."""
+    return EtcdClient(
+        config.etcd_endpoints,
+        timeout_s=config.etcd_timeout_s,
+        username=config.etcd_username,
+        password=resolve_etcd_password(config.etcd_password, config.etcd_password_file),
+        tls=etcd_tls_context(config.etcd_ca_file, config.etcd_cert_file, config.etcd_key_file),
+    )

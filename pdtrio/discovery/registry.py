@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, Protocol, final
 
 import attrs
@@ -26,13 +26,20 @@ from pdtrio.discovery.etcd import (
     EtcdError,
     KeyValue,
     WatchEvent,
+    etcd_client,
 )
 from pdtrio.peer_auth import WorkerAuth
 from pdtrio.protocol.registration import (
+    REJECTED_INTERNAL,
+    REJECTED_ROUTER_URL,
+    REJECTED_WRONG_KEY,
+    ROUTER_HEADER,
     Registration,
     RegistrationError,
+    check_registration,
     decode_registration,
     instance_id_from_key,
+    verify_registration,
 )
 from pdtrio.security import PeerCredentials
 
@@ -68,6 +75,10 @@ class RegistryListener(Protocol):
     def registration_ignored(self, key: str, reason: str | None) -> None:
         """A key under the prefix is not a usable registration (None: no longer)."""
 
+    def registration_rejected(self, key: str, reason: str) -> None:
+        """Count one refused entry (once per change of the key) by ``reason``, a
+        ``REJECTED_*`` of :mod:`pdtrio.protocol.registration`."""
+
 
 @final
 @attrs.define
@@ -80,8 +91,12 @@ class DiscoveryState:
     last_contact: float = attrs.field(factory=time.time)
     problem: str = ""
     revision: int = 0
+    # the registry no longer runs: nothing it reports is current any more
+    stopped: bool = False
 
     def in_touch(self, revision: int) -> None:
+        if self.stopped:
+            return
         if not self.connected:
             log.info("etcd is reachable again: watching from revision %d", revision + 1)
         self.connected = True
@@ -95,8 +110,16 @@ class DiscoveryState:
         self.connected = False
         self.problem = problem
 
+    def ended(self, problem: str) -> None:
+        """The registry stopped (it never does on its own): the view is frozen for good."""
+        self.stopped = True
+        self.connected = False
+        self.problem = f"discovery stopped: {problem}"
+
     def report(self) -> dict[str, Any]:
         report: dict[str, Any] = {"source": self.source, "connected": self.connected}
+        if self.stopped:
+            report["stopped"] = True
         if self.source == "etcd":
             report["revision"] = self.revision
             report["last_contact_s_ago"] = round(time.time() - self.last_contact, 3)
@@ -145,6 +168,10 @@ async def static_registration(
     the secret, once it proved it holds it too, as ``expected_instance`` when given)."""
     auth = None if credentials is None else WorkerAuth(credentials, expected_instance)
     response = await http.get(f"{instance.url}/pd/info", timeout=timeout_s, auth=auth)
+    if ROUTER_HEADER in response.headers:
+        raise RegistrationError(
+            f"{instance.url} is a pdtrio router, not a worker", REJECTED_ROUTER_URL
+        )
     response.raise_for_status()
     return registration_from_info(response.json(), instance.role, instance.url)
 
@@ -156,22 +183,51 @@ def registration_from_info(info: dict[str, Any], role: Role, url: str) -> Regist
         registration = msgspec.convert(info["registration"], Registration)
     except (KeyError, TypeError, msgspec.ValidationError) as exc:
         raise RegistrationError(f"the worker at {url} gave unusable /pd/info: {exc!r}") from None
-    return msgspec.structs.replace(registration, role=role, url=url)
+    registration = msgspec.structs.replace(registration, role=role, url=url)
+    try:
+        check_registration(registration)
+    except RegistrationError as exc:
+        raise RegistrationError(f"the worker at {url} gave unusable /pd/info: {exc}") from None
+    return registration
+
+
+@final
+class _OnStarted:
+    """A ``task_status`` that calls back when the task says it started."""
+
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self._callback = callback
+
+    def started(self, value: None = None) -> None:
+        self._callback()
 
 
 @final
 class EtcdRegistry:
-    """Watches the deployment's prefix in etcd and tells the listener every change."""
+    """Watches the deployment's prefix in etcd and tells the listener every change.
+
+    With a ``signing_key`` (derived from the deployment's worker secret) only entries
+    signed with it are used; every other entry is ignored and reported, never fatal.
+    """
 
     def __init__(
-        self, config: DiscoveryConfig, listener: RegistryListener, state: DiscoveryState
+        self,
+        config: DiscoveryConfig,
+        listener: RegistryListener,
+        state: DiscoveryState,
+        *,
+        signing_key: bytes | None = None,
     ) -> None:
         self._config = config
         self._prefix = config.prefix
         self._listener = listener
         self.state = state
+        self._signing_key = signing_key
         self._known: set[str] = set()  # instance ids the listener was told about
         self._revision = 0  # the last revision applied
+        # the keys refused, and the revision refused (one warning and count per change)
+        self._rejected: dict[str, int] = {}
+        self._watched = False  # whether the last watch was created
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Until cancelled. Reports started after the first listing, or the first failure.
@@ -179,22 +235,31 @@ class EtcdRegistry:
         Every (re)connection lists the prefix first, then watches from the revision
         after that listing: the listing proves etcd answers (only then is it "in
         touch"), and reconciling it with what the router knows misses nothing,
-        whatever happened meanwhile (even a compaction of the history).
+        whatever happened meanwhile (even a compaction of the history). However it
+        ends, the state says discovery stopped.
         """
+        try:
+            await self._run(task_status)
+        except BaseException as exc:
+            cancelled = isinstance(exc, trio.Cancelled) or (
+                isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None
+            )
+            self.state.ended("cancelled" if cancelled else f"{type(exc).__name__}: {exc}")
+            if not cancelled:
+                log.error("etcd discovery stopped: routing on the last known view", exc_info=exc)
+            raise
+
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
         started = False
         retry_s = _RETRY_FIRST_S
-        async with EtcdClient(
-            self._config.etcd_endpoints, timeout_s=self._config.etcd_timeout_s
-        ) as client:
+        async with etcd_client(self._config) as client:
             while True:
                 try:
                     kvs, revision = await client.get_prefix(self._prefix)
                     self._reconcile(kvs, revision)
-                    self.state.in_touch(self._revision)
                     if not started:
                         started = True
                         task_status.started()
-                    retry_s = _RETRY_FIRST_S
                     await self._watch_while_etcd_answers(client)
                 except EtcdCompacted as exc:
                     # (rare: events came faster than we read them) list everything again
@@ -206,6 +271,9 @@ class EtcdRegistry:
                     if not started:
                         started = True
                         task_status.started()
+                    # (a watch that ran resets it: one that keeps failing backs off)
+                    retry_s = _RETRY_FIRST_S if self._watched else retry_s
+                    self._watched = False
                     await trio.sleep(retry_s)
                     retry_s = min(retry_s * 2, _RETRY_MOST_S)
 
@@ -218,7 +286,10 @@ class EtcdRegistry:
             nonlocal failure
             try:
                 await client.watch_prefix(
-                    self._prefix, start_revision=self._revision + 1, on_events=self._apply
+                    self._prefix,
+                    start_revision=self._revision + 1,
+                    on_events=self._apply,
+                    task_status=_OnStarted(self._watching),
                 )
             except EtcdError as exc:
                 failure = exc
@@ -241,26 +312,34 @@ class EtcdRegistry:
             nursery.start_soon(probe, nursery.cancel_scope)
         raise failure
 
+    def _watching(self) -> None:
+        """etcd created the watch: only now is discovery live (a listing that works
+        under a watch that keeps failing is not)."""
+        self._watched = True
+        self.state.in_touch(self._revision)
+
     def _reconcile(self, kvs: Sequence[KeyValue], revision: int) -> None:
         """A full listing: register what is there, deregister what is no longer."""
         present: set[str] = set()
         for kv in kvs:
-            instance_id = self._put(kv.key, kv.value)
+            instance_id = self._put_isolated(kv.key, kv.value, kv.mod_revision)
             if instance_id is not None:
                 present.add(instance_id)
         for gone in self._known - present:
             self._listener.instance_deregistered(gone)
+        for key in set(self._rejected) - {kv.key for kv in kvs}:
+            self._forget(key)
         self._known = present
         self._revision = revision
 
     def _apply(self, events: list[WatchEvent]) -> None:
         for event in events:
             if event.kind == "put":
-                instance_id = self._put(event.key, event.value)
+                instance_id = self._put_isolated(event.key, event.value, event.mod_revision)
                 if instance_id is not None:
                     self._known.add(instance_id)
             else:
-                self._listener.registration_ignored(event.key, None)
+                self._forget(event.key)
                 instance_id = instance_id_from_key(self._prefix, event.key)
                 if instance_id is not None and instance_id in self._known:
                     self._known.discard(instance_id)
@@ -268,30 +347,49 @@ class EtcdRegistry:
             self._revision = max(self._revision, event.mod_revision)
         self.state.in_touch(self._revision)
 
-    def _put(self, key: str, value: bytes) -> str | None:
+    def _put_isolated(self, key: str, value: bytes, revision: int) -> str | None:
+        """:meth:`_put`, which no entry may break: whatever fails handling one entry
+        (a bug: decoding is total) leaves that entry ignored and discovery running."""
+        try:
+            return self._put(key, value, revision)
+        except Exception as exc:  # (no await in here) one entry must not stop discovery
+            log.error("could not handle the registry entry at %s", key, exc_info=exc)
+            self._reject(key, revision, REJECTED_INTERNAL, f"could not be handled: {exc!r}")
+            return None
+
+    def _put(self, key: str, value: bytes, revision: int) -> str | None:
         """Tell the listener of one registration; the instance id, or None if unusable."""
         instance_id = instance_id_from_key(self._prefix, key)
         if instance_id is None:
             return None
         try:
             registration = decode_registration(value)
+            if registration.instance_id != instance_id:
+                raise RegistrationError(
+                    f"registered under {instance_id!r} but says it is {registration.instance_id!r}",
+                    REJECTED_WRONG_KEY,
+                )
+            if self._signing_key is not None:
+                verify_registration(registration, key, self._signing_key)
         except RegistrationError as exc:
-            self._ignore(key, instance_id, str(exc))
+            self._reject(key, revision, exc.reason, str(exc))
+            if instance_id in self._known:  # it was usable before: it is gone now
+                self._known.discard(instance_id)
+                self._listener.instance_deregistered(instance_id)
             return None
-        if registration.instance_id != instance_id:
-            self._ignore(
-                key,
-                instance_id,
-                f"registered under {instance_id!r} but says it is {registration.instance_id!r}",
-            )
-            return None
-        self._listener.registration_ignored(key, None)
+        self._forget(key)
         self._listener.instance_registered(registration)
         return instance_id
 
-    def _ignore(self, key: str, instance_id: str, reason: str) -> None:
-        log.warning("ignoring the registration at %s: %s", key, reason)
-        self._listener.registration_ignored(key, reason)
-        if instance_id in self._known:  # it was usable before: it is gone now
-            self._known.discard(instance_id)
-            self._listener.instance_deregistered(instance_id)
+    def _reject(self, key: str, revision: int, reason: str, message: str) -> None:
+        """Ignore the entry; warn and count once per change of it."""
+        self._listener.registration_ignored(key, message)
+        if self._rejected.get(key) == revision:
+            return  # (listed again after a reconnection: already reported)
+        self._rejected[key] = revision
+        log.warning("ignoring the registration at %s (%s): %s", key, reason, message)
+        self._listener.registration_rejected(key, reason)
+
+    def _forget(self, key: str) -> None:
+        self._rejected.pop(key, None)
+        self._listener.registration_ignored(key, None)

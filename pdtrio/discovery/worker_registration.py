@@ -4,6 +4,9 @@ A worker that stops keeping its lease alive (killed, frozen, cut off) leaves
 routing when the lease expires; one that stops on purpose revokes it first.
 etcd being out of reach does not stop the worker serving: it keeps trying, and
 registers again under a new lease if the old one expired meanwhile.
+
+With the deployment's worker secret the registration is signed (routers with the
+secret use only signed entries); etcd's own credentials come from ``[discovery]``.
 """
 
 from __future__ import annotations
@@ -13,8 +16,13 @@ import logging
 import trio
 
 from pdtrio.config import DiscoveryConfig
-from pdtrio.discovery.etcd import EtcdClient, EtcdError, EtcdLeaseLost
-from pdtrio.protocol.registration import Registration, encode_registration, registration_key
+from pdtrio.discovery.etcd import EtcdAuthFailed, EtcdClient, EtcdError, EtcdLeaseLost, etcd_client
+from pdtrio.protocol.registration import (
+    Registration,
+    encode_registration,
+    registration_key,
+    sign_registration,
+)
 
 log = logging.getLogger("pdtrio.worker.registration")
 
@@ -23,13 +31,23 @@ _DEREGISTER_TIMEOUT_S = 2.0
 
 
 async def keep_registered(
-    config: DiscoveryConfig, registration: Registration, stop: trio.Event
+    config: DiscoveryConfig,
+    registration: Registration,
+    stop: trio.Event,
+    *,
+    signing_key: bytes | None = None,
 ) -> None:
-    """Stay registered until ``stop`` is set (or cancelled), then deregister."""
+    """Stay registered until ``stop`` is set (or cancelled), then deregister.
+
+    ``signing_key`` (``pdtrio.security.derive_key(secret, "registration")``): the
+    registration is signed with it; None: unsigned (a deployment without a secret).
+    """
     key = registration_key(config.prefix, registration.instance_id)
+    if signing_key is not None:
+        registration = sign_registration(registration, key, signing_key)
     value = encode_registration(registration)
     ttl_s = config.lease_ttl_s
-    async with EtcdClient(config.etcd_endpoints, timeout_s=config.etcd_timeout_s) as client:
+    async with etcd_client(config) as client:
         lease: int | None = None
         out_of_reach = False
         try:
@@ -49,6 +67,11 @@ async def keep_registered(
                     log.warning("the etcd lease expired (etcd was out of reach): registering again")
                     lease = None
                     wait_s = 0.0
+                except EtcdAuthFailed as exc:
+                    if not out_of_reach:
+                        log.error("etcd refuses this worker's credentials, still serving: %s", exc)
+                        out_of_reach = True
+                    wait_s = min(1.0, ttl_s / 3)
                 except EtcdError as exc:
                     if not out_of_reach:
                         log.warning("etcd is out of reach, still serving: %s", exc)

@@ -44,6 +44,7 @@ from pdtrio.protocol.openai import (
     unauthorized,
     unsupported_media_type,
 )
+from pdtrio.protocol.registration import ROUTER_HEADER
 from pdtrio.router.core import Router
 from pdtrio.router.metrics import Outcome
 
@@ -161,9 +162,21 @@ class RouterApp:
             return
         path: str = scope["path"]
         method: str = scope["method"]
+        server = scope.get("server")
+        if server is not None:
+            router.serving_at(server)
         try:
             allowed = ROUTE_METHODS.get(path)
             if allowed is None:
+                if path.startswith("/pd/"):
+                    # a worker's path: say who answers, so that a registration pointing
+                    # at a router is recognised as one (and ignored) when it is dialed
+                    raise OpenAIError(
+                        f"this is a pdtrio router, not a worker: no route {method} {path}",
+                        status=404,
+                        code="not_found",
+                        headers=[(ROUTER_HEADER, "1")],
+                    )
                 raise not_found(f"no route {method} {path}")
             if method not in allowed:
                 raise method_not_allowed(method, path, allowed)

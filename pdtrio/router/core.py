@@ -31,7 +31,14 @@ from pdtrio.engine.blocks import blocks_needed
 from pdtrio.peer_auth import PeerAuthenticationError, link_authorization
 from pdtrio.protocol.egress import EgressConfig, EgressController
 from pdtrio.protocol.kv_layout import KvLayout, layout_mismatch
-from pdtrio.protocol.registration import Registration, RegistrationError
+from pdtrio.protocol.registration import (
+    REJECTED_ROUTER_URL,
+    ROUTER_HEADER,
+    Registration,
+    RegistrationError,
+    is_own_url,
+    registration_key,
+)
 from pdtrio.protocol.scheduling import Candidate, Scheduler
 from pdtrio.router.capacity import CapacityQueue
 from pdtrio.router.client_limits import ClientLimits
@@ -43,6 +50,7 @@ from pdtrio.security import (
     ApiKeys,
     PeerCredentials,
     client_tls_context,
+    derive_key,
     new_worker_secret,
     resolve_worker_secret,
 )
@@ -169,6 +177,13 @@ class Router:
         self.worker_secret = PeerCredentials(
             secret, client_tls=client_tls_context(security.worker_tls_ca_file)
         )
+        # etcd entries must be signed with the key the secret gives (None: no secret, any
+        # entry is taken)
+        self.registration_signing_key = derive_key(secret, "registration") if secret else None
+        # the (host, port) pairs the router was reached at: a registration naming one is
+        # the router itself; and the registrations found to point at a router
+        self.own_addresses: set[tuple[str, int]] = set()
+        self._router_registrations: dict[str, Registration] = {}
         # last: its collector reads the rest of this object at scrape time
         self.metrics = RouterMetrics(self)
 
@@ -210,6 +225,13 @@ class Router:
         old = self.instances.get(registration.instance_id)
         if old is not None and old.registered and _same(old, registration):
             return  # a lease renewal or a re-registration of the same worker
+        if self._router_registrations.get(registration.instance_id) == registration:
+            return  # listed again: already found to be a router, and reported
+        self._router_registrations.pop(registration.instance_id, None)
+        if is_own_url(registration.url, self.own_addresses):
+            self.instance_deregistered(registration.instance_id)
+            self._points_at_a_router(registration, "this router's own address")
+            return
         instance = self._replace_instance(registration)
         log.info(
             "instance %s (%s, model %s) registered at %s",
@@ -219,6 +241,7 @@ class Router:
             instance.url,
         )
         self._nursery.start_soon(self._keep_link, instance, False)
+        self._nursery.start_soon(self._refuse_if_a_router, instance, registration)
         self._nursery.start_soon(self._report_unpaired, instance)
 
     def instance_deregistered(self, instance_id: str) -> None:
@@ -236,6 +259,40 @@ class Router:
             self.ignored_registrations.pop(key, None)
         else:
             self.ignored_registrations[key] = reason
+
+    def registration_rejected(self, key: str, reason: str) -> None:
+        self.metrics.registry_rejected.labels(reason).inc()
+
+    def serving_at(self, server: Any) -> None:
+        """A request reached the router at ``server`` (ASGI's [host, port])."""
+        host, port = server[0], server[1]
+        if isinstance(host, str) and isinstance(port, int):
+            self.own_addresses.add((host.lower(), port))
+
+    async def _refuse_if_a_router(self, instance: Instance, registration: Registration) -> None:
+        """Ask a newly registered instance's URL who answers (no credential shown): a
+        pdtrio router (this one, or another) is no worker, and its registration is
+        refused. (Its link could not open anyway: a router refuses websockets.)"""
+        try:
+            with trio.move_on_after(self.config.router.connect_timeout_s):
+                response = await self.http.get(
+                    f"{instance.url}/pd/info", timeout=self.config.router.connect_timeout_s
+                )
+                if ROUTER_HEADER not in response.headers:
+                    return
+                if self.instances.get(instance.name) is instance and instance.registered:
+                    self.instance_deregistered(instance.name)
+                    self._points_at_a_router(registration, "a pdtrio router answers there")
+        except httpx.HTTPError:
+            return  # not up yet, or not HTTP: its link says what it is
+
+    def _points_at_a_router(self, registration: Registration, why: str) -> None:
+        key = registration_key(self.config.discovery.prefix, registration.instance_id)
+        reason = f"its url {registration.url} is not a worker: {why}"
+        log.warning("ignoring the registration at %s (%s): %s", key, REJECTED_ROUTER_URL, reason)
+        self._router_registrations[registration.instance_id] = registration
+        self.registration_ignored(key, reason)
+        self.registration_rejected(key, REJECTED_ROUTER_URL)
 
     def _replace_instance(self, registration: Registration) -> Instance:
         """The instance for a registration; one it replaces stops taking work and goes."""
@@ -600,7 +657,19 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
                         )
                     )
                 if config.discovery.uses_etcd:
-                    registries.append(EtcdRegistry(config.discovery, router, router.discovery))
+                    if router.registration_signing_key is None:
+                        log.warning(
+                            "registrations in etcd are not authenticated: no worker secret "
+                            "is set, so whoever can write to etcd can register an instance"
+                        )
+                    registries.append(
+                        EtcdRegistry(
+                            config.discovery,
+                            router,
+                            router.discovery,
+                            signing_key=router.registration_signing_key,
+                        )
+                    )
                 for registry in registries:
                     await nursery.start(registry.run)
             try:

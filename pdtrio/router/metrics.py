@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from pdtrio.logs import ACCESS_LOGGER, log_access
 from pdtrio.metrics import LATENCY_BUCKETS_S, LocalHistogram, exposition, multiprocess_dir
+from pdtrio.protocol.registration import REJECTION_REASONS
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -299,6 +300,15 @@ class RouterMetrics:
             "Requests refused with 429 because the decode queue was full.",
             registry=registry,
         )
+        self.registry_rejected = Counter(
+            "pdtrio_registry_rejected_entries",
+            "Registry (etcd) entries ignored, once per change of the entry, by reason: "
+            "malformed, invalid, unsigned, bad_signature, wrong_key, router_url, internal.",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in REJECTION_REASONS:
+            self.registry_rejected.labels(reason)  # shown at 0 from the start
         self._series: dict[str, _ModelSeries] = {}
         self._multiprocess = multiprocess_dir()
 

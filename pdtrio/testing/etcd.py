@@ -3,6 +3,9 @@
 The server keeps its data dir and ports across `stop()` / `start()`, so a test can restart "the
 same cluster" and see its data survive. etcd's stderr goes to a file in the data dir's parent, so
 a server that will not start is reported with what it said.
+
+A server can serve client TLS (``tls=make_etcd_tls(dir)``: https, and a client certificate
+required) and have etcd's authentication turned on (:meth:`EtcdServer.enable_auth`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator
@@ -17,12 +21,20 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import IO, final
 
+import attrs
 import httpx
 import trio
 
 from pdtrio.testing.processes import LOOPBACK, free_port
 
-__all__ = ["EtcdServer", "etcd_binary", "require_etcd", "running_etcd"]
+__all__ = [
+    "EtcdServer",
+    "EtcdTls",
+    "etcd_binary",
+    "make_etcd_tls",
+    "require_etcd",
+    "running_etcd",
+]
 
 _DEBIAN_ETCD = "/usr/bin/etcd"
 _START_TIMEOUT_S = 15.0
@@ -52,24 +64,111 @@ def require_etcd() -> str:
 
 
 @final
+@attrs.frozen
+class EtcdTls:
+    """A CA, etcd's server certificate (for the loopback address), and a client
+    certificate the CA signed (for etcd's ``--client-cert-auth``): PEM files."""
+
+    ca_file: str
+    server_cert_file: str
+    server_key_file: str
+    client_cert_file: str
+    client_key_file: str
+
+    def client_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.ca_file)
+        context.load_cert_chain(self.client_cert_file, self.client_key_file)
+        return context
+
+
+def make_etcd_tls(directory: Path) -> EtcdTls:
+    """Certificates from a fresh throwaway CA (``trustme``, a test dependency)."""
+    import trustme
+
+    ca = trustme.CA()
+    server = ca.issue_cert(LOOPBACK, "localhost")
+    client = ca.issue_cert("pdtrio-client")
+    paths = {name: directory / f"{name}.pem" for name in ("ca", "server", "skey", "client", "ckey")}
+    ca.cert_pem.write_to_path(str(paths["ca"]))
+    server.cert_chain_pems[0].write_to_path(str(paths["server"]))
+    server.private_key_pem.write_to_path(str(paths["skey"]))
+    client.cert_chain_pems[0].write_to_path(str(paths["client"]))
+    client.private_key_pem.write_to_path(str(paths["ckey"]))
+    return EtcdTls(
+        ca_file=str(paths["ca"]),
+        server_cert_file=str(paths["server"]),
+        server_key_file=str(paths["skey"]),
+        client_cert_file=str(paths["client"]),
+        client_key_file=str(paths["ckey"]),
+    )
+
+
+@final
 class EtcdServer:
     """One etcd process; its ports and data dir are fixed at construction."""
 
-    def __init__(self, workdir: Path, *, binary: str | None = None) -> None:
+    def __init__(
+        self, workdir: Path, *, binary: str | None = None, tls: EtcdTls | None = None
+    ) -> None:
         self._binary = binary or etcd_binary() or "etcd"
         self._workdir = workdir
         self.data_dir = workdir / "data"
         self.stderr_path = workdir / "etcd.stderr"
         self.client_port = free_port()
         self.peer_port = free_port()
-        self.endpoint = f"http://{LOOPBACK}:{self.client_port}"
+        self.tls = tls
+        scheme = "https" if tls is not None else "http"
+        self.endpoint = f"{scheme}://{LOOPBACK}:{self.client_port}"
+        # etcd's root user, once enable_auth turned authentication on
+        self.auth: tuple[str, str] | None = None
         self._process: trio.Process | None = None
         self._stderr: IO[bytes] | None = None
 
+    def _client(self, timeout: float) -> httpx.AsyncClient:
+        verify: ssl.SSLContext | bool = self.tls.client_context() if self.tls else True
+        return httpx.AsyncClient(timeout=timeout, trust_env=False, verify=verify)
+
+    async def enable_auth(self, password: str) -> None:
+        """Create the root user with ``password`` and turn authentication on: from now on
+        every call needs a token (and :meth:`start` waits with one)."""
+        async with self._client(5.0) as http:
+            for path, body in (
+                ("/v3/auth/user/add", {"name": "root", "password": password}),
+                ("/v3/auth/role/add", {"name": "root"}),
+                ("/v3/auth/user/grant", {"user": "root", "role": "root"}),
+                ("/v3/auth/enable", {}),
+            ):
+                response = await http.post(self.endpoint + path, json=body)
+                if response.status_code != 200:
+                    raise RuntimeError(f"etcd {path}: HTTP {response.status_code} {response.text}")
+        self.auth = ("root", password)
+
+    async def _token_headers(self, http: httpx.AsyncClient) -> dict[str, str]:
+        if self.auth is None:
+            return {}
+        name, password = self.auth
+        response = await http.post(
+            f"{self.endpoint}/v3/auth/authenticate", json={"name": name, "password": password}
+        )
+        if response.status_code != 200:
+            return {}  # (not ready yet: the range says so)
+        return {"authorization": response.json()["token"]}
+
     def _command(self) -> list[str]:
         peer = f"http://{LOOPBACK}:{self.peer_port}"
+        tls = (
+            [
+                f"--cert-file={self.tls.server_cert_file}",
+                f"--key-file={self.tls.server_key_file}",
+                f"--trusted-ca-file={self.tls.ca_file}",
+                "--client-cert-auth",
+            ]
+            if self.tls is not None
+            else []
+        )
         return [
             self._binary,
+            *tls,
             "--name=pdtrio-test",
             f"--data-dir={self.data_dir}",
             f"--listen-client-urls={self.endpoint}",
@@ -108,7 +207,7 @@ class EtcdServer:
     async def _wait_ready(self) -> None:
         assert self._process is not None
         last = "no answer yet"
-        async with httpx.AsyncClient(timeout=1.0, trust_env=False) as http:
+        async with self._client(1.0) as http:
             with trio.move_on_after(_START_TIMEOUT_S):
                 while True:
                     if self._process.returncode is not None:
@@ -119,7 +218,9 @@ class EtcdServer:
                     try:
                         # a range needs a leader and an applied store, unlike /health in 3.4
                         response = await http.post(
-                            f"{self.endpoint}/v3/kv/range", json={"key": "AA=="}
+                            f"{self.endpoint}/v3/kv/range",
+                            json={"key": "AA=="},
+                            headers=await self._token_headers(http),
                         )
                         if response.status_code == 200:
                             return
@@ -165,10 +266,11 @@ class EtcdServer:
 
 
 @asynccontextmanager
-async def running_etcd() -> AsyncIterator[EtcdServer]:
-    """A started etcd in a temporary dir; stopped, and the dir removed, on exit."""
+async def running_etcd(*, tls: bool = False) -> AsyncIterator[EtcdServer]:
+    """A started etcd in a temporary dir (serving client TLS, with ``tls``); stopped, and
+    the dir removed, on exit."""
     workdir = Path(tempfile.mkdtemp(prefix="pdtrio-etcd-"))
-    server = EtcdServer(workdir)
+    server = EtcdServer(workdir, tls=make_etcd_tls(workdir) if tls else None)
     try:
         await server.start()
         yield server

@@ -41,6 +41,7 @@ from pdtrio.logs import (
 )
 from pdtrio.memory import freeze_startup_objects
 from pdtrio.protocol.registration import Registration
+from pdtrio.security import derive_key, resolve_worker_secret
 from pdtrio.worker.launch import ready_line
 from pdtrio.worker.server import Worker
 
@@ -377,8 +378,10 @@ async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> N
 async def _stay_registered(
     config: WorkerConfig, registration: Registration, stop: trio.Event, done: trio.Event
 ) -> None:
+    secret = resolve_worker_secret(config.secret, config.secret_file)
+    signing_key = derive_key(secret, "registration") if secret else None
     try:
-        await keep_registered(config.discovery, registration, stop)
+        await keep_registered(config.discovery, registration, stop, signing_key=signing_key)
     finally:
         done.set()
 

@@ -305,7 +305,7 @@ async def test_a_layout_mismatched_worker_is_ignored_and_reported(
         httpx.AsyncClient(base_url=router.url, timeout=30) as http,
     ):
         await until(lambda: router.known() == {"p1", "d1", "odd"}, "all three registered")
-        await until(lambda: "odd" in router.routable(), "the odd one is connected")
+        await until(lambda: router.routable() == {"p1", "d1", "odd"}, "all three are connected")
         health = (await http.get("/health")).json()
         assert [entry["instance"] for entry in health["ignored"]] == ["odd"], health
         assert "block_size" in health["ignored"][0]["reason"]

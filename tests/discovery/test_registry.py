@@ -50,6 +50,7 @@ class Recorder:
         self.registered: dict[str, Registration] = {}
         self.calls: list[tuple[str, str]] = []
         self.ignored: dict[str, str] = {}
+        self.rejected: list[tuple[str, str]] = []  # (key, reason) as counted
         self._changed = trio.Event()
 
     def instance_registered(self, registration: Registration) -> None:
@@ -66,6 +67,9 @@ class Recorder:
         else:
             self.ignored[key] = reason
             self._note("ignored", key)
+
+    def registration_rejected(self, key: str, reason: str) -> None:
+        self.rejected.append((key, reason))
 
     def _note(self, kind: str, name: str) -> None:
         self.calls.append((kind, name))
@@ -145,7 +149,10 @@ async def test_an_outage_keeps_the_view_and_a_restart_resumes_without_missing_a_
             await put(client, registration("b"))
             await client.delete(registration_key(PREFIX, "a"))
         await recorder.until({"b"})
-        assert state.connected
+        # in touch again once the watch is live (just after the listing that found b)
+        with trio.fail_after(WAIT_S):
+            while not state.connected:  # noqa: ASYNC110
+                await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
 
 
