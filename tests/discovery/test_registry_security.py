@@ -6,6 +6,7 @@ ignored and why, whether discovery is live), ``/metrics`` and the log.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,6 +22,7 @@ from pdtrio.config import DiscoveryConfig, PdtrioConfig, RouterConfig, SecurityC
 from pdtrio.discovery.etcd import EtcdClient
 from pdtrio.discovery.registry import DiscoveryState, EtcdRegistry
 from pdtrio.discovery.worker_registration import keep_registered
+from pdtrio.peer_auth import WorkerAuth
 from pdtrio.protocol.registration import (
     encode_registration,
     registration_key,
@@ -28,7 +30,7 @@ from pdtrio.protocol.registration import (
 )
 from pdtrio.router.app import RouterApp
 from pdtrio.router.core import Router
-from pdtrio.security import derive_key
+from pdtrio.security import PeerCredentials, derive_key
 from pdtrio.testing.etcd import EtcdServer, require_etcd, running_etcd
 from pdtrio.testing.processes import Processes, synthetic_worker_config
 from tests.cluster import serve_app, wait_for_stats
@@ -113,6 +115,10 @@ def entry(name: str, **changes: Any) -> bytes:
 
 def ignored(health: dict[str, Any]) -> dict[str, str]:
     return {e["key"]: e["reason"] for e in health.get("ignored", []) if "key" in e}
+
+
+def ignored_names(router: RunningRouter) -> list[str]:
+    return [key.removeprefix(PREFIX) for key in router.router.ignored_registrations]
 
 
 def rejected_count(metrics: str, reason: str) -> float:
@@ -353,3 +359,84 @@ async def test_etcd_client_tls_a_worker_registers_and_the_router_sees_it() -> No
         async with running_router(no_cert, secret=SECRET) as router:
             discovery = (await router.health())["discovery"]
             assert discovery["connected"] is False and discovery["problem"], discovery
+
+
+# --- the whole attack: an etcd writer without the credential ----------------------------------
+
+
+async def test_an_etcd_writer_without_the_secret_gets_no_traffic_and_learns_nothing(
+    etcd: EtcdServer,
+) -> None:
+    """The probe that found the hole, replayed: a listener registered as ``decode-evil``
+    and a worker the attacker runs with a secret of its own, registered (and signed, by
+    its own key) as ``prefill-evil``, beside a real pair.  Neither is dialed with anything
+    usable or linked; every real request goes to the real pair."""
+    seen: list[bytes] = []
+
+    async def listener(stream: trio.SocketStream) -> None:
+        async with stream:
+            with trio.move_on_after(5):
+                while chunk := await stream.receive_some(65536):
+                    seen.append(chunk)
+
+    def worker(role: str, name: str, secret: str) -> dict[str, Any]:
+        config = synthetic_worker_config(role)
+        config.update(
+            instance_id=name,
+            secret=secret,
+            discovery={"etcd_endpoints": [etcd.endpoint], "prefix": PREFIX, "lease_ttl_s": 2},
+        )
+        return config
+
+    attackers_secret = "the attacker's own secret"
+    with Processes(stop_grace_s=5.0) as processes:
+        for role, name, secret in (
+            ("prefill", "prefill-0", SECRET),
+            ("decode", "decode-0", SECRET),
+            ("prefill", "prefill-evil", attackers_secret),
+        ):
+            service = await trio.to_thread.run_sync(
+                lambda c=worker(role, name, secret): processes.worker(c, timeout=60)
+            )
+        attackers_worker = service
+        async with (
+            trio.open_nursery() as nursery,
+            running_router(discovery_config(etcd), secret=SECRET) as router,
+            EtcdClient([etcd.endpoint]) as client,
+        ):
+            listeners = await nursery.start(
+                functools.partial(trio.serve_tcp, host="127.0.0.1"), listener, 0
+            )
+            port = listeners[0].socket.getsockname()[1]
+            evil = entry("decode-evil", role="decode", url=f"http://127.0.0.1:{port}")
+            await client.put(key_of("decode-evil"), evil)
+            await until(
+                lambda: {"prefill-evil", "decode-evil"} <= set(ignored_names(router)),
+                "both hostile entries are ignored",
+            )
+            await until(
+                lambda: (
+                    router.known() == {"prefill-0", "decode-0"}
+                    and all(i.usable for i in router.router.instances.values())
+                ),
+                "the real pair is routable",
+            )
+            reasons = ignored(await router.health())
+            assert "not signed" in reasons[key_of("decode-evil")], reasons
+            assert "signature" in reasons[key_of("prefill-evil")], reasons
+            async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
+                for index in range(10):
+                    answer = await http.post(
+                        "/v1/completions",
+                        json={"model": "synthetic", "prompt": f"secret {index}", "max_tokens": 2},
+                    )
+                    assert answer.status_code == 200, answer.text
+                # the attacker's worker: never linked, never asked for a prefill
+                stats = await http.get(
+                    f"{attackers_worker.url}/pd/stats",
+                    auth=WorkerAuth(PeerCredentials(attackers_secret)),
+                )
+            assert stats.json()["router_links"] == 0, stats.json()
+            assert stats.json()["served_prefills"] == 0, stats.json()
+            nursery.cancel_scope.cancel()
+    assert seen == []  # the listener was never even dialed
