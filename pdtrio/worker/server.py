@@ -553,7 +553,11 @@ class Worker:
             lease_s = self.config.kv_lease_s
             access_token = new_access_token()
             self.leases.hold(
-                request_id, result.block_ids, trio.current_time() + lease_s, access_token
+                request_id,
+                result.block_ids,
+                trio.current_time() + lease_s,
+                access_token,
+                request.release_token,
             )
             handle = KvHandle(
                 request_id=request_id,
