@@ -66,6 +66,7 @@ from pdtrio.router.worker_link import (
     WorkerLinkClosed,
     WorkerLinkLost,
     rejection_is_retryable,
+    release_token,
 )
 
 log = logging.getLogger("pdtrio.router.pipeline")
@@ -338,7 +339,13 @@ class RequestPipeline:
         router = self.router
         lifecycle = self.lifecycle
         request = self.request
-        call = PrefillRequest(self.request_id, request.prompt, request.sampling, request.max_tokens)
+        call = PrefillRequest(
+            self.request_id,
+            request.prompt,
+            request.sampling,
+            request.max_tokens,
+            release_token(self.request_id),
+        )
         prefill_timeout_s = router.config.router.prefill_timeout_s
         request_timeout_message = self._timeout_message
         tried: set[str] = set()
