@@ -12,6 +12,11 @@ import trio
 from pdtrio.security import tokens_match
 
 
+def release_token_matches(presented: str, release_token: str) -> bool:
+    """Whether a release shows the router's release token (an empty one matches nothing)."""
+    return tokens_match(presented, release_token) and bool(release_token)
+
+
 @final
 @attrs.frozen
 class Lease:
@@ -75,8 +80,8 @@ class KvLeases:
             return False
         granted = tokens_match(access_token, lease.access_token)
         # (both compared: no timing tells which one matched)
-        owner = tokens_match(access_token, lease.release_token)
-        if not (granted or (owner and lease.release_token)):
+        owner = release_token_matches(access_token, lease.release_token)
+        if not (granted or owner):
             return False
         return self.release(request_id)
 
