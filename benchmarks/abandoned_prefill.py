@@ -9,11 +9,12 @@ for its expiry:
 1. storm: ``--clients`` (200) clients each send a prompt of ``--prompt-tokens``
    (about 2,000) tokens and hang up during its prefill (at a random moment of
    it, so some leave just as prefill answers);
-2. storm, link stalled: the same, and halfway through the prefills the
-   router's link to prefill stalls (``pdtrio.faults`` proxy, which carries
-   it throughout) for ``--stall-s`` (3 s, more than ``router.link_timeout_s``),
-   as the link of a prefill worker swamped by a storm does: the router gives
-   up on the calls it carries, prefill goes on and answers into the stall;
+2. storm, link stalled: the same clients, but once their prefills run the
+   router's link to prefill stalls (a ``pdtrio.faults`` proxy carries it
+   throughout) for ``--stall-s`` (3 s, more than ``router.link_timeout_s``), as
+   the link of a prefill worker swamped by a storm does, and the clients hang
+   up early in the stall: their releases wait in it, prefill answers into it,
+   and the router drops the link;
 3. SIGSTOP: ``--stopped-clients`` (20) such requests are sent, their clients
    stay, and the prefill worker is stopped (SIGSTOP) for ``--stop-s`` (5 s,
    more than the link timeout) while it prefills them, then resumed.
@@ -192,44 +193,65 @@ async def _expired(cluster: Cluster) -> int:
         return sum([(await _stats(http, w))["kv_leases_expired"] for w in cluster.workers])
 
 
-async def _hang_up_after(router: Service, request: bytes, delay_s: float) -> float:
-    """Send the request, hang up ``delay_s`` later; when it hung up (trio clock)."""
+async def _hang_up_after(
+    router: Service, request: bytes, delay_s: float, start: trio.Event | None = None
+) -> float:
+    """Send the request, hang up ``delay_s`` later (after ``start`` is set, if given); when
+    it hung up (trio clock)."""
     host, port = router.address.rsplit(":", 1)
     stream = await trio.open_tcp_stream(host, int(port))
     try:
         await stream.send_all(request)
+        if start is not None:
+            await start.wait()
         await trio.sleep(delay_s)
     finally:
         await stream.aclose()
     return trio.current_time()
 
 
+async def _wait_prefilling(cluster: Cluster, count: int, limit_s: float) -> None:
+    """Until prefill says ``count`` prefills are in progress (or ``limit_s`` passed)."""
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        # another process's statistics: asked again and again (nothing to wait on here)
+        with trio.move_on_after(limit_s):
+            while True:
+                if (await _stats(http, cluster.prefill))["prefills_in_progress"] >= count:
+                    return
+                await trio.sleep(_POLL_S)
+
+
 async def storm(
     cluster: Cluster, plan: Plan, idle_limit_s: float = KV_LEASE_S + 10, *, stall: bool = False
 ) -> dict[str, Any]:
-    """``plan.clients`` clients hang up during their prefill (``stall``: the prefill link
-    stalls halfway, for ``plan.stall_s``); the time until all is idle (waited for up to
-    ``idle_limit_s``)."""
+    """``plan.clients`` clients hang up during their prefill; the time until all is idle
+    (waited for up to ``idle_limit_s``).
+
+    ``stall``: once their prefills run, the prefill link stalls for ``plan.stall_s`` and the
+    clients hang up early in the stall, their prefills still running: the releases wait in
+    the stall, the replies go into it, and the router drops the link."""
     rng = random.Random(plan.seed)
     request = _request(plan, cluster.router)
     prefill_s = plan.prefill_ms / 1000
-    # spread over the prefill, its end included (the reply crossing the release)
-    delays = [
-        rng.uniform(plan.hang_up_from, plan.hang_up_to) * prefill_s for _ in range(plan.clients)
-    ]
+    # spread over the prefill, its end included (the reply crossing the release); with a
+    # stall, over the first half of the prefill left once the stall begins
+    low, high = (0.0, 0.5) if stall else (plan.hang_up_from, plan.hang_up_to)
+    delays = [rng.uniform(low, high) * prefill_s for _ in range(plan.clients)]
     expired_before = await _expired(cluster)
     hung_up: list[float] = []
+    stalled = trio.Event() if stall else None
 
     async def one(delay: float) -> None:
-        hung_up.append(await _hang_up_after(cluster.router, request, delay))
+        hung_up.append(await _hang_up_after(cluster.router, request, delay, stalled))
 
     stall_ended = -math.inf
     async with trio.open_nursery() as nursery:
         for delay in delays:
             nursery.start_soon(one, delay)
-        if stall:
-            await trio.sleep(prefill_s / 2)
+        if stalled is not None:
+            await _wait_prefilling(cluster, plan.clients, prefill_s)
             await _proxy(cluster, "stall on")
+            stalled.set()
             await trio.sleep(plan.stall_s)
             await _proxy(cluster, "stall off")
             stall_ended = trio.current_time()
@@ -325,7 +347,7 @@ def table(report: dict[str, Any]) -> str:
             str(storm_row["leases_expired"]),
         ),
         (
-            f"the same storm, its prefill link stalled {stalled_row['stall_s']:g} s halfway "
+            f"the same storm, its prefill link stalled {stalled_row['stall_s']:g} s "
             f"(link timeout {report['link_timeout_s']:g} s)",
             "from the last hang-up or the stall's end " + _seconds(stalled_row["idle_after_s"]),
             str(stalled_row["most_leases"]),
