@@ -371,6 +371,7 @@ class _Link:
                 # on it (and a lease it may have made is freed)
                 if prefiller is not None and isinstance(answer, PrefillReply):
                     prefiller.release(request_id)
+                self.prefilling.pop(request_id, None)
                 return
             assert answer is not None  # (None: released, handled above)
             await self.send_control(answer)
