@@ -366,14 +366,14 @@ class _Link:
                 )
             elif not self.prefilling.get(request_id, True):
                 answer = await prefiller.prefill_call(request)
-            if self.prefilling.get(request_id, True):
-                # released before it started, or while it ran: the router has given up
-                # on it (and a lease it may have made is freed)
+            if answer is None or self.prefilling.get(request_id, True):
+                # released before it started, or while it ran (over this link, or with the
+                # release token over another): the router has given up on it (and a lease
+                # it may have made is freed)
                 if prefiller is not None and isinstance(answer, PrefillReply):
                     prefiller.release(request_id)
                 self.prefilling.pop(request_id, None)
                 return
-            assert answer is not None  # (None: released, handled above)
             await self.send_control(answer)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the router is gone: the link's close frees what the reply leased
