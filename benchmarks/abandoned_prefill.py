@@ -99,7 +99,12 @@ class Cluster:
 
 def start_cluster(procs: Processes, tmp: Path, plan: Plan) -> Cluster:
     """One prefill and one decode worker process, and a router over them."""
-    configs = [synthetic_worker_config(role) for role in ("prefill", "decode")]
+    # room for every client's prompt (and completion) at once: no call refused for KV room
+    blocks = math.ceil((plan.prompt_tokens + 64) / 16) * max(plan.clients, plan.stopped_clients)
+    configs = [
+        synthetic_worker_config(role, num_kv_blocks=max(4096, blocks + blocks // 4))
+        for role in ("prefill", "decode")
+    ]
     configs[0]["engine"]["synthetic"]["prefill_s_per_token"] = (
         plan.prefill_ms / 1000 / plan.prompt_tokens
     )

@@ -301,6 +301,10 @@ class WorkerLink:
         self._prefills: dict[str, _PendingPrefill] = {}
         # request id -> token of the releases to send once the link is back up
         self._releases_due: dict[str, str] = {}
+        # (when, request id, token) of the releases sent on this connection lately: a link
+        # that is lost may have lost them (unsent, or unread by a worker that hung), so they
+        # are sent again on the next (a release is idempotent)
+        self._recent_releases: deque[tuple[float, str, str]] = deque()
         # encoded messages for the writer, in order; a list swapped out whole per write
         self._outbox: list[bytes | Iterator[bytes]] = []
         self._writer_waiting = trio.lowlevel.ParkingLot()
@@ -361,7 +365,8 @@ class WorkerLink:
             self._outbox.clear()
             if self._releases_due:
                 due, self._releases_due = self._releases_due, {}
-                self._outbox.extend(encode(ReleaseRequest(r, t)) for r, t in due.items())
+                for request_id, token in due.items():
+                    self._post_release(request_id, token)
                 log.info("worker %s: %d releases sent on reconnecting", self.instance_id, len(due))
             self._last_read = trio.current_time()
             task_status.started()
@@ -383,6 +388,9 @@ class WorkerLink:
             self._promised.clear()
             self._outbox.clear()
             self._room_waiting.unpark_all()
+            for _, request_id, token in self._recent_releases:
+                self._release_later(request_id, token)
+            self._recent_releases.clear()
             self._fail_all(lost)
             self._on_capacity()  # waiters look elsewhere (or time out)
             if ws is not None:
@@ -631,11 +639,25 @@ class WorkerLink:
         While the link is down the release waits for it to come back."""
         token = access_token or release_token(request_id)
         if self._ws is None:
-            due = self._releases_due
-            due[request_id] = token
-            if len(due) > _RELEASES_DUE_LIMIT:
-                del due[next(iter(due))]
+            self._release_later(request_id, token)
             return
+        self._post_release(request_id, token)
+
+    def _release_later(self, request_id: str, token: str) -> None:
+        """Send the release once the link is back (bounded: past it, leases expire)."""
+        due = self._releases_due
+        due[request_id] = token
+        if len(due) > _RELEASES_DUE_LIMIT:
+            del due[next(iter(due))]
+
+    def _post_release(self, request_id: str, token: str) -> None:
+        """Queue the release, and keep it (for two link timeouts) in case the link is lost."""
+        now = trio.current_time()
+        recent = self._recent_releases
+        recent.append((now, request_id, token))
+        kept_since = now - 2 * self.link_timeout_s
+        while recent[0][0] < kept_since or len(recent) > _RELEASES_DUE_LIMIT:
+            recent.popleft()
         self._post_nowait(encode(ReleaseRequest(request_id, token)))
 
     async def start(self, start: DecodeStart, blocks: int = 0) -> DecodeStream:
