@@ -19,10 +19,11 @@ which stops the prefill on the worker (or frees the blocks it leased); a
 reply that comes for a call nobody waits for any more is released at once.
 A release shows the request's release token (:func:`release_token`, sent
 with the call), so the worker honours it over any link, whether its reply
-was sent or not.  Releases made while the link is down, and one for each
-prefill call the link's loss cut off (its reply may be lost with it, the KV
-leased), are sent when it comes back: nothing stays pinned until its lease
-ends.  The
+was sent or not.  Releases made while the link is down, those sent in the
+last two link timeouts before it was lost (they may be lost with it), and
+one for each prefill call the link's loss cut off (its reply may be lost
+with it, the KV leased) are sent when it comes back: nothing stays pinned
+until its lease ends.  The
 link owns aborts: whoever ends a decode here (its pipeline's cleanup, or the
 reader cutting off a client that fell too far behind) calls
 :meth:`WorkerLink.abort`, which never blocks.  A stream the link ended is
