@@ -127,13 +127,17 @@ class PrefillRequest(_Positional, frozen=True, tag=int(MessageKind.PREFILL)):
     """Prefill the prompt and sample the first token.
 
     ``max_tokens`` is the client's limit (None: the configured default); prefill
-    turns it into the request's whole token budget, once.
+    turns it into the request's whole token budget, once.  ``release_token`` is
+    the router's own proof that it asked for this prefill: a release showing it
+    stops the prefill or frees its KV over any link, like the KV handle's grant
+    (so the router can free KV whose reply never reached it).
     """
 
     request_id: str
     prompt: Prompt
     sampling: SamplingParams
     max_tokens: int | None = None
+    release_token: str = ""
 
 
 class PrefillReply(_Positional, frozen=True, tag=int(MessageKind.PREFILLED)):
@@ -181,8 +185,9 @@ class ReleaseRequest(_Positional, frozen=True, tag=int(MessageKind.RELEASE)):
     """Free a request's KV blocks on prefill (decode has them, or nobody will).
 
     Also stops a prefill still in progress: this is how the router cancels a call.
-    Over a link, a prefill that link asked for needs no token; anything else needs
-    the KV handle's ``access_token``.
+    Over a link, a prefill that link asked for, whose reply it has not been sent
+    yet, needs no token; anything else needs the KV handle's ``access_token`` or
+    the call's ``release_token``.
     """
 
     request_id: str

@@ -66,6 +66,7 @@ from pdtrio.router.worker_link import (
     WorkerLinkClosed,
     WorkerLinkLost,
     rejection_is_retryable,
+    release_token,
 )
 
 log = logging.getLogger("pdtrio.router.pipeline")
@@ -338,7 +339,13 @@ class RequestPipeline:
         router = self.router
         lifecycle = self.lifecycle
         request = self.request
-        call = PrefillRequest(self.request_id, request.prompt, request.sampling, request.max_tokens)
+        call = PrefillRequest(
+            self.request_id,
+            request.prompt,
+            request.sampling,
+            request.max_tokens,
+            release_token(self.request_id),
+        )
         prefill_timeout_s = router.config.router.prefill_timeout_s
         request_timeout_message = self._timeout_message
         tried: set[str] = set()
@@ -348,7 +355,7 @@ class RequestPipeline:
         while True:
             instance = router.pick_prefill(request.model, frozenset(tried))
             if instance is None or instance.link is None or len(tried) >= _PREFILL_ATTEMPTS:
-                raise failure or service_unavailable(_no_prefill_reason(router, request.model))
+                raise failure or service_unavailable(_no_instance_reason(router, request.model))
             if tried:
                 router.metrics.retries.labels("prefill").inc()
             tried.add(instance.name)
@@ -756,16 +763,23 @@ async def _check_kv_source(router: Router, handle: KvHandle, instance: Instance 
         )
 
 
-def _no_prefill_reason(router: Router, model: str) -> str:
-    """Why no prefill instance takes a request: none is up, or none can be paired."""
+def _no_instance_reason(router: Router, model: str) -> str:
+    """Why no instance pair takes a request: the role none is up for, or why none pair."""
+    instances = router.instances.values()
+    if not any(i.serves_prefill and i.usable and i.model == model for i in instances):
+        role = "prefill"
+    elif not any(i.serves_decode and i.usable for i in instances):
+        role = "decode"  # (a decode restarting, say): prefill is up, but has no counterpart
+    else:
+        role = "prefill"  # both are up, but none pairs: the reasons below say why
     unpaired = [
         reason
         for name, reason in router.unpaired().items()
         if router.instances[name].serves_prefill and router.instances[name].model == model
     ]
-    if unpaired:
+    if unpaired and role == "prefill":
         return "no prefill instance is available: " + "; ".join(unpaired)
-    return "no prefill instance is available"
+    return f"no {role} instance is available"
 
 
 def _shutting_down(message: str) -> OpenAIError:

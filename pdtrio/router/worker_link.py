@@ -15,7 +15,15 @@ under load many messages share a syscall, and a request cancelled mid-way
 can never tear a frame (only the writer writes).
 
 Cancellation: a prefill call whose request is cancelled sends a release,
-which stops the prefill on the worker (or frees the blocks it leased).  The
+which stops the prefill on the worker (or frees the blocks it leased); a
+reply that comes for a call nobody waits for any more is released at once.
+A release shows the request's release token (:func:`release_token`, sent
+with the call), so the worker honours it over any link, whether its reply
+was sent or not.  Releases made while the link is down, those sent in the
+last two link timeouts before it was lost (they may be lost with it), and
+one for each prefill call the link's loss cut off (its reply may be lost
+with it, the KV leased) are sent when it comes back: nothing stays pinned
+until its lease ends.  The
 link owns aborts: whoever ends a decode here (its pipeline's cleanup, or the
 reader cutting off a client that fell too far behind) calls
 :meth:`WorkerLink.abort`, which never blocks.  A stream the link ended is
@@ -35,7 +43,9 @@ that long (a stopped or wedged worker: its TCP stays up), as if it broke.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import secrets
 import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -90,6 +100,19 @@ _PROMPT_PIECE_BYTES = 256 * 1024
 
 # messages waiting for the writer; a caller that finds it full waits for room
 _OUTBOX_LIMIT = 4096
+# releases kept for when a link that is down comes back (past this, the oldest are dropped:
+# their leases expire)
+_RELEASES_DUE_LIMIT = 65536
+
+# the key of this router process's release tokens: no other peer can make one
+_RELEASE_KEY = secrets.token_bytes(32)
+
+
+def release_token(request_id: str) -> str:
+    """This router's proof that it asked for the request's prefill (sent with the call):
+    a release showing it frees the KV on any link.  Derived, not stored (no state per
+    request, no system call)."""
+    return hashlib.blake2b(request_id.encode(), key=_RELEASE_KEY, digest_size=16).hexdigest()
 
 
 class WorkerLinkError(Exception):
@@ -284,6 +307,12 @@ class WorkerLink:
         self._ws: WebSocketClient | None = None
         self._streams: dict[str, DecodeStream] = {}
         self._prefills: dict[str, _PendingPrefill] = {}
+        # request id -> token of the releases to send once the link is back up
+        self._releases_due: dict[str, str] = {}
+        # (when, request id, token) of the releases sent on this connection lately: a link
+        # that is lost may have lost them (unsent, or unread by a worker that hung), so they
+        # are sent again on the next (a release is idempotent)
+        self._recent_releases: deque[tuple[float, str, str]] = deque()
         # encoded messages for the writer, in order; a list swapped out whole per write
         self._outbox: list[bytes | Iterator[bytes]] = []
         self._writer_waiting = trio.lowlevel.ParkingLot()
@@ -350,8 +379,14 @@ class WorkerLink:
             self._ws = ws
             self.ever_connected = True
             self.connects += 1
-            # what was queued for the old connection: the worker ended those requests itself
+            # what was queued for the old connection: the worker ended those requests itself,
+            # but not the KV its replies leased: those releases go first
             self._outbox.clear()
+            if self._releases_due:
+                due, self._releases_due = self._releases_due, {}
+                for request_id, token in due.items():
+                    self._post_release(request_id, token)
+                log.info("worker %s: %d releases sent on reconnecting", self.instance_id, len(due))
             self._last_read = trio.current_time()
             task_status.started()
             self._hung = False
@@ -372,6 +407,9 @@ class WorkerLink:
             self._promised.clear()
             self._outbox.clear()
             self._room_waiting.unpark_all()
+            for _, request_id, token in self._recent_releases:
+                self._release_later(request_id, token)
+            self._recent_releases.clear()
             self._fail_all(lost)
             self._on_capacity()  # waiters look elsewhere (or time out)
             if ws is not None:
@@ -472,12 +510,10 @@ class WorkerLink:
                         pending = self._prefills.pop(message.request_id, None)
                         if pending is not None:
                             pending.settle(message)
-                        elif type(message) is PrefillReply:
+                        elif type(message) is PrefillReply and message.kv_handle is not None:
                             # its caller gave up (and sent a release, which may have crossed
                             # this reply): release again, harmless if it was
-                            handle = message.kv_handle
-                            token = "" if handle is None else handle.access_token
-                            self._post_nowait(encode(ReleaseRequest(message.request_id, token)))
+                            self.release(message.request_id, message.kv_handle.access_token)
                         continue
                     if type(message) is Heartbeat:
                         continue  # its arrival was all it had to say
@@ -537,9 +573,11 @@ class WorkerLink:
             if stream.failure is None:
                 stream.failure = message
             stream.notify()
-        prefills = list(self._prefills.values())
+        prefills = list(self._prefills.items())
         self._prefills.clear()
-        for pending in prefills:
+        for request_id, pending in prefills:
+            # its reply may be lost with the link, its KV leased: released once it is back
+            self.release(request_id)
             pending.settle(None, lost=message)
 
     # --- writing --------------------------------------------------------------------
@@ -605,7 +643,8 @@ class WorkerLink:
             del data  # a huge prompt need not live on here
             await pending.wait()
         except BaseException:
-            if self._prefills.pop(request_id, None) is pending:
+            if self._prefills.pop(request_id, None) is pending or pending.answer is not None:
+                # (answered just as it was cancelled: the answer is dropped, its KV freed)
                 self.release(request_id)
             raise
         if pending.answer is None:
@@ -613,9 +652,32 @@ class WorkerLink:
         return pending.answer
 
     def release(self, request_id: str, access_token: str = "") -> None:
-        """Free the request's KV on prefill (``access_token``: the grant in its handle), or
-        stop its prefill (no grant needed); never blocks, idempotent."""
-        self._post_nowait(encode(ReleaseRequest(request_id, access_token)))
+        """Free the request's KV on prefill (``access_token``: the grant in its handle; by
+        default the request's release token), or stop its prefill; never blocks, idempotent.
+
+        While the link is down the release waits for it to come back."""
+        token = access_token or release_token(request_id)
+        if self._ws is None:
+            self._release_later(request_id, token)
+            return
+        self._post_release(request_id, token)
+
+    def _release_later(self, request_id: str, token: str) -> None:
+        """Send the release once the link is back (bounded: past it, leases expire)."""
+        due = self._releases_due
+        due[request_id] = token
+        if len(due) > _RELEASES_DUE_LIMIT:
+            del due[next(iter(due))]
+
+    def _post_release(self, request_id: str, token: str) -> None:
+        """Queue the release, and keep it (for two link timeouts) in case the link is lost."""
+        now = trio.current_time()
+        recent = self._recent_releases
+        recent.append((now, request_id, token))
+        kept_since = now - 2 * self.link_timeout_s
+        while recent[0][0] < kept_since or len(recent) > _RELEASES_DUE_LIMIT:
+            recent.popleft()
+        self._post_nowait(encode(ReleaseRequest(request_id, token)))
 
     async def start(self, start: DecodeStart, blocks: int = 0) -> DecodeStream:
         """Queue the start; the stream then reports decode's answer and tokens.

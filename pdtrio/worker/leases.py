@@ -12,6 +12,11 @@ import trio
 from pdtrio.security import tokens_match
 
 
+def release_token_matches(presented: str, release_token: str) -> bool:
+    """Whether a release shows the router's release token (an empty one matches nothing)."""
+    return tokens_match(presented, release_token) and bool(release_token)
+
+
 @final
 @attrs.frozen
 class Lease:
@@ -19,6 +24,8 @@ class Lease:
     block_ids: tuple[int, ...]
     expiry: float  # trio clock
     access_token: str = attrs.field(default="", repr=False)  # the grant in the KV handle
+    # the router's proof that it asked for the prefill (PrefillRequest.release_token)
+    release_token: str = attrs.field(default="", repr=False)
 
 
 @final
@@ -35,9 +42,14 @@ class KvLeases:
         return len(self._leases)
 
     def hold(
-        self, request_id: str, block_ids: tuple[int, ...], expiry: float, access_token: str = ""
+        self,
+        request_id: str,
+        block_ids: tuple[int, ...],
+        expiry: float,
+        access_token: str = "",
+        release_token: str = "",
     ) -> None:
-        self._leases[request_id] = Lease(request_id, block_ids, expiry, access_token)
+        self._leases[request_id] = Lease(request_id, block_ids, expiry, access_token, release_token)
         self._changed.set()
 
     def holds(
@@ -61,8 +73,15 @@ class KvLeases:
         return True
 
     def release_granted(self, request_id: str, access_token: str) -> bool:
-        """A peer's release: frees the blocks only if ``access_token`` is their grant."""
-        if not self.holds(request_id, (), access_token):
+        """A peer's release: frees the blocks only if ``access_token`` is their grant, or
+        the release token of the router that asked for them (never a read's grant)."""
+        lease = self._leases.get(request_id)
+        if lease is None:
+            return False
+        granted = tokens_match(access_token, lease.access_token)
+        # (both compared: no timing tells which one matched)
+        owner = release_token_matches(access_token, lease.release_token)
+        if not (granted or owner):
             return False
         return self.release(request_id)
 

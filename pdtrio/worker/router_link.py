@@ -11,9 +11,15 @@ Engine outputs reach the sender through a bounded channel and leave in
 coalesced token frames under the ``FlushPolicy`` (pdtrio.protocol.flush).
 
 When the router goes away, the link's prefills in progress are cancelled
-and its decode requests aborted.  A prefill that finished and whose reply
-may have reached the router keeps its KV lease: a decode may be pulling it
-over another link; the lease's expiry bounds it.
+and its decode requests aborted, and a prefill whose reply was not written
+to the link frees its KV (nobody holds its handle).  A prefill whose reply
+was written keeps its KV lease: a decode may be pulling it over another
+link; a release (with the handle's grant or the call's release token, over
+any link) or the lease's expiry frees it.
+
+A release over the link for a prefill that link asked for, and whose reply it
+has not written yet, needs no token: it stops the prefill (one not started yet
+never starts) or frees what it leased.
 
 Each link also reports the engine's free KV blocks (``DecodeCapacity``) when
 it opens and whenever the count may have changed (an accept, a finish, an
@@ -121,8 +127,9 @@ class _Link:
         # the requests this link started and that have not ended: the scope of a
         # start still in progress, None once the engine runs the request
         self.requests: dict[str, trio.CancelScope | None] = {}
-        # prefills this link asked for and not yet answered: its releases need no grant
-        self.prefilling: set[str] = set()
+        # prefills this link asked for whose reply it has not written (a release of one
+        # needs no grant; the link's close frees them) -> whether a release stopped it
+        self.prefilling: dict[str, bool] = {}
         self._in_flight = 0  # frames handed to the writer and not yet written
         # only a decoding worker reports its KV room; the first report goes out at once
         self._reports_capacity = server.admission is not None
@@ -236,6 +243,10 @@ class _Link:
             data = wire.encode(batch if self._batches else frame)
             await self._send({"type": "websocket.send", "bytes": data})
             self._last_write = trio.current_time()
+            for sent in batch:
+                if type(sent) is PrefillReply:
+                    # written: the router holds its handle now (it releases it, or decode)
+                    self.prefilling.pop(sent.request_id, None)
             self._in_flight -= len(batch)
             try:
                 # wake the collector; a full outbox wakes it anyway, so never wait here
@@ -279,7 +290,7 @@ class _Link:
             return
         del data
         if isinstance(parsed, PrefillRequest):
-            nursery.start_soon(self._prefill, parsed, True)  # trimmed once it is answered
+            self._start_prefill(parsed, nursery, big=True)  # trimmed once it is answered
         else:
             await self._dispatch(parsed, nursery)
             self._server.heap_trimmer.trim_soon()
@@ -294,13 +305,17 @@ class _Link:
             if prefiller is None:
                 return
             if message.request_id in self.prefilling:
-                prefiller.release(message.request_id)  # its own call: stop it
+                # its own call, not answered on the link yet: stop it (not started yet: it
+                # never starts), or free what it leased
+                self.prefilling[message.request_id] = True
+                prefiller.release(message.request_id)
             else:
-                # an answered prefill: only the holder of its grant may free the blocks
+                # an answered prefill: only the holder of its grant (or of the release token
+                # of the router that asked for it) may free the blocks
                 prefiller.release_granted(message.request_id, message.access_token)
             return
         if isinstance(message, PrefillRequest):
-            nursery.start_soon(self._prefill, message)
+            self._start_prefill(message, nursery)
             return
         request_id = message.request_id
         if server.admission is None:
@@ -321,6 +336,17 @@ class _Link:
         server.owner[request_id] = self
         nursery.start_soon(self._start, message, scope)
 
+    def _start_prefill(
+        self, request: PrefillRequest, nursery: trio.Nursery, *, big: bool = False
+    ) -> None:
+        """Track the call from now (a release that comes before its task runs stops it),
+        and run it as a task of the link."""
+        if request.request_id in self.prefilling:
+            nursery.start_soon(self.send_control, _already_prefilling(request.request_id))
+            return
+        self.prefilling[request.request_id] = False
+        nursery.start_soon(self._prefill, request, big)
+
     async def _prefill(self, request: PrefillRequest, big: bool = False) -> None:
         try:
             await self._prefill_and_answer(request)
@@ -331,30 +357,30 @@ class _Link:
 
     async def _prefill_and_answer(self, request: PrefillRequest) -> None:
         prefiller = self._server.prefiller
-        if prefiller is None:
-            answer: PrefillReply | PrefillFailed | None = PrefillFailed(
-                request.request_id, 400, "this instance does not prefill", "invalid_request_error"
-            )
-        else:
-            request_id = request.request_id
-            self.prefilling.add(request_id)
-            try:
-                answer = await prefiller.prefill_call(request)
-            finally:
-                self.prefilling.discard(request_id)
-        if answer is None:
-            return  # released while prefilling: the router has given up on it
-        queued = False
+        request_id = request.request_id
+        answer: PrefillReply | PrefillFailed | None = None
         try:
+            if prefiller is None:
+                answer = PrefillFailed(
+                    request_id, 400, "this instance does not prefill", "invalid_request_error"
+                )
+            elif not self.prefilling.get(request_id, True):
+                answer = await prefiller.prefill_call(request)
+            if answer is None or self.prefilling.get(request_id, True):
+                # released before it started, or while it ran (over this link, or with the
+                # release token over another): the router has given up on it (and a lease
+                # it may have made is freed)
+                if prefiller is not None and isinstance(answer, PrefillReply):
+                    prefiller.release(request_id)
+                self.prefilling.pop(request_id, None)
+                return
             await self.send_control(answer)
-            queued = True
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the router is gone
+            pass  # the router is gone: the link's close frees what the reply leased
         finally:
-            if not queued and prefiller is not None and isinstance(answer, PrefillReply):
-                # the reply never reached the outbox (link closed, or cancelled with
-                # it): the router cannot hand the KV to anyone, so free it now
-                prefiller.release(request.request_id)
+            if not isinstance(answer, PrefillReply):
+                self.prefilling.pop(request_id, None)  # nothing held: nothing to track
+            # (a reply is tracked until it is written; the link's close frees it if not)
 
     def abort(self, request_id: str) -> None:
         """The router gave up on a request: only one this link started."""
@@ -540,7 +566,18 @@ class RouterLinkServer:
             # the router went away: every request it started here ends now
             for request_id in list(link.requests):
                 link.abort(request_id)
+            if self.prefiller is not None:
+                # (their tasks have ended) replies never written: nobody holds the handle
+                for request_id in link.prefilling:
+                    self.prefiller.release(request_id)
+            link.prefilling.clear()
             self.capacity_changed()  # the other routers learn what it freed
+
+
+def _already_prefilling(request_id: str) -> PrefillFailed:
+    return PrefillFailed(
+        request_id, 409, f"request {request_id} is already known", "invalid_request_error"
+    )
 
 
 def _query(scope: Scope) -> dict[str, list[str]]:

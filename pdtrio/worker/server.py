@@ -66,7 +66,7 @@ from pdtrio.security import (
 from pdtrio.worker.admission import DecodeAdmission
 from pdtrio.worker.fault_hooks import fault_hooks_for
 from pdtrio.worker.http_listener import HttpConnections, serve_http
-from pdtrio.worker.leases import KvLeases
+from pdtrio.worker.leases import KvLeases, release_token_matches
 from pdtrio.worker.metrics import WorkerMetrics
 from pdtrio.worker.router_link import OFF_LOOP_DECODE_BYTES, RouterLinkServer
 
@@ -128,7 +128,8 @@ class Worker:
         self.transfer_endpoint: tuple[str, int] = (config.advertised_host, 0)
         self.http_port = 0
         self.links: RouterLinkServer | None = None  # set once the instance id is known
-        self._prefill_scopes: dict[str, trio.CancelScope] = {}
+        # prefills in progress: their scope, and the release token of the router that asked
+        self._prefill_scopes: dict[str, tuple[trio.CancelScope, str]] = {}
         self.served_prefills = 0
         # asked to stop: new work is refused while running requests finish (see drain)
         self.draining = False
@@ -292,15 +293,25 @@ class Worker:
         return self.leases.holds(request_id, block_ids, access_token)
 
     def release_granted(self, request_id: str, access_token: str) -> bool:
+        """A peer's release: frees the blocks of the grant's holder; the release token of
+        the router that asked for the prefill also stops it while it runs (asked over a
+        link that is gone since, say)."""
+        running = self._prefill_scopes.get(request_id)
+        if running is not None:
+            scope, owner = running
+            if release_token_matches(access_token, owner):
+                scope.cancel()
+                return True
+            return False
         return self.leases.release_granted(request_id, access_token)
 
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
         return await self.engine.read_blocks(block_ids)
 
     def release(self, request_id: str) -> bool:
-        scope = self._prefill_scopes.get(request_id)
-        if scope is not None:
-            scope.cancel()  # released while still prefilling: stop it
+        running = self._prefill_scopes.get(request_id)
+        if running is not None:
+            running[0].cancel()  # released while still prefilling: stop it
         return self.leases.release(request_id)
 
     # --- ASGI -----------------------------------------------------------------------
@@ -515,7 +526,7 @@ class Worker:
             )
         outcome: PrefillReply | PrefillFailed | None = None
         scope = trio.CancelScope()
-        self._prefill_scopes[request_id] = scope
+        self._prefill_scopes[request_id] = (scope, request.release_token)
         try:
             with scope:
                 outcome = await self._prefill_or_error(request)
@@ -573,7 +584,11 @@ class Worker:
             lease_s = self.config.kv_lease_s
             access_token = new_access_token()
             self.leases.hold(
-                request_id, result.block_ids, trio.current_time() + lease_s, access_token
+                request_id,
+                result.block_ids,
+                trio.current_time() + lease_s,
+                access_token,
+                request.release_token,
             )
             handle = KvHandle(
                 request_id=request_id,

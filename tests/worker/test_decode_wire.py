@@ -524,6 +524,46 @@ async def test_a_released_prefill_in_progress_is_stopped_and_frees_its_blocks() 
         nursery.cancel_scope.cancel()
 
 
+async def test_the_release_token_of_a_call_frees_its_kv_over_any_link_and_nothing_else() -> None:
+    """A call's release token (its sixth field) frees its lease, or stops it while it runs,
+    over another link too (the one that asked may be gone); another token frees nothing."""
+
+    def call(request_id: str, tokens: int, release_token: str) -> bytes:
+        # [PREFILL, request_id, prompt, sampling, max_tokens, release_token]
+        return msgpack.packb([PREFILL, request_id, ["tokens", [5] * tokens], [], 5, release_token])
+
+    prefill = synthetic_worker("prefill", prefill_s_per_token=0.001)
+    async with trio.open_nursery() as nursery:
+        ready = await nursery.start(prefill.run)
+        url = f"ws://127.0.0.1:{ready['http_port']}/pd/link"
+        async with (
+            trio_websocket.open_websocket_url(url) as asker,
+            trio_websocket.open_websocket_url(url) as other,
+        ):
+            await asker.send_message(call("answered", 16, "token-a"))
+            reply = _strict_unpack(await _next_message(asker))
+            assert reply[:2] == [PREFILLED, "answered"]
+            assert prefill.stats()["kv_leases"] == 1
+            for wrong in ("", "token-b"):
+                await other.send_message(msgpack.packb([RELEASE, "answered", wrong]))
+            await asker.send_message(msgpack.packb([RELEASE, "answered", "token-b"]))
+            # (a release is read in order: the one after these frees the lease, if they did not)
+            await other.send_message(msgpack.packb([RELEASE, "answered", "token-a"]))
+            await wait_for_stats(lambda: not prefill.stats()["kv_leases"])
+            assert prefill.stats()["kv_blocks_in_use"] == 0
+
+            # a long prefill asked on one link is stopped by its token shown on another
+            await asker.send_message(call("running", 4000, "token-r"))
+            await wait_for_stats(lambda: prefill.stats()["prefills_in_progress"] > 0)
+            await other.send_message(msgpack.packb([RELEASE, "running", "token-x"]))
+            await other.send_message(msgpack.packb([RELEASE, "running", "token-r"]))
+            await wait_for_stats(lambda: not prefill.stats()["prefills_in_progress"], 3)
+        stats = prefill.stats()
+        assert stats["kv_blocks_in_use"] == 0 and stats["kv_leases"] == 0
+        assert stats["served_prefills"] == 1
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_decode_only_worker_refuses_a_prefill_call_on_the_link() -> None:
     async with running_pair() as pair:
         async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
