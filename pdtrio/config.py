@@ -67,6 +67,9 @@ class EngineConfig:
     block_size: int = attrs.field(default=16, validator=_positive)
     max_batch_size: int = attrs.field(default=32, validator=_positive)
     max_prefill_tokens: int = attrs.field(default=2048, validator=_positive)
+    # a longer prompt is prefilled this many tokens a step: an abort (its client left) or
+    # the running decodes wait one chunk, not the whole prompt
+    prefill_chunk_tokens: int = attrs.field(default=128, validator=_positive)
     # the budget of a request without max_tokens (capped by the context); decode reserves it
     default_max_tokens: int = attrs.field(default=2048, validator=_positive)
     device: str = "cpu"

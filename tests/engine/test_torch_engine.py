@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
+import attrs
 import pytest
 import trio
 
 pytest.importorskip("torch")
+
+import trio.lowlevel
 
 from pdtrio.config import EngineConfig  # noqa: E402
 from pdtrio.engine.api import EngineError, EngineOutput, StepFailed  # noqa: E402
@@ -137,3 +140,79 @@ async def test_each_step_is_reported_to_the_step_observer() -> None:
     assert len(steps) == 5
     assert all(seconds > 0 and batch == 1 and tokens == 1 for seconds, batch, tokens in steps)
     assert engine.statistics().waiting_requests == 0
+
+
+def _chunked(chunk: int) -> TorchEngine:
+    return TorchEngine.from_config(
+        attrs.evolve(TINY, prefill_chunk_tokens=chunk, num_kv_blocks=128)
+    )
+
+
+async def test_a_long_prompt_prefilled_in_chunks_answers_as_prefilled_whole() -> None:
+    prompt = [(7 * i + 3) % 200 + 5 for i in range(300)]
+    sampling = SamplingParams(temperature=0, ignore_eos=True)
+    answers = []
+    for chunk in (64, 2048):
+        engine = _chunked(chunk)
+        steps: list[int] = []
+        engine.observe_steps(lambda seconds, batch, tokens, steps=steps: steps.append(batch))
+        async with running(engine) as outputs:
+            result = await engine.prefill("r", prompt, sampling, 4)
+            await engine.start_decode("r", prompt, result.first_token_id, sampling, 4, 1, 0)
+            tokens = [result.first_token_id]
+            with trio.fail_after(60):
+                async for step in outputs:
+                    assert not isinstance(step, StepFailed)
+                    tokens += [t for entry in step for t in entry.token_ids]
+                    if step[-1].finish_reason is not None:
+                        break
+        answers.append(tokens)
+        # 300 tokens a chunk of 64 a step: 5 prefill steps, then 3 decode steps
+        assert len(steps) == (5 if chunk == 64 else 1) + 3
+        assert engine.statistics().kv_blocks_in_use == 0
+    assert answers[0] == answers[1]
+
+
+async def test_a_long_prefill_that_is_cancelled_stops_within_a_chunk() -> None:
+    engine = _chunked(16)
+    prompt = [(5 * i + 1) % 200 + 5 for i in range(1000)]  # 63 chunks of 16
+    steps: list[int] = []
+    first_step = trio.Event()
+
+    def observed(seconds: float, batch: int, tokens: int) -> None:
+        steps.append(batch)
+        trio.from_thread.run_sync(first_step.set, trio_token=token)
+
+    engine.observe_steps(observed)
+    token = trio.lowlevel.current_trio_token()
+    async with running(engine):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.prefill, "gone", prompt, SamplingParams(), 4)
+            await first_step.wait()
+            nursery.cancel_scope.cancel()  # the client left
+        # the engine reads its inbox in order: once a later prefill is answered, the
+        # abort before it was taken
+        with trio.fail_after(30):
+            await engine.prefill("later", [5, 6, 7], SamplingParams(), 4)
+        engine.free_request("later")
+        assert engine.statistics().kv_blocks_in_use == 0
+    assert len(steps) < 63 // 2, steps
+
+
+async def test_a_prefill_step_whose_requests_all_left_is_abandoned_between_layers() -> None:
+    # one chunk is the whole prompt: the abort must cut the step itself short
+    engine = _chunked(4096)
+    prompt = [(3 * i + 2) % 200 + 5 for i in range(1500)]
+    steps: list[int] = []
+    engine.observe_steps(lambda seconds, batch, tokens: steps.append(batch))
+    async with running(engine):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.prefill, "gone", prompt, SamplingParams(), 4)
+            while engine.statistics().kv_blocks_in_use == 0:  # noqa: ASYNC110 (its blocks, taken)
+                await trio.lowlevel.checkpoint()
+            nursery.cancel_scope.cancel()
+        with trio.fail_after(30):
+            await engine.prefill("later", [5, 6, 7], SamplingParams(), 4)
+        engine.free_request("later")
+        assert engine.statistics().kv_blocks_in_use == 0
+    assert steps == [1], steps  # the later prefill's step alone: the long one never completed

@@ -40,7 +40,7 @@ from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.engine.tokenizer import Tokenizer
 from pdtrio.engine.torch.builtin import load_builtin
 from pdtrio.engine.torch.loaders import LoadedModel, load_gguf, load_hf_checkpoint
-from pdtrio.engine.torch.model import SeqInput
+from pdtrio.engine.torch.model import SeqInput, StepAbandoned
 from pdtrio.engine.torch.sampler import sample
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
@@ -77,6 +77,8 @@ class _PrefillJob:
     block_table: list[int]
     # hands the result or an exception to the waiting trio task (called on the engine thread)
     deliver: Callable[[PrefillResult | BaseException], None]
+    # prompt tokens whose KV is in the cache already (a long prompt goes a chunk a step)
+    computed: int = 0
 
 
 @attrs.define(eq=False)
@@ -362,9 +364,34 @@ class TorchEngine:
         running: dict[str, _DecodeSeq] = {}
         max_batch = self._config.max_batch_size
         prefill_budget = self._config.max_prefill_tokens
+        chunk_tokens = min(self._config.prefill_chunk_tokens, prefill_budget)
+        # what the inbox brought during a step, for the next turn of the loop
+        carried: list[object] = []
+
+        def nobody_waits(step_ids: set[str]) -> Callable[[], bool]:
+            """Asked between layers of a prefill-only step: whether every request in it
+            was aborted (or the engine stops) meanwhile, so the rest of the step is waste."""
+            aborted: set[str] = set()
+
+            def should_stop() -> bool:
+                while True:
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    carried.append(item)
+                    if item is stop:
+                        return True
+                    if isinstance(item, _Abort):
+                        aborted.add(item.request_id)
+                return step_ids <= aborted
+
+            return should_stop
+
         while True:
             # block only when there is nothing to compute: a wait, not a poll
-            items = [self._inbox.get()] if not prefills and not running else []
+            items = [self._inbox.get()] if not prefills and not running and not carried else []
+            items[:0], carried = carried, []
             while True:
                 try:
                     items.append(self._inbox.get_nowait())
@@ -389,35 +416,78 @@ class TorchEngine:
                     self._forget(item.request_id)
             if not prefills and not running:
                 continue
-            # this step: waiting prompts up to the token budget, then every running sequence
-            step_prefills: list[_PrefillJob] = []
+            # this step: waiting prompts up to the token budget, a long one a chunk at a time
+            # (an abort, or a decode, waits one chunk at most), then every running sequence
+            step_prefills: list[tuple[_PrefillJob, int]] = []
             used = 0
             for job in prefills:
-                if step_prefills and used + len(job.prompt_token_ids) > prefill_budget:
+                remaining = len(job.prompt_token_ids) - job.computed
+                take = min(remaining, chunk_tokens, prefill_budget - used)
+                if take <= 0:
                     break
-                step_prefills.append(job)
-                used += len(job.prompt_token_ids)
-            prefills = prefills[len(step_prefills) :]
+                step_prefills.append((job, take))
+                used += take
+                if take < remaining:
+                    break  # the rest of it next step, before anything queued behind it
+            # those whose last chunk this is: the step samples their first token
+            completing = [
+                job
+                for job, take in step_prefills
+                if job.computed + take == len(job.prompt_token_ids)
+            ]
             step_decodes = list(running.values())[:max_batch]
-            self._waiting = len(prefills) + len(running) - len(step_decodes)
+            self._waiting = len(prefills) - len(step_prefills) + len(running) - len(step_decodes)
             step_started = time.perf_counter()
-            seqs = [SeqInput(job.prompt_token_ids, 0, job.block_table) for job in step_prefills]
-            seqs += [SeqInput([s.last_token], s.position, s.block_table) for s in step_decodes]
-            params = [job.sampling for job in step_prefills] + [s.sampling for s in step_decodes]
-            positions = [len(job.prompt_token_ids) for job in step_prefills]
-            positions += [s.position + 1 for s in step_decodes]
-            banned = [self._banned(job.sampling, 0) for job in step_prefills]
-            banned += [self._banned(s.sampling, s.processor.num_generated) for s in step_decodes]
-            try:
-                logits = self._loaded.model.forward_paged(seqs, self._cache)
-                tokens = sample(
-                    logits, params, positions, banned_token_ids=banned, generator=self._generator
+            seqs = [
+                SeqInput(
+                    job.prompt_token_ids[job.computed : job.computed + take],
+                    job.computed,
+                    job.block_table,
                 )
+                for job, take in step_prefills
+            ]
+            seqs += [SeqInput([s.last_token], s.position, s.block_table) for s in step_decodes]
+            params = [job.sampling for job in completing] + [s.sampling for s in step_decodes]
+            positions = [len(job.prompt_token_ids) for job in completing]
+            positions += [s.position + 1 for s in step_decodes]
+            banned = [self._banned(job.sampling, 0) for job in completing]
+            banned += [self._banned(s.sampling, s.processor.num_generated) for s in step_decodes]
+            sampled_rows = [
+                row
+                for row, (job, take) in enumerate(step_prefills)
+                if job.computed + take == len(job.prompt_token_ids)
+            ]
+            sampled_rows += range(len(step_prefills), len(seqs))
+            try:
+                # a step of decodes is short, and they need their tokens: never abandoned
+                should_stop = (
+                    None
+                    if step_decodes
+                    else nobody_waits({job.request_id for job, _ in step_prefills})
+                )
+                logits = self._loaded.model.forward_paged(seqs, self._cache, should_stop)
+                if len(sampled_rows) != len(seqs):
+                    logits = logits[sampled_rows]
+                tokens = (
+                    sample(
+                        logits,
+                        params,
+                        positions,
+                        banned_token_ids=banned,
+                        generator=self._generator,
+                    )
+                    if sampled_rows
+                    else []
+                )
+            except StepAbandoned:
+                continue  # the aborts are in ``carried``: taken at the top, blocks freed
             except (RuntimeError, ValueError) as exc:
                 log.exception("engine step failed")
-                for job in step_prefills:
+                for job, _ in step_prefills:
                     job.deliver(EngineError(f"prefill step failed: {exc}"))
                     self._forget(job.request_id)
+                failed = {job.request_id for job, _ in step_prefills}
+                prefills = [job for job in prefills if job.request_id not in failed]
                 for s in step_decodes:
                     running.pop(s.request_id, None)
                     self._forget(s.request_id)
@@ -425,10 +495,15 @@ class TorchEngine:
                     lost = tuple(s.request_id for s in step_decodes)
                     send_outputs(StepFailed(lost, f"decode step failed: {exc}"))
                 continue
-            for job, first in zip(step_prefills, tokens[: len(step_prefills)], strict=True):
+            for job, take in step_prefills:
+                job.computed += take
+            if completing:
+                done = {job.request_id for job in completing}
+                prefills = [job for job in prefills if job.request_id not in done]
+            for job, first in zip(completing, tokens[: len(completing)], strict=True):
                 self._finish_prefill(job, first)
             entries: StepOutputs = []
-            for seq, token_id in zip(step_decodes, tokens[len(step_prefills) :], strict=True):
+            for seq, token_id in zip(step_decodes, tokens[len(completing) :], strict=True):
                 text, finish = seq.processor.push(token_id)
                 seq.last_token = token_id
                 seq.position += 1

@@ -7,7 +7,7 @@ self_attn.q_proj.weight`` ...), so a HF state dict loads as it is.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import final
 
 import attrs
@@ -17,6 +17,10 @@ from torch import nn
 
 from pdtrio.engine.config import ModelConfig, RopeScaling
 from pdtrio.engine.torch.kv_cache import PagedKvCache
+
+
+class StepAbandoned(Exception):
+    """A step's ``should_stop`` said nobody waits for its result any more."""
 
 
 @final
@@ -315,8 +319,16 @@ class CausalLM(nn.Module):
         )
 
     @torch.inference_mode()
-    def forward_paged(self, seqs: Sequence[SeqInput], cache: PagedKvCache) -> torch.Tensor:
+    def forward_paged(
+        self,
+        seqs: Sequence[SeqInput],
+        cache: PagedKvCache,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> torch.Tensor:
         """Write the new tokens' KV into the cache; logits [len(seqs), vocab] of each last token.
+
+        ``should_stop`` is asked after each layer; when it says so, StepAbandoned is raised
+        (the KV written so far is the caller's to drop).
 
         Linear layers run once over the tokens of all sequences; one-token
         (decode) sequences share one padded attention call per layer, longer
@@ -385,6 +397,8 @@ class CausalLM(nn.Module):
                 out[row0 : row0 + n] = sout.transpose(0, 1)
             h = h + attn.o_proj(out.view(total, heads * head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if should_stop is not None and should_stop():
+                raise StepAbandoned
         return self._logits(h.index_select(0, plan.last_index))
 
 
