@@ -19,6 +19,11 @@ for its expiry:
    stay, and the prefill worker is stopped (SIGSTOP) for ``--stop-s`` (5 s,
    more than the link timeout) while it prefills them, then resumed.
 
+4. the same storm on the README's default cluster (``--real-model``, on unless
+   ``--quick``): the embedded SmolLM2 prefill and decode workers, prompts of
+   ``--prompt-tokens`` random token ids, each client hanging up 0.2-3 s after
+   sending (prefill of one such prompt takes tens of seconds on two cores).
+
 Each reports the time from the last disconnect (or the end of the stall, or
 the SIGCONT) until both workers are idle, as their ``/pd/stats`` say (no
 lease, no KV block in use, no request running or prefilling), the most leases
@@ -34,6 +39,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import sys
 import tempfile
@@ -46,6 +52,8 @@ import attrs
 import httpx
 import trio
 
+from pdtrio.peer_auth import WorkerAuth
+from pdtrio.security import WORKER_SECRET_ENV, PeerCredentials
 from pdtrio.testing import (
     LOOPBACK,
     Processes,
@@ -324,14 +332,96 @@ async def sigstop(
     }
 
 
-def run(plan: Plan) -> dict[str, Any]:
+_READY_INSTANCES = re.compile(r"([\w-]+) \((?:prefill|decode)[^)]*\) at (https?://[\w.:\[\]-]+)")
+REAL_MODEL_SECRET = "abandoned-prefill-benchmark-secret"
+
+
+async def real_model_storm(
+    router: Service, workers: dict[str, str], plan: Plan, idle_limit_s: float = 120.0
+) -> dict[str, Any]:
+    """``plan.clients`` streaming clients of the embedded SmolLM2 cluster, each hanging up
+    0.2-3 s after it sent its prompt; how soon after the last hang-up both workers are idle
+    (their /pd/stats, asked with the worker secret's proof)."""
+    rng = random.Random(plan.seed)
+    last_hang_up = [0.0]
+    outcomes: dict[str, int] = {}
+
+    async with httpx.AsyncClient(
+        base_url=router.url, timeout=120, limits=httpx.Limits(max_connections=plan.clients)
+    ) as http:
+
+        async def client(prompt: list[int], hang_up_s: float) -> None:
+            with trio.move_on_after(hang_up_s) as scope:
+                body = {
+                    "model": "smollm2-135m-instruct",
+                    "prompt": prompt,
+                    "max_tokens": 16,
+                    "stream": True,
+                    "temperature": 0,
+                }
+                async with http.stream("POST", "/v1/completions", json=body) as answer:
+                    outcome = str(answer.status_code)
+                    async for _ in answer.aiter_bytes():
+                        pass
+            if scope.cancelled_caught:
+                outcome = "hung up"
+                last_hang_up[0] = max(last_hang_up[0], trio.current_time())
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(plan.clients):
+                prompt = [rng.randrange(100, 40_000) for _ in range(plan.prompt_tokens)]
+                nursery.start_soon(client, prompt, rng.uniform(0.2, 3.0))
+    most_leases = 0
+    auth = WorkerAuth(PeerCredentials(REAL_MODEL_SECRET))
+    async with httpx.AsyncClient(timeout=10.0, auth=auth) as peer:
+        while True:
+            stats = [(await peer.get(f"{url}/pd/stats")).json() for url in workers.values()]
+            most_leases = max(most_leases, sum(s["kv_leases"] for s in stats))
+            elapsed = trio.current_time() - last_hang_up[0]
+            if not any(busy(s) for s in stats) or elapsed > idle_limit_s:
+                break
+            await trio.sleep(_POLL_S)
+    return {
+        "clients": plan.clients,
+        "prompt_tokens": plan.prompt_tokens,
+        "answers": outcomes,
+        "idle_after_s": None if any(busy(s) for s in stats) else elapsed,
+        "most_leases": most_leases,
+        "leases_expired": sum(s["kv_leases_expired"] for s in stats),
+        "stats": stats,
+    }
+
+
+def run_real_model(plan: Plan) -> dict[str, Any]:
+    before = os.environ.get(WORKER_SECRET_ENV)
+    os.environ[WORKER_SECRET_ENV] = REAL_MODEL_SECRET  # the embedded workers get it too
+    try:
+        with Processes(stop_grace_s=30) as procs:
+            router = procs.router(None, output="capture", timeout=300)
+            printed = procs.output(router.process).decode(errors="replace")
+            ready = [line for line in printed.splitlines() if "router ready" in line]
+            workers = dict(_READY_INSTANCES.findall(ready[-1])) if ready else {}
+            if len(workers) != 2:
+                raise RuntimeError(f"cannot tell the embedded workers from: {ready}")
+            return trio.run(real_model_storm, router, workers, plan)
+    finally:
+        if before is None:
+            os.environ.pop(WORKER_SECRET_ENV, None)
+        else:
+            os.environ[WORKER_SECRET_ENV] = before
+
+
+def run(plan: Plan, *, real_model: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, Processes(stop_grace_s=30) as procs:
         cluster = start_cluster(procs, Path(tmp), plan)
         report: dict[str, Any] = {"kv_lease_s": KV_LEASE_S, "link_timeout_s": LINK_TIMEOUT_S}
         report["storm"] = trio.run(storm, cluster, plan)
         report["storm_stalled"] = trio.run(partial(storm, cluster, plan, stall=True))
         report["sigstop"] = trio.run(sigstop, cluster, plan)
-        return report
+    if real_model:
+        report["real_model_storm"] = run_real_model(plan)
+    return report
 
 
 def _seconds(value: float | None) -> str:
@@ -366,6 +456,22 @@ def table(report: dict[str, Any]) -> str:
             str(stop_row["leases_expired"]),
         ),
     ]
+    real = report.get("real_model_storm")
+    if real is not None:
+        rows.append(
+            (
+                f"storm on the default SmolLM2 cluster: {real['clients']} clients hang up "
+                f"0.2-3 s into prompts of {real['prompt_tokens']} tokens (kv_lease_s 30)",
+                "from the last hang-up "
+                + (
+                    "> 120 s (not idle)"
+                    if real["idle_after_s"] is None
+                    else f"{real['idle_after_s']:.2f} s"
+                ),
+                str(real["most_leases"]),
+                str(real["leases_expired"]),
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
@@ -387,6 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-s", type=float, default=None)
     parser.add_argument("--hang-up-from", type=float, default=None)
     parser.add_argument("--hang-up-to", type=float, default=None)
+    parser.add_argument(
+        "--real-model",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also the storm on the embedded SmolLM2 cluster (default: on, off with --quick)",
+    )
     args = parser.parse_args(argv)
     plan = QUICK if args.quick else Plan()
     names = ("clients", "prompt_tokens", "prefill_ms", "stopped_clients", "stop_s", "stall_s")
@@ -395,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None:
             plan = attrs.evolve(plan, **{name: value})
     started = time.perf_counter()
-    report = run(plan)
+    real_model = not args.quick if args.real_model is None else args.real_model
+    report = run(plan, real_model=real_model)
     report["plan"] = attrs.asdict(plan)
     report["wall_s"] = time.perf_counter() - started
     print(table(report))
