@@ -88,7 +88,7 @@ def test_a_child_that_fails_when_stopped_is_reported_at_close() -> None:
     with pytest.raises(ProcessError) as raised:
         procs.close()
     message = str(raised.value)
-    assert "stopped with status 1 on SIGINT" in message
+    assert "exited with status 1 as it was stopped (SIGINT)" in message
     assert "shutdown hook crashed" in message
 
 

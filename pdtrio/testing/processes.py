@@ -302,7 +302,7 @@ class _Pipe:
         """The last lines read, as text ("" when none)."""
         with self._changed:
             text = bytes(self._tail).decode(errors="replace")
-        return "\n".join(text.splitlines()[-_TAIL_LINES:])
+        return "\n".join(_shorten(line, 1000) for line in text.splitlines()[-_TAIL_LINES:])
 
 
 @final
@@ -587,7 +587,9 @@ class Processes:
                     if status != 0:
                         failures.append(f"{_shown(process)} exited with status {status} on its own")
                 elif status not in (0, -signal.SIGINT, -signal.SIGKILL):
-                    failures.append(f"{_shown(process)} stopped with status {status} on SIGINT")
+                    failures.append(
+                        f"{_shown(process)} exited with status {status} as it was stopped (SIGINT)"
+                    )
                 else:
                     continue
                 outputs = self._outputs.get(process.pid)
@@ -662,12 +664,15 @@ def _has_exited(process: subprocess.Popen[bytes]) -> bool:
         return True  # reaped already
 
 
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 200]} ... {text[-150:]}"
+
+
 def _shown(process: subprocess.Popen[bytes]) -> str:
     """The command, as a shell would run it, shortened (a worker's carries its config)."""
     args = process.args
     text = shlex.join(args) if isinstance(args, list) else str(args)
-    text = text if len(text) <= 400 else text[:400] + "..."
-    return f"process {process.pid} ({text})"
+    return f"process {process.pid} ({_shorten(text, 600)})"
 
 
 def _exit_status(process: subprocess.Popen[bytes]) -> str:
