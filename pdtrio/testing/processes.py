@@ -522,9 +522,11 @@ class Processes:
         try:
             line = outputs.stdout.read_line(prefix, time.monotonic() + timeout)
         except TimeoutError:
+            dropped = outputs.stdout.dropped
             raise ProcessError(
                 f"process {process.pid} printed no {prefix!r} line within {timeout:g}s"
-                f"{self._output_tail(process)}"
+                + (f" ({dropped} unread bytes of its stdout let go)" if dropped else "")
+                + self._output_tail(process)
             ) from None
         if line is None:
             raise ProcessError(
@@ -550,7 +552,7 @@ class Processes:
             return ""
         if exited:
             outputs.wait_closed(_LAST_WORDS_S)
-        return f"; command: {_shown(process)}{outputs.describe()}"
+        return f"; command: {_command(process)}{outputs.describe()}"
 
     # --- stopping ---------------------------------------------------------------------
 
@@ -668,11 +670,14 @@ def _shorten(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[: limit - 200]} ... {text[-150:]}"
 
 
-def _shown(process: subprocess.Popen[bytes]) -> str:
+def _command(process: subprocess.Popen[bytes]) -> str:
     """The command, as a shell would run it, shortened (a worker's carries its config)."""
     args = process.args
-    text = shlex.join(args) if isinstance(args, list) else str(args)
-    return f"process {process.pid} ({_shorten(text, 600)})"
+    return _shorten(shlex.join(args) if isinstance(args, list) else str(args), 600)
+
+
+def _shown(process: subprocess.Popen[bytes]) -> str:
+    return f"process {process.pid} ({_command(process)})"
 
 
 def _exit_status(process: subprocess.Popen[bytes]) -> str:
