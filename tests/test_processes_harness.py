@@ -127,3 +127,15 @@ def test_a_flood_of_output_never_blocks_the_child() -> None:
                 assert len(message) < 300_000  # a tail, not the flood
             if output == "capture":
                 assert len(procs.output(process)) > 16 * 1024 * 1024
+
+
+def test_a_failure_in_the_block_stays_the_error_and_carries_the_report() -> None:
+    code = "import sys; print('disk full', file=sys.stderr); sys.exit(3)"
+    with pytest.raises(AssertionError) as raised, Processes(stop_grace_s=5) as procs:
+        process = procs.start(python(code))
+        wait_exited(process)
+        raise AssertionError("the test's own failure")
+    assert str(raised.value) == "the test's own failure"
+    (note,) = raised.value.__notes__
+    assert "exited with status 3 on its own" in note
+    assert "disk full" in note
