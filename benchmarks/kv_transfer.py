@@ -36,6 +36,7 @@ from pdtrio.kv.api import KvTransport
 from pdtrio.kv.nixl import NixlKvTransport
 from pdtrio.kv.tcp import TcpKvTransport
 from pdtrio.protocol.wire import KvHandle
+from pdtrio.security import new_access_token
 from pdtrio.testing import Processes, Service, cpu_seconds, write_router_config
 from pdtrio.worker.leases import KvLeases
 
@@ -64,14 +65,17 @@ def engine() -> SyntheticEngine:
 
 
 class Leased:
-    """The KvBlockSource a worker is, reduced to an engine and its leases."""
+    """The KvBlockSource a worker is, reduced to an engine and its leases (as
+    ``tests.kv.blocks.LeasedBlocks``): a peer reads only with the lease's grant."""
 
     def __init__(self, prefill: SyntheticEngine) -> None:
         self.engine = prefill
         self.leases = KvLeases(prefill.free_request)
 
-    def holds(self, request_id: str, block_ids: tuple[int, ...]) -> bool:
-        return self.leases.holds(request_id, block_ids)
+    def holds(
+        self, request_id: str, block_ids: tuple[int, ...], access_token: str | None = None
+    ) -> bool:
+        return self.leases.holds(request_id, block_ids, access_token)
 
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
         return await self.engine.read_blocks(block_ids)
@@ -90,7 +94,9 @@ async def allocate(prefill: SyntheticEngine, request_id: str, blocks: int) -> tu
 
 
 async def serve_prefill() -> None:
-    """Hold the pattern, serve it over NIXL and TCP; ``lease ID BLOCKS`` on stdin leases blocks."""
+    """Hold the pattern, serve it over NIXL and TCP.  On stdin, ``lease ID BLOCKS`` leases
+    blocks (and prints their handle's fields, grant included); ``release ID`` frees them,
+    as the router's release does once decode has them (a pull alone frees nothing)."""
     prefill = engine()
     await prefill.write_blocks(
         tuple(range(NUM_BLOCKS)), pattern(NUM_BLOCKS * 4 * BLOCK_SIZE).tobytes()
@@ -108,10 +114,18 @@ async def serve_prefill() -> None:
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
-                    _, request_id, blocks = line.decode().split()
-                    block_ids = await allocate(prefill, request_id, int(blocks))
-                    source.leases.hold(request_id, block_ids, trio.current_time() + 60)
-                    reply = {"block_ids": block_ids, "lease_expiry": time.time() + 60}
+                    command, request_id, *blocks = line.decode().split()
+                    if command == "release":
+                        source.release(request_id)
+                        continue
+                    block_ids = await allocate(prefill, request_id, int(blocks[0]))
+                    grant = new_access_token()
+                    source.leases.hold(request_id, block_ids, trio.current_time() + 60, grant)
+                    reply = {
+                        "block_ids": block_ids,
+                        "lease_expiry": time.time() + 60,
+                        "access_token": grant,
+                    }
                     print(HANDLE.decode() + json.dumps(reply), flush=True)
         nursery.cancel_scope.cancel()
 
@@ -133,18 +147,21 @@ async def bandwidth(procs: Processes, reps: int) -> list[dict[str, Any]]:
     block_nbytes = layout.block_nbytes
     leases = 0
 
+    def tell(line: str) -> None:
+        assert process.stdin is not None
+        process.stdin.write(f"{line}\n".encode())
+        process.stdin.flush()
+
     async def lease(blocks: int) -> KvHandle:
         nonlocal leases
         leases += 1
-        assert process.stdin is not None
-        process.stdin.write(f"lease r{leases} {blocks}\n".encode())
-        process.stdin.flush()
+        tell(f"lease r{leases} {blocks}")
         line = await trio.to_thread.run_sync(procs.read_line, process, HANDLE, 60)
         reply = json.loads(line)
         ids = tuple(reply["block_ids"])
         return KvHandle(
             f"r{leases}", "prefill", LOOPBACK, port, ids, len(ids) * BLOCK_SIZE, layout,
-            reply["lease_expiry"],
+            reply["lease_expiry"], reply["access_token"],
         )  # fmt: skip
 
     async def pull_seconds(transport: KvTransport, blocks: int) -> tuple[float, float]:
@@ -161,6 +178,7 @@ async def bandwidth(procs: Processes, reps: int) -> list[dict[str, Any]]:
         )
         assert np.array_equal(received, sent), "the bytes that arrived are not prefill's"
         decode.free_request(handle.request_id)
+        tell(f"release {handle.request_id}")  # before the next lease: its room is this one's
         return seconds, nixl.read_seconds - read_before
 
     rows = []
@@ -350,7 +368,10 @@ def main() -> None:
     parser.add_argument("--serve-prefill", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_prefill:
-        trio.run(serve_prefill)
+        try:
+            trio.run(serve_prefill)
+        except* KeyboardInterrupt:
+            pass  # the harness's SIGINT, as stdin's closing already stops it: a clean stop
         return
     result = trio.run(run, args.quick)
     print_tables(result)

@@ -9,6 +9,15 @@ exit), SIGKILL after a grace period; last, the descendants it was seen to have
 given a moment and then killed.  A descendant is remembered with its start
 time, so a recycled PID is never signalled; nothing is looked up by name.
 
+No failure is hidden: whatever ``output`` is chosen, the last lines of each
+process's stdout and stderr are kept (a thread drains each pipe, so a child
+never blocks on a full one) and every :class:`ProcessError` carries them, so a
+worker that dies at start says why.  A process that exits with a non-zero
+status on its own, unless the caller reaped it (``wait``/``poll``: it saw the
+status) or said it would (:meth:`Processes.expect_exit`), is reported when the
+group closes, as is one that stops with anything but 0 or the harness's own
+signal.
+
 Synchronous and subprocess-based, Linux only (``/proc``): for the code that
 drives pdtrio from outside, never for the servers themselves.
 """
@@ -17,7 +26,7 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
+import shlex
 import signal
 import socket
 import subprocess
@@ -27,7 +36,7 @@ import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Literal, final
+from typing import IO, Any, Final, Literal, final
 
 import attrs
 import httpx
@@ -37,18 +46,27 @@ from pdtrio.worker.launch import READY_PREFIX, worker_command
 LOOPBACK: Final = "127.0.0.1"
 
 Output = Literal["discard", "lines", "capture"]
-"""What happens to a process's output: dropped; stdout piped for
-:meth:`Processes.read_line` (stderr dropped); or stdout and stderr merged and
-drained into memory, for :meth:`Processes.output`."""
+"""What happens to a process's output besides its tail (always kept, for errors):
+nothing; stdout read line by line with :meth:`Processes.read_line`; or stdout and
+stderr merged and kept whole in memory, for :meth:`Processes.output`."""
 
 # fields of /proc/PID/stat counted after the command name: state is field 3
 _STATE, _PPID, _UTIME, _STIME, _START_TIME = 0, 1, 11, 12, 19
 _LEFTOVER_GRACE_S: Final = 5.0
 _POLL_S: Final = 0.05
+# what is kept of each pipe for errors, and how much of it an error shows
+_TAIL_BYTES: Final = 64 * 1024
+_TAIL_LINES: Final = 200
+# stdout not yet asked for by read_line: beyond this the oldest lines are dropped, so a
+# chatty child is never blocked and memory stays bounded
+_UNREAD_BYTES: Final = 16 * 1024 * 1024
+# how long an error waits for a dead process's last output (a descendant may hold the pipe)
+_LAST_WORDS_S: Final = 2.0
 
 
 class ProcessError(RuntimeError):
-    """A process exited, or stayed silent, before it was ready."""
+    """A process exited, or stayed silent, before it was ready; or a process of the
+    group failed (reported at close).  The message ends with the process's output tail."""
 
 
 # --- processes, as /proc sees them ----------------------------------------------
@@ -206,30 +224,111 @@ class Service:
 
 
 @final
-class _Drain:
-    """Reads a process's output on a thread into memory, so that its pipe never fills."""
+class _Pipe:
+    """One of a process's output pipes, read on a thread until it closes: the pipe never
+    fills, whoever reads or does not.  Keeps its last bytes (for errors), and, as asked,
+    everything (``keep_all``) or the lines :meth:`read_line` has yet to take (``lines``)."""
 
-    def __init__(self, process: subprocess.Popen[bytes]) -> None:
-        assert process.stdout is not None
-        self._fd = process.stdout.fileno()
-        self._data = bytearray()
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(
-            target=self._run, name=f"output of {process.pid}", daemon=True
-        )
+    def __init__(
+        self, pipe: IO[bytes], name: str, *, keep_all: bool = False, lines: bool = False
+    ) -> None:
+        self._pipe = pipe
+        self._changed = threading.Condition()
+        self._tail = bytearray()
+        self._all: bytearray | None = bytearray() if keep_all else None
+        self._unread: bytearray | None = bytearray() if lines else None
+        self.dropped = 0  # unread bytes let go of, past _UNREAD_BYTES
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while chunk := os.read(self._fd, 65536):
-            with self._lock:
-                self._data += chunk
+        # this thread alone owns the pipe, and closes it at EOF: closing it from another
+        # thread while a read waits could hand the fd number to someone else's file
+        fd = self._pipe.fileno()
+        try:
+            while chunk := os.read(fd, 65536):
+                with self._changed:
+                    self._tail += chunk
+                    del self._tail[:-_TAIL_BYTES]
+                    if self._all is not None:
+                        self._all += chunk
+                    if self._unread is not None:
+                        self._unread += chunk
+                        self._bound_unread()
+                    self._changed.notify_all()
+        except OSError:
+            pass
+        finally:
+            with self._changed:
+                self._closed = True
+                self._changed.notify_all()
+            self._pipe.close()
+
+    def _bound_unread(self) -> None:
+        assert self._unread is not None
+        excess = len(self._unread) - _UNREAD_BYTES
+        if excess > 0:
+            cut = self._unread.find(b"\n", excess) + 1 or len(self._unread)
+            del self._unread[:cut]
+            self.dropped += cut
+
+    def read_line(self, prefix: bytes, deadline: float) -> bytes | None:
+        """The rest of the next line starting with ``prefix`` (others are skipped); None if
+        the pipe closed first.  TimeoutError at ``deadline`` (``time.monotonic()``)."""
+        assert self._unread is not None
+        with self._changed:
+            while True:
+                while (newline := self._unread.find(b"\n")) >= 0:
+                    line = bytes(self._unread[:newline])
+                    del self._unread[: newline + 1]
+                    if line.startswith(prefix):
+                        return line[len(prefix) :]
+                if self._closed:
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self._changed.wait(left)
 
     def wait_closed(self, timeout: float) -> None:
         self._thread.join(timeout)
 
     def data(self) -> bytes:
-        with self._lock:
-            return bytes(self._data)
+        with self._changed:
+            return bytes(self._all if self._all is not None else self._tail)
+
+    def tail(self) -> str:
+        """The last lines read, as text ("" when none)."""
+        with self._changed:
+            text = bytes(self._tail).decode(errors="replace")
+        return "\n".join(_shorten(line, 1000) for line in text.splitlines()[-_TAIL_LINES:])
+
+
+@final
+@attrs.frozen
+class _Outputs:
+    """Where a started process's output goes: its stdout pipe, and stderr's when apart."""
+
+    stdout: _Pipe
+    stderr: _Pipe | None  # None: merged into stdout
+    mode: Output
+
+    def wait_closed(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for pipe in (self.stdout, self.stderr):
+            if pipe is not None:
+                pipe.wait_closed(max(0.0, deadline - time.monotonic()))
+
+    def describe(self) -> str:
+        """The output tail, for an error message."""
+        parts = []
+        if self.stderr is None:
+            parts.append(("output (stdout and stderr)", self.stdout.tail()))
+        else:
+            parts += [("stderr", self.stderr.tail()), ("stdout", self.stdout.tail())]
+        said = [f"\n--- its {name}, last lines ---\n{text}" for name, text in parts if text]
+        return "".join(said) if said else "\n(it printed nothing)"
 
 
 @final
@@ -237,6 +336,10 @@ class Processes:
     """Every process a test or a benchmark starts; leaving the ``with`` block stops them all.
 
     ``stop_grace_s``: how long a stopped process gets between the signal and SIGKILL.
+
+    Closing raises :class:`ProcessError` for every process that failed unseen (see the
+    module's docstring); leaving the ``with`` block on an exception adds that report to
+    the exception's notes instead of hiding the exception behind it.
     """
 
     def __init__(self, *, stop_grace_s: float = 15.0) -> None:
@@ -244,8 +347,8 @@ class Processes:
         self._started: list[subprocess.Popen[bytes]] = []
         # started PID -> {descendant PID: its start time}, for every descendant ever seen
         self._seen: dict[int, dict[int, int]] = {}
-        self._unread: dict[int, bytes] = {}
-        self._drains: dict[int, _Drain] = {}
+        self._outputs: dict[int, _Outputs] = {}
+        self._expected: set[int] = set()  # PIDs whose own exit the caller expects
 
     def __enter__(self) -> Processes:
         return self
@@ -256,7 +359,12 @@ class Processes:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.close()
+        try:
+            self.close()
+        except ProcessError as failed:
+            if exc is None:
+                raise
+            exc.add_note(str(failed))  # the exception in flight stays the one raised
 
     # --- starting ---------------------------------------------------------------------
 
@@ -288,17 +396,32 @@ class Processes:
             list(command),
             env=environ,
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL if output == "discard" else subprocess.PIPE,
-            stderr=subprocess.STDOUT if output == "capture" else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            # read_line reads stdout alone; otherwise one pipe keeps the two in order
+            stderr=subprocess.PIPE if output == "lines" else subprocess.STDOUT,
             start_new_session=new_session,
         )
         self._started.append(process)
         self._seen[process.pid] = {}
         if cpus is not None:
             pin([process.pid], cpus)
-        if output == "capture":
-            self._drains[process.pid] = _Drain(process)
+        assert process.stdout is not None
+        stdout = _Pipe(
+            process.stdout,
+            f"stdout of {process.pid}",
+            keep_all=output == "capture",
+            lines=output == "lines",
+        )
+        stderr = (
+            None if process.stderr is None else _Pipe(process.stderr, f"stderr of {process.pid}")
+        )
+        self._outputs[process.pid] = _Outputs(stdout, stderr, output)
         return process
+
+    def expect_exit(self, process: subprocess.Popen[bytes]) -> None:
+        """``process`` is meant to end on its own, whatever its status (a fault hook's
+        ``os._exit``, a kill by the test): closing does not report it."""
+        self._expected.add(process.pid)
 
     def start_worker(
         self, config: Mapping[str, Any], *, cpus: Collection[int] | None = None
@@ -370,7 +493,7 @@ class Processes:
             if service.process.poll() is not None:
                 raise ProcessError(
                     f"{service.url} exited with status {service.process.returncode} before it was "
-                    f"healthy{self._output_tail(service.process)}"
+                    f"healthy{self._output_tail(service.process, exited=True)}"
                 )
             try:
                 if httpx.get(f"{service.url}/health", timeout=1).status_code == 200:
@@ -390,50 +513,46 @@ class Processes:
     def read_line(self, process: subprocess.Popen[bytes], prefix: bytes, timeout: float) -> bytes:
         """The rest of the next stdout line starting with ``prefix``; lines before it are skipped.
 
-        For a process started with ``output="lines"``; what was read past the
+        For a process started with ``output="lines"``; what was printed past the
         line is kept for the next call.
         """
-        stdout = process.stdout
-        if stdout is None or process.pid in self._drains:
+        outputs = self._outputs.get(process.pid)
+        if outputs is None or outputs.mode != "lines":
             raise ValueError(f"process {process.pid} was not started with output='lines'")
-        buffer = self._unread.pop(process.pid, b"")
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as selector:
-            selector.register(stdout, selectors.EVENT_READ)
-            try:
-                while True:
-                    while b"\n" in buffer:
-                        line, buffer = buffer.split(b"\n", 1)
-                        if line.startswith(prefix):
-                            return line[len(prefix) :]
-                    left = deadline - time.monotonic()
-                    if left <= 0 or not selector.select(left):
-                        raise ProcessError(
-                            f"process {process.pid} printed no {prefix!r} line within {timeout:g}s"
-                        )
-                    chunk = os.read(stdout.fileno(), 65536)
-                    if not chunk:
-                        raise ProcessError(
-                            f"process {process.pid} exited with status {_exit_status(process)} "
-                            f"before it printed {prefix!r}"
-                        )
-                    buffer += chunk
-            finally:
-                if buffer:
-                    self._unread[process.pid] = buffer
+        try:
+            line = outputs.stdout.read_line(prefix, time.monotonic() + timeout)
+        except TimeoutError:
+            dropped = outputs.stdout.dropped
+            raise ProcessError(
+                f"process {process.pid} printed no {prefix!r} line within {timeout:g}s"
+                + (f" ({dropped} unread bytes of its stdout let go)" if dropped else "")
+                + self._output_tail(process)
+            ) from None
+        if line is None:
+            raise ProcessError(
+                f"process {process.pid} exited with status {_exit_status(process)} "
+                f"before it printed {prefix!r}{self._output_tail(process, exited=True)}"
+            )
+        return line
 
     def output(self, process: subprocess.Popen[bytes], *, timeout: float = 10.0) -> bytes:
         """What a process started with ``output="capture"`` printed so far (all, once it exited)."""
-        drain = self._drains[process.pid]
+        outputs = self._outputs.get(process.pid)
+        if outputs is None or outputs.mode != "capture":
+            raise ValueError(f"process {process.pid} was not started with output='capture'")
         if process.poll() is not None:
-            drain.wait_closed(timeout)
-        return drain.data()
+            outputs.wait_closed(timeout)
+        return outputs.stdout.data()
 
-    def _output_tail(self, process: subprocess.Popen[bytes]) -> str:
-        if process.pid not in self._drains:
+    def _output_tail(self, process: subprocess.Popen[bytes], *, exited: bool = False) -> str:
+        """``; command: ...`` and its output tail, for an error message; once it ``exited``,
+        after a moment for its last words to arrive."""
+        outputs = self._outputs.get(process.pid)
+        if outputs is None:
             return ""
-        tail = self.output(process, timeout=2.0)[-4000:].decode(errors="replace")
-        return f"; its output:\n{tail}"
+        if exited:
+            outputs.wait_closed(_LAST_WORDS_S)
+        return f"; command: {_command(process)}{outputs.describe()}"
 
     # --- stopping ---------------------------------------------------------------------
 
@@ -449,14 +568,43 @@ class Processes:
         return process.returncode
 
     def close(self) -> None:
-        """Stop every process (the last started first) and what they left behind; close pipes."""
+        """Stop every process (the last started first) and what they left behind; close pipes.
+
+        Then :class:`ProcessError` naming each process that failed unseen: one that exited
+        with a non-zero status on its own, not reaped by the caller (``wait``, ``poll``) nor
+        expected (:meth:`expect_exit`); or one that stopped, when told to here, with a
+        status other than 0 or the signal it was sent.
+        """
         started = list(reversed(self._started))
+        failures: list[str] = []
         try:
+            # the caller reaped these: it has seen their status (harness checks reap only
+            # when they raise about it, and stop() returns it)
+            unseen = [p for p in started if p.returncode is None and p.pid not in self._expected]
+            ended = {p.pid for p in unseen if _has_exited(p)}
             self._stop(started, signal.SIGINT, self.stop_grace_s)
+            for process in unseen:
+                status = process.returncode
+                if process.pid in ended:
+                    if status != 0:
+                        failures.append(f"{_shown(process)} exited with status {status} on its own")
+                elif status not in (0, -signal.SIGINT, -signal.SIGKILL):
+                    failures.append(
+                        f"{_shown(process)} exited with status {status} as it was stopped (SIGINT)"
+                    )
+                else:
+                    continue
+                outputs = self._outputs.get(process.pid)
+                if outputs is not None:
+                    outputs.wait_closed(_LAST_WORDS_S)
+                    failures[-1] += outputs.describe()
         finally:
             for process in started:
                 self._release(process)
             self._started.clear()
+            self._expected.clear()
+        if failures:
+            raise ProcessError(f"{len(failures)} process(es) failed:\n" + "\n\n".join(failures))
 
     def _stop(
         self, processes: list[subprocess.Popen[bytes]], sig: signal.Signals, grace_s: float
@@ -502,13 +650,34 @@ class Processes:
                 pass
 
     def _release(self, process: subprocess.Popen[bytes]) -> None:
-        drain = self._drains.pop(process.pid, None)
-        if drain is not None:
-            drain.wait_closed(5.0)
-        self._unread.pop(process.pid, None)
-        for pipe in (process.stdin, process.stdout, process.stderr):
-            if pipe is not None:
-                pipe.close()
+        outputs = self._outputs.pop(process.pid, None)
+        if outputs is not None:
+            # a moment for the reader threads to finish; they close their pipes themselves
+            outputs.wait_closed(_LAST_WORDS_S)
+        if process.stdin is not None:
+            process.stdin.close()
+
+
+def _has_exited(process: subprocess.Popen[bytes]) -> bool:
+    """Whether ``process`` has exited, without reaping it (its status stays for ``wait``)."""
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True  # reaped already
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 200]} ... {text[-150:]}"
+
+
+def _command(process: subprocess.Popen[bytes]) -> str:
+    """The command, as a shell would run it, shortened (a worker's carries its config)."""
+    args = process.args
+    return _shorten(shlex.join(args) if isinstance(args, list) else str(args), 600)
+
+
+def _shown(process: subprocess.Popen[bytes]) -> str:
+    return f"process {process.pid} ({_command(process)})"
 
 
 def _exit_status(process: subprocess.Popen[bytes]) -> str:

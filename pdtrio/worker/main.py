@@ -405,4 +405,10 @@ def main(argv: list[str]) -> int:
         return 2
     except KeyboardInterrupt:
         return 0
+    except BaseExceptionGroup as group:
+        # a SIGINT that trio redelivers as the signal receiver closes, while stdin's
+        # closing already stops the worker: a stop all the same, not a crash
+        if group.split(KeyboardInterrupt)[1] is None:
+            return 0
+        raise
     return 0

@@ -61,4 +61,7 @@ async def serve(config: dict[str, int]) -> None:
 
 
 if __name__ == "__main__":
-    trio.run(serve, json.loads(sys.argv[1]))
+    try:
+        trio.run(serve, json.loads(sys.argv[1]))
+    except* KeyboardInterrupt:
+        pass  # the harness's SIGINT, as stdin's closing already stops it: a clean stop
