@@ -395,9 +395,8 @@ async def test_an_etcd_writer_without_the_secret_gets_no_traffic_and_learns_noth
             ("decode", "decode-0", SECRET),
             ("prefill", "prefill-evil", attackers_secret),
         ):
-            service = await trio.to_thread.run_sync(
-                lambda c=worker(role, name, secret): processes.worker(c, timeout=60)
-            )
+            start = functools.partial(processes.worker, worker(role, name, secret), timeout=60)
+            service = await trio.to_thread.run_sync(start)
         attackers_worker = service
         async with (
             trio.open_nursery() as nursery,
