@@ -285,34 +285,43 @@ async def _stop_when_master_dies(router: Router, sentinel: int, shutdown_event: 
 async def _on_sigterm(
     router: Router, shutdown_event: Any, drain_s: float, master_stopping: trio.Event
 ) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM) as signals:
-        async for _ in signals:
-            if shutdown_event is not None:
-                # a worker of hypercorn's master: the master stops every worker (and drains
-                # us). A SIGTERM to the process group (systemd's default) reaches the master
-                # at the same time, and its handler is not reentrant: a second SIGTERM from
-                # us while it sets its event deadlocks it. So we forward only a SIGTERM the
-                # master does not act on by itself: one sent to this process alone.
-                with trio.move_on_after(MASTER_SIGNAL_GRACE_S):
-                    await master_stopping.wait()
-                if master_stopping.is_set():
-                    continue
-                parent = multiprocessing.parent_process()
-                if parent is not None and parent.pid is not None and parent.is_alive():
-                    log.info("SIGTERM to this process alone: asking hypercorn's master to stop")
-                    os.kill(parent.pid, signal.SIGTERM)
-                else:
-                    shutdown_event.set()
+    stops = [signal.SIGTERM]
+    if shutdown_event is None and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        # hypercorn -w 0: a SIGINT (Ctrl-C) would be a KeyboardInterrupt in whichever task
+        # runs, and one raised in a connection's task escapes hypercorn (exit 1, traceback):
+        # take it like SIGTERM, and hand hypercorn its stop where it catches it
+        stops.append(signal.SIGINT)
+    with trio.open_signal_receiver(*stops) as signals:
+        async for received in signals:
+            if shutdown_event is None:
+                log.info("%s received: draining", signal.Signals(received).name)
+                break
+            # a worker of hypercorn's master: the master stops every worker (and drains
+            # us). A SIGTERM to the process group (systemd's default) reaches the master
+            # at the same time, and its handler is not reentrant: a second SIGTERM from
+            # us while it sets its event deadlocks it. So we forward only a SIGTERM the
+            # master does not act on by itself: one sent to this process alone.
+            with trio.move_on_after(MASTER_SIGNAL_GRACE_S):
+                await master_stopping.wait()
+            if master_stopping.is_set():
                 continue
-            # hypercorn -w 0: we are its only process and it only stops on SIGINT
-            await router.drain(drain_s)
-            if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-                # a shell that started us in the background made SIGINT ignored, so hypercorn
-                # cannot be asked to stop: the drain is done, and our workers exit when our
-                # pipes to them close
-                _exit_now("pdtrio: drained after SIGTERM; exiting (SIGINT is ignored here)", 0)
-            _interrupt_hypercorn()
+            parent = multiprocessing.parent_process()
+            if parent is not None and parent.pid is not None and parent.is_alive():
+                log.info("SIGTERM to this process alone: asking hypercorn's master to stop")
+                os.kill(parent.pid, signal.SIGTERM)
+            else:
+                shutdown_event.set()
+        else:
             return
+    # hypercorn -w 0: we are its only process and it only stops on SIGINT (from here on
+    # trio's again: a second one stops at once)
+    await router.drain(drain_s)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # a shell that started us in the background made SIGINT ignored, so hypercorn
+        # cannot be asked to stop: the drain is done, and our workers exit when our
+        # pipes to them close
+        _exit_now("pdtrio: drained after SIGTERM; exiting (SIGINT is ignored here)", 0)
+    _interrupt_hypercorn()
 
 
 @trio.lowlevel.enable_ki_protection

@@ -28,6 +28,7 @@ MSGPACK = {"content-type": "application/msgpack"}
 
 # worker-link message tags: the first element of every frame
 START, ABORT, ACCEPTED, REJECTED, TOKENS, FAILED, CAPACITY = 1, 2, 3, 4, 5, 6, 7
+HEARTBEAT = 12
 PREFILL, PREFILLED, PREFILL_FAILED, RELEASE = 8, 9, 10, 11
 
 # PrefillReply: [PREFILLED, request_id, prompt_token_ids, cached_tokens, first_token_id,
@@ -142,6 +143,8 @@ async def _tokens_until_finished(
             assert isinstance(data, bytes)
             frames.append(data)
             message = _strict_unpack(data)
+            if message[0] == HEARTBEAT:
+                continue  # the worker's, after a silence (a slow machine)
             assert message[0] in (ACCEPTED, TOKENS), message
             if message[0] != TOKENS:
                 continue
