@@ -6,6 +6,9 @@ The client sees a retry or a clear error, and the workers still standing hold no
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -178,7 +181,10 @@ def test_decode_exiting_before_its_first_token_is_replaced_by_another(
     assert _eventually(lambda: _holds_nothing(prefill) and _holds_nothing(decode))
 
 
-def _chat_stream(router: Service, index: int) -> list[dict[str, Any]]:
+def _chat_stream(
+    router: Service, index: int, flowing: threading.Barrier | None = None
+) -> list[dict[str, Any]]:
+    """A streaming chat request's chunks; ``flowing`` is waited on after its third event."""
     body = {
         "model": "synthetic",
         "messages": [{"role": "user", "content": f"story number {index}"}],
@@ -191,7 +197,12 @@ def _chat_stream(router: Service, index: int) -> list[dict[str, Any]]:
         "POST", f"{router.url}/v1/chat/completions", json=body, timeout=LIVENESS_S
     ) as response:
         assert response.status_code == 200
-        events = [line for line in response.iter_lines() if line]
+        events = []
+        for line in response.iter_lines():
+            if line:
+                events.append(line)
+                if flowing is not None and len(events) == 3:
+                    flowing.wait(LIVENESS_S)
     assert events[-1] == "data: [DONE]", events
     return [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
 
@@ -230,3 +241,33 @@ def test_streams_on_a_decode_killed_mid_stream_finish_unbroken_on_the_other(
     metrics = httpx.get(f"{router.url}/metrics", timeout=LIVENESS_S).text
     assert value(metrics, "pdtrio_migrations_total", reason="link_lost") >= 1
     assert _eventually(lambda: _holds_nothing(prefill) and _holds_nothing(decode))
+
+
+def test_streams_on_a_decode_stopped_mid_stream_finish_unbroken_on_the_other(
+    procs: Processes, tmp_path: Path
+) -> None:
+    workers = [_worker_config("prefill"), _worker_config("decode"), _worker_config("decode")]
+    (prefill, stopped, decode), router = _cluster(
+        procs, tmp_path, workers, router={**ROUTER, "decode_policy": "round_robin"}
+    )
+    clients = 4
+    expected = [_seen(_chat_stream(router, i)) for i in range(clients)]  # undisturbed
+    flowing = threading.Barrier(clients + 1)
+
+    def stream(index: int) -> tuple[int, str, list[str], dict[str, Any]]:
+        return _seen(_chat_stream(router, index, flowing))
+
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(stream, i) for i in range(clients)]
+        flowing.wait(LIVENESS_S)  # every stream has had its first events
+        os.kill(stopped.pid, signal.SIGSTOP)  # hung past link_timeout_s: its streams move
+        try:
+            answers = [future.result(LIVENESS_S) for future in futures]
+        finally:
+            os.kill(stopped.pid, signal.SIGCONT)
+    assert answers == expected
+    metrics = httpx.get(f"{router.url}/metrics", timeout=LIVENESS_S).text
+    assert value(metrics, "pdtrio_migrations_total", reason="link_timeout") == clients // 2
+    assert _eventually(
+        lambda: _holds_nothing(prefill) and _holds_nothing(decode) and _holds_nothing(stopped)
+    )
