@@ -15,7 +15,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast, final
 
 import attrs
 import httpx
@@ -23,9 +23,12 @@ import pytest
 import trio
 
 from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig
+from pdtrio.engine.api import Engine, EngineOutput, StepFailed
+from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.faults import FaultProxy
 from pdtrio.router.app import RouterApp
 from pdtrio.testing import LOOPBACK
+from pdtrio.worker.server import Worker
 from tests.cluster import Cluster, serve_app, synthetic_worker, wait_for_stats, wait_until_idle
 from tests.metrics import by_labels, value
 
@@ -42,13 +45,52 @@ class Proxied:
     proxies: list[FaultProxy]  # one per decode, in order
 
 
+@final
+class FailsAStep:
+    """A synthetic engine whose ``fail_at``-th step with output fails instead (once): its
+    requests end there (blocks freed) and the worker tells the router ``DecodeFailed``."""
+
+    def __init__(self, engine: SyntheticEngine, fail_at: int) -> None:
+        self._engine = engine
+        self._fail_at = fail_at
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def run(
+        self,
+        outputs: trio.MemorySendChannel[EngineOutput],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        send, receive = trio.open_memory_channel[EngineOutput](0)
+        async with trio.open_nursery() as nursery, outputs:
+            await nursery.start(self._engine.run, send)
+            task_status.started()
+            steps = 0
+            async for step in receive:
+                steps += 1
+                if steps == self._fail_at and not isinstance(step, StepFailed):
+                    lost = tuple(entry.request_id for entry in step)
+                    for request_id in lost:
+                        self._engine.abort(request_id)
+                    step = StepFailed(lost, "decode step failed: injected")
+                await outputs.send(step)
+
+
 @asynccontextmanager
 async def proxied_cluster(
-    router: RouterConfig = ROUTER, *, decodes: int = 2
+    router: RouterConfig = ROUTER, *, decodes: int = 2, first_fails_step: int = 0
 ) -> AsyncIterator[Proxied]:
-    """A prefill and ``decodes`` decodes, the router's link to each decode through a proxy."""
+    """A prefill and ``decodes`` decodes, the router's link to each decode through a proxy
+    (``first_fails_step``: the first decode's engine fails that step)."""
     workers = [synthetic_worker("prefill")]
     workers += [synthetic_worker("decode", decode_step_s=0.02) for _ in range(decodes)]
+    if first_fails_step:
+        first = workers[1]
+        assert isinstance(first.engine, SyntheticEngine)
+        engine = cast(Engine, FailsAStep(first.engine, first_fails_step))
+        workers[1] = Worker(first.config, engine)
     async with trio.open_nursery() as nursery:
         ready = [await nursery.start(worker.run) for worker in workers]
         proxies = []
@@ -353,4 +395,21 @@ async def test_migrations_are_bounded_by_the_limit() -> None:
         assert len(answer.errors) == 1 and answer.done and answer.finish_reasons == []
         metrics = await _metrics(proxied.cluster)
         assert value(metrics, "pdtrio_migrations_total", reason="link_lost") == 1
+        await _holds_nothing(proxied.cluster)
+
+
+async def test_a_decode_step_failing_mid_stream_is_continued_on_the_other() -> None:
+    (expected,) = await _undisturbed([_chat(0)])
+    async with (
+        proxied_cluster(first_fails_step=5) as proxied,
+        httpx.AsyncClient(base_url=proxied.cluster.url, timeout=LIVENESS_S) as http,
+    ):
+        # round robin: whichever decode takes the first, the faulty one gets one of two
+        with trio.fail_after(LIVENESS_S):
+            answers = [_read(await _stream(http, _chat(0))) for _ in range(2)]
+        for answer in answers:
+            assert answer.errors == [] and answer.roles == 1 and len(answer.ids) == 1
+            assert (answer.content, answer.usage) == (expected.content, expected.usage)
+        metrics = await _metrics(proxied.cluster)
+        assert by_labels(metrics, "pdtrio_migrations_total", "reason") == {("decode_failed",): 1}
         await _holds_nothing(proxied.cluster)
