@@ -254,6 +254,10 @@ class RouterConfig:
     # a decode request that gets no answer or token for this long (its link alive) is
     # ended with an error: an engine that forgot it; 0 turns it off
     stream_idle_timeout_s: float = attrs.field(default=120.0, validator=_non_negative)
+    # a request whose decode is lost after its first token (link lost or timed out, worker
+    # dead, DecodeFailed, stalled) continues on another decode, from a new prefill of its
+    # prompt and the tokens delivered: at most this many times; 0 ends it as before
+    migration_limit: int = attrs.field(default=3, validator=_non_negative)
     # a request whose body has not fully arrived this long after its headers gets a 408
     body_read_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     # worker link liveness: a link that brings no frame for link_timeout_s is dropped (its

@@ -166,12 +166,16 @@ class Engine(Protocol):
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         max_tokens: int | None,
+        generated_tokens: int = 0,
     ) -> PrefillResult:
         """Compute the prompt's KV and sample the first token. Raises NoRoom, PromptRejected.
 
         ``max_tokens`` is the client's limit (None: the configured default, capped by the context);
         the result's ``token_budget`` is the request's whole budget.  Cancellation
-        frees whatever the request had allocated.
+        frees whatever the request had allocated.  ``generated_tokens`` > 0: a
+        continuation (``wire.PrefillRequest``): the last ``generated_tokens`` ids
+        are output already delivered (replayed into the stop rules, spent from the
+        budget, which the prompt before them sets); the token sampled comes after them.
         """
         ...
 
@@ -204,11 +208,14 @@ class Engine(Protocol):
         token_budget: int,
         tokens_generated: int,
         cached_tokens: int,
+        generated_tokens: int = 0,
     ) -> None:
         """Join the running batch on the blocks the request owns. Raises EngineError.
 
         ``first_token_id`` is the last of the ``tokens_generated`` tokens already
-        spent from ``token_budget`` (its text went out from prefill).  Outputs
+        spent from ``token_budget`` (its text went out from prefill).  For a
+        continuation the last ``generated_tokens`` of ``prompt_token_ids`` are
+        earlier output (counted in ``tokens_generated``): replayed, never sent again.  Outputs
         come through ``run``'s channel; the last one for the request carries
         its finish_reason and usage, after which its blocks are free.
         """

@@ -73,3 +73,16 @@ def token_budget(
 def tokens_left(token_budget: int, tokens_generated: int) -> int:
     """How many more tokens a request may generate (<= 0: none)."""
     return token_budget - tokens_generated
+
+
+def check_continuation(prompt_tokens: int, generated_tokens: int) -> int:
+    """The prompt's own length when its last ``generated_tokens`` ids are earlier output.
+
+    PromptRejected (a 400) unless at least one id of the prompt proper is left (an empty
+    prompt is :func:`token_budget`'s to refuse).
+    """
+    if generated_tokens < 0 or (generated_tokens and generated_tokens >= prompt_tokens):
+        raise PromptRejected(
+            f"{generated_tokens} generated tokens in a prompt of {prompt_tokens}", param="prompt"
+        )
+    return prompt_tokens - generated_tokens

@@ -25,12 +25,19 @@ from pdtrio.engine.api import (
     EngineStatistics,
     KvRegion,
     PrefillResult,
+    PromptRejected,
     StepObserver,
     StepOutputs,
     kv_buffer,
 )
 from pdtrio.engine.blocks import BlockAllocator, BlockOwnership, blocks_needed
-from pdtrio.engine.budget import check_prompt_length, checked_token_ids, token_budget, tokens_left
+from pdtrio.engine.budget import (
+    check_continuation,
+    check_prompt_length,
+    checked_token_ids,
+    token_budget,
+    tokens_left,
+)
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
@@ -202,14 +209,21 @@ class SyntheticEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         max_tokens: int | None,
+        generated_tokens: int = 0,
     ) -> PrefillResult:
+        own = check_continuation(len(prompt_token_ids), generated_tokens)
         budget = token_budget(
-            len(prompt_token_ids),
+            own,
             max_tokens,
             max_model_len=self._config.max_model_len,
             kv_capacity_tokens=self._blocks.num_blocks * self._blocks.block_size,
             default_max_tokens=self._default_max_tokens,
         )
+        if tokens_left(budget, generated_tokens) < 1:
+            raise PromptRejected(
+                f"no token left to generate: {generated_tokens} of {budget} spent",
+                param="max_tokens",
+            )
         block_ids = self._blocks.ensure(request_id, len(prompt_token_ids))
         self._prefilling += 1
         try:
@@ -224,15 +238,21 @@ class SyntheticEngine:
             self._prefilling -= 1
         self._write_store(block_ids, expected_kv_bytes(prompt_token_ids, self._layout))
         seed = 0 if sampling.seed is None else sampling.seed
-        digest = prompt_digest(prompt_token_ids)
+        # a continuation's tokens depend on the prompt proper and the position only: the
+        # same as if the request had never moved
+        digest = prompt_digest(prompt_token_ids[:own])
         first = synthetic_token(digest, seed, len(prompt_token_ids), self._config.vocab_size)
-        processor = OutputProcessor(_TEXT, sampling, token_budget=budget)
+        processor = OutputProcessor(
+            _TEXT, sampling, token_budget=budget, tokens_generated=generated_tokens
+        )
+        for earlier in prompt_token_ids[own:]:
+            processor.replay(earlier)
         text, finish = processor.push(first)
         usage: Usage | None = None
         if finish is not None:
             self._blocks.release(request_id)
             block_ids = ()
-            usage = Usage(len(prompt_token_ids), processor.num_generated, 0)
+            usage = Usage(own, processor.num_generated, 0)
         return PrefillResult(
             first_token_id=first,
             first_text=text,
@@ -290,9 +310,13 @@ class SyntheticEngine:
         token_budget: int,
         tokens_generated: int,
         cached_tokens: int,
+        generated_tokens: int = 0,
     ) -> None:
         await trio.lowlevel.checkpoint()
-        if tokens_generated < 1 or tokens_left(token_budget, tokens_generated) <= 0:
+        if not 0 <= generated_tokens < len(prompt_token_ids):
+            raise EngineError(f"request {request_id}: {generated_tokens} generated tokens")
+        own = len(prompt_token_ids) - generated_tokens
+        if tokens_generated <= generated_tokens or tokens_left(token_budget, tokens_generated) <= 0:
             raise EngineError(
                 f"request {request_id} has no token budget left "
                 f"({tokens_generated} of {token_budget} spent)"
@@ -309,14 +333,16 @@ class SyntheticEngine:
         processor = OutputProcessor(
             _TEXT, sampling, token_budget=token_budget, tokens_generated=tokens_generated
         )
-        # the first token's text went out from prefill; a stop string may begin in it
-        processor.replay(first_token_id)
+        # the first token's text went out from prefill (a continuation's earlier tokens'
+        # before it); a stop string may begin in them
+        for earlier in (*prompt_token_ids[own:], first_token_id):
+            processor.replay(earlier)
         self._running[request_id] = _Running(
             request_id=request_id,
-            digest=prompt_digest(prompt_token_ids),
+            digest=prompt_digest(prompt_token_ids[:own]),
             seed=0 if sampling.seed is None else sampling.seed,
-            position=len(prompt_token_ids) + tokens_generated,
-            prompt_tokens=len(prompt_token_ids),
+            position=own + tokens_generated,
+            prompt_tokens=own,
             cached_tokens=cached_tokens,
             processor=processor,
         )

@@ -4,7 +4,9 @@ A request touches up to two instances: prefill may hold its KV blocks (from
 the moment the prefill call is sent until it is told to release them, once
 decode has produced its first token, or their lease ends) and decode may run
 it (from the moment the start is sent until it finishes, fails or is
-aborted).  Prefill keeps the blocks until decode's first token so that a
+aborted).  A decode lost after its first token takes the request back to the
+start (``DECODE_LOST``): a migration prefills its prompt and the tokens
+delivered again, and goes through the same states.  Prefill keeps the blocks until decode's first token so that a
 decode that fails before it can be replaced by another, which pulls them
 again.  Whatever ends the request, cleanup
 asks :meth:`RequestLifecycle.owed` and does exactly that, then reports
@@ -61,6 +63,11 @@ class Event(enum.Enum):
     DECODE_ENDED = "decode_ended"
     """Decode sent the finish, reported a failure, or the link aborted the request
     itself (a slow client): nothing is left on decode or prefill."""
+    DECODE_LOST = "decode_lost"
+    """Decode failed after its first token (its link lost, its worker dead or failing):
+    it holds nothing, and prefill was told to release at the first token.  The request
+    may continue from a new prefill of its prompt and the tokens delivered (a migration),
+    as a new request would, or end."""
     CLEANED = "cleaned"
     """Cleanup did what :meth:`RequestLifecycle.owed` said."""
 
@@ -91,6 +98,7 @@ _TRANSITIONS: Final[dict[tuple[State, Event], State]] = {
     # ended before its first token (failed, or finished at once): prefill still holds
     (State.DECODE_CONFIRMING, Event.DECODE_ENDED): State.PREFILLED,
     (State.DECODING, Event.DECODE_ENDED): State.DONE,
+    (State.DECODING, Event.DECODE_LOST): State.NEW,
 }
 # cleanup may come at any moment, and more than once
 for _state in State:

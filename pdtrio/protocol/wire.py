@@ -131,6 +131,15 @@ class PrefillRequest(_Positional, frozen=True, tag=int(MessageKind.PREFILL)):
     the router's own proof that it asked for this prefill: a release showing it
     stops the prefill or frees its KV over any link, like the KV handle's grant
     (so the router can free KV whose reply never reached it).
+
+    ``generated_tokens`` > 0 makes it a continuation (a request whose decode failed
+    mid-stream, migrated): the prompt is token ids, the last ``generated_tokens``
+    of them already generated and delivered.  They are prefilled with the rest,
+    but count as output: the budget comes from the prompt before them (so
+    ``max_tokens`` is the request's whole budget, as first computed), they are
+    spent from it, they feed the stop rules (min_tokens, the stop-string
+    hold-back, the text stream) without being sent again, and usage counts them
+    as completion tokens.  The token sampled is the next one of the request.
     """
 
     request_id: str
@@ -138,6 +147,7 @@ class PrefillRequest(_Positional, frozen=True, tag=int(MessageKind.PREFILL)):
     sampling: SamplingParams
     max_tokens: int | None = None
     release_token: str = ""
+    generated_tokens: int = 0
 
 
 class PrefillReply(_Positional, frozen=True, tag=int(MessageKind.PREFILLED)):
@@ -205,7 +215,11 @@ class DecodeStart(_Positional, frozen=True, tag=int(MessageKind.START)):
     """Run a prefilled request.
 
     ``token_budget`` is the whole completion budget; ``tokens_generated`` how
-    much of it is already spent (the first token, sampled by prefill).
+    much of it is already spent (the first token, sampled by prefill, and for a
+    continuation the tokens delivered before it).  ``generated_tokens``: for a
+    continuation (see :class:`PrefillRequest`), how many of the last
+    ``prompt_token_ids`` (the prefilled ids, all in the KV) are generated output;
+    the prompt proper is the ids before them.
     """
 
     request_id: str
@@ -216,6 +230,12 @@ class DecodeStart(_Positional, frozen=True, tag=int(MessageKind.START)):
     tokens_generated: int
     cached_tokens: int
     kv_handle: KvHandle
+    generated_tokens: int = 0
+
+    @property
+    def own_prompt_tokens(self) -> int:
+        """The prompt's own tokens, without those generated before (a continuation's)."""
+        return len(self.prompt_token_ids) - self.generated_tokens
 
 
 class DecodeAbort(_Positional, frozen=True, tag=int(MessageKind.ABORT)):

@@ -53,6 +53,8 @@ ITL_BUCKETS_S: Final = (
     1.0,
     2.5,
 )
+# why a request was migrated (pdtrio_migrations_total's reason; DecodeStream.failure_reason)
+MIGRATION_REASONS = ("link_lost", "link_timeout", "decode_failed", "stalled")
 # the status an access line gives a request whose client went away (nginx's convention)
 CLIENT_CLOSED_STATUS: Final = 499
 
@@ -156,6 +158,7 @@ class RequestFigures:
         "completion_tokens",
         "first_token_at",
         "handoff_s",
+        "migrations",
         "prefill_s",
         "prompt_tokens",
         "queued_s",
@@ -175,6 +178,7 @@ class RequestFigures:
         self.prefill_s: float | None = None
         self.queued_s: float | None = None
         self.handoff_s: float | None = None
+        self.migrations: list[str] = []  # why each migration happened, in order
 
     def delivered(self, num_tokens: int) -> None:
         """An event with ``num_tokens`` tokens went to the client (or was gathered)."""
@@ -295,6 +299,15 @@ class RouterMetrics:
         )
         for phase in ("prefill", "decode"):
             self.retries.labels(phase)  # shown at 0 from the start
+        self.migrations = Counter(
+            "pdtrio_migrations",
+            "Requests continued on another decode after their decode was lost mid-stream, "
+            "by reason: link_lost, link_timeout, decode_failed, stalled.",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in MIGRATION_REASONS:
+            self.migrations.labels(reason)  # shown at 0 from the start
         self.queue_full = Counter(
             "pdtrio_queue_full_rejections",
             "Requests refused with 429 because the decode queue was full.",
@@ -386,6 +399,9 @@ class RouterMetrics:
                 "total_ms": "-" if total_ms is None else round(total_ms, 1),
                 "prefill": prefill,
                 "decode": decode,
+                "migrations": "-"
+                if figures is None or not figures.migrations
+                else ",".join(figures.migrations),
             }
             log_access(" ".join(f"{key}={value}" for key, value in fields.items()), fields)
 

@@ -54,11 +54,12 @@ from pdtrio.protocol.wire import (
     PrefillReply,
     PrefillRequest,
     RejectReason,
+    TokenPrompt,
     Usage,
 )
 from pdtrio.router.capacity import QueueFull
 from pdtrio.router.core import Instance, Router
-from pdtrio.router.metrics import Outcome
+from pdtrio.router.metrics import MIGRATION_REASONS, Outcome
 from pdtrio.router.worker_link import (
     CUT_OFF_MESSAGE,
     DecodeStream,
@@ -137,6 +138,13 @@ class RequestPipeline:
         self._kv_access_token = ""  # the grant in prefill's KV handle, once it answered
         self._lease_holder: Instance | None = None  # the prefill instance holding our KV
         self._first_token_sent = False  # prefill's token, sent once whatever decode runs it
+        # migration: the id workers know the current attempt by (a continuation gets a new
+        # one, so nothing left of an earlier attempt, a late release say, can touch it), the
+        # prompt's own token ids, and every token id delivered (kept when migration is on)
+        self._wire_id = self.request_id
+        self._prompt_ids: tuple[int, ...] = ()
+        self._generated: list[int] | None = [] if router.config.router.migration_limit > 0 else None
+        self._leg_generated = 0  # of the current prefill's prompt ids, how many are output
         self._queue_place_reserved = False  # holds a place in the router's decode queue
         # non-streaming accumulation
         self._text_parts: list[str] = []
@@ -300,21 +308,39 @@ class RequestPipeline:
                 queue.unreserve()
 
     async def _prefill_then_decode(self, deadline: float) -> None:
-        reply = await self._prefill(deadline)
+        reply = await self._prefill(deadline, self._prefill_call())
+        self._prompt_ids = reply.prompt_token_ids
+        if self.shaper is not None:
+            self.shaper.set_prompt_usage(reply.prompt_tokens, reply.cached_tokens)
+        lost_on: set[str] = set()  # decode instances the request was lost on mid-stream
+        while True:
+            try:
+                await self._prefilled_to_the_end(reply, lost_on)
+            except _LostMidStream as lost:
+                lost_on.add(lost.instance_id)
+                reply = await self._migrate(deadline, reply, lost, frozenset(lost_on))
+                continue
+            break
+        await self._finish()
+
+    async def _prefilled_to_the_end(self, reply: PrefillReply, lost_on: set[str]) -> None:
+        """Deliver a prefilled request's tokens to its end, on a decode not in ``lost_on``.
+
+        Raises :class:`_LostMidStream` when its decode is lost after its first token
+        and the request may migrate.
+        """
         if reply.kv_handle is not None:
             self._kv_access_token = reply.kv_handle.access_token  # what a release must show
             self._lease_holder = self.prefill_instance
             if self._lease_holder is not None:
                 self._lease_holder.leases_out += 1  # its link stays until this request ends
             await _check_kv_source(self.router, reply.kv_handle, self.prefill_instance)
-        if self.shaper is not None:
-            self.shaper.set_prompt_usage(reply.prompt_tokens, reply.cached_tokens)
         if reply.kv_handle is None:
             await self._deliver(reply.first_text, 1, reply.finish_reason, reply.usage, final=True)
-            await self._finish()
             return
         # the first token goes out once decode room is claimed and the start is sent
-        tried: set[str] = set()
+        self._first_token_sent = False
+        tried = set(lost_on)
         last_reason = "no decode instance is connected"
         while True:
             try:
@@ -332,20 +358,74 @@ class RequestPipeline:
                     early.message,
                 )
                 continue
-            break
-        await self._finish()
+            return
 
-    async def _prefill(self, deadline: float) -> PrefillReply:
-        router = self.router
-        lifecycle = self.lifecycle
+    def _prefill_call(self) -> PrefillRequest:
         request = self.request
-        call = PrefillRequest(
-            self.request_id,
+        return PrefillRequest(
+            self._wire_id,
             request.prompt,
             request.sampling,
             request.max_tokens,
-            release_token(self.request_id),
+            release_token(self._wire_id),
         )
+
+    async def _migrate(
+        self, deadline: float, reply: PrefillReply, lost: _LostMidStream, lost_on: frozenset[str]
+    ) -> PrefillReply:
+        """Continue a request whose decode was lost mid-stream, or end it as before.
+
+        The prompt's token ids and every token delivered become a new prompt; a
+        prefill computes their KV (told how many are output already: they are
+        spent from the same budget and replayed into the stop rules, never sent
+        again) and samples the next token; then another decode goes on.
+        """
+        router = self.router
+        generated = self._generated
+        if (
+            generated is None
+            or len(self.figures.migrations) >= router.config.router.migration_limit
+            or not router.decode_links(lost_on)
+        ):
+            raise _decode_failed(lost.message)
+        self.figures.migrations.append(lost.reason)
+        router.metrics.migrations.labels(lost.reason).inc()
+        log.warning(
+            "request %s: decode on %s lost after %d tokens (%s: %s); continuing elsewhere",
+            self.request_id,
+            lost.instance_id,
+            len(generated),
+            lost.reason,
+            lost.message,
+        )
+        if self._lease_holder is not None:
+            # its KV was released at decode's first token
+            self._lease_holder.leases_out -= 1
+            self._lease_holder = None
+        self._wire_id = f"{self.request_id}-m{len(self.figures.migrations)}"
+        self._leg_generated = len(generated)
+        call = PrefillRequest(
+            self._wire_id,
+            TokenPrompt((*self._prompt_ids, *generated)),
+            self.request.sampling,
+            reply.token_budget,  # the whole budget: prefill spends the generated from it
+            release_token(self._wire_id),
+            generated_tokens=len(generated),
+        )
+        return await self._prefill(deadline, call, continuation=True)
+
+    def _kv_tokens(self, reply: PrefillReply) -> int:
+        """The KV a prefilled request needs on decode: its prompt and its whole budget."""
+        return reply.prompt_tokens - self._leg_generated + reply.token_budget
+
+    async def _prefill(
+        self, deadline: float, call: PrefillRequest, *, continuation: bool = False
+    ) -> PrefillReply:
+        """Prefill ``call`` on an instance, trying others on failure (``continuation``: a
+        migration's, which the request's figures do not count again)."""
+        router = self.router
+        lifecycle = self.lifecycle
+        request = self.request
         prefill_timeout_s = router.config.router.prefill_timeout_s
         request_timeout_message = self._timeout_message
         tried: set[str] = set()
@@ -406,8 +486,9 @@ class RequestPipeline:
                 raise _prefill_error(answer)
             assert type(answer) is PrefillReply
             router.instance_served(instance)
-            self.figures.prefill_s = time.perf_counter() - started
-            self.figures.prompt_tokens = answer.prompt_tokens
+            if not continuation:
+                self.figures.prefill_s = time.perf_counter() - started
+                self.figures.prompt_tokens = answer.prompt_tokens
             lifecycle.handle(Event.PREFILLED if answer.kv_handle else Event.FINISHED_AT_PREFILL)
             return answer
 
@@ -418,16 +499,17 @@ class RequestPipeline:
         instance that cannot take it), with room for it, waiting for room if need be."""
         lifecycle = self.lifecycle
         start = DecodeStart(
-            request_id=self.request_id,
+            request_id=self._wire_id,
             prompt_token_ids=reply.prompt_token_ids,
             first_token_id=reply.first_token_id,
             sampling=self.request.sampling,
             token_budget=reply.token_budget,
-            tokens_generated=1,
+            tokens_generated=self._leg_generated + 1,
             cached_tokens=reply.cached_tokens,
             kv_handle=handle,
+            generated_tokens=self._leg_generated,
         )
-        num_tokens = reply.prompt_tokens + reply.token_budget
+        num_tokens = self._kv_tokens(reply)
         figures = self.figures
         attempts = 0
         while True:
@@ -445,7 +527,9 @@ class RequestPipeline:
             lifecycle.handle(Event.DECODE_START_SENT)
             try:
                 stream = await link.start(
-                    start, blocks_needed(num_tokens, link.capacity.block_size)
+                    start,
+                    blocks_needed(num_tokens, link.capacity.block_size),
+                    keep_token_ids=self._generated is not None,
                 )
             except WorkerLinkClosed as exc:
                 lifecycle.handle(Event.DECODE_NOT_STARTED)
@@ -454,6 +538,8 @@ class RequestPipeline:
                 continue
             if not self._first_token_sent:
                 self._first_token_sent = True
+                if self._generated is not None:
+                    self._generated.append(reply.first_token_id)
                 await self._deliver(reply.first_text, 1, reply.finish_reason, reply.usage)
             while not (stream.accepted or stream.rejection or stream.failure):
                 await stream.wait_update()
@@ -492,14 +578,15 @@ class RequestPipeline:
             if router.decode_links(exclude):
                 last_reason = f"none takes prefill's KV layout [{handle.layout.describe()}]"
             raise service_unavailable(f"no decode instance could take the request: {last_reason}")
-        num_tokens = reply.prompt_tokens + reply.token_budget
+        num_tokens = self._kv_tokens(reply)
+        own_prompt = reply.prompt_tokens - self._leg_generated
         reports = [link.capacity for link in links if link.capacity is not None]
         if reports and all(
             blocks_needed(num_tokens, c.block_size) > c.total_blocks for c in reports
         ):
             most = max(c.total_blocks * c.block_size for c in reports)
             raise OpenAIError(
-                f"This request needs {num_tokens} tokens of KV cache ({reply.prompt_tokens} in "
+                f"This request needs {num_tokens} tokens of KV cache ({own_prompt} in "
                 f"the prompt, {reply.token_budget} for the completion), more than any decode "
                 f"instance can hold ({most}). Please reduce max_tokens or the prompt.",
                 status=400,
@@ -547,6 +634,8 @@ class RequestPipeline:
                 if deadline is not None:
                     await stream.hold_until(deadline, self.router.hold_timer)
                     held_until = deadline
+            # read before the take: every token pushed before a failure goes out first
+            failure = stream.failure
             delta = buffer.take()
             if delta is not None:
                 final = delta.finish_reason is not None
@@ -565,21 +654,37 @@ class RequestPipeline:
                     # spaced from the schedule, not from when the send returned: the
                     # send's own time and a late wake-up would add to every gap
                     last_sent_at = held_until if held_until is not None else trio.current_time()
-            if stream.failure is not None:
+            if failure is not None:
                 # decode holds nothing of it any more: it failed there, or the link aborted it
                 before_first_token = self.lifecycle.state is State.DECODE_CONFIRMING
-                self.lifecycle.handle(Event.DECODE_ENDED)
                 if stream.cut_off:
+                    self.lifecycle.handle(Event.DECODE_ENDED)
                     raise OpenAIError(
                         CUT_OFF_MESSAGE, status=503, type="server_error", code="client_too_slow"
                     )
                 decode = self._decode_instance()
                 if decode is not None:
                     self.router.instance_failed(decode)
-                if before_first_token and self.decode_link is not None:
-                    raise _FailedBeforeFirstToken(self.decode_link.instance_id, stream.failure)
+                link = self.decode_link
+                if before_first_token and link is not None:
+                    self.lifecycle.handle(Event.DECODE_ENDED)
+                    raise _FailedBeforeFirstToken(link.instance_id, failure)
+                if (
+                    link is not None
+                    and self._generated is not None
+                    and stream.token_ids is not None
+                    and stream.failure_reason in MIGRATION_REASONS
+                ):
+                    # every token it pushed went out above: the continuation starts after them
+                    self._generated += stream.token_ids
+                    self.lifecycle.handle(Event.DECODE_LOST)
+                    if self._decoding:  # until another decode accepts it
+                        self._decoding = False
+                        self.router.metrics.streams_active.dec()
+                    raise _LostMidStream(link.instance_id, failure, stream.failure_reason)
+                self.lifecycle.handle(Event.DECODE_ENDED)
                 # a worker failed, not the router: 502 (what a non-streaming client sees)
-                raise _decode_failed(stream.failure)
+                raise _decode_failed(failure)
             await stream.wait_update()
 
     def _decode_confirmed(self) -> None:
@@ -587,7 +692,7 @@ class RequestPipeline:
         self.lifecycle.handle(Event.FIRST_DECODE_TOKEN)
         instance = self.prefill_instance
         if instance is not None and instance.link is not None:
-            instance.link.release(self.request_id, self._kv_access_token)
+            instance.link.release(self._wire_id, self._kv_access_token)
 
     # --- output -------------------------------------------------------------------
 
@@ -709,10 +814,10 @@ class RequestPipeline:
             self.router.metrics.streams_active.dec()
         owed = self.lifecycle.owed()
         if owed & Cleanup.ABORT_ON_DECODE and self.decode_link is not None:
-            self.decode_link.abort(self.request_id)
+            self.decode_link.abort(self._wire_id)
         instance = self.prefill_instance
         if owed & Cleanup.RELEASE_ON_PREFILL and instance is not None and instance.link is not None:
-            instance.link.release(self.request_id, self._kv_access_token)
+            instance.link.release(self._wire_id, self._kv_access_token)
         if self._lease_holder is not None:
             self._lease_holder.leases_out -= 1
             self._lease_holder = None
@@ -726,6 +831,16 @@ class _FailedBeforeFirstToken(Exception):
         super().__init__(message)
         self.instance_id = instance_id
         self.message = message
+
+
+class _LostMidStream(Exception):
+    """Decode was lost after its first token (``reason``: a MIGRATION_REASONS label)."""
+
+    def __init__(self, instance_id: str, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.instance_id = instance_id
+        self.message = message
+        self.reason = reason
 
 
 def _decode_failed(message: str) -> OpenAIError:

@@ -153,7 +153,9 @@ class DecodeStream:
         "accepted",
         "rejection",
         "failure",
+        "failure_reason",
         "cut_off",
+        "token_ids",
         "holding",
         "_holds",
         "_updated",
@@ -166,7 +168,12 @@ class DecodeStream:
         self.accepted = False
         self.rejection: DecodeRejected | None = None
         self.failure: str | None = None
+        # what ended it, as a metric label: link_lost, link_timeout, decode_failed, stalled,
+        # cut_off (its client fell behind), aborted
+        self.failure_reason = ""
         self.cut_off = False  # the link ended it: its client fell too far behind
+        # every token id pushed, in order, when the router may migrate the request
+        self.token_ids: list[int] | None = None
         # its consumer is spacing its sends (adaptive egress): only a finish wakes it
         self.holding = False
         self._holds = 0  # holds so far: tells the timer's stale wake-ups from the current one
@@ -410,7 +417,7 @@ class WorkerLink:
             for _, request_id, token in self._recent_releases:
                 self._release_later(request_id, token)
             self._recent_releases.clear()
-            self._fail_all(lost)
+            self._fail_all(lost, "link_timeout" if self._hung else "link_lost")
             self._on_capacity()  # waiters look elsewhere (or time out)
             if ws is not None:
                 await ws.aclose()
@@ -442,7 +449,12 @@ class WorkerLink:
                         self.instance_id,
                         timeout,
                     )
-                    self._end(stream, f"decode sent nothing for it for {timeout:g}s", abort=True)
+                    self._end(
+                        stream,
+                        f"decode sent nothing for it for {timeout:g}s",
+                        "stalled",
+                        abort=True,
+                    )
             for request_id in [r for r in seen if r not in self._streams]:
                 del seen[request_id]
 
@@ -531,6 +543,7 @@ class WorkerLink:
                         del streams[message.request_id]
                     else:  # DecodeFailed: decode holds nothing of it any more
                         stream.failure = message.message
+                        stream.failure_reason = "decode_failed"
                         del streams[message.request_id]
                     stream.notify()
 
@@ -544,19 +557,22 @@ class WorkerLink:
             if stream is None:
                 continue  # aborted or already gone
             finish_reason = entry.finish_reason
+            token_ids = stream.token_ids
+            if token_ids is not None:
+                token_ids += entry.token_ids
             result = stream.buffer.push(
                 entry.text, len(entry.token_ids), finish_reason, entry.usage
             )
             if result is _OVERFLOW:
                 self.clients_cut_off += 1
-                self._end(stream, CUT_OFF_MESSAGE, abort=True)
+                self._end(stream, CUT_OFF_MESSAGE, "cut_off", abort=True)
                 stream.cut_off = True
             elif finish_reason is not None:
                 del streams[entry.request_id]  # finished on decode: nothing to abort
             if not stream._updated and (finish_reason is not None or not stream.holding):
                 stream.notify()
 
-    def _end(self, stream: DecodeStream, failure: str, *, abort: bool) -> None:
+    def _end(self, stream: DecodeStream, failure: str, reason: str, *, abort: bool) -> None:
         self._settle(stream.request_id)
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
@@ -564,14 +580,16 @@ class WorkerLink:
                 self._post_nowait(encode(DecodeAbort(stream.request_id)))
         if stream.failure is None:
             stream.failure = failure
+            stream.failure_reason = reason
         stream.notify()
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, reason: str) -> None:
         streams = list(self._streams.values())
         self._streams.clear()
         for stream in streams:
             if stream.failure is None:
                 stream.failure = message
+                stream.failure_reason = reason
             stream.notify()
         prefills = list(self._prefills.items())
         self._prefills.clear()
@@ -679,7 +697,9 @@ class WorkerLink:
             recent.popleft()
         self._post_nowait(encode(ReleaseRequest(request_id, token)))
 
-    async def start(self, start: DecodeStart, blocks: int = 0) -> DecodeStream:
+    async def start(
+        self, start: DecodeStart, blocks: int = 0, *, keep_token_ids: bool = False
+    ) -> DecodeStream:
         """Queue the start; the stream then reports decode's answer and tokens.
 
         ``blocks`` (what decode will allocate) are promised before the first
@@ -692,6 +712,8 @@ class WorkerLink:
         if start.request_id in self._streams:
             raise WorkerLinkError(f"request {start.request_id} is already running on this link")
         stream = DecodeStream(start.request_id, self.max_pending_tokens)
+        if keep_token_ids:
+            stream.token_ids = []
         self._streams[start.request_id] = stream
         self._promised[start.request_id] = blocks
         try:
@@ -707,7 +729,7 @@ class WorkerLink:
         """End the request on decode if it is still running there; never blocks, idempotent."""
         stream = self._streams.get(request_id)
         if stream is not None:
-            self._end(stream, "the request was aborted", abort=True)
+            self._end(stream, "the request was aborted", "aborted", abort=True)
 
 
 def rejection_is_retryable(rejection: DecodeRejected) -> bool:

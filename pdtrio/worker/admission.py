@@ -75,7 +75,8 @@ class DecodeAdmission:
         if problem is not None:
             return Rejected(RejectReason.BAD_REQUEST, problem)
         request_id = start.request_id
-        total_tokens = len(start.prompt_token_ids) + start.token_budget
+        # a continuation's earlier output is in its prompt ids and spent from its budget
+        total_tokens = start.own_prompt_tokens + start.token_budget
         accepted = False
         try:
             if handle.instance_id == self._instance_id:
@@ -108,7 +109,11 @@ def _malformed(start: DecodeStart) -> str | None:
     expected_blocks = blocks_needed(prompt_tokens, handle.layout.block_size)
     if len(handle.block_ids) != expected_blocks:
         return f"the KV handle names {len(handle.block_ids)} blocks, expected {expected_blocks}"
-    if start.tokens_generated < 1 or tokens_left(start.token_budget, start.tokens_generated) < 1:
+    if not 0 <= start.generated_tokens < prompt_tokens:
+        return f"{start.generated_tokens} generated tokens in a prompt of {prompt_tokens}"
+    if start.tokens_generated <= start.generated_tokens or (
+        tokens_left(start.token_budget, start.tokens_generated) < 1
+    ):
         return (
             f"no token left to generate: {start.tokens_generated} of a budget of "
             f"{start.token_budget} spent"

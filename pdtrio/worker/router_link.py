@@ -427,6 +427,7 @@ class _Link:
                             start.token_budget,
                             start.tokens_generated,
                             start.cached_tokens,
+                            start.generated_tokens,
                         )
                         started = True
                     except EngineError as exc:

@@ -49,6 +49,7 @@ from pdtrio.protocol.wire import (
     PrefillRequest,
     ReleaseReply,
     ReleaseRequest,
+    TokenPrompt,
     WireError,
 )
 from pdtrio.security import (
@@ -577,7 +578,7 @@ class Worker:
         request_id = request.request_id
         token_ids = await self.engine.tokenize(request.prompt)
         result = await self.engine.prefill(
-            request_id, token_ids, request.sampling, request.max_tokens
+            request_id, token_ids, request.sampling, request.max_tokens, request.generated_tokens
         )
         handle: KvHandle | None = None
         if result.finish_reason is None:
@@ -637,3 +638,11 @@ def check_prefill_request(request: PrefillRequest) -> None:
         raise WireError("a stop sequence is empty")
     if request.max_tokens is not None and request.max_tokens < 1:
         raise WireError(f"max_tokens {request.max_tokens} is less than 1")
+    if request.generated_tokens:
+        prompt = request.prompt
+        if not isinstance(prompt, TokenPrompt) or not (
+            0 < request.generated_tokens < len(prompt.token_ids)
+        ):
+            raise WireError(
+                f"generated_tokens {request.generated_tokens} needs a token prompt longer than that"
+            )

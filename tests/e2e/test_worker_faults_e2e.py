@@ -6,7 +6,11 @@ The client sees a retry or a clear error, and the workers still standing hold no
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,7 @@ import pytest
 from pdtrio.testing import Processes, Service, synthetic_worker_config, write_router_config
 from pdtrio.worker.fault_hooks import FAULT_EXIT_CODE
 from tests.cluster import eventually
+from tests.metrics import value
 
 # generous: these bound liveness, they do not measure it
 LIVENESS_S = 15.0
@@ -36,14 +41,17 @@ def _worker_config(role: str, **faults: Any) -> dict[str, Any]:
 
 
 def _cluster(
-    procs: Processes, tmp_path: Path, workers: list[dict[str, Any]]
+    procs: Processes,
+    tmp_path: Path,
+    workers: list[dict[str, Any]],
+    router: dict[str, Any] | None = None,
 ) -> tuple[list[Service], Service]:
     started = [procs.start_worker(config) for config in workers]
     services = [procs.wait_ready(process) for process in started]
     config = write_router_config(
         tmp_path / "router.toml",
         [(config["role"], service.url) for config, service in zip(workers, services, strict=True)],
-        router=ROUTER,
+        router=router or ROUTER,
     )
     return services, procs.router(config, output="capture")
 
@@ -110,7 +118,7 @@ def test_the_only_prefill_exiting_is_a_503(procs: Processes, tmp_path: Path) -> 
     assert _eventually(lambda: _holds_nothing(decode))
 
 
-def test_decode_exiting_at_token_n_ends_the_stream_or_is_a_502(
+def test_without_migration_decode_exiting_at_token_n_ends_the_stream_or_is_a_502(
     procs: Processes, tmp_path: Path
 ) -> None:
     workers = [
@@ -118,7 +126,9 @@ def test_decode_exiting_at_token_n_ends_the_stream_or_is_a_502(
         _worker_config("decode", decode_exit_at_token=5),
         _worker_config("decode", decode_exit_at_token=5),
     ]
-    (prefill, *decodes), router = _cluster(procs, tmp_path, workers)
+    (prefill, *decodes), router = _cluster(
+        procs, tmp_path, workers, router={**ROUTER, "migration_limit": 0}
+    )
     # streaming: the stream ends with an error event and [DONE]
     with httpx.stream(
         "POST", f"{router.url}/v1/completions", json=_body(50, stream=True), timeout=LIVENESS_S
@@ -169,3 +179,95 @@ def test_decode_exiting_before_its_first_token_is_replaced_by_another(
         assert len(text.split()) == 12, text
     assert _exited_by_fault(faulty)
     assert _eventually(lambda: _holds_nothing(prefill) and _holds_nothing(decode))
+
+
+def _chat_stream(
+    router: Service, index: int, flowing: threading.Barrier | None = None
+) -> list[dict[str, Any]]:
+    """A streaming chat request's chunks; ``flowing`` is waited on after its third event."""
+    body = {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": f"story number {index}"}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", f"{router.url}/v1/chat/completions", json=body, timeout=LIVENESS_S
+    ) as response:
+        assert response.status_code == 200
+        events = []
+        for line in response.iter_lines():
+            if line:
+                events.append(line)
+                if flowing is not None and len(events) == 3:
+                    flowing.wait(LIVENESS_S)
+    assert events[-1] == "data: [DONE]", events
+    return [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+
+
+def _seen(chunks: list[dict[str, Any]]) -> tuple[int, str, list[str], dict[str, Any]]:
+    """What a client saw: ids, role chunks, text, finish reasons, usage (no error event)."""
+    assert not [chunk for chunk in chunks if "error" in chunk], chunks
+    assert len({chunk["id"] for chunk in chunks}) == 1
+    deltas = [choice for chunk in chunks for choice in chunk["choices"]]
+    roles = sum("role" in choice["delta"] for choice in deltas)
+    text = "".join(choice["delta"].get("content") or "" for choice in deltas)
+    finishes = [c["finish_reason"] for c in deltas if c["finish_reason"] is not None]
+    return roles, text, finishes, chunks[-1]["usage"]
+
+
+def test_streams_on_a_decode_killed_mid_stream_finish_unbroken_on_the_other(
+    procs: Processes, tmp_path: Path
+) -> None:
+    workers = [
+        _worker_config("prefill"),
+        _worker_config("decode", decode_exit_at_token=8),
+        _worker_config("decode"),
+    ]
+    (prefill, faulty, decode), router = _cluster(
+        procs, tmp_path, workers, router={**ROUTER, "decode_policy": "round_robin"}
+    )
+    clients = 4
+    with ThreadPoolExecutor(clients) as pool:
+        answers = list(pool.map(lambda i: _seen(_chat_stream(router, i)), range(clients)))
+    assert _exited_by_fault(faulty)  # os._exit at a stream's 8th token: no goodbye
+    # the same requests again, undisturbed, on the decode left
+    expected = [_seen(_chat_stream(router, i)) for i in range(clients)]
+    assert answers == expected
+    for roles, _, finishes, usage in answers:
+        assert (roles, finishes, usage["completion_tokens"]) == (1, ["length"], 40)
+    metrics = httpx.get(f"{router.url}/metrics", timeout=LIVENESS_S).text
+    assert value(metrics, "pdtrio_migrations_total", reason="link_lost") >= 1
+    assert _eventually(lambda: _holds_nothing(prefill) and _holds_nothing(decode))
+
+
+def test_streams_on_a_decode_stopped_mid_stream_finish_unbroken_on_the_other(
+    procs: Processes, tmp_path: Path
+) -> None:
+    workers = [_worker_config("prefill"), _worker_config("decode"), _worker_config("decode")]
+    (prefill, stopped, decode), router = _cluster(
+        procs, tmp_path, workers, router={**ROUTER, "decode_policy": "round_robin"}
+    )
+    clients = 4
+    expected = [_seen(_chat_stream(router, i)) for i in range(clients)]  # undisturbed
+    flowing = threading.Barrier(clients + 1)
+
+    def stream(index: int) -> tuple[int, str, list[str], dict[str, Any]]:
+        return _seen(_chat_stream(router, index, flowing))
+
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(stream, i) for i in range(clients)]
+        flowing.wait(LIVENESS_S)  # every stream has had its first events
+        os.kill(stopped.pid, signal.SIGSTOP)  # hung past link_timeout_s: its streams move
+        try:
+            answers = [future.result(LIVENESS_S) for future in futures]
+        finally:
+            os.kill(stopped.pid, signal.SIGCONT)
+    assert answers == expected
+    metrics = httpx.get(f"{router.url}/metrics", timeout=LIVENESS_S).text
+    assert value(metrics, "pdtrio_migrations_total", reason="link_timeout") == clients // 2
+    assert _eventually(
+        lambda: _holds_nothing(prefill) and _holds_nothing(decode) and _holds_nothing(stopped)
+    )

@@ -222,3 +222,89 @@ async def test_a_start_with_no_budget_left_or_a_foreign_token_is_an_engine_error
             await target.start_decode("r", ids, first, SamplingParams(), budget, generated, 0)
     target.free_request("r")
     assert target.statistics().kv_blocks_in_use == 0
+
+
+# --- continuation (a migrated request) -----------------------------------------------
+
+
+async def continued_from(
+    sampling: SamplingParams, max_tokens: int | None, delivered: list[int]
+) -> tuple[str, str | None, Usage | None, list[int]]:
+    """Prefill the prompt and ``delivered`` (earlier output) on a fresh engine, decode on
+    another: the continuation's text, finish, usage and tokens, as a router would get them."""
+    prefill = engine()
+    ids = await prefill.tokenize(TextPrompt(PROMPT))
+    whole = [*ids, *delivered]
+    result = await prefill.prefill("c", whole, sampling, max_tokens, len(delivered))
+    if result.finish_reason is not None:
+        return result.first_text, result.finish_reason, result.usage, [result.first_token_id]
+    decode = engine()
+    blocks = decode.allocate_blocks("c", len(ids) + result.token_budget)
+    await decode.write_blocks(
+        blocks[: len(result.block_ids)], await prefill.read_blocks(result.block_ids)
+    )
+    prefill.free_request("c")
+    start: dict[str, object] = {
+        "prompt_token_ids": whole,
+        "first_token_id": result.first_token_id,
+        "sampling": sampling,
+        "token_budget": result.token_budget,
+        "tokens_generated": len(delivered) + 1,
+        "cached_tokens": 0,
+        "generated_tokens": len(delivered),
+    }
+    entries = await decode_to_the_end(decode, "c", start)
+    assert decode.statistics().kv_blocks_in_use == 0
+    tokens = [result.first_token_id, *(t for e in entries for t in e.token_ids)]
+    text = result.first_text + "".join(e.text for e in entries)
+    return text, entries[-1].finish_reason, entries[-1].usage, tokens
+
+
+def _text_of(tokens: list[int]) -> str:
+    return "".join(synthetic_text(t) for t in tokens)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 11])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(seed=7),
+        SamplingParams(min_tokens=10, temperature=0.0),
+    ],
+    ids=["greedy", "seeded", "min_tokens"],
+)
+async def test_a_continuation_goes_on_exactly_where_the_request_stopped(
+    sampling: SamplingParams, cut: int
+) -> None:
+    text, finish, usage, tokens = await prefill_and_decode(sampling, 12, colocated=False)
+    assert len(tokens) == 12
+    rest_text, rest_finish, rest_usage, rest = await continued_from(sampling, 12, tokens[:cut])
+    assert tokens[:cut] + rest == tokens  # no token lost, none twice, the budget exact
+    assert _text_of(tokens[:cut]) + rest_text == text
+    assert (rest_finish, rest_usage) == (finish, usage)  # the prompt proper, every token once
+
+
+async def test_a_stop_string_across_the_cut_still_stops_the_continuation() -> None:
+    _, _, _, tokens = await prefill_and_decode(SamplingParams(temperature=0.0), 12, colocated=False)
+    whole = _text_of(tokens)
+    boundary = len(_text_of(tokens[:6]))
+    stop = whole[boundary - 2 : boundary + 3]  # begins in token 6, ends in token 7
+    sampling = SamplingParams(temperature=0.0, stop=(stop,))
+    text, finish, usage, _ = await prefill_and_decode(sampling, 12, colocated=False)
+    assert (finish, text) == ("stop", whole[: whole.index(stop)])
+    # cut after token 6: the router delivered the text its decode let out (the stop
+    # string's start was held back); the continuation sends the rest, cut at the stop
+    delivered = whole[: boundary - 2]
+    rest_text, rest_finish, rest_usage, _ = await continued_from(sampling, 12, tokens[:6])
+    assert (delivered + rest_text, rest_finish, rest_usage) == (text, finish, usage)
+
+
+async def test_a_continuation_with_nothing_left_to_generate_is_refused() -> None:
+    prefill = engine()
+    ids = await prefill.tokenize(TextPrompt(PROMPT))
+    with pytest.raises(PromptRejected, match="no token left"):
+        await prefill.prefill("c", [*ids, 400, 401], SamplingParams(), 2, 2)
+    with pytest.raises(PromptRejected, match="generated tokens"):
+        await prefill.prefill("c", [400, 401], SamplingParams(), 5, 2)
+    assert prefill.statistics().kv_blocks_in_use == 0

@@ -216,3 +216,70 @@ async def test_a_prefill_step_whose_requests_all_left_is_abandoned_between_layer
         engine.free_request("later")
         assert engine.statistics().kv_blocks_in_use == 0
     assert steps == [1], steps  # the later prefill's step alone: the long one never completed
+
+
+async def continue_from(
+    prefill: TorchEngine,
+    decode: TorchEngine,
+    sampling: SamplingParams,
+    max_tokens: int,
+    delivered: list[int],
+) -> tuple[str, str | None, Usage | None, list[int]]:
+    """A migrated request: the prompt and ``delivered`` prefilled again, decoded elsewhere."""
+    async with AsyncExitStack() as stack:
+        outputs = await stack.enter_async_context(running(decode))
+        await stack.enter_async_context(running(prefill))
+        ids = [*await prefill.tokenize(TextPrompt("the torch engine says")), *delivered]
+        result = await prefill.prefill("c", ids, sampling, max_tokens, len(delivered))
+        if result.finish_reason is not None:
+            return result.first_text, result.finish_reason, result.usage, [result.first_token_id]
+        own = len(ids) - len(delivered)
+        blocks = decode.allocate_blocks("c", own + result.token_budget)
+        await decode.write_blocks(
+            blocks[: len(result.block_ids)], await prefill.read_blocks(result.block_ids)
+        )
+        prefill.free_request("c")
+        await decode.start_decode(
+            "c",
+            ids,
+            result.first_token_id,
+            sampling,
+            result.token_budget,
+            len(delivered) + 1,
+            0,
+            len(delivered),
+        )
+        entries: list[TokenEntry] = []
+        with trio.fail_after(60):
+            async for step in outputs:
+                assert not isinstance(step, StepFailed)
+                entries += step
+                if entries[-1].finish_reason is not None:
+                    break
+    assert decode.statistics().kv_blocks_in_use == 0
+    tokens = [result.first_token_id, *(t for e in entries for t in e.token_ids)]
+    text = result.first_text + "".join(e.text for e in entries)
+    return text, entries[-1].finish_reason, entries[-1].usage, tokens
+
+
+@pytest.mark.parametrize("cut", [1, 4])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(temperature=0, ignore_eos=True),
+        SamplingParams(seed=5, top_k=40, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+async def test_a_continuation_goes_on_as_the_undisturbed_request(
+    engines: tuple[TorchEngine, TorchEngine], sampling: SamplingParams, cut: int
+) -> None:
+    one, other = engines
+    text, finish, usage, tokens = await complete(one, other, sampling, 9)
+    rest_text, rest_finish, rest_usage, rest = await continue_from(
+        one, other, sampling, 9, tokens[:cut]
+    )
+    # the same tokens from the cut on, the budget exact, usage as if nothing happened
+    assert tokens[:cut] + rest == tokens
+    assert (rest_finish, rest_usage) == (finish, usage)
+    assert text.endswith(rest_text)

@@ -31,6 +31,8 @@ def _model_step(held: tuple[bool, bool], event: Event) -> tuple[bool, bool]:
         return False, True  # decode is alive: prefill is told to free them
     if event is Event.DECODE_ENDED:
         return prefill, False
+    if event is Event.DECODE_LOST:
+        return prefill, False  # decode's request ended there; prefill released at its token
     assert event is Event.CLEANED
     return False, False
 
@@ -137,6 +139,24 @@ def test_a_decode_that_fails_before_its_first_token_can_be_replaced() -> None:
     assert lifecycle.owed() is Cleanup.RELEASE_ON_PREFILL
     lifecycle.handle(Event.DECODE_START_SENT)
     assert lifecycle.state is State.DECODE_STARTING
+
+
+def test_a_decode_lost_mid_stream_owes_nothing_and_the_request_may_start_over() -> None:
+    lifecycle = RequestLifecycle()
+    for event in (
+        Event.PREFILL_SENT,
+        Event.PREFILLED,
+        Event.DECODE_START_SENT,
+        Event.DECODE_ACCEPTED,
+        Event.FIRST_DECODE_TOKEN,
+        Event.DECODE_LOST,
+    ):
+        lifecycle.handle(event)
+    # decode holds nothing, prefill was told to release at the first token
+    assert lifecycle.owed() is Cleanup.NOTHING
+    # a migration: a new prefill, of the prompt and the tokens delivered
+    lifecycle.handle(Event.PREFILL_SENT)
+    assert lifecycle.owed() is Cleanup.RELEASE_ON_PREFILL
 
 
 def test_a_rejected_start_can_be_retried_on_another_decode() -> None:

@@ -81,6 +81,7 @@ async def test_latencies_tokens_and_instances_after_a_few_requests(
             "total_ms",
             "prefill",
             "decode",
+            "migrations",
         }
         assert fields["request_id"].startswith("cmpl-")
         assert (fields["model"], fields["status"], fields["outcome"]) == ("synthetic", "200", "ok")
@@ -89,6 +90,7 @@ async def test_latencies_tokens_and_instances_after_a_few_requests(
         assert 0 < float(fields["ttft_ms"]) <= float(fields["total_ms"])
         assert fields["prefill"].startswith("prefill@")
         assert fields["decode"].startswith("decode@")
+        assert fields["migrations"] == "-"
         assert "say something" not in record.getMessage()
 
 

@@ -29,12 +29,19 @@ from pdtrio.engine.api import (
     EngineStatistics,
     KvRegion,
     PrefillResult,
+    PromptRejected,
     StepFailed,
     StepObserver,
     StepOutputs,
 )
 from pdtrio.engine.blocks import BlockOwnership, blocks_needed
-from pdtrio.engine.budget import check_prompt_length, checked_token_ids, token_budget, tokens_left
+from pdtrio.engine.budget import (
+    check_continuation,
+    check_prompt_length,
+    checked_token_ids,
+    token_budget,
+    tokens_left,
+)
 from pdtrio.engine.detokenizer import IncrementalDetokenizer
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.engine.tokenizer import Tokenizer
@@ -79,6 +86,8 @@ class _PrefillJob:
     deliver: Callable[[PrefillResult | BaseException], None]
     # prompt tokens whose KV is in the cache already (a long prompt goes a chunk a step)
     computed: int = 0
+    # a continuation's: the last ids of the prompt that are earlier output
+    generated_tokens: int = 0
 
 
 @attrs.define(eq=False)
@@ -197,14 +206,21 @@ class TorchEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         max_tokens: int | None,
+        generated_tokens: int = 0,
     ) -> PrefillResult:
+        own = check_continuation(len(prompt_token_ids), generated_tokens)
         budget = token_budget(
-            len(prompt_token_ids),
+            own,
             max_tokens,
             max_model_len=self.max_model_len,
             kv_capacity_tokens=self._blocks.num_blocks * self._blocks.block_size,
             default_max_tokens=self._config.default_max_tokens,
         )
+        if tokens_left(budget, generated_tokens) < 1:
+            raise PromptRejected(
+                f"no token left to generate: {generated_tokens} of {budget} spent",
+                param="max_tokens",
+            )
         with self._lock:
             table = list(self._blocks.ensure(request_id, len(prompt_token_ids)))
             self._in_engine.add(request_id)
@@ -223,6 +239,7 @@ class TorchEngine:
             budget,
             table,
             lambda result: token.run_sync_soon(deliver, result),
+            generated_tokens=generated_tokens,
         )
         self._inbox.put(job)
         try:
@@ -273,8 +290,12 @@ class TorchEngine:
         token_budget: int,
         tokens_generated: int,
         cached_tokens: int,
+        generated_tokens: int = 0,
     ) -> None:
-        if tokens_generated < 1 or tokens_left(token_budget, tokens_generated) <= 0:
+        if not 0 <= generated_tokens < len(prompt_token_ids):
+            raise EngineError(f"request {request_id}: {generated_tokens} generated tokens")
+        own = len(prompt_token_ids) - generated_tokens
+        if tokens_generated <= generated_tokens or tokens_left(token_budget, tokens_generated) <= 0:
             raise EngineError(
                 f"request {request_id} has no token budget left "
                 f"({tokens_generated} of {token_budget} spent)"
@@ -283,19 +304,21 @@ class TorchEngine:
         if not all(0 <= t < vocab for t in (*prompt_token_ids, first_token_id)):
             raise EngineError(f"request {request_id} has token ids out of the vocabulary")
         processor = OutputProcessor(
-            IncrementalDetokenizer(self._tokenizer, prompt_token_ids),
+            IncrementalDetokenizer(self._tokenizer, prompt_token_ids[:own]),
             sampling,
             token_budget=token_budget,
             tokens_generated=tokens_generated,
             eos_token_ids=self._tokenizer.eos_token_ids,
         )
-        # the first token's text went out from prefill; a stop string may begin in it
-        processor.replay(first_token_id)
+        # the first token's text went out from prefill (a continuation's earlier tokens'
+        # before it); a stop string may begin in them, a character may be cut across them
+        for earlier in (*prompt_token_ids[own:], first_token_id):
+            processor.replay(earlier)
         # KV holds the prompt and every generated token but the last
-        position = len(prompt_token_ids) + tokens_generated - 1
+        position = own + tokens_generated - 1
         with self._lock:
             table = list(self._blocks.owned(request_id))
-            needed = blocks_needed(len(prompt_token_ids) + token_budget, self._blocks.block_size)
+            needed = blocks_needed(own + token_budget, self._blocks.block_size)
             if len(table) < needed:
                 raise EngineError(f"request {request_id} owns {len(table)} blocks, needs {needed}")
             self._in_engine.add(request_id)
@@ -306,7 +329,7 @@ class TorchEngine:
             processor=processor,
             last_token=first_token_id,
             position=position,
-            prompt_tokens=len(prompt_token_ids),
+            prompt_tokens=own,
             cached_tokens=cached_tokens,
         )
         self._inbox.put(seq)
@@ -450,7 +473,7 @@ class TorchEngine:
             params = [job.sampling for job in completing] + [s.sampling for s in step_decodes]
             positions = [len(job.prompt_token_ids) for job in completing]
             positions += [s.position + 1 for s in step_decodes]
-            banned = [self._banned(job.sampling, 0) for job in completing]
+            banned = [self._banned(job.sampling, job.generated_tokens) for job in completing]
             banned += [self._banned(s.sampling, s.processor.num_generated) for s in step_decodes]
             sampled_rows = [
                 row
@@ -527,12 +550,16 @@ class TorchEngine:
         return None
 
     def _finish_prefill(self, job: _PrefillJob, first: int) -> None:
+        own = len(job.prompt_token_ids) - job.generated_tokens
         processor = OutputProcessor(
-            IncrementalDetokenizer(self._tokenizer, job.prompt_token_ids),
+            IncrementalDetokenizer(self._tokenizer, job.prompt_token_ids[:own]),
             job.sampling,
             token_budget=job.budget,
+            tokens_generated=job.generated_tokens,
             eos_token_ids=self._tokenizer.eos_token_ids,
         )
+        for earlier in job.prompt_token_ids[own:]:
+            processor.replay(earlier)
         text, finish = processor.push(first)
         usage: Usage | None = None
         with self._lock:
@@ -541,7 +568,7 @@ class TorchEngine:
             if finish is not None:
                 self._blocks.release(job.request_id)
                 table = ()
-                usage = Usage(len(job.prompt_token_ids), processor.num_generated, 0)
+                usage = Usage(own, processor.num_generated, 0)
         job.deliver(
             PrefillResult(
                 first_token_id=first,
