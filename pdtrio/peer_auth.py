@@ -52,16 +52,8 @@ class WorkerAuth(httpx.Auth):
         client_nonce = new_nonce()
         request.headers["authorization"] = opening_authorization(client_nonce)
         response = yield request
-        if response.status_code != 401:
-            raise PeerAuthenticationError(
-                f"{request.url}: answered {response.status_code} without proving it holds "
-                "the worker secret (a worker started without one, or not a pdtrio worker)"
-            )
-        request.headers["authorization"] = answer_challenge(
-            self._credentials,
-            response.headers.get("www-authenticate"),
-            client_nonce,
-            self._expected_instance,
+        request.headers["authorization"] = _answer(
+            response, self._credentials, client_nonce, self._expected_instance
         )
         yield request
 
@@ -81,12 +73,23 @@ async def link_authorization(
     response = await http.get(
         base_url + AUTH_PATH, headers={"authorization": opening_authorization(client_nonce)}
     )
+    answer = _answer(response, credentials, client_nonce, expected_instance)
+    return [(b"authorization", answer.encode())]
+
+
+def _answer(
+    response: httpx.Response,
+    credentials: PeerCredentials,
+    client_nonce: bytes,
+    expected_instance: str | None,
+) -> str:
+    """Our answer to the challenge ``response`` carries, once it proved the worker holds
+    the secret; PeerAuthenticationError for any other response."""
     if response.status_code != 401:
         raise PeerAuthenticationError(
-            f"{base_url}: answered {response.status_code} without proving it holds the "
-            "worker secret (a worker started without one, or not a pdtrio worker)"
+            f"{response.request.url}: answered {response.status_code} without proving it holds "
+            "the worker secret (a worker started without one, or not a pdtrio worker)"
         )
-    answer = answer_challenge(
+    return answer_challenge(
         credentials, response.headers.get("www-authenticate"), client_nonce, expected_instance
     )
-    return [(b"authorization", answer.encode())]

@@ -43,31 +43,34 @@ def read_secret_file(path: str, what: str) -> str:
     return text.strip()
 
 
-def resolve_worker_secret(value: str, file: str, environ: Mapping[str, str] | None = None) -> str:
-    """The shared secret: the environment, else the file, else the configured value."""
+def resolve_secret(
+    value: str, file: str, *, env_name: str, what: str, environ: Mapping[str, str] | None = None
+) -> str:
+    """A secret from the environment (``env_name``), else the file, else the configured value."""
     environ = os.environ if environ is None else environ
-    from_env = environ.get(WORKER_SECRET_ENV, "")
+    from_env = environ.get(env_name, "")
     if from_env:
         return from_env
     if file:
-        secret = read_secret_file(file, "worker secret")
+        secret = read_secret_file(file, what)
         if not secret:
-            raise ConfigError(f"the worker secret file {file} is empty")
+            raise ConfigError(f"the {what} file {file} is empty")
         return secret
     return value
 
 
+def resolve_worker_secret(value: str, file: str, environ: Mapping[str, str] | None = None) -> str:
+    """The shared secret: the environment, else the file, else the configured value."""
+    return resolve_secret(
+        value, file, env_name=WORKER_SECRET_ENV, what="worker secret", environ=environ
+    )
+
+
 def resolve_metrics_token(value: str, file: str, environ: Mapping[str, str] | None = None) -> str:
     """A worker's /metrics token: the environment, else the file, else the configured value."""
-    environ = os.environ if environ is None else environ
-    if environ.get(METRICS_TOKEN_ENV, ""):
-        return environ[METRICS_TOKEN_ENV]
-    if file:
-        token = read_secret_file(file, "metrics token")
-        if not token:
-            raise ConfigError(f"the metrics token file {file} is empty")
-        return token
-    return value
+    return resolve_secret(
+        value, file, env_name=METRICS_TOKEN_ENV, what="metrics token", environ=environ
+    )
 
 
 def bearer_matches(authorization: str | None, token: str) -> bool:

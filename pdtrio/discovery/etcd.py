@@ -15,7 +15,6 @@ etcd's ``--client-cert-auth``).
 
 from __future__ import annotations
 
-import os
 import ssl
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
@@ -553,19 +552,11 @@ def _http_error(endpoint: str, status: int, body: bytes) -> EtcdError:
 
 def resolve_etcd_password(value: str, file: str, environ: Mapping[str, str] | None = None) -> str:
     """etcd's password: ``PDTRIO_ETCD_PASSWORD``, else the file, else the configured value."""
-    from pdtrio.config import ConfigError
-    from pdtrio.security import read_secret_file
+    from pdtrio.security import resolve_secret
 
-    environ = os.environ if environ is None else environ
-    from_env = environ.get(ETCD_PASSWORD_ENV, "")
-    if from_env:
-        return from_env
-    if file:
-        password = read_secret_file(file, "etcd password")
-        if not password:
-            raise ConfigError(f"the etcd password file {file} is empty")
-        return password
-    return value
+    return resolve_secret(
+        value, file, env_name=ETCD_PASSWORD_ENV, what="etcd password", environ=environ
+    )
 
 
 def etcd_tls_context(ca_file: str, cert_file: str, key_file: str) -> ssl.SSLContext | None:

@@ -17,17 +17,10 @@ from pdtrio.discovery.etcd import (
     EtcdUnavailable,
     WatchEvent,
 )
-from pdtrio.testing.etcd import EtcdServer, require_etcd, running_etcd
+from pdtrio.testing.etcd import EtcdServer
 from pdtrio.testing.processes import LOOPBACK, free_port
 
 WAIT_S = 15.0  # a bound on waiting for etcd to act, never a performance threshold
-
-
-@pytest.fixture
-async def etcd() -> AsyncIterator[EtcdServer]:
-    require_etcd()
-    async with running_etcd() as server:
-        yield server
 
 
 @pytest.fixture

@@ -24,20 +24,13 @@ from pdtrio.discovery.etcd import EtcdClient
 from pdtrio.protocol.registration import decode_registration
 from pdtrio.router.app import RouterApp
 from pdtrio.router.core import Router
-from pdtrio.testing.etcd import EtcdServer, require_etcd, running_etcd
+from pdtrio.testing.etcd import EtcdServer
 from pdtrio.testing.processes import Processes, Service, synthetic_worker_config
 from tests.cluster import serve_app, wait_for_stats
 
 WAIT_S = 20.0  # a bound on waiting for the system to act, never a performance threshold
 LEASE_TTL_S = 2
 PREFIX = "/pdtrio-test/instances/"
-
-
-@pytest.fixture
-async def etcd() -> AsyncIterator[EtcdServer]:
-    require_etcd()
-    async with running_etcd() as server:
-        yield server
 
 
 @pytest.fixture

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import httpx
 import msgspec
 import pytest
@@ -21,7 +19,7 @@ from pdtrio.protocol.registration import (
     instance_id_from_key,
     registration_key,
 )
-from pdtrio.testing.etcd import EtcdServer, require_etcd, running_etcd
+from pdtrio.testing.etcd import EtcdServer
 
 PREFIX = "/test/instances/"
 WAIT_S = 15.0
@@ -80,13 +78,6 @@ class Recorder:
         with trio.fail_after(WAIT_S):
             while set(self.registered) != names:
                 await self._changed.wait()
-
-
-@pytest.fixture
-async def etcd() -> AsyncIterator[EtcdServer]:
-    require_etcd()
-    async with running_etcd() as server:
-        yield server
 
 
 async def put(client: EtcdClient, value: Registration) -> None:

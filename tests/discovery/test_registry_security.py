@@ -43,13 +43,6 @@ SIGNING_KEY = derive_key(SECRET, "registration")
 ROOT_PASSWORD = "etcd-root-password"
 
 
-@pytest.fixture
-async def etcd() -> AsyncIterator[EtcdServer]:
-    require_etcd()
-    async with running_etcd() as server:
-        yield server
-
-
 @attrs.define
 class RunningRouter:
     url: str

@@ -452,35 +452,31 @@ class TorchEngine:
                 used += take
                 if take < remaining:
                     break  # the rest of it next step, before anything queued behind it
-            # those whose last chunk this is: the step samples their first token
-            completing = [
-                job
-                for job, take in step_prefills
-                if job.computed + take == len(job.prompt_token_ids)
-            ]
             step_decodes = list(running.values())[:max_batch]
             self._waiting = len(prefills) - len(step_prefills) + len(running) - len(step_decodes)
             step_started = time.perf_counter()
-            seqs = [
-                SeqInput(
-                    job.prompt_token_ids[job.computed : job.computed + take],
-                    job.computed,
-                    job.block_table,
+            seqs: list[SeqInput] = []
+            # the prefills whose last chunk this is (the step samples their first token), and
+            # their rows among the step's logits; every decode's row is sampled
+            completing: list[_PrefillJob] = []
+            sampled_rows: list[int] = []
+            for row, (job, take) in enumerate(step_prefills):
+                end = job.computed + take
+                seqs.append(
+                    SeqInput(
+                        job.prompt_token_ids[job.computed : end], job.computed, job.block_table
+                    )
                 )
-                for job, take in step_prefills
-            ]
+                if end == len(job.prompt_token_ids):
+                    completing.append(job)
+                    sampled_rows.append(row)
+            sampled_rows += range(len(seqs), len(seqs) + len(step_decodes))
             seqs += [SeqInput([s.last_token], s.position, s.block_table) for s in step_decodes]
             params = [job.sampling for job in completing] + [s.sampling for s in step_decodes]
             positions = [len(job.prompt_token_ids) for job in completing]
             positions += [s.position + 1 for s in step_decodes]
             banned = [self._banned(job.sampling, job.generated_tokens) for job in completing]
             banned += [self._banned(s.sampling, s.processor.num_generated) for s in step_decodes]
-            sampled_rows = [
-                row
-                for row, (job, take) in enumerate(step_prefills)
-                if job.computed + take == len(job.prompt_token_ids)
-            ]
-            sampled_rows += range(len(step_prefills), len(seqs))
             try:
                 # a step of decodes is short, and they need their tokens: never abandoned
                 should_stop = (
