@@ -98,11 +98,16 @@ def test_an_exit_the_test_expected_or_saw_is_not_reported() -> None:
         expected = procs.start(python(code))
         procs.expect_exit(expected)
         seen = procs.start(python(code))
-        stopped = procs.start(python("import time; time.sleep(60)"))
+        # a SIGINT that lands while the interpreter is still starting exits 1, not -2:
+        # stop the sleepers only once they are up
+        sleeper = python("import time; print('UP', flush=True); time.sleep(60)")
+        stopped = procs.start(sleeper, output="lines")
+        procs.read_line(stopped, b"UP", 30)
         wait_exited(expected)
         assert seen.wait(timeout=30) == 86
         assert procs.stop(stopped) == -2
-        running = procs.start(python("import time; time.sleep(60)"))
+        running = procs.start(sleeper, output="lines")
+        procs.read_line(running, b"UP", 30)
     assert running.returncode == -2  # stopped by the group's own SIGINT: not a failure
 
 
