@@ -125,6 +125,8 @@ class Tally:
     longest_s: float = 0.0
     samples: dict[str, str] = attrs.field(factory=dict)
     """One example body per non-ok outcome."""
+    causes: Counter[str] = attrs.field(factory=Counter)
+    """Non-ok outcomes by the message they carry (instances and numbers elided)."""
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -152,6 +154,18 @@ def _request(max_tokens: int, stream: bool, prompt_tokens: int) -> bytes:
 
 
 _ERROR_CODE = re.compile(rb'"code": ?"([a-z_]+)"')
+_ERROR_MESSAGE = re.compile(rb'"message": ?"((?:[^"\\]|\\.)*)"')
+_INSTANCE = re.compile(r"[a-z]+@[0-9.]+:[0-9]+")
+
+
+def _cause(outcome: str, data: bytes) -> str:
+    """``outcome`` and its error's message, with instance names and numbers elided: so
+    outcomes of one cause count together."""
+    found = _ERROR_MESSAGE.search(data)
+    if found is None:
+        return outcome
+    message = _INSTANCE.sub("<instance>", found[1].decode(errors="replace"))
+    return f"{outcome}: {re.sub(r'[0-9]+', 'N', message)}"
 
 EXPLAINED_CODES = frozenset(
     {
@@ -221,6 +235,7 @@ async def _one_request(
         outcome = _classify(bytes(received), stream)
         if outcome != "ok":
             tally.samples.setdefault(outcome, bytes(received[-300:]).decode(errors="replace"))
+            tally.causes[_cause(outcome, bytes(received))] += 1
         return outcome
     except trio.Cancelled:
         # the hang bound: a stream still under way well after every fault was cleared
@@ -542,6 +557,7 @@ async def _soak(
         hung=tally.hung,
         longest_request_s=tally.longest_s,
         samples=tally.samples,
+        causes=dict(tally.causes.most_common()),
         probes=len(times),
         probe_failures=probe_failures,
         disconnect_to_free_p50_ms=_percentile(times, 0.5) * 1000,
@@ -662,6 +678,9 @@ def render(r: dict[str, Any]) -> str:
     processes = r["processes"]
     lines.append(f"  left behind          {processes['left_behind'] or 0}")
     lines.append(f"  exit statuses        {dict(Counter(processes['exit_statuses'].values()))}")
+    lines.append("  failures by cause")
+    for cause, count in r["causes"].items():
+        lines.append(f"    {count:6d}  {cause[:150]}")
     for outcome, sample in r["samples"].items():
         lines.append(f"  e.g. {outcome}: {sample[-160:]!r}")
     for hung in r["hung"][:5]:

@@ -258,6 +258,10 @@ class RouterConfig:
     # dead, DecodeFailed, stalled) continues on another decode, from a new prefill of its
     # prompt and the tokens delivered: at most this many times; 0 ends it as before
     migration_limit: int = attrs.field(default=3, validator=_non_negative)
+    # a request whose decode was lost (before or after its first token) and that finds no
+    # other decode connected waits this long for one to connect (a link reset, a worker back
+    # from a stop or a restart) before it ends as before; 0: it ends at once
+    decode_reconnect_wait_s: float = attrs.field(default=5.0, validator=_non_negative)
     # a request whose body has not fully arrived this long after its headers gets a 408
     body_read_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     # worker link liveness: a link that brings no frame for link_timeout_s is dropped (its

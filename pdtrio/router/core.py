@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Protocol, final
 
@@ -150,6 +150,8 @@ class Router:
         self.decode_queue: CapacityQueue[Instance] = CapacityQueue(
             config.router.admission_queue_limit
         )
+        # requests waiting for a decode link to (re)connect, woken by the same reports
+        self._decode_link_waiters = trio.lowlevel.ParkingLot()
         # how far apart each stream's sends go under load (0: at once), kept by open_router
         self.egress = EgressController(EgressConfig(max_delay_s=config.router.egress_max_delay_s))
         self.hold_timer = HoldTimer()  # ends the streams' holds; run by open_router
@@ -251,7 +253,7 @@ class Router:
             return
         instance.registered = False
         log.info("instance %s deregistered: finishing what it runs", instance_id)
-        self.decode_queue.changed()  # waiters may have to look elsewhere
+        self._decode_capacity_changed()  # waiters may have to look elsewhere
         self._nursery.start_soon(self._retire, instance)
 
     def registration_ignored(self, key: str, reason: str | None) -> None:
@@ -406,7 +408,7 @@ class Router:
             instance.name,
             ws_url,
             max_pending_tokens=self.config.router.stream_buffer_tokens,
-            on_capacity=self.decode_queue.changed,
+            on_capacity=self._decode_capacity_changed,
             link_timeout_s=self.config.router.link_timeout_s,
             heartbeat_s=self.config.router.link_heartbeat_s,
             stream_idle_timeout_s=self.config.router.stream_idle_timeout_s,
@@ -559,6 +561,19 @@ class Router:
         if instance.failures_in_a_row:
             instance.failures_in_a_row = 0
             instance.suspended_until = 0.0
+
+    def _decode_capacity_changed(self) -> None:
+        """A link reported capacity, connected or went: waiters for room or a link look again."""
+        self.decode_queue.changed()
+        self._decode_link_waiters.unpark_all()
+
+    async def wait_for_decode_link(
+        self, exclude: Callable[[], frozenset[str]], layout: KvLayout | None = None
+    ) -> None:
+        """Until a usable decode link not in ``exclude()`` (asked anew at each change; it
+        may shrink as instances reconnect) takes ``layout``.  The caller bounds the wait."""
+        while not self.decode_links(exclude(), layout):
+            await self._decode_link_waiters.park()
 
     def decode_links(
         self, exclude: frozenset[str] = frozenset(), layout: KvLayout | None = None

@@ -20,7 +20,6 @@ request back to wait.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import secrets
@@ -33,6 +32,7 @@ import trio
 from pdtrio.asgi import Message, Receive, Send, send_json
 from pdtrio.engine.blocks import blocks_needed
 from pdtrio.protocol.egress import send_deadline
+from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.lifecycle import Cleanup, Event, RequestLifecycle, State
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
@@ -71,6 +71,11 @@ from pdtrio.router.worker_link import (
 )
 
 log = logging.getLogger("pdtrio.router.pipeline")
+
+Connection = tuple[WorkerLink, int]
+"""A decode link and which of its connections (``WorkerLink.connects``) a request was on."""
+Tried = dict[str, Connection]
+"""Decode instances a request failed on, by name, and on which connection."""
 
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -135,6 +140,7 @@ class RequestPipeline:
         self.lifecycle = RequestLifecycle()
         self.prefill_instance: Instance | None = None
         self.decode_link: WorkerLink | None = None
+        self._decode_connection: Connection | None = None  # decode_link's, when it started
         self._kv_access_token = ""  # the grant in prefill's KV handle, once it answered
         self._lease_holder: Instance | None = None  # the prefill instance holding our KV
         self._first_token_sent = False  # prefill's token, sent once whatever decode runs it
@@ -312,19 +318,20 @@ class RequestPipeline:
         self._prompt_ids = reply.prompt_token_ids
         if self.shaper is not None:
             self.shaper.set_prompt_usage(reply.prompt_tokens, reply.cached_tokens)
-        lost_on: set[str] = set()  # decode instances the request was lost on mid-stream
+        lost_on: Tried = {}  # the decode connections the request was lost on mid-stream
         while True:
             try:
                 await self._prefilled_to_the_end(reply, lost_on)
             except _LostMidStream as lost:
-                lost_on.add(lost.instance_id)
-                reply = await self._migrate(deadline, reply, lost, frozenset(lost_on))
+                lost_on[lost.instance_id] = lost.connection
+                reply = await self._migrate(deadline, reply, lost, lost_on)
                 continue
             break
         await self._finish()
 
-    async def _prefilled_to_the_end(self, reply: PrefillReply, lost_on: set[str]) -> None:
-        """Deliver a prefilled request's tokens to its end, on a decode not in ``lost_on``.
+    async def _prefilled_to_the_end(self, reply: PrefillReply, lost_on: Tried) -> None:
+        """Deliver a prefilled request's tokens to its end, on a decode not in ``lost_on``
+        (unless it has reconnected since).
 
         Raises :class:`_LostMidStream` when its decode is lost after its first token
         and the request may migrate.
@@ -340,17 +347,18 @@ class RequestPipeline:
             return
         # the first token goes out once decode room is claimed and the start is sent
         self._first_token_sent = False
-        tried = set(lost_on)
+        tried = dict(lost_on)
         last_reason = "no decode instance is connected"
+        handle = reply.kv_handle
         while True:
             try:
-                stream = await self._start_decode(reply, reply.kv_handle, tried, last_reason)
+                stream = await self._start_decode(reply, handle, tried, last_reason)
                 await self._stream_tokens(stream)
             except _FailedBeforeFirstToken as early:
                 # prefill still holds the KV: another decode instance pulls it again
-                tried.add(early.instance_id)
+                tried[early.instance_id] = early.connection
                 last_reason = early.message
-                if not self.router.decode_links(frozenset(tried), reply.kv_handle.layout):
+                if not await self._a_decode_connects(tried, handle.layout, _lease_left_s(handle)):
                     raise _decode_failed(early.message) from None
                 log.warning(
                     "decode on %s failed before its first token (%s): trying another",
@@ -371,7 +379,7 @@ class RequestPipeline:
         )
 
     async def _migrate(
-        self, deadline: float, reply: PrefillReply, lost: _LostMidStream, lost_on: frozenset[str]
+        self, deadline: float, reply: PrefillReply, lost: _LostMidStream, lost_on: Tried
     ) -> PrefillReply:
         """Continue a request whose decode was lost mid-stream, or end it as before.
 
@@ -385,7 +393,7 @@ class RequestPipeline:
         if (
             generated is None
             or len(self.figures.migrations) >= router.config.router.migration_limit
-            or not router.decode_links(lost_on)
+            or not await self._a_decode_connects(lost_on, None, deadline - trio.current_time())
         ):
             raise _decode_failed(lost.message)
         self.figures.migrations.append(lost.reason)
@@ -413,6 +421,34 @@ class RequestPipeline:
             generated_tokens=len(generated),
         )
         return await self._prefill(deadline, call, continuation=True)
+
+    def _not_on(self, tried: Tried) -> frozenset[str]:
+        """The instances in ``tried`` still on the connection they were tried on: one that
+        has reconnected since (a reset link, a worker back from a stop) may be tried again,
+        since the worker ended everything of the old connection's."""
+        instances = self.router.instances
+        excluded = set()
+        for name, (link, connects) in tried.items():
+            instance = instances.get(name)
+            if instance is not None and instance.link is link and link.connects == connects:
+                excluded.add(name)
+        return frozenset(excluded)
+
+    async def _a_decode_connects(
+        self, tried: Tried, layout: KvLayout | None, within_s: float
+    ) -> bool:
+        """Whether a decode not in ``tried`` is connected now, or connects within
+        ``router.decode_reconnect_wait_s`` (and ``within_s``)."""
+        router = self.router
+        if router.decode_links(self._not_on(tried), layout):
+            return True
+        wait_s = min(router.config.router.decode_reconnect_wait_s, within_s)
+        if wait_s <= 0:
+            return False
+        with trio.move_on_after(wait_s):
+            await router.wait_for_decode_link(lambda: self._not_on(tried), layout)
+            return True
+        return False
 
     def _kv_tokens(self, reply: PrefillReply) -> int:
         """The KV a prefilled request needs on decode: its prompt and its whole budget."""
@@ -493,7 +529,7 @@ class RequestPipeline:
             return answer
 
     async def _start_decode(
-        self, reply: PrefillReply, handle: KvHandle, tried: set[str], last_reason: str
+        self, reply: PrefillReply, handle: KvHandle, tried: Tried, last_reason: str
     ) -> DecodeStream:
         """Start the request on a decode instance not in ``tried`` (which grows with each
         instance that cannot take it), with room for it, waiting for room if need be."""
@@ -517,13 +553,14 @@ class RequestPipeline:
                 self.router.metrics.retries.labels("decode").inc()
             attempts += 1
             waited_from = time.perf_counter()
-            instance = await self._wait_for_decode(reply, handle, frozenset(tried), last_reason)
+            instance = await self._wait_for_decode(reply, handle, tried, last_reason)
             sent_at = time.perf_counter()
             figures.queued_s = (figures.queued_s or 0.0) + (sent_at - waited_from)
             link = instance.link
             assert link is not None and link.capacity is not None  # what decode_with_room picks
             # no checkpoint from the pick to the promise inside start: the room is ours
             self.decode_link = link
+            connection = self._decode_connection = (link, link.connects)
             lifecycle.handle(Event.DECODE_START_SENT)
             try:
                 stream = await link.start(
@@ -533,7 +570,7 @@ class RequestPipeline:
                 )
             except WorkerLinkClosed as exc:
                 lifecycle.handle(Event.DECODE_NOT_STARTED)
-                tried.add(instance.name)
+                tried[instance.name] = connection
                 last_reason = str(exc)
                 continue
             if not self._first_token_sent:
@@ -553,7 +590,7 @@ class RequestPipeline:
                 lifecycle.handle(Event.DECODE_ENDED)
                 # (it had not answered: prefill still holds the KV) another may take it
                 raise _FailedBeforeFirstToken(
-                    instance.name, f"decode failed to start: {stream.failure}"
+                    instance.name, f"decode failed to start: {stream.failure}", connection
                 )
             rejection = stream.rejection
             assert rejection is not None
@@ -562,20 +599,23 @@ class RequestPipeline:
             if rejection_is_retryable(rejection):
                 if rejection.reason != RejectReason.NO_ROOM:
                     # shutting down, or its pull failed: another; NO_ROOM: a fresh report
-                    tried.add(instance.name)
+                    tried[instance.name] = connection
                 continue
             if rejection.reason == RejectReason.LAYOUT_MISMATCH:
                 raise server_error(f"prefill and decode cannot be paired: {rejection.message}")
             raise server_error(f"decode rejected the request: {rejection.message}")
 
     async def _wait_for_decode(
-        self, reply: PrefillReply, handle: KvHandle, exclude: frozenset[str], last_reason: str
+        self, reply: PrefillReply, handle: KvHandle, tried: Tried, last_reason: str
     ) -> Instance:
-        """A decode instance with room for the request, waiting in FIFO order for one."""
+        """A decode instance with room for the request (not one of ``tried``, unless it has
+        reconnected since), waiting in FIFO order for one."""
         router = self.router
-        links = router.decode_links(exclude, handle.layout)
+        links = router.decode_links(self._not_on(tried), handle.layout)
+        if not links and await self._a_decode_connects(tried, handle.layout, _lease_left_s(handle)):
+            links = router.decode_links(self._not_on(tried), handle.layout)
         if not links:
-            if router.decode_links(exclude):
+            if router.decode_links(self._not_on(tried)):
                 last_reason = f"none takes prefill's KV layout [{handle.layout.describe()}]"
             raise service_unavailable(f"no decode instance could take the request: {last_reason}")
         num_tokens = self._kv_tokens(reply)
@@ -593,7 +633,10 @@ class RequestPipeline:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        take = functools.partial(router.decode_with_room, num_tokens, exclude, handle.layout)
+
+        def take() -> Instance | None:
+            return router.decode_with_room(num_tokens, self._not_on(tried), handle.layout)
+
         if self._queue_place_reserved:
             # the reserved place becomes a waiter's (no checkpoint until wait_for holds it)
             self._queue_place_reserved = False
@@ -601,9 +644,7 @@ class RequestPipeline:
         instance = router.decode_queue.take_now(take)
         if instance is not None:
             return instance  # room now: no timer needed (a deadline scope per request is dear)
-        # the KV waits on prefill under its lease (wall clock): decode must pull it before then
-        lease_left_s = handle.lease_expiry - time.time() - _LEASE_MARGIN_S
-        with trio.move_on_after(max(0.0, lease_left_s)) as timer:
+        with trio.move_on_after(max(0.0, _lease_left_s(handle))) as timer:
             try:
                 return await router.decode_queue.wait_for(take)
             except QueueFull:
@@ -666,9 +707,11 @@ class RequestPipeline:
                 if decode is not None:
                     self.router.instance_failed(decode)
                 link = self.decode_link
+                connection = self._decode_connection
+                assert connection is not None  # set with decode_link
                 if before_first_token and link is not None:
                     self.lifecycle.handle(Event.DECODE_ENDED)
-                    raise _FailedBeforeFirstToken(link.instance_id, failure)
+                    raise _FailedBeforeFirstToken(link.instance_id, failure, connection)
                 if (
                     link is not None
                     and self._generated is not None
@@ -681,7 +724,9 @@ class RequestPipeline:
                     if self._decoding:  # until another decode accepts it
                         self._decoding = False
                         self.router.metrics.streams_active.dec()
-                    raise _LostMidStream(link.instance_id, failure, stream.failure_reason)
+                    raise _LostMidStream(
+                        link.instance_id, failure, stream.failure_reason, connection
+                    )
                 self.lifecycle.handle(Event.DECODE_ENDED)
                 # a worker failed, not the router: 502 (what a non-streaming client sees)
                 raise _decode_failed(failure)
@@ -827,20 +872,28 @@ class RequestPipeline:
 class _FailedBeforeFirstToken(Exception):
     """Decode failed the request before its first token: prefill still holds the KV."""
 
-    def __init__(self, instance_id: str, message: str) -> None:
+    def __init__(self, instance_id: str, message: str, connection: Connection) -> None:
         super().__init__(message)
         self.instance_id = instance_id
         self.message = message
+        self.connection = connection
 
 
 class _LostMidStream(Exception):
     """Decode was lost after its first token (``reason``: a MIGRATION_REASONS label)."""
 
-    def __init__(self, instance_id: str, message: str, reason: str) -> None:
+    def __init__(self, instance_id: str, message: str, reason: str, connection: Connection) -> None:
         super().__init__(message)
         self.instance_id = instance_id
         self.message = message
         self.reason = reason
+        self.connection = connection
+
+
+def _lease_left_s(handle: KvHandle) -> float:
+    """How long decode may still take to pull the KV: it waits on prefill under its lease
+    (wall clock), and must be pulled a margin before the lease frees it."""
+    return handle.lease_expiry - time.time() - _LEASE_MARGIN_S
 
 
 def _decode_failed(message: str) -> OpenAIError:

@@ -199,7 +199,8 @@ async def _undisturbed(bodies: list[dict[str, Any]]) -> list[Answer]:
 
 async def _streams_under_fault(proxied: Proxied, fault: str) -> list[Answer]:
     """CLIENTS streams at once; once every one has had three events, ``fault`` hits the
-    first decode's link (``reset``: lost; ``stall``: hung past the link timeout)."""
+    first decode's link (``reset``: lost; ``refuse``: lost, and no reconnecting until the
+    end; ``stall``: hung past the link timeout)."""
     results: list[list[str]] = [[] for _ in range(CLIENTS)]
     progress = Progress(CLIENTS)
     async with httpx.AsyncClient(base_url=proxied.cluster.url, timeout=LIVENESS_S) as http:
@@ -215,9 +216,12 @@ async def _streams_under_fault(proxied: Proxied, fault: str) -> list[Answer]:
                 proxy = proxied.proxies[0]
                 if fault == "reset":
                     proxy.reset_all()
+                elif fault == "refuse":
+                    proxy.update(refuse=True)
+                    proxy.reset_all()
                 else:
                     proxy.update(stall=True)
-            proxied.proxies[0].update(stall=False)
+            proxied.proxies[0].update(stall=False, refuse=False)
     return [_read(events) for events in results]
 
 
@@ -350,9 +354,14 @@ async def test_a_non_streaming_request_is_continued_the_same_way(fault: str) -> 
 async def test_with_migration_off_or_no_other_decode_the_stream_ends_as_before(
     decodes: int,
 ) -> None:
-    router = attrs.evolve(ROUTER, migration_limit=0) if decodes == 2 else ROUTER
+    # the only decode lost for good (its proxy refuses): past decode_reconnect_wait_s
+    router = (
+        attrs.evolve(ROUTER, migration_limit=0)
+        if decodes == 2
+        else attrs.evolve(ROUTER, decode_reconnect_wait_s=0.3)
+    )
     async with proxied_cluster(router, decodes=decodes) as proxied:
-        answers = await _streams_under_fault(proxied, "reset")
+        answers = await _streams_under_fault(proxied, "reset" if decodes == 2 else "refuse")
         lost = [a for a in answers if a.errors]
         assert len(lost) == (CLIENTS // 2 if decodes == 2 else CLIENTS)
         for answer in lost:
@@ -365,6 +374,22 @@ async def test_with_migration_off_or_no_other_decode_the_stream_ends_as_before(
                 assert answer.finish_reasons == ["length"]
         metrics = await _metrics(proxied.cluster)
         assert value(metrics, "pdtrio_migrations_total") == 0
+        await _holds_nothing(proxied.cluster)
+
+
+async def test_the_only_decode_takes_its_streams_back_once_it_has_reconnected(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A link reset (or a worker back from a stop) is not a lost worker: the worker ended
+    every request of the old connection, so a continuation may go to it again."""
+    expected = await _undisturbed([_chat(index) for index in range(CLIENTS)])
+    async with proxied_cluster(decodes=1) as proxied:
+        answers = await _streams_under_fault(proxied, "reset")
+        for answer, undisturbed in zip(answers, expected, strict=True):
+            assert answer.errors == [] and answer.done and answer.roles == 1
+            assert (answer.content, answer.usage) == (undisturbed.content, undisturbed.usage)
+        metrics = await _metrics(proxied.cluster)
+        assert by_labels(metrics, "pdtrio_migrations_total", "reason") == {("link_lost",): CLIENTS}
         await _holds_nothing(proxied.cluster)
 
 
