@@ -91,6 +91,8 @@ _ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _PREFILL_ATTEMPTS = 3
 # decode must pull the KV this long before prefill's lease frees it
 _LEASE_MARGIN_S = 1.0
+# a stream's failure reasons that are its link's, not the worker's word on the request
+_LINK_FAILURES = frozenset({"link_lost", "link_timeout"})
 _STALLED_MESSAGE = "the client read nothing for too long; the router hung up"
 
 
@@ -704,7 +706,9 @@ class RequestPipeline:
                         CUT_OFF_MESSAGE, status=503, type="server_error", code="client_too_slow"
                     )
                 decode = self._decode_instance()
-                if decode is not None:
+                if decode is not None and stream.failure_reason not in _LINK_FAILURES:
+                    # a lost link is out of rotation until it reconnects: one loss fails
+                    # all its streams at once, and is not that many failures in a row
                     self.router.instance_failed(decode)
                 link = self.decode_link
                 connection = self._decode_connection

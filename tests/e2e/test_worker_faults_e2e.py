@@ -243,14 +243,19 @@ def test_streams_on_a_decode_killed_mid_stream_finish_unbroken_on_the_other(
     assert _eventually(lambda: _holds_nothing(prefill) and _holds_nothing(decode))
 
 
-def test_streams_on_a_decode_stopped_mid_stream_finish_unbroken_on_the_other(
-    procs: Processes, tmp_path: Path
+@pytest.mark.parametrize(
+    ("fault", "reason"), [(signal.SIGKILL, "link_lost"), (signal.SIGSTOP, "link_timeout")]
+)
+def test_sixteen_streams_on_a_decode_signalled_mid_stream_finish_unbroken_on_the_other(
+    procs: Processes, tmp_path: Path, fault: signal.Signals, reason: str
 ) -> None:
+    """SIGKILL: its link closes; SIGSTOP: it hangs past link_timeout_s. Either way its
+    streams go on on the other decode, each equal to the undisturbed answer."""
     workers = [_worker_config("prefill"), _worker_config("decode"), _worker_config("decode")]
-    (prefill, stopped, decode), router = _cluster(
+    (prefill, victim, decode), router = _cluster(
         procs, tmp_path, workers, router={**ROUTER, "decode_policy": "round_robin"}
     )
-    clients = 4
+    clients = 16
     expected = [_seen(_chat_stream(router, i)) for i in range(clients)]  # undisturbed
     flowing = threading.Barrier(clients + 1)
 
@@ -260,14 +265,22 @@ def test_streams_on_a_decode_stopped_mid_stream_finish_unbroken_on_the_other(
     with ThreadPoolExecutor(clients) as pool:
         futures = [pool.submit(stream, i) for i in range(clients)]
         flowing.wait(LIVENESS_S)  # every stream has had its first events
-        os.kill(stopped.pid, signal.SIGSTOP)  # hung past link_timeout_s: its streams move
+        os.kill(victim.pid, fault)
         try:
             answers = [future.result(LIVENESS_S) for future in futures]
         finally:
-            os.kill(stopped.pid, signal.SIGCONT)
+            if fault == signal.SIGSTOP:
+                os.kill(victim.pid, signal.SIGCONT)
     assert answers == expected
+    for roles, _, finishes, usage in answers:
+        assert (roles, finishes, usage["completion_tokens"]) == (1, ["length"], 40)
     metrics = httpx.get(f"{router.url}/metrics", timeout=LIVENESS_S).text
-    assert value(metrics, "pdtrio_migrations_total", reason="link_timeout") == clients // 2
-    assert _eventually(
-        lambda: _holds_nothing(prefill) and _holds_nothing(decode) and _holds_nothing(stopped)
-    )
+    # round robin: half the streams were on it
+    assert value(metrics, "pdtrio_migrations_total", reason=reason) == clients // 2
+    assert value(metrics, "pdtrio_migrations_total") == clients // 2
+    survivors = [prefill, decode]
+    if fault == signal.SIGKILL:
+        assert victim.process.wait(LIVENESS_S) == -signal.SIGKILL
+    else:
+        survivors.append(victim)
+    assert _eventually(lambda: all(_holds_nothing(worker) for worker in survivors))
