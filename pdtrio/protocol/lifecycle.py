@@ -6,7 +6,8 @@ decode has produced its first token, or their lease ends) and decode may run
 it (from the moment the start is sent until it finishes, fails or is
 aborted).  A decode lost after its first token takes the request back to the
 start (``DECODE_LOST``): a migration prefills its prompt and the tokens
-delivered again, and goes through the same states.  Prefill keeps the blocks until decode's first token so that a
+delivered again, and goes through the same states; so may one whose KV no decode
+could pull in time (``KV_GIVEN_UP``, once the caller has released it).  Prefill keeps the blocks until decode's first token so that a
 decode that fails before it can be replaced by another, which pulls them
 again.  Whatever ends the request, cleanup
 asks :meth:`RequestLifecycle.owed` and does exactly that, then reports
@@ -68,6 +69,10 @@ class Event(enum.Enum):
     it holds nothing, and prefill was told to release at the first token.  The request
     may continue from a new prefill of its prompt and the tokens delivered (a migration),
     as a new request would, or end."""
+    KV_GIVEN_UP = "kv_given_up"
+    """No decode could pull prefill's KV in time (every one failed, none came back within
+    its lease): the caller released it on prefill.  The request may continue from a new
+    prefill, as after ``DECODE_LOST``, or end."""
     CLEANED = "cleaned"
     """Cleanup did what :meth:`RequestLifecycle.owed` said."""
 
@@ -99,6 +104,7 @@ _TRANSITIONS: Final[dict[tuple[State, Event], State]] = {
     (State.DECODE_CONFIRMING, Event.DECODE_ENDED): State.PREFILLED,
     (State.DECODING, Event.DECODE_ENDED): State.DONE,
     (State.DECODING, Event.DECODE_LOST): State.NEW,
+    (State.PREFILLED, Event.KV_GIVEN_UP): State.NEW,
 }
 # cleanup may come at any moment, and more than once
 for _state in State:

@@ -360,15 +360,32 @@ class RequestPipeline:
                 # prefill still holds the KV: another decode instance pulls it again
                 tried[early.instance_id] = early.connection
                 last_reason = early.message
-                if not await self._a_decode_connects(tried, handle.layout, _lease_left_s(handle)):
+                if await self._a_decode_connects(tried, handle.layout, _lease_left_s(handle)):
+                    log.warning(
+                        "decode on %s failed before its first token (%s): trying another",
+                        early.instance_id,
+                        early.message,
+                    )
+                    continue
+                if not self._first_token_sent or self._generated is None:
                     raise _decode_failed(early.message) from None
-                log.warning(
-                    "decode on %s failed before its first token (%s): trying another",
-                    early.instance_id,
-                    early.message,
-                )
-                continue
+                # no decode can pull prefill's KV before its lease ends: it is freed, and the
+                # request goes on from a new prefill, as one lost mid-stream does
+                self._give_up_kv()
+                raise _LostMidStream(
+                    early.instance_id, early.message, early.reason, early.connection
+                ) from None
             return
+
+    def _give_up_kv(self) -> None:
+        """Release prefill's KV for the current leg now: no decode will pull it."""
+        instance = self.prefill_instance
+        if instance is not None and instance.link is not None:
+            instance.link.release(self._wire_id, self._kv_access_token)
+        if self._lease_holder is not None:
+            self._lease_holder.leases_out -= 1
+            self._lease_holder = None
+        self.lifecycle.handle(Event.KV_GIVEN_UP)
 
     def _prefill_call(self) -> PrefillRequest:
         request = self.request
@@ -592,7 +609,10 @@ class RequestPipeline:
                 lifecycle.handle(Event.DECODE_ENDED)
                 # (it had not answered: prefill still holds the KV) another may take it
                 raise _FailedBeforeFirstToken(
-                    instance.name, f"decode failed to start: {stream.failure}", connection
+                    instance.name,
+                    f"decode failed to start: {stream.failure}",
+                    connection,
+                    stream.failure_reason or "link_lost",
                 )
             rejection = stream.rejection
             assert rejection is not None
@@ -715,7 +735,9 @@ class RequestPipeline:
                 assert connection is not None  # set with decode_link
                 if before_first_token and link is not None:
                     self.lifecycle.handle(Event.DECODE_ENDED)
-                    raise _FailedBeforeFirstToken(link.instance_id, failure, connection)
+                    raise _FailedBeforeFirstToken(
+                        link.instance_id, failure, connection, stream.failure_reason
+                    )
                 if (
                     link is not None
                     and self._generated is not None
@@ -876,11 +898,13 @@ class RequestPipeline:
 class _FailedBeforeFirstToken(Exception):
     """Decode failed the request before its first token: prefill still holds the KV."""
 
-    def __init__(self, instance_id: str, message: str, connection: Connection) -> None:
+    def __init__(self, instance_id: str, message: str, connection: Connection, reason: str) -> None:
         super().__init__(message)
         self.instance_id = instance_id
         self.message = message
         self.connection = connection
+        # why, as a MIGRATION_REASONS label: should the request go on from a new prefill
+        self.reason = reason if reason in MIGRATION_REASONS else "decode_failed"
 
 
 class _LostMidStream(Exception):

@@ -33,6 +33,8 @@ def _model_step(held: tuple[bool, bool], event: Event) -> tuple[bool, bool]:
         return prefill, False
     if event is Event.DECODE_LOST:
         return prefill, False  # decode's request ended there; prefill released at its token
+    if event is Event.KV_GIVEN_UP:
+        return False, decode  # the caller released the blocks on prefill
     assert event is Event.CLEANED
     return False, False
 
@@ -157,6 +159,23 @@ def test_a_decode_lost_mid_stream_owes_nothing_and_the_request_may_start_over() 
     # a migration: a new prefill, of the prompt and the tokens delivered
     lifecycle.handle(Event.PREFILL_SENT)
     assert lifecycle.owed() is Cleanup.RELEASE_ON_PREFILL
+
+
+def test_kv_no_decode_could_pull_is_released_and_the_request_may_start_over() -> None:
+    lifecycle = RequestLifecycle()
+    for event in (
+        Event.PREFILL_SENT,
+        Event.PREFILLED,
+        Event.DECODE_START_SENT,
+        Event.DECODE_ACCEPTED,
+        Event.DECODE_ENDED,  # failed before its first token: prefill still holds
+    ):
+        lifecycle.handle(event)
+    assert lifecycle.owed() is Cleanup.RELEASE_ON_PREFILL
+    lifecycle.handle(Event.KV_GIVEN_UP)
+    assert lifecycle.owed() is Cleanup.NOTHING
+    lifecycle.handle(Event.PREFILL_SENT)
+    assert lifecycle.state is State.PREFILLING
 
 
 def test_a_rejected_start_can_be_retried_on_another_decode() -> None:

@@ -80,11 +80,17 @@ class FailsAStep:
 
 @asynccontextmanager
 async def proxied_cluster(
-    router: RouterConfig = ROUTER, *, decodes: int = 2, first_fails_step: int = 0
+    router: RouterConfig = ROUTER,
+    *,
+    decodes: int = 2,
+    first_fails_step: int = 0,
+    kv_lease_s: float | None = None,
 ) -> AsyncIterator[Proxied]:
     """A prefill and ``decodes`` decodes, the router's link to each decode through a proxy
-    (``first_fails_step``: the first decode's engine fails that step)."""
-    workers = [synthetic_worker("prefill")]
+    (``first_fails_step``: the first decode's engine fails that step; ``kv_lease_s``:
+    prefill's KV lease)."""
+    leases = {} if kv_lease_s is None else {"kv_lease_s": kv_lease_s}
+    workers = [synthetic_worker("prefill", worker_overrides=leases)]
     workers += [synthetic_worker("decode", decode_step_s=0.02) for _ in range(decodes)]
     if first_fails_step:
         first = workers[1]
@@ -435,6 +441,43 @@ async def test_a_decode_step_failing_mid_stream_is_continued_on_the_other() -> N
         for answer in answers:
             assert answer.errors == [] and answer.roles == 1 and len(answer.ids) == 1
             assert (answer.content, answer.usage) == (expected.content, expected.usage)
+        metrics = await _metrics(proxied.cluster)
+        assert by_labels(metrics, "pdtrio_migrations_total", "reason") == {("decode_failed",): 1}
+        await _holds_nothing(proxied.cluster)
+
+
+async def test_kv_no_decode_can_pull_in_time_is_freed_and_the_request_goes_on_from_a_new_prefill() -> (
+    None
+):
+    """The first decode fails the request before its first token; the other is down past
+    prefill's KV lease, then back: the request does not end, it goes on from a new
+    prefill of its prompt and the token delivered, as a migration."""
+    (expected,) = await _undisturbed([_chat(0)])
+    async with (
+        proxied_cluster(first_fails_step=1, kv_lease_s=1.5) as proxied,
+        httpx.AsyncClient(base_url=proxied.cluster.url, timeout=LIVENESS_S) as http,
+    ):
+        down = proxied.proxies[1]
+        down.update(refuse=True)
+        down.reset_all()
+        router = proxied.cluster.router_app.router
+        assert router is not None
+        await wait_for_stats(lambda: len(router.decode_links()) == 1, LIVENESS_S)
+        events: list[str] = []
+
+        async def run() -> None:
+            nonlocal events
+            events = await _stream(http, _chat(0))
+
+        with trio.fail_after(LIVENESS_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                # past the lease (less the router's margin) the KV is given up: then back
+                await trio.sleep(1.5)
+                down.update(refuse=False)
+        answer = _read(events)
+        assert answer.errors == [] and answer.roles == 1 and len(answer.ids) == 1
+        assert (answer.content, answer.usage) == (expected.content, expected.usage)
         metrics = await _metrics(proxied.cluster)
         assert by_labels(metrics, "pdtrio_migrations_total", "reason") == {("decode_failed",): 1}
         await _holds_nothing(proxied.cluster)
