@@ -187,15 +187,16 @@ class NixlAgent:
                 _make_agent, name, region, memory, devices, limiter=limiter
             )
         except ImportError as exc:
-            raise KvTransportUnavailable(f"NIXL does not import: {exc}") from None
+            raise KvTransportUnavailable(f"NIXL does not import: {exc}") from exc
         except Exception as exc:  # NIXL raises its own classes, all plain Exceptions
-            raise KvTransportUnavailable(f"NIXL does not start: {_describe(exc)}") from None
+            # (kept as the cause: a bug of ours in _make_agent would read the same)
+            raise KvTransportUnavailable(f"NIXL does not start: {_describe(exc)}") from exc
         opened = cls(made, name, region, limiter)
         try:
             await opened.call(_loopback_read, made.agent, name, region, memory)
         except Exception as exc:
             await opened.close()
-            raise KvTransportUnavailable(f"a NIXL loopback READ fails: {_describe(exc)}") from None
+            raise KvTransportUnavailable(f"a NIXL loopback READ fails: {_describe(exc)}") from exc
         return opened
 
     async def call(self, function: Callable[..., _T], *args: Any) -> _T:
@@ -581,7 +582,9 @@ class NixlKvTransport:
             if self._required:
                 raise
             self.unavailable = f"kv_transport = 'auto' and {exc}"
-            log.info("KV transport: tcp (%s)", self.unavailable)
+            # one line is the usual answer (no NIXL here); where it failed, at DEBUG
+            debug = log.isEnabledFor(logging.DEBUG)
+            log.info("KV transport: tcp (%s)", self.unavailable, exc_info=exc if debug else None)
         else:
             agent = self.agent
             log.info(
@@ -820,7 +823,8 @@ class NixlKvTransport:
         except Exception as exc:
             peer.session.end(f"a NIXL read failed ({_describe(exc)})")
             await trio.aclose_forcefully(peer.session.stream)
-            raise KvTransferError(f"the NIXL read failed: {_describe(exc)}") from None
+            log.debug("the NIXL read from %s failed", peer.label, exc_info=True)
+            raise KvTransferError(f"the NIXL read failed: {_describe(exc)}") from exc
         self.read_seconds += seconds
         if transfer is not None:
             polled_from = time.perf_counter()

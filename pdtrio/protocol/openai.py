@@ -575,6 +575,7 @@ def _piece(
     try:
         value, end = _scan_value(text, pos)
     except StopIteration as stop:
+        # (the scanner's "no value starts here": json.loads's own words, nothing lost)
         raise json.JSONDecodeError("Expecting value", text, stop.value) from None
     return value, end
 
@@ -686,6 +687,7 @@ def _array_piecewise(
                 try:
                     items.extend(json.loads(f"[{chunk}]"))
                 except json.JSONDecodeError as exc:
+                    # the same error, placed in the whole body instead of the chunk
                     raise json.JSONDecodeError(exc.msg, text, pos + max(0, exc.pos - 1)) from None
             pos = _skip_whitespace(text, pos + run.end())  # the window may cut the spaces
         if limit is not None and text[pos : pos + 1] == "[":
