@@ -33,6 +33,7 @@ import trio
 from pdtrio.asgi import Message, Receive, Send, send_json
 from pdtrio.engine.blocks import blocks_needed
 from pdtrio.protocol.egress import send_deadline
+from pdtrio.protocol.errors import Reason, status_for_worker_failure
 from pdtrio.protocol.lifecycle import Cleanup, Event, RequestLifecycle, State
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
@@ -40,6 +41,7 @@ from pdtrio.protocol.openai import (
     OpenAIError,
     chat_completion_body,
     completion_body,
+    error_for,
     gateway_timeout,
     queue_full,
     server_error,
@@ -845,9 +847,7 @@ class _LostMidStream(Exception):
 
 def _decode_failed(message: str) -> OpenAIError:
     """A decode worker failed the request: 502 (what a non-streaming client sees)."""
-    return OpenAIError(
-        f"decode failed: {message}", status=502, type="server_error", code="decode_failed"
-    )
+    return error_for(Reason.DECODE_FAILED, f"decode failed: {message}")
 
 
 async def _check_kv_source(router: Router, handle: KvHandle, instance: Instance | None) -> None:
@@ -870,11 +870,9 @@ async def _check_kv_source(router: Router, handle: KvHandle, instance: Instance 
             handle.instance_id,
             *instance.transfer_endpoint,
         )
-        raise OpenAIError(
+        raise error_for(
+            Reason.BAD_KV_HANDLE,
             f"prefill instance {instance.name} named a KV source it is not registered with",
-            status=502,
-            type="server_error",
-            code="bad_kv_handle",
         )
 
 
@@ -898,12 +896,10 @@ def _no_instance_reason(router: Router, model: str) -> str:
 
 
 def _shutting_down(message: str) -> OpenAIError:
-    return OpenAIError(message, status=503, type="server_error", code="shutting_down")
+    return error_for(Reason.SHUTTING_DOWN, message)
 
 
 def _prefill_error(failed: PrefillFailed) -> OpenAIError:
     """Prefill's refusal or failure as the OpenAIError the client should see."""
-    status = failed.status
-    if status >= 500 and status != 503:
-        status = 502  # the worker failed, not the router
+    status = status_for_worker_failure(failed.status)  # a 5xx: the worker failed, not us
     return OpenAIError(failed.message, status=status, type=failed.error_type, param=failed.param)
