@@ -85,6 +85,7 @@ from pdtrio.protocol.wire import (
     TransferDone,
     TransferRequest,
     WireError,
+    lease_deadline,
 )
 from pdtrio.security import PeerCredentials
 
@@ -93,7 +94,8 @@ log = logging.getLogger("pdtrio.kv")
 UCX_BACKEND_PARAMS: Final = {"ucx_error_handling_mode": "none"}
 # READs up to this size are posted on trio's thread (on shared memory, ~0.1 ms of copying)
 INLINE_READ_BYTES: Final = 1 << 20
-# a read must end this long before prefill's lease does (clocks of two hosts differ a little)
+# a read must end this long before prefill's lease does (the lease's TTL left prefill a
+# network hop and a send queue ago: decode's count starts a little late)
 LEASE_MARGIN_S: Final = 1.0
 # how long decode waits for a prefill instance to describe its agent
 HANDSHAKE_TIMEOUT_S: Final = 10.0
@@ -646,6 +648,8 @@ class NixlKvTransport:
         self, handle: KvHandle, sink: KvBlockSink, dest_block_ids: tuple[int, ...]
     ) -> None:
         check_destination(handle, dest_block_ids)
+        # the handle's TTL counts from now (the caller passes what is left of it)
+        lease_ends = lease_deadline(handle, trio.current_time())
         started = time.perf_counter()
         transport = "tcp"
         with trio.move_on_after(self.timeout_s) as deadline:
@@ -656,7 +660,7 @@ class NixlKvTransport:
                     break
                 transport = "nixl"
                 try:
-                    await self._read(peer, handle, dest_block_ids)
+                    await self._read(peer, handle, dest_block_ids, lease_ends)
                     break
                 except _SessionEnded:
                     # prefill restarted at the same address since we met it: meet it anew, once
@@ -778,11 +782,14 @@ class NixlKvTransport:
                     peer.session.end_reason,
                 )
 
-    async def _read(self, peer: _Peer, handle: KvHandle, dest_block_ids: tuple[int, ...]) -> None:
+    async def _read(
+        self, peer: _Peer, handle: KvHandle, dest_block_ids: tuple[int, ...], lease_ends: float
+    ) -> None:
+        """READ the blocks, done before ``lease_ends`` (trio clock) less the margin."""
         agent = self._agent_or_fail()
         info = peer.info
         region = agent.region
-        lease_left = handle.lease_expiry - time.time() - LEASE_MARGIN_S
+        lease_left = lease_ends - trio.current_time() - LEASE_MARGIN_S
         if lease_left <= 0:
             raise KvTransferError("prefill's lease on the blocks ends before a read could")
         if not _within(handle.block_ids, info.num_blocks):

@@ -61,6 +61,7 @@ from pdtrio.protocol.wire import (
 )
 from pdtrio.router.capacity import QueueFull
 from pdtrio.router.core import Instance, Router
+from pdtrio.router.kv_leases import LEASES
 from pdtrio.router.metrics import MIGRATION_REASONS, Outcome
 from pdtrio.router.worker_link import (
     CUT_OFF_MESSAGE,
@@ -603,8 +604,8 @@ class RequestPipeline:
         instance = router.decode_queue.take_now(take)
         if instance is not None:
             return instance  # room now: no timer needed (a deadline scope per request is dear)
-        # the KV waits on prefill under its lease (wall clock): decode must pull it before then
-        lease_left_s = handle.lease_expiry - time.time() - _LEASE_MARGIN_S
+        # the KV waits on prefill under its lease (a TTL, counted on our clock from the reply)
+        lease_left_s = LEASES.left_s(handle, trio.current_time()) - _LEASE_MARGIN_S
         with trio.move_on_after(max(0.0, lease_left_s)) as timer:
             try:
                 return await router.decode_queue.wait_for(take)
