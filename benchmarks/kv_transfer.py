@@ -123,7 +123,7 @@ async def serve_prefill() -> None:
                     source.leases.hold(request_id, block_ids, trio.current_time() + 60, grant)
                     reply = {
                         "block_ids": block_ids,
-                        "lease_expiry": time.time() + 60,
+                        "lease_ttl_s": 60.0,
                         "access_token": grant,
                     }
                     print(HANDLE.decode() + json.dumps(reply), flush=True)
@@ -161,7 +161,7 @@ async def bandwidth(procs: Processes, reps: int) -> list[dict[str, Any]]:
         ids = tuple(reply["block_ids"])
         return KvHandle(
             f"r{leases}", "prefill", LOOPBACK, port, ids, len(ids) * BLOCK_SIZE, layout,
-            reply["lease_expiry"], reply["access_token"],
+            reply["lease_ttl_s"], reply["access_token"],
         )  # fmt: skip
 
     async def pull_seconds(transport: KvTransport, blocks: int) -> tuple[float, float]:

@@ -351,9 +351,7 @@ def decode_start_frame(size: int, layout: KvLayout, transfer_port: int, id_bytes
         token_ids = tuple(4 + (i * 7) % 100 for i in range(count))
     else:
         token_ids = tuple(1000 + (i * 7919) % 30000 for i in range(count))
-    handle = KvHandle(
-        "huge-start", "prefill", LOOPBACK, transfer_port, (0,), count, layout, time.time() + 60
-    )
+    handle = KvHandle("huge-start", "prefill", LOOPBACK, transfer_port, (0,), count, layout, 60.0)
     start = DecodeStart("huge-start", token_ids, 5, SamplingParams(), count + 8, 1, 0, handle)
     return wire.encode(start)
 

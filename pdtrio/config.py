@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+import traceback
 from pathlib import Path
 from typing import Any, Literal, final
 
@@ -330,14 +331,42 @@ def _converter() -> cattrs.Converter:
 
 
 def config_from_dict(raw: dict[str, Any], cls: type[Any] = PdtrioConfig) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"invalid configuration: expected a table of keys, not {raw!r:.80}")
     try:
         return _converter().structure(raw, cls)
     except cattrs.BaseValidationError as exc:
+        if any(_raised_by_our_code(leaf) for leaf in _leaves(exc)):
+            raise  # a bug in a class check, not a bad key: every leaf's traceback goes along
         messages = transform_error(exc, path="config", format_exception=_format_exception)
         problems = "; ".join(_describe(m) for m in messages)
+        # the keys and what is wrong with each are all there is to say
         raise ConfigError(f"invalid configuration: {problems}") from None
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"invalid configuration: {exc}") from None
+        if _raised_by_our_code(exc):
+            raise
+        raise ConfigError(f"invalid configuration: {exc}") from exc
+
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+
+
+def _leaves(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return found
+
+
+def _raised_by_our_code(exc: BaseException) -> bool:
+    """Whether pdtrio's own code raised it, other than a check's ValueError (what every
+    validator and ``__attrs_post_init__`` raises for a bad value): a TypeError, an
+    AttributeError... from a class check is a bug, never the operator's bad key. What
+    cattrs and attrs raise for a value of the wrong type comes from their generated code."""
+    if isinstance(exc, ValueError):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and frames[-1].filename.startswith(_PACKAGE_DIR)
 
 
 def _format_exception(exc: BaseException, type_: type | None) -> str:
@@ -378,6 +407,7 @@ def load_config_from_env(environ: dict[str, str] | None = None) -> PdtrioConfig:
         try:
             discovery = attrs.evolve(config.discovery, etcd_endpoints=endpoints)
         except ValueError as exc:
+            # (a validator's own words: its traceback is the validator's)
             raise ConfigError(f"PDTRIO_ETCD_ENDPOINTS: {exc}") from None
         config = attrs.evolve(config, discovery=discovery)
     return config

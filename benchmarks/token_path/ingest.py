@@ -194,7 +194,7 @@ def _decode_start(request_id: str) -> DecodeStart:
         block_ids=(0,),
         num_tokens=16,
         layout=_LAYOUT,
-        lease_expiry=time.time() + 3600,
+        lease_ttl_s=3600.0,
     )
     return DecodeStart(
         request_id=request_id,

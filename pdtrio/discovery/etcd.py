@@ -485,6 +485,7 @@ class EtcdClient:
         try:
             return await self._post_once(path, body, headers)
         except _TokenInvalid:
+            # (_TokenInvalid is etcd's "auth required" reply: this message says all of it)
             if not self._username:
                 raise EtcdAuthFailed(
                     f"etcd at {self._endpoints[self._current]} asks for authentication: "

@@ -182,6 +182,8 @@ def registration_from_info(info: dict[str, Any], role: Role, url: str) -> Regist
     try:
         registration = msgspec.convert(info["registration"], Registration)
     except (KeyError, TypeError, msgspec.ValidationError) as exc:
+        # the worker's answer is at fault (no dict, no key, wrong types), never our code:
+        # the repr says which
         raise RegistrationError(f"the worker at {url} gave unusable /pd/info: {exc!r}") from None
     registration = msgspec.structs.replace(registration, role=role, url=url)
     try:

@@ -85,6 +85,7 @@ from pdtrio.protocol.wire import (
     TransferDone,
     TransferRequest,
     WireError,
+    lease_deadline,
 )
 from pdtrio.security import PeerCredentials
 
@@ -93,7 +94,8 @@ log = logging.getLogger("pdtrio.kv")
 UCX_BACKEND_PARAMS: Final = {"ucx_error_handling_mode": "none"}
 # READs up to this size are posted on trio's thread (on shared memory, ~0.1 ms of copying)
 INLINE_READ_BYTES: Final = 1 << 20
-# a read must end this long before prefill's lease does (clocks of two hosts differ a little)
+# a read must end this long before prefill's lease does (the lease's TTL left prefill a
+# network hop and a send queue ago: decode's count starts a little late)
 LEASE_MARGIN_S: Final = 1.0
 # how long decode waits for a prefill instance to describe its agent
 HANDSHAKE_TIMEOUT_S: Final = 10.0
@@ -187,15 +189,16 @@ class NixlAgent:
                 _make_agent, name, region, memory, devices, limiter=limiter
             )
         except ImportError as exc:
-            raise KvTransportUnavailable(f"NIXL does not import: {exc}") from None
+            raise KvTransportUnavailable(f"NIXL does not import: {exc}") from exc
         except Exception as exc:  # NIXL raises its own classes, all plain Exceptions
-            raise KvTransportUnavailable(f"NIXL does not start: {_describe(exc)}") from None
+            # (kept as the cause: a bug of ours in _make_agent would read the same)
+            raise KvTransportUnavailable(f"NIXL does not start: {_describe(exc)}") from exc
         opened = cls(made, name, region, limiter)
         try:
             await opened.call(_loopback_read, made.agent, name, region, memory)
         except Exception as exc:
             await opened.close()
-            raise KvTransportUnavailable(f"a NIXL loopback READ fails: {_describe(exc)}") from None
+            raise KvTransportUnavailable(f"a NIXL loopback READ fails: {_describe(exc)}") from exc
         return opened
 
     async def call(self, function: Callable[..., _T], *args: Any) -> _T:
@@ -581,7 +584,9 @@ class NixlKvTransport:
             if self._required:
                 raise
             self.unavailable = f"kv_transport = 'auto' and {exc}"
-            log.info("KV transport: tcp (%s)", self.unavailable)
+            # one line is the usual answer (no NIXL here); where it failed, at DEBUG
+            debug = log.isEnabledFor(logging.DEBUG)
+            log.info("KV transport: tcp (%s)", self.unavailable, exc_info=exc if debug else None)
         else:
             agent = self.agent
             log.info(
@@ -643,6 +648,8 @@ class NixlKvTransport:
         self, handle: KvHandle, sink: KvBlockSink, dest_block_ids: tuple[int, ...]
     ) -> None:
         check_destination(handle, dest_block_ids)
+        # the handle's TTL counts from now (the caller passes what is left of it)
+        lease_ends = lease_deadline(handle, trio.current_time())
         started = time.perf_counter()
         transport = "tcp"
         with trio.move_on_after(self.timeout_s) as deadline:
@@ -653,7 +660,7 @@ class NixlKvTransport:
                     break
                 transport = "nixl"
                 try:
-                    await self._read(peer, handle, dest_block_ids)
+                    await self._read(peer, handle, dest_block_ids, lease_ends)
                     break
                 except _SessionEnded:
                     # prefill restarted at the same address since we met it: meet it anew, once
@@ -775,11 +782,14 @@ class NixlKvTransport:
                     peer.session.end_reason,
                 )
 
-    async def _read(self, peer: _Peer, handle: KvHandle, dest_block_ids: tuple[int, ...]) -> None:
+    async def _read(
+        self, peer: _Peer, handle: KvHandle, dest_block_ids: tuple[int, ...], lease_ends: float
+    ) -> None:
+        """READ the blocks, done before ``lease_ends`` (trio clock) less the margin."""
         agent = self._agent_or_fail()
         info = peer.info
         region = agent.region
-        lease_left = handle.lease_expiry - time.time() - LEASE_MARGIN_S
+        lease_left = lease_ends - trio.current_time() - LEASE_MARGIN_S
         if lease_left <= 0:
             raise KvTransferError("prefill's lease on the blocks ends before a read could")
         if not _within(handle.block_ids, info.num_blocks):
@@ -820,7 +830,8 @@ class NixlKvTransport:
         except Exception as exc:
             peer.session.end(f"a NIXL read failed ({_describe(exc)})")
             await trio.aclose_forcefully(peer.session.stream)
-            raise KvTransferError(f"the NIXL read failed: {_describe(exc)}") from None
+            log.debug("the NIXL read from %s failed", peer.label, exc_info=True)
+            raise KvTransferError(f"the NIXL read failed: {_describe(exc)}") from exc
         self.read_seconds += seconds
         if transfer is not None:
             polled_from = time.perf_counter()

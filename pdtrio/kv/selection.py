@@ -17,7 +17,9 @@ def kv_transport_for(choice: KvTransportChoice, memory: KvMemory) -> KvTransport
     try:
         from pdtrio.kv.nixl import NixlKvTransport
     except ImportError as exc:  # numpy, which NIXL needs, comes with the worker extras
+        if (exc.name or "").partition(".")[0] == "pdtrio":
+            raise  # a broken import inside pdtrio is a bug, not a missing extra: never TCP
         if choice == "nixl":
-            raise KvTransportUnavailable(f"the NIXL transport does not import: {exc}") from None
+            raise KvTransportUnavailable(f"the NIXL transport does not import: {exc}") from exc
         return TcpKvTransport(nixl_unavailable=f"kv_transport = 'auto' and {exc}")
     return NixlKvTransport(memory, required=choice == "nixl")

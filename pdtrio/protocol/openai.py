@@ -17,6 +17,7 @@ from typing import Any, Final, final
 
 import attrs
 
+from pdtrio.protocol.errors import ERRORS, Reason
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.wire import ChatPrompt, TextPrompt, TokenPrompt, Usage
 
@@ -73,22 +74,44 @@ def error_body(
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def error_for(
+    reason: Reason,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Sequence[tuple[str, str]] = (),
+) -> OpenAIError:
+    """The error the client sees for ``reason`` (its status, type and code: the one
+    table, :data:`pdtrio.protocol.errors.ERRORS`); ``code`` only where the reason has
+    none of its own (which of the request's fields is invalid, say), ``headers`` added
+    to the reason's."""
+    kind = ERRORS[reason]
+    return OpenAIError(
+        message,
+        status=kind.status,
+        type=kind.type,
+        param=param,
+        code=kind.code if kind.code is not None else code,
+        headers=(*kind.headers, *headers),
+    )
+
+
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> OpenAIError:
-    return OpenAIError(message, status=400, param=param, code=code)
+    return error_for(Reason.INVALID_REQUEST, message, param=param, code=code)
 
 
 def not_found(message: str) -> OpenAIError:
     """An unknown route (OpenAI answers these with invalid_request_error too)."""
-    return OpenAIError(message, status=404, code="not_found")
+    return error_for(Reason.NOT_FOUND, message)
 
 
 def method_not_allowed(method: str, path: str, allowed: Sequence[str]) -> OpenAIError:
     """A known route asked with the wrong method; ``Allow`` lists the right ones."""
     allow = ", ".join(allowed)
-    return OpenAIError(
+    return error_for(
+        Reason.METHOD_NOT_ALLOWED,
         f"Method {_show(method)} is not allowed on {path}; use {allow}.",
-        status=405,
-        code="method_not_allowed",
         headers=(("allow", allow),),
     )
 
@@ -112,19 +135,15 @@ def is_json_content_type(content_type: str | None) -> bool:
 
 def unsupported_media_type(content_type: str | None) -> OpenAIError:
     shown = "none" if content_type is None else _show(content_type)
-    return OpenAIError(
+    return error_for(
+        Reason.UNSUPPORTED_MEDIA_TYPE,
         f"Unsupported Content-Type {shown}: the request body must be {JSON_MEDIA_TYPE}.",
-        status=415,
-        code="unsupported_media_type",
     )
 
 
 def not_found_model(model: str) -> OpenAIError:
-    return OpenAIError(
-        f"The model {_show(model)} does not exist.",
-        status=404,
-        param="model",
-        code="model_not_found",
+    return error_for(
+        Reason.MODEL_NOT_FOUND, f"The model {_show(model)} does not exist.", param="model"
     )
 
 
@@ -132,48 +151,38 @@ def context_length_exceeded(
     *, prompt_tokens: int, max_tokens: int | None, context_length: int, param: str = "messages"
 ) -> OpenAIError:
     asked = "" if max_tokens is None else f" and {max_tokens} in the completion"
-    return OpenAIError(
+    return error_for(
+        Reason.CONTEXT_LENGTH_EXCEEDED,
         f"This model's maximum context length is {context_length} tokens. However, you "
         f"requested {prompt_tokens} tokens in the prompt{asked}. Please reduce the length "
         "of the prompt or the completion.",
-        status=400,
         param=param,
-        code="context_length_exceeded",
     )
 
 
 def request_too_large(limit_bytes: int) -> OpenAIError:
-    return OpenAIError(
+    return error_for(
+        Reason.REQUEST_TOO_LARGE,
         f"The request body is larger than the limit of {limit_bytes} bytes.",
-        status=413,
-        code="request_too_large",
     )
 
 
 def body_timeout(timeout_s: float) -> OpenAIError:
-    return OpenAIError(
-        f"The request body did not arrive within {timeout_s:g}s.",
-        status=408,
-        code="request_timeout",
-    )
+    return error_for(Reason.BODY_TIMEOUT, f"The request body did not arrive within {timeout_s:g}s.")
 
 
 def server_error(message: str) -> OpenAIError:
-    return OpenAIError(message, status=500, type="server_error")
+    return error_for(Reason.INTERNAL, message)
 
 
 def service_unavailable(message: str) -> OpenAIError:
-    return OpenAIError(message, status=503, type="server_error", code="service_unavailable")
+    return error_for(Reason.SERVICE_UNAVAILABLE, message)
 
 
 def queue_full() -> OpenAIError:
     """The admission queue is at its limit: 429, retry in a second."""
-    return OpenAIError(
-        "the server is at capacity and its queue is full; retry shortly",
-        status=429,
-        type="server_error",
-        code="queue_full",
-        headers=(("retry-after", "1"),),
+    return error_for(
+        Reason.QUEUE_FULL, "the server is at capacity and its queue is full; retry shortly"
     )
 
 
@@ -184,27 +193,16 @@ def unauthorized(has_key: bool) -> OpenAIError:
         if has_key
         else "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
     )
-    return OpenAIError(
-        message,
-        status=401,
-        code="invalid_api_key",
-        headers=(("www-authenticate", "Bearer"),),
-    )
+    return error_for(Reason.INVALID_API_KEY, message)
 
 
 def too_many_requests(message: str) -> OpenAIError:
     """A concurrency limit is reached: 429, retry in a second."""
-    return OpenAIError(
-        message,
-        status=429,
-        type="rate_limit_error",
-        code="rate_limit_exceeded",
-        headers=(("retry-after", "1"),),
-    )
+    return error_for(Reason.RATE_LIMITED, message)
 
 
 def gateway_timeout(message: str) -> OpenAIError:
-    return OpenAIError(message, status=504, type="server_error", code="timeout")
+    return error_for(Reason.TIMEOUT, message)
 
 
 # --- requests ----------------------------------------------------------------
@@ -575,6 +573,7 @@ def _piece(
     try:
         value, end = _scan_value(text, pos)
     except StopIteration as stop:
+        # (the scanner's "no value starts here": json.loads's own words, nothing lost)
         raise json.JSONDecodeError("Expecting value", text, stop.value) from None
     return value, end
 
@@ -686,6 +685,7 @@ def _array_piecewise(
                 try:
                     items.extend(json.loads(f"[{chunk}]"))
                 except json.JSONDecodeError as exc:
+                    # the same error, placed in the whole body instead of the chunk
                     raise json.JSONDecodeError(exc.msg, text, pos + max(0, exc.pos - 1)) from None
             pos = _skip_whitespace(text, pos + run.end())  # the window may cut the spaces
         if limit is not None and text[pos : pos + 1] == "[":

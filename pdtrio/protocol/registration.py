@@ -22,7 +22,9 @@ import msgspec
 
 from pdtrio.protocol.kv_layout import KvLayout
 
-REGISTRATION_VERSION = 1
+# 2: KV handles carry their lease as a TTL (KvHandle.lease_ttl_s), no longer a wall-clock
+# instant: a worker of version 1 and a router of version 2 (or the reverse) cannot pair
+REGISTRATION_VERSION = 2
 
 # an entry larger than this is not read at all (a real one is well under 1 KiB)
 MAX_REGISTRATION_BYTES: Final = 64 * 1024

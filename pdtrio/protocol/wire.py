@@ -85,7 +85,14 @@ BlockIds = Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_TOKEN_IDS)]
 
 
 class KvHandle(_Positional, frozen=True):
-    """Where a request's prefilled KV blocks live and for how long."""
+    """Where a request's prefilled KV blocks live and for how long.
+
+    The lease crosses hosts as a duration, never as an instant: ``lease_ttl_s`` is
+    what is left of it as the message carrying the handle is sent, and whoever
+    receives it counts from its own (monotonic) clock at receipt
+    (:func:`lease_deadline`); whoever passes it on sends what is left then
+    (:func:`with_lease_left`). Two hosts' clocks are never compared.
+    """
 
     request_id: str
     instance_id: str
@@ -94,10 +101,27 @@ class KvHandle(_Positional, frozen=True):
     block_ids: BlockIds
     num_tokens: int
     layout: KvLayout
-    lease_expiry: float  # wall-clock seconds (time.time()); prefill frees the blocks then
+    # seconds left of prefill's lease as the handle is sent (it frees the blocks then);
+    # was an absolute wall-clock instant before registration version 2
+    lease_ttl_s: float
     # the grant prefill minted for this request: only its holder may read or release the
     # blocks (knowing the request id is not enough)
     access_token: str = ""
+
+
+def lease_deadline(handle: KvHandle, received_at: float) -> float:
+    """When the handle's lease ends on the receiver's clock, ``received_at`` being the
+    receipt on that clock. A TTL that is not a number >= 0 (a peer's bad float) has
+    ended already; an infinite one never ends here (prefill still frees at its own)."""
+    ttl = handle.lease_ttl_s
+    return received_at + ttl if ttl >= 0 else received_at  # (NaN: not >= 0)
+
+
+def with_lease_left(handle: KvHandle, deadline: float, now: float) -> KvHandle:
+    """The handle to pass on at ``now``: its TTL what is left until ``deadline`` (both
+    on the holder's clock), 0 when the lease has ended."""
+    left = deadline - now
+    return msgspec.structs.replace(handle, lease_ttl_s=left if left > 0 else 0.0)
 
 
 # --- prompts -----------------------------------------------------------------

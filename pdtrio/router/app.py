@@ -27,11 +27,13 @@ from pdtrio.asgi import (
 )
 from pdtrio.memory import HeapTrimmer, freeze_startup_objects, limit_heap_retention
 from pdtrio.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     body_timeout,
+    error_for,
     is_json_content_type,
     method_not_allowed,
     models_list_body,
@@ -171,10 +173,9 @@ class RouterApp:
                 if path.startswith("/pd/"):
                     # a worker's path: say who answers, so that a registration pointing
                     # at a router is recognised as one (and ignored) when it is dialed
-                    raise OpenAIError(
+                    raise error_for(
+                        Reason.NOT_FOUND,
                         f"this is a pdtrio router, not a worker: no route {method} {path}",
-                        status=404,
-                        code="not_found",
                         headers=[(ROUTER_HEADER, "1")],
                     )
                 raise not_found(f"no route {method} {path}")

@@ -32,6 +32,7 @@ import trio
 from pdtrio.asgi import Message, Receive, Send, send_json
 from pdtrio.engine.blocks import blocks_needed
 from pdtrio.protocol.egress import send_deadline
+from pdtrio.protocol.errors import Reason, status_for_worker_failure
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.lifecycle import Cleanup, Event, RequestLifecycle, State
 from pdtrio.protocol.openai import (
@@ -40,6 +41,7 @@ from pdtrio.protocol.openai import (
     OpenAIError,
     chat_completion_body,
     completion_body,
+    error_for,
     gateway_timeout,
     queue_full,
     server_error,
@@ -59,6 +61,7 @@ from pdtrio.protocol.wire import (
 )
 from pdtrio.router.capacity import QueueFull
 from pdtrio.router.core import Instance, Router
+from pdtrio.router.kv_leases import LEASES
 from pdtrio.router.metrics import MIGRATION_REASONS, Outcome
 from pdtrio.router.worker_link import (
     CUT_OFF_MESSAGE,
@@ -920,15 +923,14 @@ class _LostMidStream(Exception):
 
 def _lease_left_s(handle: KvHandle) -> float:
     """How long decode may still take to pull the KV: it waits on prefill under its lease
-    (wall clock), and must be pulled a margin before the lease frees it."""
-    return handle.lease_expiry - time.time() - _LEASE_MARGIN_S
+    (a TTL, counted on this router's clock from the reply), and must be pulled a margin
+    before the lease frees it."""
+    return LEASES.left_s(handle, trio.current_time()) - _LEASE_MARGIN_S
 
 
 def _decode_failed(message: str) -> OpenAIError:
     """A decode worker failed the request: 502 (what a non-streaming client sees)."""
-    return OpenAIError(
-        f"decode failed: {message}", status=502, type="server_error", code="decode_failed"
-    )
+    return error_for(Reason.DECODE_FAILED, f"decode failed: {message}")
 
 
 async def _check_kv_source(router: Router, handle: KvHandle, instance: Instance | None) -> None:
@@ -951,11 +953,9 @@ async def _check_kv_source(router: Router, handle: KvHandle, instance: Instance 
             handle.instance_id,
             *instance.transfer_endpoint,
         )
-        raise OpenAIError(
+        raise error_for(
+            Reason.BAD_KV_HANDLE,
             f"prefill instance {instance.name} named a KV source it is not registered with",
-            status=502,
-            type="server_error",
-            code="bad_kv_handle",
         )
 
 
@@ -979,12 +979,10 @@ def _no_instance_reason(router: Router, model: str) -> str:
 
 
 def _shutting_down(message: str) -> OpenAIError:
-    return OpenAIError(message, status=503, type="server_error", code="shutting_down")
+    return error_for(Reason.SHUTTING_DOWN, message)
 
 
 def _prefill_error(failed: PrefillFailed) -> OpenAIError:
     """Prefill's refusal or failure as the OpenAIError the client should see."""
-    status = failed.status
-    if status >= 500 and status != 503:
-        status = 502  # the worker failed, not the router
+    status = status_for_worker_failure(failed.status)  # a 5xx: the worker failed, not us
     return OpenAIError(failed.message, status=status, type=failed.error_type, param=failed.param)

@@ -77,6 +77,7 @@ from pdtrio.protocol.wire import (
     is_batch,
     prompt_is_long,
 )
+from pdtrio.router.kv_leases import LEASES
 from pdtrio.router.ws_client import (
     ConnectionClosed,
     HandshakeError,
@@ -521,6 +522,9 @@ class WorkerLink:
                     if type(message) is PrefillReply or type(message) is PrefillFailed:
                         pending = self._prefills.pop(message.request_id, None)
                         if pending is not None:
+                            if type(message) is PrefillReply and message.kv_handle is not None:
+                                # its lease's TTL counts from here, on our clock
+                                LEASES.received(message.kv_handle, trio.current_time())
                             pending.settle(message)
                         elif type(message) is PrefillReply and message.kv_handle is not None:
                             # its caller gave up (and sent a release, which may have crossed
@@ -674,6 +678,8 @@ class WorkerLink:
         default the request's release token), or stop its prefill; never blocks, idempotent.
 
         While the link is down the release waits for it to come back."""
+        if access_token:
+            LEASES.forget(access_token)
         token = access_token or release_token(request_id)
         if self._ws is None:
             self._release_later(request_id, token)
@@ -717,7 +723,8 @@ class WorkerLink:
         self._streams[start.request_id] = stream
         self._promised[start.request_id] = blocks
         try:
-            await self._post(encode(start))
+            # decode counts the lease from its receipt: it gets what is left of it now
+            await self._post(encode(LEASES.to_send(start, trio.current_time())))
         except BaseException:
             # not queued (the link is down, or cancelled while waiting for room)
             self._streams.pop(start.request_id, None)

@@ -13,13 +13,14 @@ from __future__ import annotations
 from typing import final
 
 import attrs
+import trio
 
 from pdtrio.engine.api import Engine, NoRoom
 from pdtrio.engine.blocks import blocks_needed
 from pdtrio.engine.budget import tokens_left
 from pdtrio.kv.api import KvTransferError, KvTransport
 from pdtrio.protocol.kv_layout import KvLayout, layout_mismatch
-from pdtrio.protocol.wire import DecodeStart, RejectReason
+from pdtrio.protocol.wire import DecodeStart, RejectReason, lease_deadline, with_lease_left
 from pdtrio.worker.leases import KvLeases
 
 
@@ -61,13 +62,17 @@ class DecodeAdmission:
         self._transport = transport
         self._instance_id = instance_id
 
-    async def admit(self, start: DecodeStart) -> Decision:
+    async def admit(self, start: DecodeStart, received_at: float | None = None) -> Decision:
         """Accept the request with its KV in place, or reject it; frees all on the way out.
 
-        Cancellation (the router aborted) frees whatever was allocated, too.
+        ``received_at``: when the start arrived (trio clock; None: now), where its KV
+        lease's TTL counts from. Cancellation (the router aborted) frees whatever was
+        allocated, too.
         """
         engine = self._engine
         handle = start.kv_handle
+        now = trio.current_time()
+        lease_ends = lease_deadline(handle, now if received_at is None else received_at)
         mismatch = layout_mismatch(handle.layout, self._layout or engine.layout)
         if mismatch is not None:
             return Rejected(RejectReason.LAYOUT_MISMATCH, mismatch)
@@ -86,6 +91,8 @@ class DecodeAdmission:
                 engine.allocate_blocks(request_id, total_tokens)
             else:
                 blocks = engine.allocate_blocks(request_id, total_tokens)
+                # the transport counts the TTL from its call: what is left of it now
+                handle = with_lease_left(handle, lease_ends, trio.current_time())
                 await self._transport.pull(handle, engine, blocks[: len(handle.block_ids)])
             accepted = True
             return _ACCEPTED

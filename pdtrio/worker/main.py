@@ -62,12 +62,30 @@ def build_engine(config: EngineConfig) -> Engine:
     try:
         from pdtrio.engine.torch.engine import TorchEngine
     except ImportError as exc:
+        if _names_our_module(exc):
+            raise  # an import inside pdtrio itself is broken: a bug, its traceback says where
         raise ConfigError(
             f"engine.kind = 'torch' needs the worker extras (pip install 'pdtrio[worker]'): {exc}"
-        ) from None
+        ) from exc
     # (the torch engine is outside mypy's files, see pyproject: Any to it)
     engine: Engine = TorchEngine.from_config(config)
     return engine
+
+
+def _names_our_module(exc: ImportError) -> bool:
+    """Whether the import that failed is of a pdtrio module (a bug), not of an extra."""
+    return (exc.name or "").partition(".")[0] == "pdtrio"
+
+
+# What loading a model raises when the configuration or the model's files are wrong
+# (missing or unreadable files, a checkpoint this engine cannot run, an unknown dtype or
+# device): the operator's to fix, and the message says what. Anything else loading
+# raises is pdtrio's own failure, a bug: it is logged with its traceback.
+MODEL_CONFIG_ERRORS: tuple[type[Exception], ...] = (OSError, UnsupportedModel, EngineError)
+
+
+class LoadCrashed(Exception):
+    """Loading the model failed inside pdtrio (logged already, with its traceback)."""
 
 
 @attrs.frozen
@@ -232,7 +250,11 @@ def parse_args(
     if args.config:
         raw = _read_toml(args.config)
     if args.config_json:
-        raw = json.loads(args.config_json)
+        try:
+            raw = json.loads(args.config_json)
+        except json.JSONDecodeError as exc:
+            # (the decoder's message says where: its traceback would add nothing)
+            raise ConfigError(f"--config-json is not valid JSON: {exc}") from None
     for option in _OPTIONS:
         value = getattr(args, _attribute_name(option.flag))
         if value is None and option.env in environ:
@@ -328,14 +350,32 @@ async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> N
     started_at = time.monotonic()
     try:
         engine = build_engine(config.engine)
-    except (OSError, UnsupportedModel, EngineError) as exc:
+    except ConfigError:
+        raise
+    except MODEL_CONFIG_ERRORS as exc:
         # a missing or unreadable model is the operator's to fix: say which, not where
-        raise ConfigError(f"cannot load model {config.engine.model!r}: {exc}") from None
+        # (the cause stays chained for a debugger; main() prints this one line)
+        raise ConfigError(f"cannot load model {config.engine.model!r}: {exc}") from exc
+    except Exception as exc:
+        if isinstance(exc, ImportError) and not _names_our_module(exc):
+            # a loader's own import (gguf, safetensors, ...) is not installed
+            raise ConfigError(
+                f"cannot load model {config.engine.model!r}: the worker extras are missing "
+                f"(pip install 'pdtrio[worker]'): {exc}"
+            ) from exc
+        # our code raised: not the operator's mistake, and the traceback is the only clue
+        log.critical(
+            "loading model %r failed inside pdtrio (a bug, not a configuration mistake)",
+            config.engine.model,
+            exc_info=True,
+        )
+        raise LoadCrashed(f"loading model {config.engine.model!r} failed: {exc!r}") from exc
     log.info(_describe_loaded(engine, time.monotonic() - started_at))
     try:
         worker = Worker(config, engine)
     except KvTransportUnavailable as exc:
-        raise ConfigError(f"kv_transport = {config.kv_transport!r}: {exc}") from None
+        # the transport says why it is unavailable (NIXL missing, or failing its self-test)
+        raise ConfigError(f"kv_transport = {config.kv_transport!r}: {exc}") from exc
     stop = trio.Event()
     try:
         async with trio.open_nursery() as nursery:
@@ -372,7 +412,8 @@ async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> N
             await worker.drain(config.drain_s)
             nursery.cancel_scope.cancel()
     except* KvTransportUnavailable as group:
-        raise ConfigError(f"kv_transport = {config.kv_transport!r}: {_first(group)}") from None
+        first = _first(group)
+        raise ConfigError(f"kv_transport = {config.kv_transport!r}: {first}") from first
 
 
 async def _stay_registered(
@@ -401,8 +442,13 @@ def main(argv: list[str]) -> int:
         configure_logging(level, fmt, config.instance_id or config.role)
         trio.run(serve_worker, config, exit_with_stdin)
     except ConfigError as exc:
+        if exc.__cause__ is not None:
+            # one line is the operator's answer; where it came from, at DEBUG only
+            log.debug("the configuration error came from here", exc_info=exc.__cause__)
         print(f"pdtrio worker: {exc}", file=sys.stderr)
         return 2
+    except LoadCrashed:
+        return 1  # logged where it happened, with its traceback (once)
     except KeyboardInterrupt:
         return 0
     except BaseExceptionGroup as group:

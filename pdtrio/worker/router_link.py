@@ -334,7 +334,8 @@ class _Link:
         scope = trio.CancelScope()
         self.requests[request_id] = scope
         server.owner[request_id] = self
-        nursery.start_soon(self._start, message, scope)
+        # (its KV lease's TTL counts from its arrival)
+        nursery.start_soon(self._start, message, scope, trio.current_time())
 
     def _start_prefill(
         self, request: PrefillRequest, nursery: trio.Nursery, *, big: bool = False
@@ -400,7 +401,9 @@ class _Link:
             del self.requests[request_id]
             del self._server.owner[request_id]
 
-    async def _start(self, start: DecodeStart, scope: trio.CancelScope) -> None:
+    async def _start(
+        self, start: DecodeStart, scope: trio.CancelScope, received_at: float | None = None
+    ) -> None:
         request_id = start.request_id
         accepted = started = False
         ending: _Control | None = None
@@ -412,7 +415,7 @@ class _Link:
                 if self._server.draining:
                     decision = Rejected(RejectReason.SHUTTING_DOWN, "decode is draining")
                 else:
-                    decision = await admission.admit(start)
+                    decision = await admission.admit(start, received_at)
                 if isinstance(decision, Rejected):
                     ending = DecodeRejected(request_id, decision.reason, decision.message)
                 else:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import Any, final
 
 import msgspec
@@ -599,7 +598,8 @@ class Worker:
                 block_ids=result.block_ids,
                 num_tokens=len(token_ids),
                 layout=self.kv_layout,
-                lease_expiry=time.time() + lease_s,
+                # a duration: the router and decode count it from their own clocks
+                lease_ttl_s=lease_s,
                 access_token=access_token,
             )
         return PrefillReply(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -90,7 +89,7 @@ async def leased_request(
         block_ids=block_ids,
         num_tokens=num_tokens,
         layout=engine.layout,
-        lease_expiry=time.time() + lease_s,
+        lease_ttl_s=lease_s,
         access_token=access_token,
     )
     return handle, data

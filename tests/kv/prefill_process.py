@@ -46,7 +46,7 @@ async def serve(config: dict[str, int]) -> None:
                 {
                     "handle": list(handle.block_ids),
                     "port": endpoint[1],
-                    "lease_expiry": handle.lease_expiry,
+                    "lease_ttl_s": handle.lease_ttl_s,
                     "access_token": handle.access_token,
                     "agent": transport.info()["nixl"]["agent"],
                 }

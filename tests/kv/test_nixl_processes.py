@@ -62,7 +62,7 @@ def start_prefill(procs: Processes, num_tokens: int, seed: int) -> tuple[Any, Kv
         tuple(ready["handle"]),
         num_tokens,
         layout,
-        ready["lease_expiry"],
+        ready["lease_ttl_s"],  # (a TTL: counted from our receipt)
         ready["access_token"],
     )
     return process, handle

@@ -94,3 +94,33 @@ def test_a_worker_that_needs_nixl_and_cannot_start_it_exits_with_one_line_of_our
     assert done.returncode == 2
     ours = [line for line in done.stderr.decode().splitlines() if line.startswith("pdtrio worker:")]
     assert len(ours) == 1 and "kv_transport = 'nixl': NIXL does not start" in ours[0], ours
+
+
+def _import_fails(name: str) -> object:
+    real = __import__
+
+    def fake(module: str, *args: object, **kwargs: object) -> object:
+        if module == "pdtrio.kv.nixl":
+            raise ImportError(f"no {name} here", name=name)
+        return real(module, *args, **kwargs)  # type: ignore[arg-type]
+
+    return fake
+
+
+def test_auto_without_numpy_runs_tcp_but_a_broken_import_of_ours_is_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import builtins
+
+    monkeypatch.delitem(sys.modules, "pdtrio.kv.nixl")
+    monkeypatch.setattr(builtins, "__import__", _import_fails("numpy"))
+    transport = kv_transport_for("auto", synthetic())
+    assert isinstance(transport, TcpKvTransport)
+    with pytest.raises(KvTransportUnavailable, match="does not import") as raised:
+        kv_transport_for("nixl", synthetic())
+    assert isinstance(raised.value.__cause__, ImportError)  # kept for the DEBUG log
+
+    # a bug (an import inside pdtrio that fails) never passes for "no NIXL: TCP then"
+    monkeypatch.setattr(builtins, "__import__", _import_fails("pdtrio.kv.api"))
+    with pytest.raises(ImportError, match="no pdtrio.kv.api here"):
+        kv_transport_for("auto", synthetic())

@@ -214,3 +214,42 @@ async def test_a_reserved_place_counts_against_the_limit_and_becomes_the_waiters
         room.append("go")
         queue.changed()
     assert room == ["go", "room"] and len(queue) == 1
+
+
+async def test_a_wait_for_decode_room_lasts_what_is_left_of_prefills_lease() -> None:
+    # the lease comes as a TTL, counted from prefill's reply on the router's clock: the
+    # wait for decode room ends that TTL (less the pull's margin) later, not at once
+    lease_s = 2.5
+
+    def make(role: str) -> Worker:
+        return synthetic_worker(
+            role,
+            worker_overrides={"kv_lease_s": lease_s},
+            max_model_len=256,
+            num_kv_blocks=16,  # one default request (16 blocks) fills decode
+            tokens_per_step=1,
+            decode_step_s=0.05,  # for ~12 s
+        )
+
+    async with running_cluster(make_worker=make) as cluster:
+        async with client(cluster, timeout=60) as http, trio.open_nursery() as nursery:
+            decoding = trio.Event()
+
+            async def hold_decode() -> None:
+                body = {"model": "synthetic", "prompt": "hi", "stream": True}
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    async for _ in response.aiter_bytes():
+                        decoding.set()
+
+            nursery.start_soon(hold_decode)
+            await decoding.wait()
+            started = trio.current_time()
+            waited = await http.post("/v1/completions", json={"model": "synthetic", "prompt": "hi"})
+            elapsed = trio.current_time() - started
+            nursery.cancel_scope.cancel()
+        assert waited.status_code == 503, waited.text
+        assert "no decode capacity came free within the prefill KV lease" in waited.text
+        # the router's margin is 1 s: it waited the 1.5 s left, give or take the prefill
+        assert 1.2 <= elapsed <= lease_s + 1.0, elapsed
+        await wait_until_idle(cluster)
+        assert cluster.blocks_in_use() == 0

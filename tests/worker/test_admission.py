@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import final
 
 import msgspec
@@ -58,7 +57,7 @@ async def prefilled(
     ids = await engine.tokenize(TextPrompt("a prompt of a few blocks"))
     result = await engine.prefill("r", ids, SamplingParams(), max_tokens)
     handle = KvHandle(
-        "r", instance_id, "127.0.0.1", 1, result.block_ids, len(ids), engine.layout, time.time()
+        "r", instance_id, "127.0.0.1", 1, result.block_ids, len(ids), engine.layout, 30.0
     )
     return DecodeStart(
         "r", tuple(ids), result.first_token_id, SamplingParams(), result.token_budget, 1, 0, handle

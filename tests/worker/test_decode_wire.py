@@ -36,7 +36,7 @@ PREFILL, PREFILLED, PREFILL_FAILED, RELEASE = 8, 9, 10, 11
 R_ID, R_PROMPT, R_CACHED, R_FIRST, R_TEXT, R_FINISH, R_BUDGET, R_HANDLE, R_USAGE = range(1, 10)
 # a KV handle's last field: the grant a release (or a pull) must show
 H_GRANT = 8
-# KvHandle: [request_id, instance_id, host, port, block_ids, num_tokens, layout, lease_expiry]
+# KvHandle: [request_id, instance_id, host, port, block_ids, num_tokens, layout, lease_ttl_s]
 H_INSTANCE, H_PORT, H_BLOCKS = 1, 3, 4
 # TokenEntry: [request_id, token_ids, text, finish_reason, usage]; Usage: [prompt, completion, cached]
 E_ID, E_TOKENS, E_TEXT, E_FINISH, E_USAGE = range(5)

@@ -100,3 +100,22 @@ def test_the_multi_host_example_configurations_load() -> None:
         assert worker.advertised_host != worker.host
         assert worker.discovery.prefix == router.discovery.prefix
         assert worker.discovery.etcd_endpoints == router.discovery.etcd_endpoints
+
+
+def test_a_bad_value_is_a_config_error_but_a_bug_in_a_class_check_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pdtrio import config as config_module
+
+    # the operator's mistakes: one message naming the key
+    with pytest.raises(ConfigError, match="key 'drain_s'"):
+        config_module.config_from_dict({"drain_s": "soon"}, config_module.WorkerConfig)
+    with pytest.raises(ConfigError, match="expected a table of keys"):
+        config_module.config_from_dict([1], config_module.WorkerConfig)  # type: ignore[arg-type]
+
+    # a TypeError out of our own class check (WorkerConfig's, which reads this name) is
+    # a bug: it comes out as raised, with its traceback, not as a bad key
+    monkeypatch.setattr(config_module, "WILDCARD_HOSTS", None)
+    with pytest.raises(BaseExceptionGroup) as raised:
+        config_module.config_from_dict({"host": "127.0.0.1"}, config_module.WorkerConfig)
+    assert raised.group_contains(TypeError)

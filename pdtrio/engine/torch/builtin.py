@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from pdtrio.engine.config import ModelConfig
+from pdtrio.engine.config import ModelConfig, UnsupportedModel
 from pdtrio.engine.torch.loaders import LoadedModel, fingerprint_of, load_gguf
 from pdtrio.engine.torch.model import CausalLM, random_state_dict
 
@@ -35,7 +35,9 @@ def load_builtin(
         return _tiny_random(device=device, dtype=dtype)
     if name == SMOLLM2_135M_INSTRUCT:
         return load_gguf(smollm2_gguf_path(), device=device, dtype=dtype, name=name)
-    raise ValueError(f"unknown built-in model {name!r} (built-in: {', '.join(builtin_names())})")
+    raise UnsupportedModel(
+        f"unknown built-in model {name!r} (built-in: {', '.join(builtin_names())})"
+    )
 
 
 def tiny_random_config(vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> ModelConfig:

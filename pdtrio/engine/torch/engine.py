@@ -67,12 +67,33 @@ def load_model(config: EngineConfig) -> LoadedModel:
     dtype = _DTYPES.get(config.dtype)
     if dtype is None:
         raise EngineError(f"unsupported dtype {config.dtype!r} (one of {', '.join(_DTYPES)})")
+    _check_device(config.device)
     name = config.model
     if name.endswith(".gguf"):
         return load_gguf(name, device=config.device, dtype=dtype)
     if "/" in name:
         return load_hf_checkpoint(name, device=config.device, dtype=dtype)
     return load_builtin(name, device=config.device, dtype=dtype)
+
+
+def _check_device(device: str) -> None:
+    """Refuse a device torch cannot name or this machine lacks, as the operator's mistake
+    (torch says either deep in the load: a RuntimeError, an AssertionError)."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as exc:
+        raise EngineError(f"engine.device = {device!r} is not a torch device: {exc}") from exc
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EngineError(
+                f"engine.device = {device!r}, but this torch sees no CUDA device "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})"
+            )
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise EngineError(
+                f"engine.device = {device!r}, but there are {torch.cuda.device_count()} "
+                "CUDA devices"
+            )
 
 
 @attrs.define(eq=False)
@@ -145,7 +166,14 @@ class TorchEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> TorchEngine:
         torch.set_num_threads(max(1, torch.get_num_threads()))
-        return cls(load_model(config), config)
+        try:
+            return cls(load_model(config), config)
+        except torch.OutOfMemoryError as exc:
+            # the model and its KV cache (engine.num_kv_blocks) do not fit the device
+            raise EngineError(
+                f"out of memory on {config.device} loading the model and a KV cache of "
+                f"{config.num_kv_blocks} blocks: {exc}"
+            ) from exc
 
     # --- identity -------------------------------------------------------------------
 

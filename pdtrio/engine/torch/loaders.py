@@ -168,9 +168,17 @@ def load_hf_checkpoint(
 ) -> LoadedModel:
     """Load config.json, the (possibly sharded) safetensors and the tokenizer files."""
     directory = Path(directory)
-    raw_config = json.loads((directory / "config.json").read_text())
+    config_path = directory / "config.json"
+    try:
+        raw_config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UnsupportedModel(f"{config_path} is not valid JSON: {exc}") from exc
     generation_eos = _generation_eos(directory)
-    config = ModelConfig.from_hf_config(raw_config).with_eos(generation_eos)
+    try:
+        config = ModelConfig.from_hf_config(raw_config).with_eos(generation_eos)
+    except KeyError as exc:
+        # (from_hf_config reads the required keys with raw[...]: the file lacks one)
+        raise UnsupportedModel(f"{config_path} has no {exc}") from exc
     files = _weight_files(directory)
     model = CausalLM.build(config, _iter_safetensors(files), device=device, dtype=dtype)
     tokenizer = _hf_tokenizer(directory, generation_eos) if load_tokenizer else None
@@ -221,8 +229,14 @@ def _gguf_config(
     def get(key: str, default: Any = None) -> Any:
         return fields.get(f"{arch}.{key}", default)
 
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
+    def need(key: str) -> Any:
+        value = get(key)
+        if value is None:
+            raise UnsupportedModel(f"the GGUF metadata has no {arch}.{key}")
+        return value
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
     vocab = get("vocab_size")
     if vocab is None:
         vocab = len(fields.get("tokenizer.ggml.tokens", ()))
@@ -231,7 +245,7 @@ def _gguf_config(
     if rope_freqs is not None:
         scaling = RopeScaling(kind="freq_factors", freq_factors=tuple(float(x) for x in rope_freqs))
     elif scaling_type == "linear":
-        scaling = RopeScaling(kind="linear", factor=float(get("rope.scaling.factor")))
+        scaling = RopeScaling(kind="linear", factor=float(need("rope.scaling.factor")))
     elif scaling_type not in (None, "none"):
         raise UnsupportedModel(f"unsupported GGUF rope scaling {scaling_type!r}")
     eos_ids = tuple(
@@ -249,8 +263,8 @@ def _gguf_config(
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=int(get("attention.key_length", hidden // heads)),
@@ -286,7 +300,10 @@ def load_gguf(
     from gguf import GGUFReader
 
     path = Path(path)
-    reader = GGUFReader(path)
+    try:
+        reader = GGUFReader(path)
+    except ValueError as exc:  # what gguf raises for a file that is not GGUF it can read
+        raise UnsupportedModel(f"{path} is not a GGUF file this engine reads: {exc}") from exc
     fields = {key: _native(field.contents()) for key, field in reader.fields.items()}
     arch = fields.get("general.architecture")
     if arch not in _GGUF_ARCHS:
