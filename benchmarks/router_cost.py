@@ -582,7 +582,9 @@ def _cores(r: dict[str, Any]) -> str:
 
 
 def _failures(r: dict[str, Any]) -> int:
-    return sum(r["failures_total"].values()) + r["incomplete"]
+    failures: dict[str, int] = r["failures_total"]
+    incomplete: int = r["incomplete"]
+    return sum(failures.values()) + incomplete
 
 
 def _delivered(r: dict[str, Any]) -> str:
