@@ -52,7 +52,7 @@ import attrs
 import httpx
 import trio
 
-from benchmarks.kit import aligned_table, write_json
+from benchmarks.kit import aligned_table, stream_completion, write_json
 from pdtrio.peer_auth import WorkerAuth
 from pdtrio.security import WORKER_SECRET_ENV, PeerCredentials
 from pdtrio.testing import (
@@ -360,10 +360,7 @@ async def real_model_storm(
                     "stream": True,
                     "temperature": 0,
                 }
-                async with http.stream("POST", "/v1/completions", json=body) as answer:
-                    outcome = str(answer.status_code)
-                    async for _ in answer.aiter_bytes():
-                        pass
+                outcome = str((await stream_completion(http, body)).status)
             if scope.cancelled_caught:
                 outcome = "hung up"
                 last_hang_up[0] = max(last_hang_up[0], trio.current_time())
