@@ -20,11 +20,12 @@ def tests(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", *session.posargs)
 
 
-# Everything but the torch engine is type-checked strictly (torch's stubs would drag the
-# whole model code in); which packages, and the strictness, live in pyproject.toml.
+# The package but the torch engine, and the benchmarks, are type-checked strictly (torch's
+# stubs would drag the whole model code in); which packages, and the strictness, live in
+# pyproject.toml.  plot: matplotlib's types, for benchmarks/plotting.py.
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    session.install("-c", "constraints.txt", "-e", ".[worker,test]", "ruff", "mypy")
+    session.install("-c", "constraints.txt", "-e", ".[worker,test,plot]", "ruff", "mypy")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")

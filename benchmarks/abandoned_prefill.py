@@ -52,6 +52,7 @@ import attrs
 import httpx
 import trio
 
+from benchmarks.kit import aligned_table, stream_completion, write_json
 from pdtrio.peer_auth import WorkerAuth
 from pdtrio.security import WORKER_SECRET_ENV, PeerCredentials
 from pdtrio.testing import (
@@ -359,10 +360,7 @@ async def real_model_storm(
                     "stream": True,
                     "temperature": 0,
                 }
-                async with http.stream("POST", "/v1/completions", json=body) as answer:
-                    outcome = str(answer.status_code)
-                    async for _ in answer.aiter_bytes():
-                        pass
+                outcome = str((await stream_completion(http, body)).status)
             if scope.cancelled_caught:
                 outcome = "hung up"
                 last_hang_up[0] = max(last_hang_up[0], trio.current_time())
@@ -472,9 +470,7 @@ def table(report: dict[str, Any]) -> str:
                 str(real["leases_expired"]),
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
+    lines = [aligned_table(rows[0], rows[1:])]
     lines.append(
         f"(kv_lease_s = {report['kv_lease_s']:g}; answers while stopped: {stop_row['answers']})"
     )
@@ -512,8 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     report["plan"] = attrs.asdict(plan)
     report["wall_s"] = time.perf_counter() - started
     print(table(report))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import trio
 
+from benchmarks.kit import aligned_table, percentile, write_json
 from pdtrio.testing import Processes, Service, synthetic_worker_config, write_router_config
 
 PROBE_INTERVAL_S = 5e-3
@@ -73,11 +74,6 @@ def big_bodies(quick: bool) -> list[tuple[str, str, bytes]]:
     ]
 
 
-def percentile(samples: list[float], fraction: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 async def probe_health(url: str) -> None:
     """``--probe URL``: GET /health every PROBE_INTERVAL_S until stdin closes, then print
     the latencies (s) as JSON.  A process of its own: the client that sends the huge
@@ -118,7 +114,7 @@ async def send_all_of(router: Service, path: str, body: bytes, repeat: int) -> d
     return {
         "status": response.status_code,
         "code": error.get("code"),
-        "seconds": percentile(answers, 0.5),
+        "seconds": percentile(answers, 50),
     }
 
 
@@ -142,8 +138,8 @@ def measure_one(router: Service, path: str, body: bytes, repeat: int) -> dict[st
         probe.wait(timeout=30)
     return {
         **result,
-        "health_p50_ms": percentile(latencies, 0.5) * 1e3,
-        "health_p99_ms": percentile(latencies, 0.99) * 1e3,
+        "health_p50_ms": percentile(latencies, 50) * 1e3,
+        "health_p99_ms": percentile(latencies, 99) * 1e3,
         "health_max_ms": max(latencies) * 1e3,
         "probes": len(latencies),
     }
@@ -230,11 +226,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         ]
         for r in rows
     ]
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
-    out = [" | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
-    out.append("-+-".join("-" * w for w in widths))
-    out += [" | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
-    return "\n".join(out)
+    return aligned_table(header, lines)
 
 
 def main() -> None:
@@ -250,8 +242,7 @@ def main() -> None:
     rows, memory = run(args.quick, args.repeat)
     print(table(rows))
     print(memory_line(memory))
-    if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "memory": memory}, indent=2))
+    write_json(args.json, {"rows": rows, "memory": memory})
 
 
 if __name__ == "__main__":

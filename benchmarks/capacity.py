@@ -25,7 +25,6 @@ import json
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ import httpx
 import trio
 
 from benchmarks import plotting
+from benchmarks.kit import aligned_table, percentile, stream_completion, write_json
 from pdtrio.testing import LOOPBACK, Processes, Service, free_port, router_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,44 +48,32 @@ def _embedded_toml(*, num_kv_blocks: int, decode_step_s: float, queue_limit: int
     )
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 async def _one(
     http: httpx.AsyncClient, body: dict[str, Any], results: list[dict[str, Any]]
 ) -> None:
-    started = time.perf_counter()
-    ttft: float | None = None
-    text = ""
-    message = None
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            async for chunk in response.aiter_text():
-                if ttft is None and '"text"' in chunk:
-                    ttft = time.perf_counter() - started
-                text += chunk
-            status = response.status_code
+        answer = await stream_completion(http, body)
     except httpx.HTTPError as exc:
         results.append({"kind": f"transport error {type(exc).__name__}"})
         return
-    if status == 200:
-        complete = text.endswith("data: [DONE]\n\n") if body["stream"] else '"choices"' in text
-        kind = "200 then error" if '"error"' in text or not complete else "ok"
-    elif status == 429:
+    message = None
+    if answer.status == 200:
+        kind = "ok" if answer.ok else "200 then error"
+    elif answer.status == 429:
         kind = "429"
     else:
-        try:
-            error = json.loads(text)["error"]
-            code, message = error["code"], error["message"]
-        except (ValueError, KeyError, TypeError):
-            code, message = None, text[:200]
-        kind = f"{status} {code}" if code else str(status)
-    answered = time.perf_counter() - started
-    results.append({"kind": kind, "ttft_s": ttft, "answered_s": answered, "message": message})
+        error = answer.error or {}
+        code, message = error.get("code"), error.get("message", answer.body[:200])
+        kind = f"{answer.status} {code}" if code else str(answer.status)
+    assert answer.finished is not None
+    results.append(
+        {
+            "kind": kind,
+            "ttft_s": answer.ttft,
+            "answered_s": answer.finished - answer.started,
+            "message": message,
+        }
+    )
 
 
 async def _offer(url: str, count: int, body: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
@@ -172,10 +160,10 @@ def _summary(name: str, results: list[dict[str, Any]], wall_s: float) -> dict[st
             for r in reversed(results)
             if r["kind"] not in ("ok", "429", "200 then error") and r.get("message")
         },
-        "ttft_p50_ms": _percentile(ttfts, 0.5),
-        "ttft_p99_ms": _percentile(ttfts, 0.99),
-        "429_answer_p50_ms": _percentile(refusals, 0.5),
-        "429_answer_p99_ms": _percentile(refusals, 0.99),
+        "ttft_p50_ms": percentile(ttfts, 50),
+        "ttft_p99_ms": percentile(ttfts, 99),
+        "429_answer_p50_ms": percentile(refusals, 50),
+        "429_answer_p99_ms": percentile(refusals, 99),
         "last_answer_ms": max(answered, default=float("nan")),
         "wall_s": wall_s,
     }
@@ -251,14 +239,12 @@ def plot(
             plotting.latency_cdfs,
             series={"streamed, synthetic.toml": latencies[0]["ttft"]},
             xlabel="TTFT (ms)",
-            quantile=_percentile,
             title=f"1. {streamed['run']}: TTFT ({streamed['ok']} ok)",
         ),
         partial(
             plotting.latency_cdfs,
             series=latencies[1],
             xlabel="time to the answer (ms)",
-            quantile=_percentile,
             title=f"2. {burst['run']}: answers",
         ),
         title=f"capacity ({'quick' if quick else 'full'}): waits and refusals under load",
@@ -267,20 +253,41 @@ def plot(
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    header = (
-        f"{'run':42} {'requests':>8} {'ok':>5} {'429':>5} {'200+err':>7} "
-        f"{'TTFT p50 ms':>11} {'TTFT p99 ms':>11} {'429 p50 ms':>10} {'429 p99 ms':>10} "
-        f"{'wall s':>7}  other"
-    )
-    lines = [header]
-    for r in rows:
-        lines.append(
-            f"{r['run']:42} {r['requests']:8d} {r['ok']:5d} {r['429']:5d} {r['200_then_error']:7d} "
-            f"{r['ttft_p50_ms']:11.1f} {r['ttft_p99_ms']:11.1f} {r['429_answer_p50_ms']:10.1f} "
-            f"{r['429_answer_p99_ms']:10.1f} "
-            f"{r['wall_s']:7.1f}  {r['other'] or ''}"
-        )
-        lines.extend(f"    {kind}: {message}" for kind, message in r["other_messages"].items())
+    header = [
+        "run",
+        "requests",
+        "ok",
+        "429",
+        "200+err",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "429 p50 ms",
+        "429 p99 ms",
+        "wall s",
+        "other",
+    ]
+    cells = [
+        [
+            r["run"],
+            str(r["requests"]),
+            str(r["ok"]),
+            str(r["429"]),
+            str(r["200_then_error"]),
+            f"{r['ttft_p50_ms']:.1f}",
+            f"{r['ttft_p99_ms']:.1f}",
+            f"{r['429_answer_p50_ms']:.1f}",
+            f"{r['429_answer_p99_ms']:.1f}",
+            f"{r['wall_s']:.1f}",
+            str(r["other"] or ""),
+        ]
+        for r in rows
+    ]
+    lines = [aligned_table(header, cells, align="l" + "r" * 9 + "l", separator=" ", rule=None)]
+    lines += [
+        f"    {r['run']}: {kind}: {message}"
+        for r in rows
+        for kind, message in r["other_messages"].items()
+    ]
     return "\n".join(lines)
 
 
@@ -299,8 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         plotting.require_matplotlib()
     rows, latencies = run(args.quick, args.blocks)
     print(render(rows))
-    if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=2))
+    write_json(args.json, rows)
     if args.plot is not None:
         plot(args.plot, rows, latencies, args.quick)
     return 0

@@ -46,6 +46,7 @@ import attrs
 import httpx
 import trio
 
+from benchmarks.kit import markdown_table, percentile, write_json
 from pdtrio.discovery.etcd import EtcdClient
 from pdtrio.testing import (
     LOOPBACK,
@@ -169,13 +170,6 @@ class Load:
         kind = kind or _classify(bytes(received))
         tail = "" if kind == "ok" else bytes(received[-300:]).decode(errors="replace")
         return Outcome(kind, self.phase, started, trio.current_time(), ttft, tail)
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _address(service: Service) -> tuple[str, int]:
@@ -329,8 +323,8 @@ def _cost_summary(windows: list[dict[str, Any]]) -> dict[str, Any]:
         "ok": sum(w["ok"] for w in windows),
         "failures": dict(failures),
         "requests_per_s": sum(w["ok"] for w in windows) / window_s,
-        "ttft_p50_ms": _percentile(ttfts, 0.5),
-        "ttft_p99_ms": _percentile(ttfts, 0.99),
+        "ttft_p50_ms": percentile(ttfts, 50),
+        "ttft_p99_ms": percentile(ttfts, 99),
         "router_cpu_s": cpu,
         "router_cpu_ms_per_request": cpu / requests * 1000 if requests else float("nan"),
     }
@@ -744,7 +738,7 @@ def _stats_ms(values: Sequence[float | None]) -> str:
     missing = len(values) - len(known)
     if not known:
         return "never"
-    text = f"{_f(_percentile(known, 0.5))} / {_f(max(known))}"
+    text = f"{_f(percentile(known, 50))} / {_f(max(known))}"
     return text + (f" ({missing} never)" if missing else "")
 
 
@@ -756,9 +750,8 @@ def render(r: dict[str, Any]) -> str:
         f"## 1. cost: {s['clients']} streaming clients, max_tokens {s['max_tokens']}, "
         f"{s['cost_rounds']} x {s['cost_window_s']:g} s windows per router, in turns",
         "",
-        "| measure | (a) static list | (b) etcd | (b)/(a) |",
-        "|---|---:|---:|---:|",
     ]
+    cost_rows = []
     for label, key, digits in (
         ("requests/s", "requests_per_s", 1),
         ("TTFT p50 ms", "ttft_p50_ms", 1),
@@ -767,11 +760,17 @@ def render(r: dict[str, Any]) -> str:
         ("router CPU while idle, ms/s", "idle_router_cpu_ms_per_s", 1),
     ):
         ratio = b[key] / a[key] if a[key] else float("nan")
-        lines.append(f"| {label} | {_f(a[key], digits)} | {_f(b[key], digits)} | {ratio:.2f} |")
-    lines.append(
-        f"| requests ok / failed | {a['ok']} / {sum(a['failures'].values())} "
-        f"| {b['ok']} / {sum(b['failures'].values())} | |"
+        cost_rows.append([label, _f(a[key], digits), _f(b[key], digits), f"{ratio:.2f}"])
+    cost_rows.append(
+        [
+            "requests ok / failed",
+            f"{a['ok']} / {sum(a['failures'].values())}",
+            f"{b['ok']} / {sum(b['failures'].values())}",
+            "",
+        ]
     )
+    header = ["measure", "(a) static list", "(b) etcd", "(b)/(a)"]
+    lines.append(markdown_table(header, cost_rows, align="lrrr"))
 
     churn = r["churn"]
     lines += [
@@ -779,8 +778,6 @@ def render(r: dict[str, Any]) -> str:
         f"## 2. churn under load (etcd router, {s['churn_rounds']} round(s), lease TTL "
         f"{LEASE_TTL_S} s)",
         "",
-        "| event | n | measure | p50 / max ms |",
-        "|---|---:|---|---:|",
     ]
     rows: list[tuple[str, str, str]] = [
         ("join prefill", "registered -> routable (/health)", "registered_to_routable_ms"),
@@ -798,29 +795,34 @@ def render(r: dict[str, Any]) -> str:
         ("kill decode", "SIGKILL -> lease expired in etcd", "kill_to_lease_expired_ms"),
         ("kill decode", "SIGKILL -> forgotten by the router", "kill_to_forgotten_ms"),
     ]
+    event_rows = []
     for event, label, key in rows:
         values = [
             e[key]
             for e in churn["events"]
             if e["event"] == event or (event == "join (all)" and e["event"].startswith("join"))
         ]
-        lines.append(f"| {event} | {len(values)} | {label} | {_stats_ms(values)} |")
+        event_rows.append([event, str(len(values)), label, _stats_ms(values)])
+    header = ["event", "n", "measure", "p50 / max ms"]
+    lines.append(markdown_table(header, event_rows, align="lrlr"))
     leaves = [e for e in churn["events"] if e["event"].startswith("leave")]
     kills = [e for e in churn["events"] if e["event"] == "kill decode"]
-    lines += [
-        "",
-        "| requests during | ok | failed | failures |",
-        "|---|---:|---:|---|",
-    ]
     by_phase: dict[str, list[Outcome]] = {}
     for o in churn["outcomes"]:
         by_phase.setdefault(o.phase, []).append(o)
+    phase_rows = []
     for phase, outcomes in sorted(by_phase.items()):
         failures = _failures(outcomes)
-        lines.append(
-            f"| {phase} | {sum(o.kind == 'ok' for o in outcomes)} | "
-            f"{sum(failures.values())} | {failures or ''} |"
+        phase_rows.append(
+            [
+                phase,
+                str(sum(o.kind == "ok" for o in outcomes)),
+                str(sum(failures.values())),
+                str(failures or ""),
+            ]
         )
+    header = ["requests during", "ok", "failed", "failures"]
+    lines += ["", markdown_table(header, phase_rows, align="lrrl")]
     lines.append(
         f"\nexit codes after SIGTERM: {dict(Counter(e['exit_code'] for e in leaves))}; "
         f"decode requests in flight just before each kill: {[e['in_flight'] for e in kills]}"
@@ -830,20 +832,33 @@ def render(r: dict[str, Any]) -> str:
         "",
         "## 3. etcd outages under load",
         "",
-        "| etcd down s | stop -> router notices ms | restart -> connected ms "
-        "| restart -> watch live ms | connected during outage (samples) "
-        "| last contact understated by s "
-        "| registrations after | ok | failed |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for o in r["outages"]["outages"]:
-        lines.append(
-            f"| {o['down_s']:.1f} | {_f(o['stop_to_noticed_ms'])} | "
-            f"{_f(o['restart_to_connected_ms'])} | {_f(o['restart_to_watch_live_ms'])} | "
-            f"{o['connected_flickers']} | {o['last_contact_understated_s']:.1f} | "
-            f"{o['registrations_after']} | {o['ok']} | "
-            f"{sum(o['failures'].values())} {o['failures'] or ''} |"
-        )
+    header = [
+        "etcd down s",
+        "stop -> router notices ms",
+        "restart -> connected ms",
+        "restart -> watch live ms",
+        "connected during outage (samples)",
+        "last contact understated by s",
+        "registrations after",
+        "ok",
+        "failed",
+    ]
+    outage_rows = [
+        [
+            f"{o['down_s']:.1f}",
+            _f(o["stop_to_noticed_ms"]),
+            _f(o["restart_to_connected_ms"]),
+            _f(o["restart_to_watch_live_ms"]),
+            str(o["connected_flickers"]),
+            f"{o['last_contact_understated_s']:.1f}",
+            str(o["registrations_after"]),
+            str(o["ok"]),
+            f"{sum(o['failures'].values())} {o['failures'] or ''}",
+        ]
+        for o in r["outages"]["outages"]
+    ]
+    lines.append(markdown_table(header, outage_rows, align="rrrrrrrrl"))
 
     lines += ["", "goals:"]
     for g in r["goals"]:
@@ -902,8 +917,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: every process was stopped", file=sys.stderr)
         return 130
     print(render(result))
-    if args.json is not None:
-        args.json.write_text(json.dumps(_jsonable(result), indent=2, default=str))
+    write_json(args.json, _jsonable(result))
     correct = all(g["pass"] for g in result["goals"][:3])  # CPU, a timing, never fails a run
     return 0 if correct else 1
 

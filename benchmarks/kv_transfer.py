@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ import httpx
 import numpy as np
 import trio
 
+from benchmarks.kit import aligned_table, percentile, stream_completion, write_json
 from pdtrio.config import SyntheticEngineConfig
 from pdtrio.engine.api import NoRoom
 from pdtrio.engine.synthetic import SyntheticEngine
@@ -199,7 +199,7 @@ async def bandwidth(procs: Processes, reps: int) -> list[dict[str, Any]]:
             times["copy_cold"], times["copy_hot"] = copy_seconds(nbytes, reps)
             row: dict[str, Any] = {"size_mib": size, "blocks": blocks}
             for name, samples in times.items():
-                row[f"{name}_gbps"] = nbytes / statistics.median(samples) / 1e9
+                row[f"{name}_gbps"] = nbytes / percentile(samples, 50) / 1e9
             row["read_vs_copy"] = row["nixl_read_gbps"] / row["copy_cold_gbps"]
             row["pull_vs_copy"] = row["nixl_pull_gbps"] / row["copy_cold_gbps"]
             rows.append(row)
@@ -248,15 +248,10 @@ async def first_two_tokens(http: httpx.AsyncClient, prompt: list[int]) -> tuple[
         "ignore_eos": True,
         "stream": True,
     }
-    started = time.perf_counter()
-    arrivals: list[float] = []
-    async with http.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {") and '"choices":[{' in line.replace(" ", ""):
-                arrivals.append(time.perf_counter() - started)
-    assert len(arrivals) >= 2, arrivals
-    return arrivals[0], arrivals[1]
+    answer = await stream_completion(http, body)
+    assert answer.status == 200, answer.body
+    assert len(answer.arrivals) >= 2, answer.arrivals
+    return answer.arrivals[0] - answer.started, answer.arrivals[1] - answer.started
 
 
 async def handoff(
@@ -280,8 +275,8 @@ async def handoff(
                 second.append(tt2t)
         row: dict[str, Any] = {
             "setup": label,
-            "ttft_ms": 1e3 * statistics.median(first),
-            "second_token_ms": 1e3 * statistics.median(second),
+            "ttft_ms": 1e3 * percentile(first, 50),
+            "second_token_ms": 1e3 * percentile(second, 50),
         }
         decode = [w for w in workers if w.ready["role"] in ("decode", "both")][0]
         info = (await http.get(f"{decode.url}/pd/info")).json()["kv_transport"]
@@ -329,36 +324,54 @@ async def run(quick: bool) -> dict[str, Any]:
 
 def print_tables(result: dict[str, Any]) -> None:
     print("KV pull bandwidth, GB/s (median; every pull's bytes verified)")
-    print(
-        f"{'size':>8} {'blocks':>7} {'NIXL READ':>10} {'NIXL pull':>10} {'TCP pull':>9} "
-        f"{'copy cold':>10} {'copy hot':>9} {'READ/copy':>10} {'pull/copy':>10}"
-    )
-    for row in result["bandwidth"]:
-        print(
-            f"{row['size_mib']:>5} MiB {row['blocks']:>7} {row['nixl_read_gbps']:>10.2f} "
-            f"{row['nixl_pull_gbps']:>10.2f} {row['tcp_pull_gbps']:>9.2f} "
-            f"{row['copy_cold_gbps']:>10.2f} {row['copy_hot_gbps']:>9.2f} "
-            f"{row['read_vs_copy']:>10.0%} {row['pull_vs_copy']:>10.0%}"
-        )
+    header = [
+        "size",
+        "blocks",
+        "NIXL READ",
+        "NIXL pull",
+        "TCP pull",
+        "copy cold",
+        "copy hot",
+        "READ/copy",
+        "pull/copy",
+    ]
+    rows = [
+        [
+            f"{row['size_mib']} MiB",
+            str(row["blocks"]),
+            f"{row['nixl_read_gbps']:.2f}",
+            f"{row['nixl_pull_gbps']:.2f}",
+            f"{row['tcp_pull_gbps']:.2f}",
+            f"{row['copy_cold_gbps']:.2f}",
+            f"{row['copy_hot_gbps']:.2f}",
+            f"{row['read_vs_copy']:.0%}",
+            f"{row['pull_vs_copy']:.0%}",
+        ]
+        for row in result["bandwidth"]
+    ]
+    print(aligned_table(header, rows, align="r" * len(header)))
     print(
         "  (READ: the NIXL transfer alone; pull: grant, READ and bookkeeping, as decode waits"
         " for it; copy/ratios: against the cold in-process copy)"
     )
     print()
     print(f"The handoff at ISL {ISL}, tiny-random (p50)")
-    print(
-        f"{'setup':>10} {'TTFT ms':>8} {'2nd token ms':>13} {'handoff adds ms':>16} "
-        f"{'decode pull ms':>15}"
-    )
-    for row in result["handoff"]:
-        print(
-            f"{row['setup']:>10} {row['ttft_ms']:>8.2f} {row['second_token_ms']:>13.2f} "
-            f"{row['handoff_adds_ms']:>16.2f} {row['pull_ms']:>15.3f}"
-        )
+    header = ["setup", "TTFT ms", "2nd token ms", "handoff adds ms", "decode pull ms"]
+    rows = [
+        [
+            row["setup"],
+            f"{row['ttft_ms']:.2f}",
+            f"{row['second_token_ms']:.2f}",
+            f"{row['handoff_adds_ms']:.2f}",
+            f"{row['pull_ms']:.3f}",
+        ]
+        for row in result["handoff"]
+    ]
+    print(aligned_table(header, rows, align="r" * len(header)))
     print()
     print("Idle worker CPU, % of one core")
-    for name, percent in result["idle_cpu_percent"].items():
-        print(f"{name:>16} {percent:6.2f}")
+    rows = [[name, f"{percent:.2f}"] for name, percent in result["idle_cpu_percent"].items()]
+    print(aligned_table(["worker", "%"], rows, align="rr"))
 
 
 def main() -> None:
@@ -375,8 +388,7 @@ def main() -> None:
         return
     result = trio.run(run, args.quick)
     print_tables(result)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

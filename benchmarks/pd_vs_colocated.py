@@ -16,13 +16,9 @@ included) for both modes as a PNG.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,6 +26,7 @@ from typing import Any
 import httpx
 
 from benchmarks import plotting
+from benchmarks.kit import aligned_table, percentile, stream_completion_sync, write_json
 from pdtrio.testing import Processes, write_router_config
 
 CASES = [
@@ -60,30 +57,15 @@ def _one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    start = time.perf_counter()
-    first = last = None
-    tokens = 0
-    arrivals: list[float] = []
-    with http.stream("POST", f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            now = time.perf_counter()
-            event = json.loads(line[6:])
-            if event.get("usage") and not event["choices"]:
-                tokens = event["usage"]["completion_tokens"]
-                continue
-            choice = event["choices"][0]
-            if choice["text"] or choice["finish_reason"]:
-                first = first if first is not None else now
-                last = now
-                arrivals.append(now)
-    assert first is not None and last is not None and tokens == osl, (tokens, osl)
+    answer = stream_completion_sync(http, body, f"{url}/v1/completions")
+    assert answer.status == 200, answer.body
+    tokens = (answer.usage or {}).get("completion_tokens")
+    assert answer.arrivals and tokens == osl, (tokens, osl)
+    start, first, last = answer.started, answer.arrivals[0], answer.arrivals[-1]
     tpot = (last - first) / (tokens - 1)
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    gaps = answer.gaps
     # the median gap leaves out the first one, which in PD includes the KV handoff
-    itl = statistics.median(gaps) if gaps else tpot
+    itl = percentile(gaps, 50) if gaps else tpot
     figures = {
         "ttft_ms": (first - start) * 1e3,
         "tpot_ms": tpot * 1e3,
@@ -136,7 +118,7 @@ def run_case(
                         latencies[mode]["itl"] += gaps
     summary: dict[str, Any] = {"model": model, "isl": isl, "osl": osl, "requests": requests}
     for mode, rows in samples.items():
-        summary[mode] = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        summary[mode] = {key: percentile((r[key] for r in rows), 50) for key in rows[0]}
     summary["tpot_diff_pct"] = 100 * (
         summary["pd"]["tpot_ms"] / summary["colocated"]["tpot_ms"] - 1
     )
@@ -147,11 +129,6 @@ def run_case(
         summary["pd"]["itl_p50_ms"] / summary["colocated"]["itl_p50_ms"] - 1
     )
     return summary, latencies
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    # the table's p50 is statistics.median (the mean of the two middle ones)
-    return statistics.median(values) if q == 0.5 else plotting.nearest_rank(values, q)
 
 
 def plot(
@@ -174,7 +151,6 @@ def plot(
                     series=series,
                     xlabel=xlabel,
                     title=f"{case}: {what}",
-                    quantile=_quantile,
                 )
             )
     requests = results[0]["requests"]
@@ -188,26 +164,46 @@ def plot(
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    header = (
-        f"{'model':<22} {'ISL':>5} {'OSL':>4} | {'mode':<9} "
-        f"{'TTFT p50 ms':>11} {'TPOT p50 ms':>11} "
-        f"{'ITL p50 ms':>10} {'steps/s':>8} | {'dTTFT %':>8} {'dTPOT %':>8} {'dITL %':>7}"
-    )
-    print(header)
-    print("-" * len(header))
+    header = [
+        "model",
+        "ISL",
+        "OSL",
+        "mode",
+        "TTFT p50 ms",
+        "TPOT p50 ms",
+        "ITL p50 ms",
+        "steps/s",
+        "dTTFT %",
+        "dTPOT %",
+        "dITL %",
+    ]
+    rows = []
     for r in results:
         for mode in ("colocated", "pd"):
             m = r[mode]
-            diff = (
-                f"{r['ttft_diff_pct']:>+8.1f} {r['tpot_diff_pct']:>+8.1f} "
-                f"{r['itl_diff_pct']:>+7.1f}"
+            diffs = (
+                [
+                    f"{r['ttft_diff_pct']:+.1f}",
+                    f"{r['tpot_diff_pct']:+.1f}",
+                    f"{r['itl_diff_pct']:+.1f}",
+                ]
                 if mode == "pd"
-                else ""
+                else ["", "", ""]
             )
-            print(
-                f"{r['model']:<22} {r['isl']:>5} {r['osl']:>4} | {mode:<9} {m['ttft_ms']:>11.2f} "
-                f"{m['tpot_ms']:>11.3f} {m['itl_p50_ms']:>10.3f} {m['steps_per_s']:>8.1f} | {diff}"
+            rows.append(
+                [
+                    r["model"],
+                    str(r["isl"]),
+                    str(r["osl"]),
+                    mode,
+                    f"{m['ttft_ms']:.2f}",
+                    f"{m['tpot_ms']:.3f}",
+                    f"{m['itl_p50_ms']:.3f}",
+                    f"{m['steps_per_s']:.1f}",
+                    *diffs,
+                ]
             )
+    print(aligned_table(header, rows, align="lrrl" + "r" * 7))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,10 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(summary)
         latencies.append(samples)
     print_table(results)
-    if args.json:
-        args.json.write_text(
-            json.dumps({"benchmark": "pd_vs_colocated", "results": results}, indent=2)
-        )
+    write_json(args.json, {"benchmark": "pd_vs_colocated", "results": results})
     if args.plot is not None:
         plot(args.plot, results, latencies, args.quick)
     return 0

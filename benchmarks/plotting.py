@@ -15,13 +15,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from benchmarks.kit import quantile
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
 Panel = Callable[["Axes"], None]
-# (samples, q in 0..1) -> the q quantile: a benchmark passes its own, so that the
-# marked p50/p99 are the ones its table prints
-Quantile = Callable[[Sequence[float], float], float]
 
 MISSING = "--plot needs matplotlib: pip install 'pdtrio[plot]'"
 # a spread wider than this (max / min) gets a log x axis
@@ -32,12 +31,6 @@ def require_matplotlib() -> None:
     """Exit with one line saying what to install when matplotlib is not there."""
     if importlib.util.find_spec("matplotlib") is None:
         raise SystemExit(MISSING)
-
-
-def nearest_rank(values: Sequence[float], q: float) -> float:
-    """The nearest-rank ``q`` quantile (0..1) of non-empty ``values``."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def _scale_x(ax: Axes, values: Sequence[float]) -> None:
@@ -74,9 +67,11 @@ def latency_cdfs(
     xlabel: str,
     *,
     title: str | None = None,
-    quantile: Quantile = nearest_rank,
 ) -> None:
-    """One empirical CDF per mode, p50 and p99 marked; a log x axis when the spread is wide."""
+    """One empirical CDF per mode, p50 and p99 marked; a log x axis when the spread is wide.
+
+    The marks are :func:`benchmarks.kit.quantile`'s, the p50/p99 every table prints.
+    """
     _scale_x(ax, [v for samples in series.values() for v in samples])
     for mode, samples in series.items():
         ordered = sorted(samples)

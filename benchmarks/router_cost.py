@@ -97,7 +97,8 @@ from typing import Any, Literal
 import trio
 
 from benchmarks import plotting
-from benchmarks.token_path.measure import core_busy_ticks, percentile, router_and_load_cpus
+from benchmarks.kit import markdown_table, percentile, write_json
+from benchmarks.token_path.measure import core_busy_ticks, router_and_load_cpus
 from benchmarks.token_path.sse_clients import closed_loop, completion_request
 from pdtrio.config import RouterConfig
 from pdtrio.testing import (
@@ -581,7 +582,9 @@ def _cores(r: dict[str, Any]) -> str:
 
 
 def _failures(r: dict[str, Any]) -> int:
-    return sum(r["failures_total"].values()) + r["incomplete"]
+    failures: dict[str, int] = r["failures_total"]
+    incomplete: int = r["incomplete"]
+    return sum(failures.values()) + incomplete
 
 
 def _delivered(r: dict[str, Any]) -> str:
@@ -965,10 +968,8 @@ def render(summary: dict[str, Any]) -> str:
     lines = [
         f"router cost ({'quick' if summary['quick'] else 'full'}): {summary['machine']}",
         "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
+        markdown_table(header, summary["rows"]),
     ]
-    lines += ["| " + " | ".join(cells) + " |" for cells in summary["rows"]]
     lines += ["", "goals:"]
     lines += [f"  {_verdict(g['pass']):4}  {g['goal']}: {g['measured']}" for g in summary["goals"]]
     lines += ["", "what hypercorn-trio itself does here (beside the goals):"]
@@ -989,7 +990,7 @@ _PACED_SERVERS = {
 
 def plot(path: Path, runs: list[dict[str, Any]], latencies: Latencies, quick: bool) -> None:
     by = {(r["server"], r["load"]): r for r in runs}
-    cdfs = partial(plotting.latency_cdfs, quantile=lambda v, q: percentile(v, q * 100))
+    cdfs = plotting.latency_cdfs
     panels: list[plotting.Panel] = []
     for load in ("paced_small", "paced_large"):
         sample = by["pdtrio_on", load]
@@ -1089,8 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["elapsed_s"] = time.perf_counter() - started
     print(render(summary))
     print(f"\n({summary['elapsed_s']:.0f}s)")
-    if args.json is not None:
-        args.json.write_text(json.dumps(summary, indent=2))
+    write_json(args.json, summary)
     if args.plot is not None:
         plot(args.plot, runs, latencies, args.quick)
     return 0

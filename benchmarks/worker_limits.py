@@ -33,7 +33,6 @@ without the secret), how many it closed for room, the peer's answer, RSS, and
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import time
 from collections import Counter
@@ -45,6 +44,7 @@ import httpx
 import msgspec
 import trio
 
+from benchmarks.kit import markdown_table, percentile, write_json
 from pdtrio.kv.api import KvTransferError
 from pdtrio.kv.tcp import (
     MAX_KV_CONNECTIONS,
@@ -121,13 +121,6 @@ def peak_mb(pid: int) -> float:
     return _status_kb(pid, "VmHWM") / 1e3
 
 
-def percentile(samples: list[float], fraction: float) -> float:
-    if not samples:
-        return float("nan")
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
-
-
 # --- watching: /health and RSS while something runs -------------------------------------
 
 
@@ -195,10 +188,10 @@ async def watched(
         "rss_peak_mb": peak,
         "rss_peak_sampled_mb": max(samples, default=float("nan")),
         "rss_after_mb": rss_mb(pid),
-        "idle_p50_ms": percentile(idle, 0.5) * 1e3,
-        "idle_p99_ms": percentile(idle, 0.99) * 1e3,
-        "during_p50_ms": percentile(latencies, 0.5) * 1e3,
-        "during_p99_ms": percentile(latencies, 0.99) * 1e3,
+        "idle_p50_ms": percentile(idle, 50) * 1e3,
+        "idle_p99_ms": percentile(idle, 99) * 1e3,
+        "during_p50_ms": percentile(latencies, 50) * 1e3,
+        "during_p99_ms": percentile(latencies, 99) * 1e3,
         "during_max_ms": max(latencies, default=float("nan")) * 1e3,
         "probes": len(latencies),
         "probe_failures": dict(Counter(failures)),
@@ -700,12 +693,6 @@ def run(size: int, idle_s: float, flood: int) -> dict[str, Any]:
 # --- output ------------------------------------------------------------------------------
 
 
-def markdown(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
@@ -734,10 +721,10 @@ def render(result: dict[str, Any]) -> str:
     for name, probe in unauth["probes"].items():
         if name != "posts":
             rows.append([name, probe["answer"], _ms(probe["s"]), ""])
-    out.append(markdown(["probe", "answer", "time to answer ms (max)", "note"], rows))
+    out.append(markdown_table(["probe", "answer", "time to answer ms (max)", "note"], rows))
     out += [
         "",
-        markdown(
+        markdown_table(
             [
                 "body the worker can have read, max kB per connection (what the kernel took)",
                 "RSS before -> peak -> after MB",
@@ -783,7 +770,7 @@ def render(result: dict[str, Any]) -> str:
             ]
         )
     out.append(
-        markdown(
+        markdown_table(
             [
                 "case",
                 "answers",
@@ -804,7 +791,7 @@ def render(result: dict[str, Any]) -> str:
         "",
         f"## {flood['count']} silent connections to the prefill worker's HTTP port, held open",
         "",
-        markdown(
+        markdown_table(
             [
                 "opened in s",
                 "still open (the worker's bound)",
@@ -882,8 +869,7 @@ def main(argv: list[str] | None = None) -> int:
     flood = args.connections or (400 if args.quick else 2000)
     result = run(size, idle_s=0.5 if args.quick else 1.5, flood=flood)
     print(render(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2, default=str))
+    write_json(args.json, result)
     kept_out = result["http_flood"]["peer_answer"] != "200"
     return 0 if not only_refusals(result["unauthenticated"]) and not kept_out else 1
 

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import plotting
+from benchmarks.kit import aligned_table, write_json
 from benchmarks.token_path import ingest, producer, sse_clients
 from benchmarks.token_path.end_to_end import run_e2e
 from benchmarks.token_path.light_load import run_latency
-from benchmarks.token_path.measure import percentile, router_and_load_cpus
+from benchmarks.token_path.measure import router_and_load_cpus
 
 # what a process started by measure.start_role runs
 ROLES: dict[str, Callable[[dict[str, Any]], None]] = {
@@ -27,12 +28,8 @@ ROLES: dict[str, Callable[[dict[str, Any]], None]] = {
 
 
 def _table(title: str, header: list[str], rows: list[list[str]]) -> str:
-    widths = [
-        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)
-    ]
-    lines = [title, "  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    return "\n".join(lines)
+    table = aligned_table(header, rows, align="r" * len(header), separator="  ", rule=None)
+    return f"{title}\n{table}"
 
 
 def _fmt(value: Any, spec: str = ".1f") -> str:
@@ -177,7 +174,7 @@ def plot(
     """The e2e section's TTFT and ITL CDFs per client count and its tokens/s against
     clients; the light-load section's ITL and added-latency CDFs per coalescing mode."""
     panels: list[plotting.Panel] = []
-    cdfs = partial(plotting.latency_cdfs, quantile=lambda v, q: percentile(v, q * 100))
+    cdfs = plotting.latency_cdfs
     if e2e:
         step = report["e2e"][0]["decode_step_ms"]
         for key, xlabel in (("ttft", "TTFT (ms)"), ("itl", "gap between SSE reads (ms)")):
@@ -291,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     report["elapsed_s"] = time.perf_counter() - started
     print(render(report))
     print(f"\n({report['elapsed_s']:.0f}s)")
-    if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     if args.plot is not None:
         plot(args.plot, report, e2e_samples, latency_samples)
     return 0

@@ -6,12 +6,12 @@ See the package's docstring.
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.kit import percentile
 from benchmarks.token_path.measure import core_busy_ticks, router_and_load_cpus, start_role
 from pdtrio.testing import Processes, cpu_seconds, synthetic_worker_config, write_router_config
 
@@ -114,8 +114,8 @@ def _row(
         "decode_us_per_token": decode_s / tokens * 1e6,
         "router_over_decode": router_s / max(decode_s, 1e-9),
         "load_core_util": (decode_s + other_load_s) / wall,
-        "itl_p50_ms": statistics.median(p50s) * 1e3 if p50s else None,
-        "itl_p99_ms": statistics.median(p99s) * 1e3 if p99s else None,
+        "itl_p50_ms": percentile(p50s, 50) * 1e3 if p50s else None,
+        "itl_p99_ms": percentile(p99s, 50) * 1e3 if p99s else None,
         "itl_p99_worst_ms": max(p99s) * 1e3 if p99s else None,
         "ttft_p50_ms": result["ttft_p50"] * 1e3,
         "ttft_p99_ms": result["ttft_p99"] * 1e3,

@@ -21,7 +21,8 @@ import httpx
 import trio
 import trio_websocket
 
-from benchmarks.token_path.measure import percentile, router_and_load_cpus
+from benchmarks.kit import percentile
+from benchmarks.token_path.measure import router_and_load_cpus
 from benchmarks.token_path.sse_clients import completion_request
 from pdtrio.protocol import wire
 from pdtrio.protocol.sampling import SamplingParams

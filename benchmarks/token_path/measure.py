@@ -1,4 +1,7 @@
-"""What the sections share: the two cores, a core's busy time, percentiles, role processes."""
+"""What the sections share: the two cores, a core's busy time, role processes.
+
+(Percentiles are :func:`benchmarks.kit.percentile`, as in every benchmark.)
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +32,6 @@ def core_busy_ticks(cpu: int) -> tuple[int, int]:
             idle = values[3] + values[4]
             return sum(values) - idle, sum(values)
     return 0, 0
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank ``q``-th percentile; nan when there is nothing."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def start_role(

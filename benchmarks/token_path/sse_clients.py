@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.token_path.measure import percentile
+from benchmarks.kit import percentile
 
 
 class _SseClient:

@@ -11,6 +11,15 @@ pongs and closes are wsproto's, which keeps the connection's state.
 
 One reader (whoever calls :meth:`WebSocketClient.receive_messages`); writes
 are serialised with a ``trio.Lock``.  No extra task, no queue.
+
+Dependencies: wsproto is one of the package's (``pyproject.toml``), for this
+client and for the frame cutter.  ``trio-websocket`` is not: it wraps wsproto
+in a task and a queue per connection, the per-message path this client exists
+to avoid, so nothing in the package imports it.  It is in the ``test`` extra
+instead, as an independent client: the tests that speak to a worker's
+``/pd/link`` by hand (``tests/worker/test_decode_wire.py``) use it beside this
+one, so a bug shared by this client and the worker's side cannot hide, and
+``benchmarks/token_path`` reads the raw decode websocket with it.
 """
 
 from __future__ import annotations

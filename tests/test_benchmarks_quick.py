@@ -1,0 +1,298 @@
+"""Every benchmark's ``--quick`` mode, run as a user runs it, so that none can rot unseen.
+
+``python -m <benchmark> --quick --json FILE`` from the repository root: it must exit 0,
+and what it prints and writes must have the shape its report promises.  Structure and
+correctness only: no timing, bandwidth or memory figure is compared with anything (the
+machine is shared).  Each ``--quick`` is sized to take well under two minutes on a
+2-core machine (see ``QUICK``); :func:`test_every_benchmark_is_run_quick` keeps the list
+whole: a new benchmark without an entry here fails it.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from pdtrio.testing.etcd import require_etcd
+from tests.quick_benchmarks import ROOT, run_quick
+
+Check = Callable[[str, Any], None]
+
+
+# --- what each report must say --------------------------------------------------------------
+
+
+def _big_inputs(printed: str, report: Any) -> None:
+    assert "RSS at the end vs. the start" in printed
+    rows = {row["kind"].split(" ", 1)[1]: row for row in report["rows"]}
+    assert set(rows) == {"token ids", "messages", "MB prompt"}, rows
+    # each huge request is refused, none is served, and /health answered all along
+    assert all(row["status"] == 400 for row in rows.values()), rows
+    assert rows["token ids"]["code"] == rows["messages"]["code"] == "context_length_exceeded"
+    assert all(row["probes"] > 0 for row in rows.values())
+    assert set(report["memory"]) == {
+        "router_rss_start_mb",
+        "router_rss_end_mb",
+        "prefill_rss_start_mb",
+        "prefill_rss_end_mb",
+    }
+
+
+def _capacity(printed: str, report: Any) -> None:
+    assert "TTFT p50 ms" in printed
+    streamed, burst = report
+    # the first run: every request waits its turn and completes
+    assert streamed["ok"] == streamed["requests"] > 0, streamed
+    assert streamed["ttft_p99_ms"] >= streamed["ttft_p50_ms"] > 0
+    # the burst: completed or refused at once, never a 200 followed by an error
+    assert burst["200_then_error"] == 0, burst
+    assert burst["ok"] + burst["429"] == burst["requests"], burst
+    assert burst["ok"] > 0 and burst["429"] > 0, burst
+
+
+def _pd_vs_colocated(printed: str, report: Any) -> None:
+    assert "TTFT p50 ms" in printed and "steps/s" in printed
+    assert report["benchmark"] == "pd_vs_colocated"
+    (case,) = report["results"]  # quick: tiny-random ISL 128 only
+    assert case["model"] == "tiny-random" and case["isl"] == 128
+    for mode in ("pd", "colocated"):
+        figures = case[mode]
+        assert figures["ttft_ms"] > 0 and figures["tpot_ms"] > 0, (mode, figures)
+        assert figures["steps_per_s"] > 0 and figures["itl_p50_ms"] > 0, (mode, figures)
+    for key in ("ttft_diff_pct", "tpot_diff_pct", "itl_diff_pct"):
+        assert isinstance(case[key], numbers.Real)
+
+
+def _token_path(printed: str, report: Any) -> None:
+    for heading in ("1. ingest", "2. end to end", "3. light load"):
+        assert heading in printed
+    assert report["quick"] is True
+    assert report["ingest"] and all(row["tokens_per_cpu_s"] > 0 for row in report["ingest"])
+    assert all(row["overflows"] == 0 for row in report["ingest"])
+    for row in report["e2e"]:
+        assert row["failures"] == {}, row
+        # requests that ended within the measured window, clients streaming back to back
+        assert row["requests_done"] > 0 and row["tokens"] > 0, row
+    assert {row["coalesce"] for row in report["latency"]} == {True, False}
+    assert all(row["samples"] > 0 for row in report["latency"])
+
+
+def _worker_limits(printed: str, report: Any) -> None:
+    assert "unauthenticated: nothing but refusals" in printed
+    unauth = report["unauthenticated"]
+    probes = unauth["probes"]
+    posts = probes.pop("posts")
+    # each answered after its headers alone, none of its body sent yet
+    assert [post["status"] for post in posts] == [401] * 8
+    assert set(probes) == {
+        "/pd/link on decode",
+        "/pd/link on prefill",
+        "KV port, zero proof",
+        "POST /pd/release of a live request",
+    }
+    assert all(probe["refused"] for probe in probes.values()), probes
+    assert "HTTP 403" in probes["/pd/link on prefill"]["answer"]
+    assert probes["POST /pd/release of a live request"]["answer"] == "HTTP 401"
+    assert unauth["kv_blocks_after"] == unauth["kv_blocks_before"] > 0
+    assert unauth["kv_leases_after"] == unauth["kv_leases_before"] == 1
+    assert unauth["freed_with_secret_without_grant"] is False
+
+    # a flood of silent HTTP connections: the worker keeps its bound, a peer still gets in
+    flood = report["http_flood"]
+    assert flood["peer_answer"] == "200"
+    assert flood["still_open"] <= 256  # the default max_unauthenticated_connections
+    assert flood["evicted"] >= flood["count"] - 256
+
+
+def _discovery(printed: str, report: Any) -> None:
+    for heading in ("## 1. cost", "## 2. churn under load", "## 3. etcd outages"):
+        assert heading in printed
+    assert "| measure | (a) static list | (b) etcd | (b)/(a) |" in printed
+    assert "| event | n | measure | p50 / max ms |" in printed
+    for goal in (
+        "0 failed requests from graceful joins/leaves",
+        "only the killed worker's in-flight requests fail",
+        "0 failed during the etcd outage",
+        "discovery adds no CPU per request",
+    ):
+        assert goal in printed
+
+    assert {"static", "etcd"} <= report["cost"].keys()
+    events = {e["event"] for e in report["churn"]["events"]}
+    assert events == {"join prefill", "join decode", "leave prefill", "leave decode", "kill decode"}
+    assert len(report["outages"]["outages"]) == 1
+    assert [g["pass"] for g in report["goals"][:3]] == [True, True, True]
+
+
+_ROUTER_COST_RUN_KEYS = {
+    "server",
+    "app",
+    "load",
+    "clients",
+    "max_tokens",
+    "window_s",
+    "tokens",
+    "requests",
+    "failures",
+    "failures_total",
+    "incomplete",
+    "router_cpu_s",
+    "router_ms_per_request",
+    "router_us_per_token",
+    "ttft_p50_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "itl_token_p99_ms",
+    "decode_own_itl_p99_ms",
+    "added_itl_p99_ms",
+    "pace",
+    "offered_tokens_per_s",
+}
+
+
+def _router_cost(printed: str, report: Any) -> None:
+    from benchmarks.router_cost import QUICK, plan
+
+    assert report["quick"] is True
+    # one run per (server, load) of the plan, each with its figures
+    expected = {(server.key, load.key) for server, loads in plan(QUICK) for load in loads}
+    runs = report["runs"]
+    assert {(r["server"], r["load"]) for r in runs} == expected
+    assert len(runs) == len(expected)
+    for r in runs:
+        assert _ROUTER_COST_RUN_KEYS <= r.keys(), (r["server"], r["load"])
+        assert r["window_s"] > 0 and r["router_cpu_s"] >= 0
+        assert isinstance(r["tokens"], int) and isinstance(r["failures_total"], dict)
+    # paced pdtrio runs read the decode worker directly too
+    paced = [r for r in runs if r["app"] == "pdtrio" and r["step_ms"] > 0]
+    assert paced and all("decode_own_samples" in r for r in paced)
+
+    # the table: six columns, a row for every load of the issue
+    rows = report["rows"]
+    assert rows and all(len(cells) == 6 for cells in rows)
+    loads = [cells[0] for cells in rows if cells[0]]
+    # short x2, one token, paced x2 x egress on/off, paced against grouped events, fast x2,
+    # two routers
+    assert len(loads) == 2 + 1 + 4 + 1 + 2 + 1
+    assert any("two router processes" in label for label in loads)
+
+    # goals: each one named, with a verdict (or none when nothing was measured)
+    goals = report["goals"]
+    assert len(goals) == 8
+    for g in goals:
+        assert g["goal"] and g["pass"] in (True, False, None)
+        assert g["value"] is None or isinstance(g["value"], numbers.Real)
+
+    # what hypercorn-trio itself does, beside each goal (the trivial app's floor)
+    assert len(report["floors"]) == 3 and all(report["floors"])
+    grouped = next(r for r in runs if r["server"] == "trivial_grouped")
+    assert grouped["tokens_per_event"] > 1
+
+    # the printed report: the markdown table and the goals
+    assert "| load | measure | pdtrio | trivial app | pdtrio vs trivial | goal |" in printed
+    assert "goals:" in printed
+
+
+def _kv_transfer(printed: str, report: Any) -> None:
+    # every pull's bytes are checked by the benchmark itself
+    assert "KV pull bandwidth, GB/s" in printed
+    bandwidth = report["bandwidth"]
+    assert [row["size_mib"] for row in bandwidth] == [1, 16, 64, 256]
+    for row in bandwidth:
+        for name in ("nixl_read", "nixl_pull", "tcp_pull", "copy_cold", "copy_hot"):
+            assert row[f"{name}_gbps"] > 0, (name, row)
+
+    # each setup moved its KV the way it says
+    handoff = {row["setup"]: row for row in report["handoff"]}
+    assert set(handoff) == {"nixl", "tcp", "colocated"}
+    assert handoff["nixl"]["pulled_over"] == "nixl"
+    assert handoff["tcp"]["pulled_over"] == "tcp"
+    assert handoff["colocated"]["pulled_over"] == ""  # nothing to pull
+    assert all(row["second_token_ms"] > row["ttft_ms"] > 0 for row in handoff.values())
+    assert set(report["idle_cpu_percent"]) == {
+        "nixl prefill",
+        "nixl decode",
+        "tcp prefill",
+        "tcp decode",
+    }
+
+
+def _abandoned_prefill(printed: str, report: Any) -> None:
+    # clients that leave during prefill, a stalled prefill link and a stopped prefill
+    # worker leave both workers idle, no lease expired
+    assert "until both workers idle" in printed
+    for case in ("storm", "storm_stalled", "sigstop"):
+        row = report[case]
+        assert row["idle_after_s"] is not None, (case, row["stats"])
+        assert row["leases_expired"] == 0, case
+        assert all(stats["kv_leases"] == 0 for stats in row["stats"]), case
+    # every stopped prefill's client got an answer (the link timed out: 503)
+    assert sum(report["sigstop"]["answers"].values()) == report["plan"]["stopped_clients"]
+
+
+# --- the list -------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Quick:
+    module: str
+    check: Check
+    timeout_s: float  # several times what it takes on a shared 2-core machine
+    needs_etcd: bool = False
+
+
+QUICK = [
+    Quick("benchmarks.big_inputs", _big_inputs, 120),
+    Quick("benchmarks.capacity", _capacity, 180),
+    Quick("benchmarks.pd_vs_colocated", _pd_vs_colocated, 120),
+    Quick("benchmarks.token_path", _token_path, 300),
+    Quick("benchmarks.worker_limits", _worker_limits, 120),
+    Quick("benchmarks.discovery", _discovery, 240, needs_etcd=True),
+    Quick("benchmarks.router_cost", _router_cost, 300),
+    Quick("benchmarks.kv_transfer", _kv_transfer, 400),
+    Quick("benchmarks.abandoned_prefill", _abandoned_prefill, 300),
+]
+# run --quick by a test of their own
+ELSEWHERE = {"benchmarks.soak": "tests/e2e/test_soak.py"}
+# modules of benchmarks/ that are not benchmarks
+NOT_BENCHMARKS = {"benchmarks.kit", "benchmarks.plotting", "benchmarks.trivial_sse_app"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", QUICK, ids=[case.module.split(".")[-1] for case in QUICK])
+def test_quick_run(case: Quick, tmp_path: Path) -> None:
+    if case.needs_etcd:
+        require_etcd()
+    completed, out = run_quick(case.module, tmp_path, timeout=case.timeout_s)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-8000:]
+    assert out.exists(), f"{case.module} --quick wrote no --json report"
+    case.check(completed.stdout, json.loads(out.read_text()))
+
+
+def _benchmarks() -> set[str]:
+    """Every runnable module of benchmarks/: a top-level file, or a package with __main__."""
+    found = {f"benchmarks.{p.stem}" for p in (ROOT / "benchmarks").glob("*.py")}
+    found |= {f"benchmarks.{p.parent.name}" for p in (ROOT / "benchmarks").glob("*/__main__.py")}
+    return found - {"benchmarks.__init__"} - NOT_BENCHMARKS
+
+
+def test_every_benchmark_is_run_quick() -> None:
+    listed = [case.module for case in QUICK]
+    assert len(listed) == len(set(listed))
+    assert _benchmarks() == set(listed) | ELSEWHERE.keys()
+    for module, test in ELSEWHERE.items():
+        assert f'"{module}"' in (ROOT / test).read_text(), (module, test)
+    # and each has a --quick mode to run
+    for module in _benchmarks():
+        path = ROOT / Path(*module.split("."))
+        source = path.with_suffix(".py") if path.with_suffix(".py").exists() else path
+        text = "".join(
+            p.read_text() for p in ([source] if source.is_file() else source.glob("*.py"))
+        )
+        assert '"--quick"' in text, module
