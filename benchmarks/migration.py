@@ -45,6 +45,7 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.kit import markdown_table, percentile, write_json
 from pdtrio.testing import Processes, Service, free_port, synthetic_worker_config
 from pdtrio.testing.processes import write_router_config
 
@@ -70,17 +71,6 @@ class Stream:
     finish_reason: str | None = None
     errors: int = 0
     done: bool = False
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between the closest ranks (numpy's default)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    rank = q * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def _body(index: int, max_tokens: int, *, stream: bool = True) -> dict[str, Any]:
@@ -286,27 +276,27 @@ def run(settings: Settings) -> dict[str, Any]:
                 # round robin: the faulted decode had half the streams, the largest gaps
                 gaps = sorted((_gap_at(s, faulted_at) for s in streams), reverse=True)
                 at_fault += gaps[: settings.streams // 2]
-            itl_p50 = percentile(itl, 0.5)
+            itl_p50 = percentile(itl, 50)
             results[kind] = {
                 "migrated_streams": len(at_fault),
                 # kill: how soon the kernel closed its sockets (the floor of detection);
                 # stop: nothing closes, the router's link_timeout_s is the detection
-                "sockets_closed_p50_ms": percentile(closed_after, 0.5) * 1000,
+                "sockets_closed_p50_ms": percentile(closed_after, 50) * 1000,
                 "migrations_counted": migrations,
                 "streams_not_equal_to_undisturbed": wrong,
-                "gap_at_fault_p50_ms": percentile(at_fault, 0.5) * 1000,
-                "gap_at_fault_p99_ms": percentile(at_fault, 0.99) * 1000,
-                "added_p50_ms": (percentile(at_fault, 0.5) - itl_p50) * 1000,
-                "added_p99_ms": (percentile(at_fault, 0.99) - itl_p50) * 1000,
+                "gap_at_fault_p50_ms": percentile(at_fault, 50) * 1000,
+                "gap_at_fault_p99_ms": percentile(at_fault, 99) * 1000,
+                "added_p50_ms": (percentile(at_fault, 50) - itl_p50) * 1000,
+                "added_p99_ms": (percentile(at_fault, 99) - itl_p50) * 1000,
             }
         floor = _ttft_floor(router, settings, PROMPT_TOKENS + settings.fault_after)
     return {
         "settings": attrs.asdict(settings),
         "link_timeout_s": LINK_TIMEOUT_S,
-        "itl_p50_ms": percentile(itl, 0.5) * 1000,
-        "itl_p99_ms": percentile(itl, 0.99) * 1000,
-        "continuation_ttft_floor_p50_ms": percentile(floor, 0.5) * 1000,
-        "continuation_ttft_floor_p99_ms": percentile(floor, 0.99) * 1000,
+        "itl_p50_ms": percentile(itl, 50) * 1000,
+        "itl_p99_ms": percentile(itl, 99) * 1000,
+        "continuation_ttft_floor_p50_ms": percentile(floor, 50) * 1000,
+        "continuation_ttft_floor_p99_ms": percentile(floor, 99) * 1000,
         "faults": results,
     }
 
@@ -321,18 +311,38 @@ def render(r: dict[str, Any]) -> str:
         f"p50 {r['continuation_ttft_floor_p50_ms']:7.1f} ms   "
         f"p99 {r['continuation_ttft_floor_p99_ms']:7.1f} ms",
         "",
-        "| fault | migrated streams | migrations counted | wrong or failed | sockets closed "
-        "p50 | ITL at fault p50 | p99 | added p50 | added p99 |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for kind, f in r["faults"].items():
-        lines.append(
-            f"| {kind} | {f['migrated_streams']} | {f['migrations_counted']:.0f} | "
-            f"{f['streams_not_equal_to_undisturbed']} | {f['sockets_closed_p50_ms']:.1f} ms | "
-            f"{f['gap_at_fault_p50_ms']:.1f} ms | "
-            f"{f['gap_at_fault_p99_ms']:.1f} ms | {f['added_p50_ms']:.1f} ms | "
-            f"{f['added_p99_ms']:.1f} ms |"
-        )
+    header = [
+        "fault",
+        "migrated streams",
+        "migrations counted",
+        "wrong or failed",
+        "sockets closed p50",
+        "ITL at fault p50",
+        "p99",
+        "added p50",
+        "added p99",
+    ]
+    rows = [
+        [
+            kind,
+            str(f["migrated_streams"]),
+            f"{f['migrations_counted']:.0f}",
+            str(f["streams_not_equal_to_undisturbed"]),
+            *(
+                f"{f[key]:.1f} ms"
+                for key in (
+                    "sockets_closed_p50_ms",
+                    "gap_at_fault_p50_ms",
+                    "gap_at_fault_p99_ms",
+                    "added_p50_ms",
+                    "added_p99_ms",
+                )
+            ),
+        ]
+        for kind, f in r["faults"].items()
+    ]
+    lines.append(markdown_table(header, rows, align="lrrrrrrrr"))
     lines.append(
         "(added: ITL at the fault less the undisturbed ITL p50. kill: the victim's sockets "
         "close only once the kernel has torn the process down, the floor of any detection; "
@@ -358,8 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = run(settings)
     print(render(result))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     failed = any(
         f["streams_not_equal_to_undisturbed"] or f["migrations_counted"] != f["migrated_streams"]
         for f in result["faults"].values()

@@ -37,6 +37,11 @@ every fault is cleared:
 - the router's memory (RSS of its process tree) at the start and the end;
 - each process must exit on SIGINT, and nothing below it may outlive it.
 
+A request whose decode is lost goes on on another (decode migration); one that ends
+``decode_failed`` all the same is split by whether every decode was under a fault at
+one moment of its life (then there was nowhere to go on) or not (a recoverable fault:
+the goal is none).
+
 ``python -m benchmarks.soak [--seconds N] [--quick] [--json PATH] [--seed S]``
 """
 
@@ -62,6 +67,7 @@ import attrs
 import httpx
 import trio
 
+from benchmarks.kit import percentile
 from pdtrio.faults import Fault, FaultProxy
 from pdtrio.testing import (
     LOOPBACK,
@@ -127,13 +133,11 @@ class Tally:
     """One example body per non-ok outcome."""
     causes: Counter[str] = attrs.field(factory=Counter)
     """Non-ok outcomes by the message they carry (instances and numbers elided)."""
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    fault_windows: dict[int, list[tuple[float, float]]] = attrs.field(factory=dict)
+    """Each target's faults, by index into the targets: from when each began to when
+    it was cleared (trio clock)."""
+    decode_failed_spans: list[tuple[float, float]] = attrs.field(factory=list)
+    """When each request that ended ``decode_failed`` ran (trio clock)."""
 
 
 def _request(max_tokens: int, stream: bool, prompt_tokens: int) -> bytes:
@@ -156,6 +160,7 @@ def _request(max_tokens: int, stream: bool, prompt_tokens: int) -> bytes:
 _ERROR_CODE = re.compile(rb'"code": ?"([a-z_]+)"')
 _ERROR_MESSAGE = re.compile(rb'"message": ?"((?:[^"\\]|\\.)*)"')
 _INSTANCE = re.compile(r"[a-z]+@[0-9.]+:[0-9]+")
+_REQUEST_ID = re.compile(r"\b(?:chat)?cmpl-[0-9a-f]+(?:-m[0-9]+)?")
 
 
 def _cause(outcome: str, data: bytes) -> str:
@@ -165,7 +170,9 @@ def _cause(outcome: str, data: bytes) -> str:
     if found is None:
         return outcome
     message = _INSTANCE.sub("<instance>", found[1].decode(errors="replace"))
+    message = _REQUEST_ID.sub("<request>", message)
     return f"{outcome}: {re.sub(r'[0-9]+', 'N', message)}"
+
 
 EXPLAINED_CODES = frozenset(
     {
@@ -210,6 +217,7 @@ async def _one_request(
     disconnect_after = rng.uniform(0.0, 1.0) if roll < 0.25 else None
     slow = 0.25 <= roll < 0.35
     started = time.monotonic()
+    began = trio.current_time()
     received = bytearray()
     try:
         sock = await trio.open_tcp_stream(*address)
@@ -236,6 +244,8 @@ async def _one_request(
         if outcome != "ok":
             tally.samples.setdefault(outcome, bytes(received[-300:]).decode(errors="replace"))
             tally.causes[_cause(outcome, bytes(received))] += 1
+            if outcome.endswith("decode_failed"):
+                tally.decode_failed_spans.append((began, trio.current_time()))
         return outcome
     except trio.Cancelled:
         # the hang bound: a stream still under way well after every fault was cleared
@@ -324,10 +334,12 @@ async def _faults(
         (stopped.add if is_stopped else stopped.discard)(pid)
 
     async def apply(kind: str, index: int) -> None:
+        began = trio.current_time()
         try:
             await _fault(kind, rng, targets[index], on_stopped)
         finally:
             busy.discard(index)
+            tally.fault_windows.setdefault(index, []).append((began, trio.current_time()))
 
     async with trio.open_nursery() as nursery:
         while True:
@@ -558,10 +570,11 @@ async def _soak(
         longest_request_s=tally.longest_s,
         samples=tally.samples,
         causes=dict(tally.causes.most_common()),
+        decode_failed=_decode_failed_by_fault(tally, targets),
         probes=len(times),
         probe_failures=probe_failures,
-        disconnect_to_free_p50_ms=_percentile(times, 0.5) * 1000,
-        disconnect_to_free_p99_ms=_percentile(times, 0.99) * 1000,
+        disconnect_to_free_p50_ms=percentile(times, 50) * 1000,
+        disconnect_to_free_p99_ms=percentile(times, 99) * 1000,
         disconnect_to_free_max_ms=max(times, default=float("nan")) * 1000,
     )
     return result
@@ -643,6 +656,43 @@ def run(settings: Settings) -> dict[str, Any]:
     return result
 
 
+RECONNECT_S = 1.0
+"""How long a faulted link takes to come back once its fault is cleared: the router
+retries a lost link every 0.5 s, then connects and gets decode's first report."""
+
+
+def _every_decode_faulted(
+    span: tuple[float, float], windows: list[list[tuple[float, float]]]
+) -> bool:
+    """Whether, at some moment of ``span``, each decode was under a fault (or coming back
+    from one, ``RECONNECT_S``): nowhere to continue a request then."""
+    start, end = span
+    # the moments where that may begin: the span's start, or a fault's
+    for moment in [start, *(began for w in windows for began, _ in w)]:
+        if not start <= moment <= end:
+            continue
+        if all(
+            any(began <= moment <= cleared + RECONNECT_S for began, cleared in w) for w in windows
+        ):
+            return True
+    return False
+
+
+def _decode_failed_by_fault(tally: Tally, targets: list[FaultTarget]) -> dict[str, int]:
+    """The requests that ended ``decode_failed``: while every decode was faulted at once
+    (nowhere to continue them), or not (a recoverable fault: there must be none)."""
+    windows = [
+        tally.fault_windows.get(index, [])
+        for index, target in enumerate(targets)
+        if target.name == "decode"
+    ]
+    unrecoverable = sum(_every_decode_faulted(span, windows) for span in tally.decode_failed_spans)
+    return {
+        "every_decode_faulted": unrecoverable,
+        "recoverable": len(tally.decode_failed_spans) - unrecoverable,
+    }
+
+
 def _unexplained(outcomes: dict[str, int]) -> dict[str, int]:
     """Outcomes no injected fault accounts for: a bug to look into, though no leak."""
     return {
@@ -678,6 +728,11 @@ def render(r: dict[str, Any]) -> str:
     processes = r["processes"]
     lines.append(f"  left behind          {processes['left_behind'] or 0}")
     lines.append(f"  exit statuses        {dict(Counter(processes['exit_statuses'].values()))}")
+    lines.append(
+        "  decode_failed        "
+        f"{r['decode_failed']['recoverable']} while another decode was up (goal 0), "
+        f"{r['decode_failed']['every_decode_faulted']} while every decode was faulted at once"
+    )
     lines.append("  failures by cause")
     for cause, count in r["causes"].items():
         lines.append(f"    {count:6d}  {cause[:150]}")

@@ -236,6 +236,19 @@ def _abandoned_prefill(printed: str, report: Any) -> None:
     assert sum(report["sigstop"]["answers"].values()) == report["plan"]["stopped_clients"]
 
 
+def _migration(printed: str, report: Any) -> None:
+    assert "| fault | migrated streams |" in printed
+    streams = report["settings"]["streams"]
+    assert set(report["faults"]) == {"kill", "stop"}
+    for kind, fault in report["faults"].items():
+        # every stream on the faulted decode went on on the other, equal to the undisturbed
+        assert fault["streams_not_equal_to_undisturbed"] == 0, (kind, fault)
+        assert fault["migrated_streams"] == fault["migrations_counted"] == streams // 2
+        assert fault["gap_at_fault_p99_ms"] >= fault["gap_at_fault_p50_ms"] > 0
+    assert report["faults"]["kill"]["sockets_closed_p50_ms"] > 0
+    assert report["itl_p50_ms"] > 0 and report["continuation_ttft_floor_p50_ms"] > 0
+
+
 # --- the list -------------------------------------------------------------------------------
 
 
@@ -257,6 +270,7 @@ QUICK = [
     Quick("benchmarks.router_cost", _router_cost, 300),
     Quick("benchmarks.kv_transfer", _kv_transfer, 400),
     Quick("benchmarks.abandoned_prefill", _abandoned_prefill, 300),
+    Quick("benchmarks.migration", _migration, 240),
 ]
 # run --quick by a test of their own
 ELSEWHERE = {"benchmarks.soak": "tests/e2e/test_soak.py"}
