@@ -1,6 +1,9 @@
-"""Fault hooks that end a worker process (``[faults]``), on real processes: os._exit kills it.
+"""Workers that die or hang, on real processes: fault hooks that end a worker process
+(``[faults]``: os._exit kills it), a SIGKILL or SIGSTOP from outside, and a fault proxy
+(``python -m pdtrio.faults``) that resets the router's link to one.
 
-The client sees a retry or a clear error, and the workers still standing hold nothing.
+The client sees a retry, a stream continued on another decode, or a clear error, and the
+workers still standing hold nothing.
 """
 
 from __future__ import annotations
@@ -8,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +22,14 @@ from typing import Any
 import httpx
 import pytest
 
-from pdtrio.testing import Processes, Service, synthetic_worker_config, write_router_config
+from pdtrio.testing import (
+    LOOPBACK,
+    Processes,
+    Service,
+    free_port,
+    synthetic_worker_config,
+    write_router_config,
+)
 from pdtrio.worker.fault_hooks import FAULT_EXIT_CODE
 from tests.cluster import eventually
 from tests.metrics import value
@@ -243,18 +255,56 @@ def test_streams_on_a_decode_killed_mid_stream_finish_unbroken_on_the_other(
     assert _eventually(lambda: _holds_nothing(prefill) and _holds_nothing(decode))
 
 
-@pytest.mark.parametrize(
-    ("fault", "reason"), [(signal.SIGKILL, "link_lost"), (signal.SIGSTOP, "link_timeout")]
-)
-def test_sixteen_streams_on_a_decode_signalled_mid_stream_finish_unbroken_on_the_other(
-    procs: Processes, tmp_path: Path, fault: signal.Signals, reason: str
-) -> None:
-    """SIGKILL: its link closes; SIGSTOP: it hangs past link_timeout_s. Either way its
-    streams go on on the other decode, each equal to the undisturbed answer."""
-    workers = [_worker_config("prefill"), _worker_config("decode"), _worker_config("decode")]
-    (prefill, victim, decode), router = _cluster(
-        procs, tmp_path, workers, router={**ROUTER, "decode_policy": "round_robin"}
+def _fault_proxy(procs: Processes, target: Service) -> tuple[str, int]:
+    """``python -m pdtrio.faults`` in front of ``target``: its URL, and its control port."""
+    listen, control = free_port(), free_port()
+    proxy = procs.start(
+        [
+            sys.executable,
+            "-m",
+            "pdtrio.faults",
+            "--listen",
+            f"{LOOPBACK}:{listen}",
+            "--target",
+            target.address,
+            "--control-port",
+            str(control),
+        ],
+        output="lines",
     )
+    procs.read_line(proxy, b"control on ", LIVENESS_S)
+    return f"http://{LOOPBACK}:{listen}", control
+
+
+def _control(port: int, command: str) -> str:
+    with socket.create_connection((LOOPBACK, port), timeout=LIVENESS_S) as sock:
+        lines = sock.makefile("rwb")
+        lines.readline()  # its greeting: the fault in force
+        lines.write(command.encode() + b"\n")
+        lines.flush()
+        return lines.readline().decode()
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [("SIGKILL", "link_lost"), ("SIGSTOP", "link_timeout"), ("proxy reset", "link_lost")],
+)
+def test_sixteen_streams_on_a_decode_lost_mid_stream_finish_unbroken_on_the_other(
+    procs: Processes, tmp_path: Path, fault: str, reason: str
+) -> None:
+    """SIGKILL: its link closes; SIGSTOP: it hangs past link_timeout_s; a fault proxy on
+    the router's link to it resets the connection. Either way its streams go on on the
+    other decode (or on it, once reconnected), each equal to the undisturbed answer."""
+    roles = ("prefill", "decode", "decode")
+    started = [procs.start_worker(_worker_config(role)) for role in roles]
+    prefill, victim, decode = [procs.wait_ready(process) for process in started]
+    victim_url, control = _fault_proxy(procs, victim)
+    config = write_router_config(
+        tmp_path / "router.toml",
+        [("prefill", prefill.url), ("decode", victim_url), ("decode", decode.url)],
+        router={**ROUTER, "decode_policy": "round_robin"},
+    )
+    router = procs.router(config, output="capture")
     clients = 16
     expected = [_seen(_chat_stream(router, i)) for i in range(clients)]  # undisturbed
     flowing = threading.Barrier(clients + 1)
@@ -265,21 +315,24 @@ def test_sixteen_streams_on_a_decode_signalled_mid_stream_finish_unbroken_on_the
     with ThreadPoolExecutor(clients) as pool:
         futures = [pool.submit(stream, i) for i in range(clients)]
         flowing.wait(LIVENESS_S)  # every stream has had its first events
-        os.kill(victim.pid, fault)
+        if fault == "proxy reset":
+            assert _control(control, "reset").startswith("ok reset ")
+        else:
+            os.kill(victim.pid, getattr(signal, fault))
         try:
             answers = [future.result(LIVENESS_S) for future in futures]
         finally:
-            if fault == signal.SIGSTOP:
+            if fault == "SIGSTOP":
                 os.kill(victim.pid, signal.SIGCONT)
     assert answers == expected
-    for roles, _, finishes, usage in answers:
-        assert (roles, finishes, usage["completion_tokens"]) == (1, ["length"], 40)
+    for roles_seen, _, finishes, usage in answers:
+        assert (roles_seen, finishes, usage["completion_tokens"]) == (1, ["length"], 40)
     metrics = httpx.get(f"{router.url}/metrics", timeout=LIVENESS_S).text
     # round robin: half the streams were on it
     assert value(metrics, "pdtrio_migrations_total", reason=reason) == clients // 2
     assert value(metrics, "pdtrio_migrations_total") == clients // 2
     survivors = [prefill, decode]
-    if fault == signal.SIGKILL:
+    if fault == "SIGKILL":
         assert victim.process.wait(LIVENESS_S) == -signal.SIGKILL
     else:
         survivors.append(victim)
