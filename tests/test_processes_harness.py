@@ -24,7 +24,8 @@ def wait_exited(process: subprocess.Popen[bytes]) -> None:
     os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
 
 
-def test_a_worker_that_fails_at_start_raises_with_its_traceback(tmp_path: Path) -> None:
+def test_a_worker_that_fails_at_start_says_why(tmp_path: Path) -> None:
+    # a configuration mistake: the worker's one clean line, in the harness's error
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{not json")
@@ -32,9 +33,27 @@ def test_a_worker_that_fails_at_start_raises_with_its_traceback(tmp_path: Path) 
     with Processes(stop_grace_s=5) as procs, pytest.raises(ProcessError) as raised:
         procs.worker(config, timeout=120)
     message = str(raised.value)
+    assert "exited with status 2 before it printed b'PDTRIO_READY '" in message
+    assert "config.json is not valid JSON: Expecting property name" in message
+
+
+def test_a_worker_that_crashes_at_start_raises_with_its_traceback() -> None:
+    # a bug of ours while building the engine: its traceback, in the harness's error
+    code = (
+        "import sys, json\n"
+        "import pdtrio.worker.main as worker_main\n"
+        "def build_engine(config):\n    return config.no_such_setting\n"
+        "worker_main.build_engine = build_engine\n"
+        "config = {'role': 'prefill', 'engine': {'kind': 'synthetic'}}\n"
+        "sys.exit(worker_main.main(['--config-json', json.dumps(config)]))\n"
+    )
+    with Processes(stop_grace_s=5) as procs, pytest.raises(ProcessError) as raised:
+        process = procs.start(python(code), output="lines")
+        procs.read_line(process, b"PDTRIO_READY ", 120)
+    message = str(raised.value)
     assert "exited with status 1 before it printed b'PDTRIO_READY '" in message
     assert "Traceback (most recent call last):" in message
-    assert "json.decoder.JSONDecodeError: Expecting property name" in message
+    assert "no_such_setting" in message
 
 
 def test_a_process_that_stays_silent_shows_what_it_printed() -> None:

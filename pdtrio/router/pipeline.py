@@ -364,6 +364,7 @@ class RequestPipeline:
                 tried[early.instance_id] = early.connection
                 last_reason = early.message
                 if await self._a_decode_connects(tried, handle.layout, _lease_left_s(handle)):
+                    self.router.metrics.retries.labels("decode").inc()
                     log.warning(
                         "decode on %s failed before its first token (%s): trying another",
                         early.instance_id,
