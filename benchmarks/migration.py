@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -330,7 +331,7 @@ def render(r: dict[str, Any]) -> str:
             f"{f['migrations_counted']:.0f}",
             str(f["streams_not_equal_to_undisturbed"]),
             *(
-                f"{f[key]:.1f} ms"
+                "none close" if math.isnan(f[key]) else f"{f[key]:.1f} ms"
                 for key in (
                     "sockets_closed_p50_ms",
                     "gap_at_fault_p50_ms",
