@@ -574,7 +574,7 @@ class RequestMachine:
             self._end(out, Ending.REJECTED, failure)
             return out
         if event.queue_full:
-            return self._fail(Failure(Reason.QUEUE_FULL, _QUEUE_FULL_MESSAGE))
+            return self._fail(Failure(Reason.QUEUE_FULL, QUEUE_FULL_MESSAGE))
         out = []
         self._arm(Deadline.REQUEST, now + self.limits.request_timeout_s, out)
         return self._send_prefill(out)
@@ -792,7 +792,7 @@ class RequestMachine:
         return self._interrupted(event.failure, event.torn)
 
 
-_QUEUE_FULL_MESSAGE: Final = "the server is at capacity and its queue is full; retry shortly"
+QUEUE_FULL_MESSAGE: Final = "the server is at capacity and its queue is full; retry shortly"
 
 
 def _no_prefill() -> Failure:

@@ -15,7 +15,7 @@ the worker link's own errors are these.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from pdtrio.protocol.stream_buffer import StreamBuffer
 from pdtrio.protocol.wire import DecodeRejected, DecodeStart, PrefillFailed, PrefillReply
@@ -47,6 +47,10 @@ class DecodeRun(Protocol):
 
     async def wait_update(self) -> None:
         """Until something new arrived (an answer, tokens, a failure)."""
+
+    async def hold_until(self, deadline: float, timer: Any) -> None:
+        """Until about ``deadline`` (adaptive egress spacing its sends); a finish or a
+        failure ends it early.  ``timer``: the router's, which wakes the holds."""
 
 
 class PrefillBackend(Protocol):
