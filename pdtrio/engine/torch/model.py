@@ -34,13 +34,16 @@ class SeqInput:
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim // 2], float32, with the checkpoint's scaling."""
+    """Inverse RoPE frequencies [head_dim // 2], float32 on the CPU, with the checkpoint's
+    scaling (computed on the CPU even inside ``torch.device("meta")``, where arange goes
+    through Python decompositions that import torch._dynamo: seconds of a model load)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling
-    if scaling is not None:
-        inv_freq = _scale_inv_freq(inv_freq, scaling)
-    return inv_freq.to(torch.float32)
+    with torch.device("cpu"):
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        scaling = config.rope_scaling
+        if scaling is not None:
+            inv_freq = _scale_inv_freq(inv_freq, scaling)
+        return inv_freq.to(torch.float32)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
@@ -136,7 +139,14 @@ class DecoderLayer(nn.Module):
 class _Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # an explicit (uninitialised) weight: nn.Embedding's own init is a normal_(), which on
+        # the meta device CausalLM.build uses goes through torch's Python decompositions and
+        # imports torch._dynamo (2-3 s of a model load); build replaces every parameter anyway
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
