@@ -21,6 +21,7 @@ from pdtrio.protocol.scheduling import SchedulingPolicy
 
 Role = Literal["prefill", "decode", "both"]
 EngineKind = Literal["synthetic", "torch"]
+OmpWaitPolicy = Literal["passive", "active", ""]
 # how decode pulls KV from prefill: "auto" takes NIXL where it imports and works, else TCP
 KvTransportChoice = Literal["nixl", "tcp", "auto"]
 
@@ -42,6 +43,11 @@ def _positive(instance: Any, attribute: attrs.Attribute[Any], value: float) -> N
 def _non_negative(instance: Any, attribute: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
         raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
+
+
+def _cpus(instance: Any, attribute: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
+    if any(cpu < 0 for cpu in value):
+        raise ValueError(f"{attribute.name} must list CPU numbers >= 0, got {list(value)!r}")
 
 
 @final
@@ -76,6 +82,14 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
+    # torch engine on the CPU: intra-op threads (0: torch's default, one per core)
+    num_threads: int = attrs.field(default=0, validator=_non_negative)
+    # OMP_WAIT_POLICY for the worker's OpenMP threads, set before torch is imported (an
+    # OMP_WAIT_POLICY in the environment is kept): "passive" lets a thread with no work
+    # sleep at once, "active" spins, "" leaves libgomp's default (spin a while, then sleep)
+    omp_wait_policy: OmpWaitPolicy = "passive"
+    # the CPUs the worker runs on (sched_setaffinity); empty: every CPU it may use
+    cpu_affinity: tuple[int, ...] = attrs.field(default=(), validator=_cpus)
     synthetic: SyntheticEngineConfig = SyntheticEngineConfig()
 
 

@@ -59,6 +59,9 @@ def build_engine(config: EngineConfig) -> Engine:
             model_name=config.served_model_name or SYNTHETIC_MODEL_NAME,
             default_max_tokens=config.default_max_tokens,
         )
+    from pdtrio.engine.threads import prepare_process
+
+    prepare_process(config)  # before torch is imported: OpenMP reads its settings then
     try:
         from pdtrio.engine.torch.engine import TorchEngine
     except ImportError as exc:

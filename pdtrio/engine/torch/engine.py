@@ -44,6 +44,7 @@ from pdtrio.engine.budget import (
 )
 from pdtrio.engine.detokenizer import IncrementalDetokenizer
 from pdtrio.engine.stopping import OutputProcessor
+from pdtrio.engine.threads import apply_num_threads
 from pdtrio.engine.tokenizer import Tokenizer
 from pdtrio.engine.torch.builtin import load_builtin
 from pdtrio.engine.torch.loaders import LoadedModel, load_gguf, load_hf_checkpoint
@@ -165,7 +166,7 @@ class TorchEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> TorchEngine:
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+        apply_num_threads(config)
         try:
             return cls(load_model(config), config)
         except torch.OutOfMemoryError as exc:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, final
 
@@ -288,6 +289,36 @@ def _hf_name(gguf_name: str) -> str:
     raise UnsupportedModel(f"unexpected GGUF tensor {gguf_name!r}")
 
 
+def _read_gguf_fields_and_tensors(
+    path: Path,
+) -> tuple[dict[str, Any], dict[str, Callable[[], np.ndarray]]]:
+    """The file's metadata, and for each tensor a function giving its float32 values."""
+    from pdtrio.engine.torch.gguf_file import GGUFFormatError, dequantize, read_gguf
+
+    try:
+        parsed = read_gguf(path)
+    except GGUFFormatError:
+        # big-endian, GGUF v1, ...: gguf's own reader (slow, but it knows them all)
+        return _read_gguf_with_gguf(path)
+    values = {
+        name: functools.partial(dequantize, tensor) for name, tensor in parsed.tensors.items()
+    }
+    return parsed.fields, values
+
+
+def _read_gguf_with_gguf(
+    path: Path,
+) -> tuple[dict[str, Any], dict[str, Callable[[], np.ndarray]]]:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except ValueError as exc:  # what gguf raises for a file that is not GGUF it can read
+        raise UnsupportedModel(f"{path} is not a GGUF file this engine reads: {exc}") from exc
+    fields = {key: _native(field.contents()) for key, field in reader.fields.items()}
+    return fields, {t.name: functools.partial(_gguf_tensor, t) for t in reader.tensors}
+
+
 def load_gguf(
     path: str | Path,
     *,
@@ -297,31 +328,24 @@ def load_gguf(
     load_tokenizer: bool = True,
 ) -> LoadedModel:
     """Load a llama/qwen2 GGUF, dequantising every tensor to ``dtype``."""
-    from gguf import GGUFReader
-
     path = Path(path)
-    try:
-        reader = GGUFReader(path)
-    except ValueError as exc:  # what gguf raises for a file that is not GGUF it can read
-        raise UnsupportedModel(f"{path} is not a GGUF file this engine reads: {exc}") from exc
-    fields = {key: _native(field.contents()) for key, field in reader.fields.items()}
+    fields, tensors = _read_gguf_fields_and_tensors(path)
     arch = fields.get("general.architecture")
     if arch not in _GGUF_ARCHS:
         raise UnsupportedModel(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(_GGUF_ARCHS))})"
         )
-    tensors = {t.name: t for t in reader.tensors}
     rope_freqs = tensors.pop("rope_freqs.weight", None)
     config = _gguf_config(
         fields,
         arch,
         set(tensors),
-        None if rope_freqs is None else _gguf_tensor(rope_freqs).reshape(-1).tolist(),
+        None if rope_freqs is None else rope_freqs().reshape(-1).tolist(),
     )
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for gguf_name, tensor in tensors.items():
-            values = _gguf_tensor(tensor)
+        for gguf_name, tensor_values in tensors.items():
+            values = tensor_values()
             role = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
             if arch in _GGUF_PERMUTED_ARCHS and role == "attn_q":
                 values = _unpermute_rows(values, config.num_heads)

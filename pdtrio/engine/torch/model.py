@@ -34,13 +34,16 @@ class SeqInput:
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim // 2], float32, with the checkpoint's scaling."""
+    """Inverse RoPE frequencies [head_dim // 2], float32 on the CPU, with the checkpoint's
+    scaling (computed on the CPU even inside ``torch.device("meta")``, where arange goes
+    through Python decompositions that import torch._dynamo: seconds of a model load)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling
-    if scaling is not None:
-        inv_freq = _scale_inv_freq(inv_freq, scaling)
-    return inv_freq.to(torch.float32)
+    with torch.device("cpu"):
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        scaling = config.rope_scaling
+        if scaling is not None:
+            inv_freq = _scale_inv_freq(inv_freq, scaling)
+        return inv_freq.to(torch.float32)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
@@ -75,6 +78,38 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x [T, heads, D]; cos/sin [T, 1, D]
     return x * cos + _rotate_half(x) * sin
+
+
+_REDUCED = frozenset({torch.bfloat16, torch.float16})
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``; on the CPU a bfloat16/float16 model attends in
+    float32 (and gets its dtype back): torch's CPU flash attention in bfloat16 took four
+    times as long as in float32 (a quarter of a SmolLM2 decode step against 5 %), and its
+    inputs here are gathered copies anyway, so widening them costs little."""
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype in _REDUCED:
+        out = F.scaled_dot_product_attention(
+            q.float(),
+            k.float(),
+            v.float(),
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            enable_gqa=enable_gqa,
+        )
+        return out.to(dtype)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa
+    )
 
 
 class RMSNorm(nn.Module):
@@ -136,7 +171,14 @@ class DecoderLayer(nn.Module):
 class _Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # an explicit (uninitialised) weight: nn.Embedding's own init is a normal_(), which on
+        # the meta device CausalLM.build uses goes through torch's Python decompositions and
+        # imports torch._dynamo (2-3 s of a model load); build replaces every parameter anyway
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -240,7 +282,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
-            out = F.scaled_dot_product_attention(
+            out = _attention(
                 q.transpose(0, 1),
                 k.transpose(0, 1),
                 v.transpose(0, 1),
@@ -372,7 +414,7 @@ class CausalLM(nn.Module):
                     batch, longest, kv_heads, head_dim
                 )
                 dq = q.index_select(0, plan.decode_rows)[:, :, None, :]  # [Bd, Hq, 1, D]
-                dout = F.scaled_dot_product_attention(
+                dout = _attention(
                     dq,
                     keys.transpose(1, 2),
                     values.transpose(1, 2),
@@ -385,15 +427,11 @@ class CausalLM(nn.Module):
                 values = flat.index_select(0, base + k_off + bs).transpose(0, 1)
                 sq = q[row0 : row0 + n].transpose(0, 1)
                 if start == 0:
-                    sout = F.scaled_dot_product_attention(
-                        sq, keys, values, is_causal=True, enable_gqa=True
-                    )
+                    sout = _attention(sq, keys, values, is_causal=True, enable_gqa=True)
                 else:
                     # query i sits at position start + i and sees keys 0 ..= start + i
                     mask = torch.ones(n, start + n, dtype=torch.bool, device=h.device).tril(start)
-                    sout = F.scaled_dot_product_attention(
-                        sq, keys, values, attn_mask=mask, enable_gqa=True
-                    )
+                    sout = _attention(sq, keys, values, attn_mask=mask, enable_gqa=True)
                 out[row0 : row0 + n] = sout.transpose(0, 1)
             h = h + attn.o_proj(out.view(total, heads * head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
