@@ -43,7 +43,6 @@ SLOW = (
     "worker/test_torch_pd.py",
     "worker/test_served_model_name.py",
     "worker/test_worker_cli.py",
-    "worker/test_model_loading_errors.py",
     "test_processes_harness.py",
     "test_cli.py",
     "test_logs.py",
