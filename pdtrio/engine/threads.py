@@ -36,18 +36,3 @@ def prepare_process(config: EngineConfig) -> None:
         # every thread there is now (new ones inherit it from the thread that starts them)
         for task in os.listdir("/proc/self/task"):
             os.sched_setaffinity(int(task), cpus)
-
-
-def apply_num_threads(config: EngineConfig) -> None:
-    """torch's intra-op threads: ``engine.num_threads``, or torch's default for 0."""
-    import torch
-
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    log.info(
-        "torch threads: %d intra-op, %s=%s, CPUs %s",
-        torch.get_num_threads(),
-        WAIT_POLICY_ENV,
-        os.environ.get(WAIT_POLICY_ENV, "(libgomp's default)"),
-        ",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
-    )

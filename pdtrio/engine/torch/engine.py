@@ -44,12 +44,12 @@ from pdtrio.engine.budget import (
 )
 from pdtrio.engine.detokenizer import IncrementalDetokenizer
 from pdtrio.engine.stopping import OutputProcessor
-from pdtrio.engine.threads import apply_num_threads
 from pdtrio.engine.tokenizer import Tokenizer
 from pdtrio.engine.torch.builtin import load_builtin
 from pdtrio.engine.torch.loaders import LoadedModel, load_gguf, load_hf_checkpoint
 from pdtrio.engine.torch.model import SeqInput, StepAbandoned
 from pdtrio.engine.torch.sampler import sample
+from pdtrio.engine.torch.threads import apply_num_threads
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.wire import ChatPrompt, Prompt, TextPrompt, TokenEntry, Usage
