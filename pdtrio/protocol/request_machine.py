@@ -621,8 +621,6 @@ class RequestMachine:
     def _on_prefilled(self, event: Prefilled, now: float) -> list[Command]:
         self._prefill_answered()
         out: list[Command] = []
-        # a new leg's prefill sampled a token of its own (a migration's may be the last)
-        self._first_token_emitted = False
         if event.lease_ends_at is None:
             self.lifecycle.handle(Kv.FINISHED_AT_PREFILL)
             self._first_token(out, final=True)
@@ -634,6 +632,7 @@ class RequestMachine:
         self._tried = dict(self._lost_on)
         self._last_reason = "no decode instance is connected"
         self._decode_attempts = 0
+        self._first_token_emitted = False  # a new leg's prefill sampled a token of its own
         return self._place_decode(now, out)
 
     def _on_decode_start_sent(self, event: DecodeStartSent, now: float) -> list[Command]:

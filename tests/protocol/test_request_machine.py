@@ -547,22 +547,5 @@ def test_finished_at_prefill() -> None:
     ]
 
 
-@pytest.mark.parametrize("streaming", [True, False])
-def test_a_migration_whose_prefill_finishes_the_answer_emits_that_last_token(
-    streaming: bool,
-) -> None:
-    # the continuation's prefill samples the last token of the budget: no KV, no decode
-    lost = DecodeFailed("link lost", "link_lost", migratable=True)
-    leg = [PrefillSent("p0"), Prefilled(LEASE_S), DecodeStartSent("d0", 1), DecodeStartQueued()]
-    leg += [DecodeAccepted(), DecodeTokens(), lost, DecodeConnected()]
-    machine, out = _play([Arrived(), *leg, PrefillSent("p1"), Prefilled(None)], streaming=streaming)
-    assert machine.migrations == ["link_lost"]
-    assert [c for c in out if isinstance(c, EmitFirstToken)] == [
-        EmitFirstToken(final=False),
-        EmitFirstToken(final=True),
-    ]
-    assert out[-2:] == [Finish(), End(Ending.OK)]
-
-
 def _connection(n: int) -> Hashable:
     return ("link", n)
