@@ -698,6 +698,7 @@ class RequestMachine:
         self._last_reason = event.message
         self._early = event
         self._awaiting_for_migration = False
+        self._decode_attempts = 0
         assert self._lease_ends_at is not None
         lease_left = self._lease_ends_at - self.limits.lease_margin_s
         until = min(now + self.limits.decode_reconnect_wait_s, lease_left)
