@@ -77,6 +77,7 @@ from pdtrio.protocol.wire import (
     is_batch,
     prompt_is_long,
 )
+from pdtrio.router.backend import BackendLost, BackendUnreachable, DecodeBackend, PrefillBackend
 from pdtrio.router.kv_leases import LEASES
 from pdtrio.router.ws_client import (
     ConnectionClosed,
@@ -120,11 +121,11 @@ class WorkerLinkError(Exception):
     """Base of the worker link's errors."""
 
 
-class WorkerLinkClosed(WorkerLinkError):
+class WorkerLinkClosed(WorkerLinkError, BackendUnreachable):
     """The link to the worker is down: the message was not sent."""
 
 
-class WorkerLinkLost(WorkerLinkError):
+class WorkerLinkLost(WorkerLinkError, BackendLost):
     """The link went down while a call was pending: the worker may have seen it."""
 
 
@@ -747,3 +748,8 @@ def rejection_is_retryable(rejection: DecodeRejected) -> bool:
         RejectReason.SHUTTING_DOWN,
         RejectReason.TRANSFER_FAILED,
     )
+
+
+def as_backends(link: WorkerLink) -> tuple[PrefillBackend, DecodeBackend]:
+    """The worker link is the first backend: both roles (checked by the type checker)."""
+    return link, link

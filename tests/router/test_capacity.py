@@ -171,9 +171,9 @@ async def test_a_request_arriving_at_a_full_queue_gets_429_without_a_prefill() -
                     await trio.sleep(0.01)
             for _ in range(2):
                 nursery.start_soon(_stream_until_cancelled, http, body)
-            # full from their arrival (a place is reserved before prefill): wait for both
-            # to be prefilled too, so that both wait for decode room
             with trio.fail_after(20):
+                # the queue is full from the two arrivals (their places are reserved before
+                # prefill): wait for both to be prefilled too, not just for the places
                 while not (queue.full and prefill.stats()["served_prefills"] == 3):  # noqa: ASYNC110 (the router's own state, no event to wait on)
                     await trio.sleep(0.01)
             served = prefill.stats()["served_prefills"]

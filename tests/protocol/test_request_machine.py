@@ -1,0 +1,568 @@
+"""The request machine, driven without sockets through arbitrary interleavings of events.
+
+Every run is checked against an independent model of what the instances hold
+(said from what each event and command means, not from the machine's table):
+it always ends; cleanup owes nothing at the end; no command follows the end;
+the client's response ends well-formed exactly once (or not at all, for a
+client gone or a stream torn mid-write).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdtrio.protocol.errors import ERRORS, Reason
+from pdtrio.protocol.request_machine import (
+    _TABLE,
+    AbortDecode,
+    AnyFailure,
+    Arrived,
+    ClientGone,
+    ClientStalled,
+    Command,
+    Deadline,
+    DeadlinePassed,
+    DecodeAccepted,
+    DecodeConnected,
+    DecodeFailed,
+    DecodeNotSent,
+    DecodeRejected,
+    DecodeStartQueued,
+    DecodeStartSent,
+    DecodeTokens,
+    DecodeUnavailable,
+    DrainCut,
+    EmitFirstToken,
+    End,
+    Ending,
+    Event,
+    Failed,
+    Failure,
+    Finish,
+    Limits,
+    MachineError,
+    Migrate,
+    Phase,
+    PlaceDecode,
+    Prefilled,
+    PrefillFailed,
+    PrefillLost,
+    PrefillNotSent,
+    PrefillSent,
+    PrefillUnavailable,
+    ReleasePrefill,
+    RequestMachine,
+    RespondWithError,
+    SendPrefill,
+    StreamError,
+    WaitForDecode,
+    WaitUntil,
+    WorkerFailure,
+)
+
+LIMITS = Limits(
+    request_timeout_s=60.0,
+    prefill_timeout_s=10.0,
+    prefill_attempts=3,
+    migration_limit=2,
+    decode_reconnect_wait_s=2.0,
+)
+LEASE_S = 20.0
+
+# --- the independent model ---------------------------------------------------------
+
+
+@attrs.define
+class Held:
+    """What the instances may hold of the request, from what events and commands mean."""
+
+    prefill: set[str] = attrs.Factory(set)  # instances that may hold its KV (or a call)
+    decode: set[str] = attrs.Factory(set)  # instances that may run it
+    sending_prefill: str | None = None  # the instance the prefill call is out to
+    sending_decode: str | None = None
+
+    def event(self, event: Event) -> None:
+        if isinstance(event, PrefillSent):
+            self.prefill.add(event.instance)
+            self.sending_prefill = event.instance
+        elif isinstance(event, PrefillNotSent | PrefillLost | PrefillFailed):
+            # it never saw it, or dropped it, or freed what it had
+            assert self.sending_prefill is not None
+            self.prefill.discard(self.sending_prefill)
+        elif isinstance(event, Prefilled) and event.lease_ends_at is None:
+            assert self.sending_prefill is not None
+            self.prefill.discard(self.sending_prefill)  # generation ended there: no KV kept
+        elif isinstance(event, DecodeStartSent):
+            self.decode.add(event.instance)
+            self.sending_decode = event.instance
+        elif isinstance(event, DecodeNotSent | DecodeRejected | DecodeFailed):
+            assert self.sending_decode is not None
+            self.decode.discard(self.sending_decode)  # decode holds nothing of it
+        elif isinstance(event, DecodeTokens) and event.final:
+            assert self.sending_decode is not None
+            self.decode.discard(self.sending_decode)  # it finished there
+
+    def command(self, command: Command) -> None:
+        if isinstance(command, ReleasePrefill):
+            self.prefill.discard(command.instance)
+        elif isinstance(command, AbortDecode):
+            self.decode.discard(command.instance)
+
+
+# --- the driver --------------------------------------------------------------------
+
+_FAILURE = Failure(Reason.BAD_KV_HANDLE, "bad handle")
+
+
+def _events_for(
+    machine: RequestMachine, rng: random.Random, now: float
+) -> tuple[list[Event], list[Event]]:
+    """Every kind of event the shell may report in the machine's phase (fields drawn):
+    those that move the request on, and the rarer ones that end or cut it short."""
+    phase = machine.phase
+    n = rng.randrange(3)
+    torn = rng.random() < 0.2
+    on: list[Event] = []
+    rare: list[Event] = [ClientGone(), ClientStalled(), DrainCut(torn), Failed(_FAILURE, torn)]
+    armed = machine.next_deadline()
+    if armed is not None:
+        rare.append(DeadlinePassed(armed[1], torn))
+    rare.append(DeadlinePassed(rng.choice(list(Deadline))))  # stale, or not armed
+    if phase is Phase.NEW:
+        return [Arrived()], [Arrived(draining=True), Arrived(queue_full=True)]
+    if phase is Phase.PREFILLING:
+        if machine.lifecycle.state.name == "NEW":
+            on += [PrefillSent(f"p{n}")]
+            rare += [PrefillUnavailable()]
+        else:
+            on += [
+                PrefillNotSent(),
+                PrefillLost("link down"),
+                PrefillFailed(WorkerFailure(500, "server_error", "boom")),
+                PrefillFailed(WorkerFailure(503, "server_error", "busy")),
+                Prefilled(now + LEASE_S),
+                Prefilled(now + LEASE_S),
+                Prefilled(now + LEASE_S),
+            ]
+            rare += [
+                PrefillFailed(WorkerFailure(400, "invalid_request_error", "bad prompt", "p")),
+                Prefilled(None),
+            ]
+    elif phase is Phase.PLACING_DECODE:
+        on += [DecodeStartSent(f"d{n}", ("link", n))]
+        rare += [
+            DecodeUnavailable(Failure(Reason.SERVICE_UNAVAILABLE, "none")),
+            DecodeUnavailable(Failure(Reason.QUEUE_FULL, "full")),
+        ]
+    elif phase is Phase.DECODE_SENDING:
+        on += [DecodeStartQueued(), DecodeStartQueued(), DecodeNotSent("closed")]
+    elif phase is Phase.DECODE_STARTING:
+        on += [
+            DecodeAccepted(),
+            DecodeAccepted(),
+            DecodeRejected("no room", retryable=True, exclude=False),
+            DecodeRejected("pull failed", retryable=True),
+            DecodeFailed("link lost", "link_lost", migratable=True),
+        ]
+        rare += [DecodeRejected("mismatch", retryable=False, layout_mismatch=True)]
+    elif phase is Phase.DECODING:
+        on += [
+            DecodeTokens(),
+            DecodeFailed("link lost", "link_lost", migratable=True),
+            DecodeFailed("worker error", "decode_failed", migratable=rng.random() < 0.5),
+        ]
+        rare += [DecodeTokens(final=True), DecodeFailed("cut off", "cut_off", cut_off=True)]
+    elif phase is Phase.AWAITING_DECODE:
+        on += [DecodeConnected()]
+    return on, rare
+
+
+@attrs.define
+class Run:
+    events: list[Event] = attrs.Factory(list)
+    commands: list[Command] = attrs.Factory(list)
+    ended: End | None = None
+
+
+def _drive(rng: random.Random, *, streaming: bool, keep_tokens: bool, steps: int = 60) -> Run:
+    machine = RequestMachine(LIMITS, streaming=streaming, keep_tokens=keep_tokens)
+    held = Held()
+    run = Run()
+    now = 0.0
+    for step in range(steps):
+        if machine.phase is Phase.DONE:
+            break
+        on, rare = _events_for(machine, rng, now)
+        event = rng.choice(rare if rng.random() < 0.08 else on)
+        if step == steps - 1:
+            event = DeadlinePassed(Deadline.REQUEST)  # it always comes: it ends what is pending
+        armed = machine.next_deadline()
+        if isinstance(event, DeadlinePassed):
+            due = machine._armed.get(event.deadline)  # noqa: SLF001
+            if due is not None and due >= now:
+                now = due  # the shell's timer reports it when it is due
+        else:
+            # time moves on, but not past a deadline the shell's timer would have reported
+            step_s = rng.choice([0.0, 0.01, 0.5, 3.0])
+            if armed is not None:
+                step_s = min(step_s, max(0.0, armed[0] - now) * 0.99)
+            now += step_s
+        held.event(event)
+        commands = machine.handle(event, now)
+        for command in commands:
+            held.command(command)
+        run.events.append(event)
+        run.commands += commands
+        if machine.phase is not Phase.DONE and machine.phase is not Phase.NEW:
+            # something always comes: at the least, the request's deadline is armed
+            assert machine.next_deadline() is not None
+            assert Deadline.REQUEST in machine._armed  # noqa: SLF001
+    assert machine.phase is Phase.DONE, run.events
+    run.ended = machine.ended
+    # cleanup owes nothing at the end: the instances hold nothing of it
+    assert held.prefill == set(), run
+    assert held.decode == set(), run
+    assert machine.lifecycle.owed().name == "NOTHING"
+    # no command follows the end, whatever comes late
+    for late in (
+        ClientGone(),
+        DeadlinePassed(Deadline.REQUEST),
+        DecodeTokens(final=True),
+        PrefillLost("late"),
+    ):
+        assert machine.handle(late, now + 1000) == []
+    return run
+
+
+def _check_well_formed(run: Run, *, streaming: bool) -> None:
+    commands = run.commands
+    ends = [c for c in commands if isinstance(c, End)]
+    assert len(ends) == 1 and commands[-1] is ends[0], commands
+    end = ends[0]
+    endings = [c for c in commands if isinstance(c, Finish | RespondWithError | StreamError)]
+    assert len(endings) <= 1, commands
+    emitted_before = (
+        [c for c in commands[: commands.index(endings[0])] if isinstance(c, EmitFirstToken)]
+        if endings
+        else [c for c in commands if isinstance(c, EmitFirstToken)]
+    )
+    headers_went_out = streaming and bool(emitted_before)
+    if end.ending is Ending.OK:
+        assert endings and isinstance(endings[0], Finish), commands
+        assert end.failure is None
+    elif end.ending is Ending.DISCONNECTED:
+        assert not endings, commands  # the client is gone: nothing is sent to it
+    elif end.ending is Ending.REJECTED:
+        # refused before any byte went out: the error is the response, with its status
+        assert not headers_went_out
+        assert endings and isinstance(endings[0], RespondWithError), commands
+        assert endings[0].failure == end.failure
+    else:
+        assert end.ending is Ending.FAILED
+        assert headers_went_out
+        # the error ends the stream as an event, unless no byte may go out any more
+        torn = isinstance(run.events[-1], ClientStalled | DeadlinePassed | DrainCut | Failed) and (
+            isinstance(run.events[-1], ClientStalled) or run.events[-1].torn
+        )  # type: ignore[union-attr]
+        if torn:
+            assert not endings, commands
+        else:
+            assert endings and isinstance(endings[0], StreamError), commands
+            assert endings[0].failure == end.failure
+    # a final prefill token ends the response: nothing is emitted after it but the end
+    finals = [i for i, c in enumerate(commands) if isinstance(c, EmitFirstToken) and c.final]
+    for i in finals:
+        assert isinstance(commands[i + 1], Finish)
+    # every failure has a status in the one table
+    if isinstance(end.failure, Failure):
+        assert end.failure.reason in ERRORS
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("keep_tokens", [True, False])
+def test_seeded_random_interleavings(streaming: bool, keep_tokens: bool) -> None:
+    endings: set[Ending] = set()
+    kinds: set[type] = set()
+    for seed in range(1500):
+        run = _drive(random.Random(seed), streaming=streaming, keep_tokens=keep_tokens)
+        _check_well_formed(run, streaming=streaming)
+        assert run.ended is not None
+        endings.add(run.ended.ending)
+        kinds.update(type(c) for c in run.commands)
+    # the runs walk every way a request ends, and the machine says everything it can
+    expected = set(Ending) if streaming else set(Ending) - {Ending.FAILED}
+    assert endings == expected
+    expected_kinds = {
+        WaitUntil,
+        SendPrefill,
+        PlaceDecode,
+        WaitForDecode,
+        EmitFirstToken,
+        ReleasePrefill,
+        AbortDecode,
+        Finish,
+        RespondWithError,
+        End,
+    }
+    if streaming:
+        expected_kinds.add(StreamError)
+    if keep_tokens:
+        expected_kinds.add(Migrate)
+    assert expected_kinds <= kinds
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), streaming=st.booleans(), keep_tokens=st.booleans())
+def test_hypothesis_interleavings(seed: int, streaming: bool, keep_tokens: bool) -> None:
+    run = _drive(random.Random(seed), streaming=streaming, keep_tokens=keep_tokens)
+    _check_well_formed(run, streaming=streaming)
+
+
+def test_the_table_refuses_what_cannot_happen() -> None:
+    machine = RequestMachine(LIMITS, streaming=True, keep_tokens=True)
+    with pytest.raises(MachineError, match="DecodeAccepted"):
+        machine.handle(DecodeAccepted(), 0.0)
+    machine.handle(Arrived(), 0.0)
+    with pytest.raises(MachineError, match="DecodeTokens"):
+        machine.handle(DecodeTokens(), 0.0)
+    # every phase but the first and the last can be cut short
+    for phase in Phase:
+        if phase in (Phase.NEW, Phase.DONE):
+            continue
+        for cut in (DeadlinePassed, ClientGone, ClientStalled, DrainCut, Failed):
+            assert (phase, cut) in _TABLE
+
+
+# --- scenarios: what the client sees, as the router answered before ------------------
+
+
+def _play(
+    events: list[Event],
+    *,
+    streaming: bool = True,
+    keep_tokens: bool = True,
+    limits: Limits = LIMITS,
+) -> tuple[RequestMachine, list[Command]]:
+    machine = RequestMachine(limits, streaming=streaming, keep_tokens=keep_tokens)
+    out: list[Command] = []
+    now = 0.0
+    for event in events:
+        if isinstance(event, DeadlinePassed):
+            now = machine._armed.get(event.deadline, now)  # noqa: SLF001
+        out += machine.handle(event, now)
+    return machine, out
+
+
+def _ending(out: list[Command]) -> End:
+    assert isinstance(out[-1], End)
+    return out[-1]
+
+
+def _reason(failure: AnyFailure | None) -> Reason | None:
+    return failure.reason if isinstance(failure, Failure) else None
+
+
+HAPPY = [
+    Arrived(),
+    PrefillSent("p0"),
+    Prefilled(LEASE_S),
+    DecodeStartSent("d0", 1),
+    DecodeStartQueued(),
+    DecodeAccepted(),
+    DecodeTokens(),
+    DecodeTokens(final=True),
+]
+
+
+def test_the_happy_path() -> None:
+    _, out = _play(HAPPY)
+    kinds = [type(c) for c in out if not isinstance(c, WaitUntil)]
+    assert kinds == [
+        SendPrefill,
+        PlaceDecode,
+        EmitFirstToken,
+        ReleasePrefill,  # at decode's first token
+        Finish,
+        End,
+    ]
+    assert _ending(out).ending is Ending.OK
+
+
+def test_the_request_deadline_is_armed_at_arrival_and_prefill_has_its_own() -> None:
+    machine, out = _play([Arrived(), PrefillSent("p0")])
+    waits = [c for c in out if isinstance(c, WaitUntil)]
+    assert waits == [WaitUntil(Deadline.REQUEST, 60.0), WaitUntil(Deadline.PREFILL, 10.0)]
+    out = machine.handle(DeadlinePassed(Deadline.PREFILL), 10.0)
+    assert out[0] == ReleasePrefill("p0")  # a cut prefill call may have left blocks
+    assert _ending(out).failure == Failure(Reason.TIMEOUT, "prefill did not answer in time")
+
+
+def test_prefill_is_tried_three_times_and_the_last_failure_is_the_answer() -> None:
+    failed = PrefillFailed(WorkerFailure(500, "server_error", "boom"))
+    machine, out = _play(
+        [Arrived(), PrefillSent("p0"), failed, PrefillSent("p1"), PrefillLost("gone")]
+    )
+    sends = [c for c in out if isinstance(c, SendPrefill)]
+    assert sends[-1] == SendPrefill(frozenset({"p0", "p1"}), retry=True)
+    out = machine.handle(PrefillSent("p2"), 0) + machine.handle(failed, 0)
+    end = _ending(out)
+    assert end.ending is Ending.REJECTED and end.failure == failed.failure
+
+
+def test_a_4xx_from_prefill_is_not_retried() -> None:
+    bad = PrefillFailed(WorkerFailure(400, "invalid_request_error", "no", "prompt"))
+    _, out = _play([Arrived(), PrefillSent("p0"), bad])
+    assert not [c for c in out if isinstance(c, SendPrefill) and c.retry]
+    assert _ending(out).failure == bad.failure
+
+
+def test_no_prefill_instance_is_explained_by_the_shell() -> None:
+    _, out = _play([Arrived(), PrefillUnavailable()])
+    end = _ending(out)
+    assert isinstance(end.failure, Failure) and end.failure.explain_no_prefill
+    assert end.failure.reason is Reason.SERVICE_UNAVAILABLE
+
+
+def test_draining_and_a_full_queue_are_refused_at_once() -> None:
+    _, out = _play([Arrived(draining=True)])
+    assert _reason(_ending(out).failure) is Reason.SHUTTING_DOWN
+    _, out = _play([Arrived(queue_full=True)])
+    assert _reason(_ending(out).failure) is Reason.QUEUE_FULL
+    assert ERRORS[Reason.QUEUE_FULL].status == 429
+
+
+def test_a_decode_failing_before_its_first_token_is_replaced_while_prefill_holds_the_kv() -> None:
+    machine, out = _play(
+        [
+            *HAPPY[:6],
+            DecodeFailed("worker died", "decode_failed"),
+        ]
+    )
+    assert isinstance(out[-1], WaitForDecode)
+    assert dict(out[-1].exclude) == {"d0": 1}
+    assert not [c for c in out if isinstance(c, ReleasePrefill)]  # prefill keeps it
+    out = machine.handle(DecodeConnected(), 1.0)
+    assert isinstance(out[-1], PlaceDecode) and dict(out[-1].exclude) == {"d0": 1}
+
+
+def test_kv_no_decode_pulls_in_time_is_given_up_and_the_request_migrates() -> None:
+    machine, out = _play([*HAPPY[:6], DecodeFailed("worker died", "decode_failed")])
+    out = machine.handle(DeadlinePassed(Deadline.RECONNECT), 2.0)
+    assert out[0] == ReleasePrefill("p0")
+    out += machine.handle(DecodeConnected(), 2.5)
+    assert Migrate("decode_failed", "d0") in out
+    assert isinstance(out[-1], SendPrefill) and out[-1].continuation
+
+
+def test_without_the_first_token_out_an_early_failure_is_a_502() -> None:
+    _, out = _play(
+        [*HAPPY[:5], DecodeFailed("gone", "link_lost"), DeadlinePassed(Deadline.RECONNECT)],
+        keep_tokens=False,
+    )
+    end = _ending(out)
+    assert end.ending is Ending.FAILED  # the first token went out: the error is in-stream
+    assert end.failure == Failure(
+        Reason.DECODE_FAILED, "decode failed: decode failed to start: gone"
+    )
+
+
+def test_a_decode_lost_mid_stream_migrates_up_to_the_limit() -> None:
+    lost = DecodeFailed("link lost", "link_lost", migratable=True)
+    leg = [
+        PrefillSent("p0"),
+        Prefilled(LEASE_S),
+        DecodeStartSent("d0", 1),
+        DecodeStartQueued(),
+        DecodeAccepted(),
+        DecodeTokens(),
+        lost,
+        DecodeConnected(),
+    ]
+    machine, out = _play([Arrived(), *leg, *leg])
+    assert machine.migrations == ["link_lost", "link_lost"]
+    assert sum(isinstance(c, EmitFirstToken) for c in out) == 2  # each leg's prefill token
+    out = machine.handle(PrefillSent("p1"), 1) + machine.handle(Prefilled(LEASE_S), 1)
+    for event in leg[2:7]:
+        out += machine.handle(event, 1)
+    end = _ending(out)
+    assert end.failure == Failure(Reason.DECODE_FAILED, "decode failed: link lost")
+    # the stream had started: the error is an event in it
+    assert isinstance(out[-2], StreamError)
+
+
+def test_a_rejected_start_is_retried_and_no_room_may_retry_the_same() -> None:
+    machine, out = _play([*HAPPY[:5], DecodeRejected("no room", retryable=True, exclude=False)])
+    assert isinstance(out[-1], PlaceDecode) and dict(out[-1].exclude) == {}
+    assert out[-1].retry
+    out = machine.handle(DecodeStartSent("d0", 1), 0) + machine.handle(DecodeStartQueued(), 0)
+    assert not [c for c in out if isinstance(c, EmitFirstToken)]  # once, whatever runs it
+    out = machine.handle(DecodeRejected("mismatch", retryable=False, layout_mismatch=True), 0)
+    assert out[0] == ReleasePrefill("p0")
+    assert _ending(out).failure == Failure(
+        Reason.INTERNAL, "prefill and decode cannot be paired: mismatch"
+    )
+
+
+def test_the_client_going_away_cleans_up_and_sends_nothing() -> None:
+    machine, out = _play(HAPPY[:6])
+    out = machine.handle(ClientGone(), 1)
+    assert out == [AbortDecode("d0"), ReleasePrefill("p0"), End(Ending.DISCONNECTED)]
+
+
+def test_a_stalled_client_is_hung_up_on() -> None:
+    machine, out = _play(HAPPY[:7])
+    out = machine.handle(ClientStalled(), 1)
+    assert out[0] == AbortDecode("d0")
+    assert not [c for c in out if isinstance(c, StreamError)]
+    assert _reason(_ending(out).failure) is Reason.CLIENT_TOO_SLOW
+
+
+def test_the_lease_bounds_the_wait_for_decode_room() -> None:
+    machine, out = _play([Arrived(), PrefillSent("p0"), Prefilled(LEASE_S)])
+    assert WaitUntil(Deadline.KV_LEASE, LEASE_S - 1.0) in out
+    out = machine.handle(DeadlinePassed(Deadline.KV_LEASE), LEASE_S - 1.0)
+    assert _ending(out).failure == Failure(
+        Reason.SERVICE_UNAVAILABLE, "no decode capacity came free within the prefill KV lease"
+    )
+
+
+def test_a_stale_deadline_is_ignored() -> None:
+    machine, out = _play([Arrived(), PrefillSent("p0"), Prefilled(LEASE_S)])
+    assert machine.handle(DeadlinePassed(Deadline.PREFILL), 5.0) == []  # disarmed
+    assert machine.handle(DeadlinePassed(Deadline.REQUEST), 5.0) == []  # not due yet
+
+
+def test_finished_at_prefill() -> None:
+    _, out = _play([Arrived(), PrefillSent("p0"), Prefilled(None)], streaming=False)
+    assert [c for c in out if not isinstance(c, WaitUntil | SendPrefill)] == [
+        EmitFirstToken(final=True),
+        Finish(),
+        End(Ending.OK),
+    ]
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_migration_whose_prefill_finishes_the_answer_emits_that_last_token(
+    streaming: bool,
+) -> None:
+    # the continuation's prefill samples the last token of the budget: no KV, no decode
+    lost = DecodeFailed("link lost", "link_lost", migratable=True)
+    leg = [PrefillSent("p0"), Prefilled(LEASE_S), DecodeStartSent("d0", 1), DecodeStartQueued()]
+    leg += [DecodeAccepted(), DecodeTokens(), lost, DecodeConnected()]
+    machine, out = _play([Arrived(), *leg, PrefillSent("p1"), Prefilled(None)], streaming=streaming)
+    assert machine.migrations == ["link_lost"]
+    assert [c for c in out if isinstance(c, EmitFirstToken)] == [
+        EmitFirstToken(final=False),
+        EmitFirstToken(final=True),
+    ]
+    assert out[-2:] == [Finish(), End(Ending.OK)]
+
+
+def _connection(n: int) -> Hashable:
+    return ("link", n)
