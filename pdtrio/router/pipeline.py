@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Literal, cast, final
 
+import attrs
 import trio
 
 from pdtrio.asgi import Message, Receive, Send, send_json
@@ -95,8 +96,25 @@ _LEASE_MARGIN_S = 1.0
 # a stream's failure reasons that are its link's, not the worker's word on the request
 _LINK_FAILURES = frozenset({"link_lost", "link_timeout"})
 _OUTCOMES = {ending: Outcome[ending.name] for ending in rm.Ending}
-# what the shell waits on: the machine's commands that start a wait
-_Wait = rm.SendPrefill | rm.PlaceDecode | rm.WaitForDecode
+
+
+@final
+@attrs.frozen
+class _RunDecode:
+    """The shell's own wait after the machine heard the start is going out: the start,
+    the answer and the stream, under a timer of the deadlines that hold from then on.
+
+    Placing disarms the KV lease's deadline; had that timer fired meanwhile (the room
+    came free as the lease ran out), the rest of the wait would be cut by a deadline
+    no longer armed, so it runs under a timer of its own.
+    """
+
+    link: WorkerLink
+    sent_at: float  # (perf_counter) when the start went out: the handoff's time counts from it
+
+
+# what the shell waits on: the machine's commands that start a wait, and its own
+_Wait = rm.SendPrefill | rm.PlaceDecode | rm.WaitForDecode | _RunDecode
 
 
 class _ShellFailure(Exception):
@@ -234,8 +252,17 @@ class RequestPipeline:
             event: rm.Event = rm.ClientGone()
         elif self._client_stalled:
             event = rm.ClientStalled()
-        else:
+        elif self.router.drain_over.is_set():
             event = rm.DrainCut(torn=self._torn())
+        else:
+            # no one else cuts a request: a bug of ours raised out of the nursery (logged
+            # where it surfaces) or left the machine waiting on nothing (logged here)
+            log.error(
+                "request %s: its path ended in phase %s with nothing to wait on",
+                self.request_id,
+                self.machine.phase.name,
+            )
+            event = rm.Failed(_STRANDED, torn=self._torn())
         self._feed(event)
         if self.machine.phase is not rm.Phase.DONE:  # (cannot be: every cut ends it)
             self._feed(rm.ClientGone())
@@ -282,6 +309,10 @@ class RequestPipeline:
         """:meth:`_feed`, then write what it emitted to the client."""
         self._emits = []
         wait = self._feed(event)
+        await self._write_emits()
+        return wait
+
+    async def _write_emits(self) -> None:
         emits = self._emits
         for command in emits:
             if type(command) is rm.Finish:
@@ -289,7 +320,6 @@ class RequestPipeline:
             else:
                 assert isinstance(command, rm.EmitFirstToken)
                 await self._emit_first_token(command.final)
-        return wait
 
     async def _wait(self, wait: _Wait) -> _Wait | None:
         """Carry out one wait under the machine's earliest deadline; the next wait, if any."""
@@ -301,21 +331,51 @@ class RequestPipeline:
                     return await self._send_prefill(wait)
                 if type(wait) is rm.PlaceDecode:
                     return await self._place_decode(wait)
+                if type(wait) is _RunDecode:
+                    return await self._run_decode(wait)
                 assert isinstance(wait, rm.WaitForDecode)
                 return await self._wait_for_decode_link(wait)
             except _ShellFailure as failure:
                 return await self._step(rm.Failed(failure.failure, torn=self._torn()))
         assert timer.cancelled_caught
         armed = self.machine.next_deadline()
-        assert armed is not None
+        if self.machine.phase is rm.Phase.DONE:
+            return None  # it ended as the timer fired: what it owed is done
+        if armed is None or armed[0] > trio.current_time():
+            # a timer fired for a deadline that an event disarmed since, and cut a wait
+            # that cannot resume: never a deadline's error, nor a drain's
+            log.error(
+                "request %s: a wait in phase %s was cut by a deadline no longer armed",
+                self.request_id,
+                self.machine.phase.name,
+            )
+            return await self._step(rm.Failed(_STRANDED, torn=self._torn()))
         return await self._step(rm.DeadlinePassed(armed[1], torn=self._torn()))
 
     async def _report(self, event: rm.Event) -> _Wait | None:
-        """:meth:`_step` inside a wait: its timer follows the deadlines the event armed."""
-        wait = await self._step(event)
+        """:meth:`_step` inside a wait: its timer follows the deadlines the event armed.
+
+        Had the timer fired for a deadline the event disarms (an answer came as its
+        deadline passed), what the event emits is written shielded from it: the
+        answer is the machine's word, the expired timer's cancel is not.
+        """
+        timer = self._timer
+        assert timer is not None  # (set by _wait)
+        fired = timer.cancel_called
+        if not fired:
+            wait = await self._step(event)
+            armed = self.machine.next_deadline()
+            timer.deadline = armed[0] if armed else float("inf")
+            return wait
+        self._emits = []
+        wait = self._feed(event)
         armed = self.machine.next_deadline()
-        assert self._timer is not None  # (set by _wait)
-        self._timer.deadline = armed[0] if armed else float("inf")
+        timer.deadline = armed[0] if armed else float("inf")
+        if armed is not None and armed[0] <= trio.current_time():
+            await self._write_emits()  # a deadline still due: the timer's cut stands
+        else:
+            with trio.CancelScope(shield=True):
+                await self._write_emits()
         return wait
 
     # --- prefill ------------------------------------------------------------------
@@ -481,6 +541,15 @@ class RequestPipeline:
         # no checkpoint from the pick to the promise inside start: the room is ours
         self.decode_link = link
         await self._report(rm.DecodeStartSent(instance.name, (link, link.connects)))
+        return _RunDecode(link, sent_at)
+
+    async def _run_decode(self, wait: _RunDecode) -> _Wait | None:
+        """Start the request on the decode placed, and stream its tokens to the client."""
+        reply = self._reply
+        assert reply is not None and reply.kv_handle is not None
+        handle = reply.kv_handle
+        link, sent_at, figures = wait.link, wait.sent_at, self.figures
+        assert link.capacity is not None  # (what decode_with_room picks)
         start = DecodeStart(
             request_id=self._wire_id,
             prompt_token_ids=reply.prompt_token_ids,
@@ -888,6 +957,7 @@ class RequestPipeline:
         )
 
 
+_STRANDED = rm.Failure(Reason.INTERNAL, "the router lost track of the request")
 _NO_COUNTS = rm.Failure(Reason.INTERNAL, "the engine finished the request without its token counts")
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
+import pytest
 import trio
 import trio.testing
 
@@ -253,5 +255,80 @@ async def test_a_wait_for_decode_room_lasts_what_is_left_of_prefills_lease() -> 
         assert "no decode capacity came free within the prefill KV lease" in waited.text
         # the router's margin is 1 s: it waited the 1.5 s left, give or take the prefill
         assert 1.2 <= elapsed <= lease_s + 1.0, elapsed
+        await wait_until_idle(cluster)
+        assert cluster.blocks_in_use() == 0
+
+
+async def test_room_found_as_the_lease_deadline_passes_still_starts_the_decode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The race the soak found: room comes free as the lease's deadline passes; the wait's
+    # timer fires (its cancel pending) before the waiter runs, and placing disarms that
+    # deadline.  The start must not be cut by it (it was, and read as a drain: "the
+    # router is shutting down").  Blocking the loop right after room is announced puts
+    # the clock past the deadline before the waiter runs, as a busy loop would.
+    from pdtrio.router import pipeline
+
+    lease_s = 3.0
+    # the router's deadline 1.5 s before the lease's end, decode's read needs 1 s left:
+    # a start sent just past the router's deadline can still be pulled
+    monkeypatch.setattr(pipeline, "_LEASE_MARGIN_S", 1.5)
+
+    def make(role: str) -> Worker:
+        return synthetic_worker(
+            role,
+            worker_overrides={"kv_lease_s": lease_s},
+            max_model_len=256,
+            num_kv_blocks=16,  # one default request (16 blocks) fills decode
+            tokens_per_step=1,
+            decode_step_s=0.05,
+        )
+
+    async with running_cluster(make_worker=make) as cluster:
+        router = cluster.router_app.router
+        assert router is not None
+        queue = router.decode_queue
+        announce = queue.changed
+        blocked_until: list[float] = []
+
+        def announce_late() -> None:
+            waiting = [
+                r for r in router._running.values() if r.machine.phase.name == "PLACING_DECODE"
+            ]
+            room = router.decode_with_room(16 * 16)  # (what a default request needs)
+            announce()
+            if waiting and room is not None and queue._waiters and not blocked_until:
+                armed = waiting[0].machine.next_deadline()
+                assert armed is not None and armed[1].name == "KV_LEASE"
+                blocked_until.append(armed[0] + 0.05)
+                time.sleep(max(0.0, blocked_until[0] - trio.current_time()))
+
+        queue.changed = announce_late  # type: ignore[method-assign]
+        async with client(cluster, timeout=60) as http, trio.open_nursery() as nursery:
+            decoding = trio.Event()
+            holder = trio.CancelScope()
+
+            async def hold_decode() -> None:
+                body = {"model": "synthetic", "prompt": "hi", "stream": True}
+                with holder:
+                    async with http.stream("POST", "/v1/completions", json=body) as response:
+                        async for _ in response.aiter_bytes():
+                            decoding.set()
+
+            nursery.start_soon(hold_decode)
+            await decoding.wait()
+            answers: list[httpx.Response] = []
+
+            async def waiter() -> None:
+                body = {"model": "synthetic", "prompt": "hi", "stream": True, "max_tokens": 4}
+                answers.append(await http.post("/v1/completions", json=body))
+
+            nursery.start_soon(waiter)
+            while not queue._waiters:  # noqa: ASYNC110 (the queue has no event for it)
+                await trio.sleep(0.01)
+            holder.cancel()  # its room comes free: the announce blocks past the deadline
+        assert blocked_until, "no waiter was woken"
+        (response,) = answers
+        assert _complete(response), response.text
         await wait_until_idle(cluster)
         assert cluster.blocks_in_use() == 0
