@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Final, final
+from typing import Final, final
 
 import trio
 
@@ -25,6 +25,7 @@ from pdtrio.asgi import (
     send_bytes,
     send_json,
 )
+from pdtrio.config import PdtrioConfig
 from pdtrio.memory import HeapTrimmer, freeze_startup_objects, limit_heap_retention
 from pdtrio.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdtrio.protocol.errors import Reason
@@ -75,7 +76,7 @@ OFF_LOOP_PARSE_BYTES: Final = 256 * 1024
 PARSE_SWITCH_INTERVAL_S: Final = 0.0005
 
 
-def context_lengths(router: Any) -> dict[str, int]:
+def context_lengths(router: Router) -> dict[str, int]:
     """Each model's context length: the largest of the instances that prefill it.
 
     The largest, so that a prompt is refused only if no instance could take it.
@@ -103,7 +104,7 @@ class RouterApp:
     ``config`` is for embedding and tests; hypercorn's app reads ``PDTRIO_CONFIG``.
     """
 
-    def __init__(self, config: Any = None) -> None:
+    def __init__(self, config: PdtrioConfig | None = None) -> None:
         self._config = config
         # one big parse at a time: they hold the GIL in turns anyway, and this bounds memory
         self._parse_limiter = trio.CapacityLimiter(1)
@@ -152,7 +153,7 @@ class RouterApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = scope.get("state") or {}
-        router = state.get("router")
+        router: Router | None = state.get("router")
         if router is None:
             await send_json(
                 send,
@@ -208,7 +209,7 @@ class RouterApp:
             return
 
     async def _completion(
-        self, router: Any, scope: Scope, receive: Receive, send: Send, chat: bool
+        self, router: Router, scope: Scope, receive: Receive, send: Send, chat: bool
     ) -> None:
         from pdtrio.router.pipeline import RequestPipeline
 
@@ -278,7 +279,7 @@ class RouterApp:
                 self.heap_trimmer.trim_soon()
 
 
-def _client_key(router: Any, path: str, scope: Scope) -> str:
+def _client_key(router: Router, path: str, scope: Scope) -> str:
     """The id of the API key the request carries ("" when none is asked); 401 if wrong.
 
     Checked before the body is read.  /health and /metrics are open unless configured.
