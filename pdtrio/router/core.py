@@ -122,7 +122,7 @@ class Instance:
 class RunningRequest(Protocol):
     """What the router asks of a running request (``pdtrio.router.pipeline``)."""
 
-    def check_write(self, now: float, write_timeout: float, cut_grace: float) -> None:
+    def hang_up_if_stalled(self, now: float, write_timeout: float, cut_grace: float) -> None:
         """Give up a write that has waited on its client more than ``write_timeout`` by
         ``now`` (``cut_grace`` once the request was cut)."""
 
@@ -472,7 +472,7 @@ class Router:
             await trio.sleep(min(write_timeout, cut_grace) / 4)
             now = trio.current_time()
             for request in list(self._running.values()):
-                request.check_write(now, write_timeout, cut_grace)
+                request.hang_up_if_stalled(now, write_timeout, cut_grace)
 
     async def drain(self, drain_s: float) -> None:
         """Refuse new requests, give running ones ``drain_s`` to finish, then cut them.

@@ -32,12 +32,12 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Hashable, Mapping
-from typing import Any, Literal, cast, final
+from typing import Literal, cast, final
 
 import attrs
 import trio
 
-from pdtrio.asgi import Message, Receive, Send, send_json
+from pdtrio.asgi import Receive, Send
 from pdtrio.engine.blocks import blocks_needed
 from pdtrio.protocol import request_machine as rm
 from pdtrio.protocol.egress import send_deadline
@@ -48,8 +48,6 @@ from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
-    chat_completion_body,
-    completion_body,
     error_for,
 )
 from pdtrio.protocol.sse import StreamShaper
@@ -66,6 +64,7 @@ from pdtrio.protocol.wire import (
 )
 from pdtrio.router.backend import BackendLost, BackendUnreachable, DecodeRun
 from pdtrio.router.capacity import QueueFull
+from pdtrio.router.client_response import ClientResponse
 from pdtrio.router.core import Instance, Router
 from pdtrio.router.kv_leases import LEASES
 from pdtrio.router.metrics import MIGRATION_REASONS, Outcome
@@ -81,11 +80,6 @@ log = logging.getLogger("pdtrio.router.pipeline")
 Connection = tuple[WorkerLink, int]
 """A decode link and which of its connections (``WorkerLink.connects``) a request was on."""
 
-_SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
 # request ids: unique across router processes sharing workers (the random part),
 # and no system call per request (uuid4 reads the OS's randomness every time)
 _PROCESS_ID = secrets.token_hex(8)
@@ -140,9 +134,6 @@ class RequestPipeline:
         self.request = request
         self.kind = kind
         self._receive = receive
-        self._send_to_server = send
-        # shuts the client's connection down (a client that stopped reading); True if done
-        self._hang_up = hang_up
         config = router.config.router
         self.machine = rm.RequestMachine(
             rm.Limits(
@@ -155,13 +146,6 @@ class RequestPipeline:
             streaming=request.stream,
             keep_tokens=config.migration_limit > 0,
         )
-        # the router's stall check on sends (check_write): no clock read per send
-        self._sending = False  # a send to the server is under way
-        self._sends = 0  # sends started: the stall check tells one from the next
-        self._stall_mark: tuple[int, float] | None = None  # (send, when first seen under way)
-        self._client_stalled = False  # a send waited past client_write_timeout_s
-        self._gave_up_on_client = False  # a stuck send was given up: the client is hung up on
-        self._writing = False  # a body write is under way (a cancelled one leaves the wire torn)
         self._ending_with_error = False  # the machine ended it: what is sent now is the error
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         self.request_id = f"{prefix}{_PROCESS_ID}{next(_request_numbers):x}"
@@ -176,10 +160,16 @@ class RequestPipeline:
                 include_usage=request.include_usage,
                 continuous_usage_stats=request.continuous_usage_stats,
             )
-        self.client_gone = False
-        # the last body message is going out: a disconnect after it is hypercorn closing
-        # the connection, not the client leaving
-        self._response_complete = False
+        self.response = ClientResponse(
+            request_id=self.request_id,
+            kind=kind,
+            model=request.model,
+            created=self.created,
+            shaper=self.shaper,
+            send=send,
+            hang_up=hang_up,
+            draining=lambda: router.draining,
+        )
         # the instances the request is on (the machine names them; these are their links)
         self.prefill_instance: Instance | None = None
         self.decode_link: WorkerLink | None = None
@@ -199,17 +189,12 @@ class RequestPipeline:
         self._queue_place_reserved = False  # holds a place in the router's decode queue
         self._error: OpenAIError | None = None  # what the client is told, after the nursery
         self._recorded = False
-        # non-streaming accumulation
-        self._text_parts: list[str] = []
-        self._finish_reason: str | None = None
-        self._usage: Usage | None = None
         # what /metrics and the access line say of it, recorded as it goes
         self.figures = router.metrics.figures(request.model)
         self._decoding = False  # counted in the router's active streams
         self._scope: trio.CancelScope | None = None
         self._timer: trio.CancelScope | None = None  # the current wait's deadline
         self._emits: list[rm.EmitFirstToken | rm.Finish] = []  # what _step writes
-        self._headers_out = False  # the response's start went out
 
     # --- entry ------------------------------------------------------------------
 
@@ -232,7 +217,9 @@ class RequestPipeline:
                     async with trio.open_nursery() as nursery:
                         scope = self._scope = nursery.cancel_scope
                         router.request_started(scope, self)
-                        nursery.start_soon(self._watch_disconnect, scope)
+                        nursery.start_soon(
+                            self.response.watch_disconnect, self._receive, scope.cancel
+                        )
                         while wait is not None:
                             wait = await self._wait(wait)
                         scope.cancel()
@@ -248,9 +235,9 @@ class RequestPipeline:
 
     def _cut(self) -> None:
         """The nursery was cut short (or raised): tell the machine by whom."""
-        if self.client_gone:
+        if self.response.client_gone:
             event: rm.Event = rm.ClientGone()
-        elif self._client_stalled:
+        elif self.response.client_stalled:
             event = rm.ClientStalled()
         elif self.router.drain_over.is_set():
             event = rm.DrainCut(torn=self._torn())
@@ -268,8 +255,7 @@ class RequestPipeline:
             self._feed(rm.ClientGone())
 
     def _torn(self) -> bool:
-        """No byte may go to the client any more: a write was cut mid-way, or it ended."""
-        return self._writing or (self.shaper is not None and self.shaper.closed)
+        return self.response.torn
 
     # --- the machine's commands -----------------------------------------------------
 
@@ -316,7 +302,7 @@ class RequestPipeline:
         emits = self._emits
         for command in emits:
             if type(command) is rm.Finish:
-                await self._finish()
+                await self.response.finish()
             else:
                 assert isinstance(command, rm.EmitFirstToken)
                 await self._emit_first_token(command.final)
@@ -744,34 +730,10 @@ class RequestPipeline:
 
     # --- the client ---------------------------------------------------------------
 
-    async def _watch_disconnect(self, cancel_scope: trio.CancelScope) -> None:
-        while True:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                # (after our hang-up on a client that stopped reading, it is ours)
-                if not self._response_complete and not self._gave_up_on_client:
-                    self.client_gone = True
-                    cancel_scope.cancel()
-                return
-
-    def check_write(self, now: float, write_timeout: float, cut_grace: float) -> None:
-        """The router's periodic look for a send that waits on a client that stopped reading.
-
-        hypercorn shields its socket writes from cancellation, so such a send
-        would hold the request (and a server shutting down) for as long as the
-        client's TCP stays up.  A send seen under way ``write_timeout`` ago, or
-        ``cut_grace`` ago once the request was cut (deadline, drain, an error),
-        is given up: the router hangs up on the client, the send fails and the
-        request ends.  No clock read per send: the look notes which send it
-        saw, and when.
-        """
-        if not self._sending or self._gave_up_on_client:
-            self._stall_mark = None
-            return
-        mark = self._stall_mark
-        if mark is None or mark[0] != self._sends:
-            self._stall_mark = (self._sends, now)
-            return
+    def hang_up_if_stalled(self, now: float, write_timeout: float, cut_grace: float) -> None:
+        """The router's sweep: hang up on a client whose send has waited too long (see
+        :meth:`ClientResponse.hang_up_if_stalled`); one the request had not given up on
+        ends the request."""
         scope = self._scope
         # cut: the drain, the client, or the machine's deadline (the wait's timer) ended it
         timer = self._timer
@@ -781,29 +743,9 @@ class RequestPipeline:
             or self._ending_with_error
             or (timer is not None and timer.cancel_called)
         )
-        if now - mark[1] < (cut_grace if cut else write_timeout):
-            return
-        self._gave_up_on_client = True
-        if not cut:
-            self._client_stalled = True  # the request ends for it
+        if self.response.hang_up_if_stalled(now, write_timeout, cut_grace, cut=cut):
             assert scope is not None
             scope.cancel()
-        why = "stopped reading" if cut else f"has read nothing for {write_timeout:g}s"
-        if self._hang_up():
-            log.warning("request %s: its client %s; hung up on it", self.request_id, why)
-        else:
-            log.warning(
-                "request %s: its client %s; its connection is not found", self.request_id, why
-            )
-
-    async def _send(self, message: Message) -> None:
-        """Send to the server, marked as under way (the hot path, _write, marks its own)."""
-        self._sending = True
-        self._sends += 1
-        try:
-            await self._send_to_server(message)
-        finally:
-            self._sending = False
 
     async def _emit_first_token(self, final: bool) -> None:
         """Prefill's token (``final``: the whole answer)."""
@@ -822,77 +764,10 @@ class RequestPipeline:
         *,
         final: bool = False,
     ) -> None:
-        """Send (or, not streaming, gather) a delta; ``final``: and end the response with it."""
+        """Count a delta as delivered and hand it to the response."""
         self.router.tokens_delivered += num_tokens
         self.figures.delivered(num_tokens)
-        if self.shaper is None:
-            if text:
-                self._text_parts.append(text)
-            if finish_reason is not None:
-                self._finish_reason = finish_reason
-                self._usage = usage
-            return
-        chunk = self.shaper.delta(text, num_tokens, finish_reason, usage)
-        if not self._headers_out:
-            self._headers_out = True
-            await self._send(
-                {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS}
-            )
-        if final:
-            # the last event and [DONE] in one write
-            self._response_complete = True
-            await self._write(
-                {
-                    "type": "http.response.body",
-                    "body": chunk + self.shaper.done(),
-                    "more_body": False,
-                }
-            )
-        elif chunk:
-            self._writing = True
-            await self._write({"type": "http.response.body", "body": chunk, "more_body": True})
-            self._writing = False
-
-    async def _write(self, message: dict[str, Any]) -> None:
-        """Send a body part (the hot path: marked as under way here, as _send does).
-
-        While the router drains, the cut that may come next must not tear a write
-        in progress (the client would get half an event and no error): the write
-        is shielded.  A client that does not read cannot hold it past the cut's
-        grace: the router's stall check (check_write) hangs up on it.
-        """
-        self._sending = True
-        self._sends += 1
-        try:
-            if not self.router.draining:
-                await self._send_to_server(message)
-                return
-            with trio.CancelScope(shield=True):
-                await self._send_to_server(message)
-        finally:
-            self._sending = False
-
-    async def _finish(self) -> None:
-        if self.shaper is not None and self.shaper.closed:
-            return  # the last delta ended the stream
-        self._response_complete = True
-        if self.shaper is not None:
-            await self._send(
-                {"type": "http.response.body", "body": self.shaper.done(), "more_body": False}
-            )
-            return
-        usage = self._usage
-        assert usage is not None  # _deliver refused a finish without it
-        builder = chat_completion_body if self.kind == "chat" else completion_body
-        payload = builder(
-            request_id=self.request_id,
-            model=self.request.model,
-            created=self.created,
-            text="".join(self._text_parts),
-            finish_reason=self._finish_reason,
-            usage=usage,
-        )
-        await send_json(self._send, 200, payload)
+        await self.response.deliver(text, num_tokens, finish_reason, usage, final=final)
 
     def _error_of(self, failure: rm.AnyFailure) -> OpenAIError:
         """The error the client sees for the machine's failure (the one table's status)."""
@@ -910,23 +785,10 @@ class RequestPipeline:
     async def _send_error(self) -> None:
         """The error the machine ended the request with, if any, as it can go out."""
         error = self._error
-        if error is None or self._gave_up_on_client:
-            return  # none, or the connection is gone
-        self._error = None  # (its traceback would hold this frame: a cycle)
-        if self.machine.headers_sent:
-            if self.shaper is not None and not self.shaper.closed and not self._writing:
-                # a client that is not reading cannot hold this: the router's stall check
-                # (check_write) hangs up on it after cleanup_grace_s
-                await self._send(
-                    {
-                        "type": "http.response.body",
-                        "body": self.shaper.error(error),
-                        "more_body": False,
-                    }
-                )
+        if error is None:
             return
-        extra = [(name.encode(), value.encode()) for name, value in error.headers]
-        await send_json(self._send, error.status, error.to_body(), extra or None)
+        self._error = None  # (its traceback would hold this frame: a cycle)
+        await self.response.fail(error, headers_sent=self.machine.headers_sent)
 
     # --- the end ------------------------------------------------------------------
 
@@ -943,8 +805,9 @@ class RequestPipeline:
         prefill = self.prefill_instance
         decode = self.decode_link
         figures = self.figures
-        if self._usage is not None:
-            figures.completion_tokens = self._usage.completion_tokens
+        usage = self.response.usage
+        if usage is not None:
+            figures.completion_tokens = usage.completion_tokens
         self.router.metrics.request_ended(
             endpoint=_ENDPOINTS[self.kind],
             model=self.request.model,

@@ -1,0 +1,238 @@
+"""One request's response to its client: the writes, how it ends, and a client that
+stopped reading.
+
+The request shell (:mod:`pdtrio.router.pipeline`) decides what goes out; this
+object puts it on the wire as hypercorn's ASGI sends, streamed (server-sent
+events through the :class:`~pdtrio.protocol.sse.StreamShaper`) or gathered into
+one JSON body, and keeps what the shell and the router's stall sweep need to
+know of the wire: whether a write is under way or was torn, whether the client
+left, whether it was hung up on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Literal, final
+
+import trio
+
+from pdtrio.asgi import Message, Receive, Send, send_json
+from pdtrio.protocol.openai import OpenAIError, chat_completion_body, completion_body
+from pdtrio.protocol.sse import StreamShaper
+from pdtrio.protocol.wire import Usage
+
+log = logging.getLogger("pdtrio.router.pipeline")
+
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+@final
+class ClientResponse:
+    """The response of request ``request_id`` (``shaper``: streamed; None: one body)."""
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        kind: Literal["chat", "completion"],
+        model: str,
+        created: int,
+        shaper: StreamShaper | None,
+        send: Send,
+        hang_up: Callable[[], bool],
+        draining: Callable[[], bool],
+    ) -> None:
+        self.request_id = request_id
+        self.kind = kind
+        self.model = model
+        self.created = created
+        self.shaper = shaper
+        self._send_to_server = send
+        # shuts the client's connection down (a client that stopped reading); True if done
+        self._hang_up = hang_up
+        self._draining = draining
+        # for the stall sweep: no clock read per send
+        self._sending = False  # a send to the server is under way
+        self._sends = 0  # sends started: the sweep tells one from the next
+        self._stall_mark: tuple[int, float] | None = None  # (send, when first seen under way)
+        self.client_gone = False  # the client disconnected before the response was complete
+        self.client_stalled = False  # a send waited past client_write_timeout_s
+        self.hung_up = False  # a stuck send was given up: the connection is ours no more
+        self.writing = False  # a body write is under way (a cancelled one leaves the wire torn)
+        self._headers_out = False
+        # the last body message is going out: a disconnect after it is hypercorn closing
+        # the connection, not the client leaving
+        self._complete = False
+        # not streaming: the answer, gathered
+        self._text_parts: list[str] = []
+        self._finish_reason: str | None = None
+        self.usage: Usage | None = None
+
+    @property
+    def torn(self) -> bool:
+        """No byte may go to the client any more: a write was cut mid-way, or it ended."""
+        return self.writing or (self.shaper is not None and self.shaper.closed)
+
+    async def watch_disconnect(self, receive: Receive, on_gone: Callable[[], None]) -> None:
+        """Until the client disconnects; ``on_gone`` if it left before the end."""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                # (after our hang-up on a client that stopped reading, it is ours)
+                if not self._complete and not self.hung_up:
+                    self.client_gone = True
+                    on_gone()
+                return
+
+    # --- writing ----------------------------------------------------------------
+
+    async def deliver(
+        self,
+        text: str,
+        num_tokens: int,
+        finish_reason: str | None,
+        usage: Usage | None,
+        *,
+        final: bool = False,
+    ) -> None:
+        """Send (or, not streaming, gather) a delta; ``final``: and end the response with it."""
+        if self.shaper is None:
+            if text:
+                self._text_parts.append(text)
+            if finish_reason is not None:
+                self._finish_reason = finish_reason
+                self.usage = usage
+            return
+        chunk = self.shaper.delta(text, num_tokens, finish_reason, usage)
+        if not self._headers_out:
+            self._headers_out = True
+            await self._send(
+                {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS}
+            )
+        if final:
+            # the last event and [DONE] in one write
+            self._complete = True
+            await self._write(
+                {
+                    "type": "http.response.body",
+                    "body": chunk + self.shaper.done(),
+                    "more_body": False,
+                }
+            )
+        elif chunk:
+            self.writing = True
+            await self._write({"type": "http.response.body", "body": chunk, "more_body": True})
+            self.writing = False
+
+    async def finish(self) -> None:
+        """End a successful response (streamed: ``[DONE]``; else the whole body)."""
+        if self.shaper is not None and self.shaper.closed:
+            return  # the last delta ended the stream
+        self._complete = True
+        if self.shaper is not None:
+            await self._send(
+                {"type": "http.response.body", "body": self.shaper.done(), "more_body": False}
+            )
+            return
+        usage = self.usage
+        assert usage is not None  # the shell refuses a finish without it
+        builder = chat_completion_body if self.kind == "chat" else completion_body
+        payload = builder(
+            request_id=self.request_id,
+            model=self.model,
+            created=self.created,
+            text="".join(self._text_parts),
+            finish_reason=self._finish_reason,
+            usage=usage,
+        )
+        await send_json(self._send, 200, payload)
+
+    async def fail(self, error: OpenAIError, *, headers_sent: bool) -> None:
+        """End the response with ``error`` as it can still go out: an error event and
+        ``[DONE]`` after the headers (unless the wire is torn), else its status and body."""
+        if self.hung_up:
+            return  # the connection is gone
+        if headers_sent:
+            if self.shaper is not None and not self.shaper.closed and not self.writing:
+                # a client that is not reading cannot hold this: the router's stall sweep
+                # hangs up on it after cleanup_grace_s
+                await self._send(
+                    {
+                        "type": "http.response.body",
+                        "body": self.shaper.error(error),
+                        "more_body": False,
+                    }
+                )
+            return
+        extra = [(name.encode(), value.encode()) for name, value in error.headers]
+        await send_json(self._send, error.status, error.to_body(), extra or None)
+
+    async def _send(self, message: Message) -> None:
+        """Send to the server, marked as under way (the hot path, _write, marks its own)."""
+        self._sending = True
+        self._sends += 1
+        try:
+            await self._send_to_server(message)
+        finally:
+            self._sending = False
+
+    async def _write(self, message: dict[str, Any]) -> None:
+        """Send a body part (the hot path: marked as under way here, as _send does).
+
+        While the router drains, the cut that may come next must not tear a write
+        in progress (the client would get half an event and no error): the write
+        is shielded.  A client that does not read cannot hold it past the cut's
+        grace: the router's stall sweep hangs up on it.
+        """
+        self._sending = True
+        self._sends += 1
+        try:
+            if not self._draining():
+                await self._send_to_server(message)
+                return
+            with trio.CancelScope(shield=True):
+                await self._send_to_server(message)
+        finally:
+            self._sending = False
+
+    # --- a client that stopped reading ----------------------------------------------
+
+    def hang_up_if_stalled(
+        self, now: float, write_timeout: float, cut_grace: float, *, cut: bool
+    ) -> bool:
+        """The router's periodic look for a send that waits on a client that stopped
+        reading; True when it hung up on a client the request had not given up on
+        (``cut``: it had: a deadline, the drain, an error), which ends the request.
+
+        hypercorn shields its socket writes from cancellation, so such a send
+        would hold the request (and a server shutting down) for as long as the
+        client's TCP stays up.  A send seen under way ``write_timeout`` ago, or
+        ``cut_grace`` ago once the request was cut, is given up: the router
+        hangs up on the client and the send fails.  No clock read per send: the
+        look notes which send it saw, and when.
+        """
+        if not self._sending or self.hung_up:
+            self._stall_mark = None
+            return False
+        mark = self._stall_mark
+        if mark is None or mark[0] != self._sends:
+            self._stall_mark = (self._sends, now)
+            return False
+        if now - mark[1] < (cut_grace if cut else write_timeout):
+            return False
+        self.hung_up = True
+        if not cut:
+            self.client_stalled = True  # the request ends for it
+        why = "stopped reading" if cut else f"has read nothing for {write_timeout:g}s"
+        if self._hang_up():
+            log.warning("request %s: its client %s; hung up on it", self.request_id, why)
+        else:
+            log.warning(
+                "request %s: its client %s; its connection is not found", self.request_id, why
+            )
+        return not cut
