@@ -229,7 +229,7 @@ class RouterApp:
             raise request_too_large(limit) from None
         if body is None:
             raise body_timeout(timeout_s)
-        if router.decode_queue.full and not router.draining:
+        if router.decode_queue.full and not router.requests.draining:
             # it could only join the queue's tail after prefill: refused before it is even
             # parsed (the pipeline checks again, for a queue that fills meanwhile)
             raise queue_full()

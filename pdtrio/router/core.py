@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Protocol, final
+from typing import Any, final
 
 import attrs
 import httpx
@@ -45,6 +45,7 @@ from pdtrio.router.client_limits import ClientLimits
 from pdtrio.router.cluster import WorkerProcess, embedded_workers
 from pdtrio.router.loop_load import run_egress_control
 from pdtrio.router.metrics import Outcome, RouterMetrics
+from pdtrio.router.running_requests import RunningRequests
 from pdtrio.router.worker_link import LINK_ERRORS, HoldTimer, PeerRefused, WorkerLink
 from pdtrio.security import (
     ApiKeys,
@@ -119,14 +120,6 @@ class Instance:
         return self.role in ("decode", "both")
 
 
-class RunningRequest(Protocol):
-    """What the router asks of a running request (``pdtrio.router.pipeline``)."""
-
-    def hang_up_if_stalled(self, now: float, write_timeout: float, cut_grace: float) -> None:
-        """Give up a write that has waited on its client more than ``write_timeout`` by
-        ``now`` (``cut_grace`` once the request was cut)."""
-
-
 @final
 class Router:
     def __init__(
@@ -138,14 +131,12 @@ class Router:
         self.instances: dict[str, Instance] = {}
         self.workers: list[WorkerProcess] = []
         self.tokens_delivered = 0
-        self.active_requests = 0
-        # draining: new requests are refused; drain_over: running ones are cut
-        self.draining = False
-        self.drain_over = trio.Event()
-        # each running request's cancel scope, and what it is (to look for stalled writes)
-        self._running: dict[trio.CancelScope, RunningRequest] = {}
-        self._idle = trio.Event()
-        self._idle.set()
+        # the running requests: their count, the drain, the stall sweep
+        self.requests = RunningRequests(
+            self._requests_counted,
+            write_timeout_s=config.router.client_write_timeout_s,
+            cut_grace_s=config.router.cleanup_grace_s,
+        )
         # prefilled requests waiting for decode KV room, woken by the links' reports
         self.decode_queue: CapacityQueue[Instance] = CapacityQueue(
             config.router.admission_queue_limit
@@ -443,56 +434,13 @@ class Router:
                 status = trio.TASK_STATUS_IGNORED
                 await trio.sleep(min(0.5 * 2.0 ** min(refusals, 6), _REFUSED_RETRY_MAX_S))
 
-    # --- requests and draining ------------------------------------------------------
+    # --- requests ----------------------------------------------------------------
 
-    def request_started(self, scope: trio.CancelScope, request: RunningRequest) -> None:
-        """Count a running request; ``scope`` is cancelled when the drain deadline passes."""
-        self.active_requests += 1
-        self.metrics.requests_active.inc()
-        self._running[scope] = request
-        if self._idle.is_set():
-            self._idle = trio.Event()
-        if self.drain_over.is_set():
-            scope.cancel()
-
-    def request_ended(self, scope: trio.CancelScope) -> None:
-        self.active_requests -= 1
-        self.metrics.requests_active.dec()
-        self._running.pop(scope, None)
-        if self.active_requests == 0:
-            self._idle.set()
-
-    async def hang_up_stalled_clients(self) -> None:
-        """Look for writes that have waited on their client for ``client_write_timeout_s``,
-        or ``cleanup_grace_s`` once their request was cut: one pass over the running
-        requests every quarter of the shorter."""
-        write_timeout = self.config.router.client_write_timeout_s
-        cut_grace = self.config.router.cleanup_grace_s
-        while True:
-            await trio.sleep(min(write_timeout, cut_grace) / 4)
-            now = trio.current_time()
-            for request in list(self._running.values()):
-                request.hang_up_if_stalled(now, write_timeout, cut_grace)
-
-    async def drain(self, drain_s: float) -> None:
-        """Refuse new requests, give running ones ``drain_s`` to finish, then cut them.
-
-        Returns once no request is left (the cut ones get a bounded moment to say why).
-        """
-        if not self.draining:
-            self.draining = True
-            log.info("draining: %d requests running, up to %gs", self.active_requests, drain_s)
-        with trio.move_on_after(drain_s):
-            await self._idle.wait()
-        if not self.drain_over.is_set():
-            if self.active_requests:
-                log.warning("drain time is up: cutting %d requests", self.active_requests)
-            self.drain_over.set()
-            for scope in self._running:
-                scope.cancel()
-        # each cut request sends its error event and cleans up, both bounded by cleanup_grace_s
-        with trio.move_on_after(2 * self.config.router.cleanup_grace_s + 1):
-            await self._idle.wait()
+    def _requests_counted(self, change: int) -> None:
+        if change > 0:
+            self.metrics.requests_active.inc()
+        else:
+            self.metrics.requests_active.dec()
 
     def pick_prefill(
         self, model: str | None = None, exclude: frozenset[str] = frozenset()
@@ -621,7 +569,7 @@ class Router:
             "status": "ok" if prefill and decode else "unavailable",
             "prefill_instances": prefill,
             "decode_instances": decode,
-            "active_requests": self.active_requests,
+            "active_requests": len(self.requests),
             # which process answered: under `hypercorn -w N` each runs its own router
             "pid": os.getpid(),
             "discovery": self.discovery.report(),
@@ -655,7 +603,7 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
             router = Router(config, nursery, http)
             await nursery.start(run_egress_control, router.egress)
             nursery.start_soon(router.hold_timer.run)
-            nursery.start_soon(router.hang_up_stalled_clients)
+            nursery.start_soon(router.requests.hang_up_stalled_clients)
             if config.uses_embedded_cluster:
                 await _start_embedded(router, nursery)
             else:

@@ -91,7 +91,7 @@ async def run_lifespan(
                     pass
                 log.info("router shutting down")
                 # hypercorn let its connections finish first: this is quick unless a drain runs
-                await router.drain(config.router.drain_s)
+                await router.requests.drain(config.router.drain_s)
                 watchers.cancel_scope.cancel()
     except* Exception as group:
         # anything that breaks start-up must stop hypercorn, not leave it half-serving
@@ -251,7 +251,7 @@ async def _drain_when_master_stops(
     await trio.to_thread.run_sync(_wait_until_set, shutdown_event, abandon_on_cancel=True)
     master_stopping.set()
     log.info("hypercorn is stopping: draining")
-    await router.drain(drain_s)
+    await router.requests.drain(drain_s)
 
 
 def _wait_until_set(event: Any) -> None:
@@ -279,7 +279,7 @@ async def _stop_when_master_dies(router: Router, sentinel: int, shutdown_event: 
     log.warning("hypercorn's master process died: stopping")
     # hypercorn's own stop path, now that nobody else will take it; requests end at once
     shutdown_event.set()
-    await router.drain(0)
+    await router.requests.drain(0)
 
 
 async def _on_sigterm(
@@ -315,7 +315,7 @@ async def _on_sigterm(
             return
     # hypercorn -w 0: we are its only process and it only stops on SIGINT (from here on
     # trio's again: a second one stops at once)
-    await router.drain(drain_s)
+    await router.requests.drain(drain_s)
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         # a shell that started us in the background made SIGINT ignored, so hypercorn
         # cannot be asked to stop: the drain is done, and our workers exit when our

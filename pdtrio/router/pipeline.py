@@ -168,7 +168,7 @@ class RequestPipeline:
             shaper=self.shaper,
             send=send,
             hang_up=hang_up,
-            draining=lambda: router.draining,
+            draining=lambda: router.requests.draining,
         )
         # the instances the request is on (the machine names them; these are their links)
         self.prefill_instance: Instance | None = None
@@ -201,7 +201,7 @@ class RequestPipeline:
     async def run(self) -> None:
         router = self.router
         queue_full = False
-        if not router.draining:
+        if not router.requests.draining:
             try:
                 # a place in the queue from now: a burst cannot all go to prefill (and run
                 # it out of KV) before the queue fills; refused now, it costs nothing
@@ -209,14 +209,14 @@ class RequestPipeline:
                 self._queue_place_reserved = True
             except QueueFull:
                 queue_full = True
-        wait = self._feed(rm.Arrived(draining=router.draining, queue_full=queue_full))
+        wait = self._feed(rm.Arrived(draining=router.requests.draining, queue_full=queue_full))
         scope: trio.CancelScope | None = None
         try:
             if wait is not None:
                 try:
                     async with trio.open_nursery() as nursery:
                         scope = self._scope = nursery.cancel_scope
-                        router.request_started(scope, self)
+                        router.requests.started(scope, self)
                         nursery.start_soon(
                             self.response.watch_disconnect, self._receive, scope.cancel
                         )
@@ -231,7 +231,7 @@ class RequestPipeline:
         finally:
             if scope is not None:
                 # only now: a drain waits for the error event to be out
-                router.request_ended(scope)
+                router.requests.ended(scope)
 
     def _cut(self) -> None:
         """The nursery was cut short (or raised): tell the machine by whom."""
@@ -239,7 +239,7 @@ class RequestPipeline:
             event: rm.Event = rm.ClientGone()
         elif self.response.client_stalled:
             event = rm.ClientStalled()
-        elif self.router.drain_over.is_set():
+        elif self.router.requests.drain_over.is_set():
             event = rm.DrainCut(torn=self._torn())
         else:
             # no one else cuts a request: a bug of ours raised out of the nursery (logged

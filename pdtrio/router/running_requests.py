@@ -1,0 +1,112 @@
+"""The router's registry of running requests: how many, the drain, the stall sweep.
+
+Each request registers its cancel scope while it runs (:meth:`RunningRequests.started`,
+:meth:`RunningRequests.ended`).  A drain refuses new requests, waits for the running
+ones up to its time, then cancels what is left; the stall sweep looks at each running
+request's writes for a client that stopped reading.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol, final
+
+import attrs
+import trio
+
+log = logging.getLogger("pdtrio.router")
+
+
+class RunningRequest(Protocol):
+    """What the registry asks of a running request (``pdtrio.router.pipeline``)."""
+
+    def hang_up_if_stalled(self, now: float, write_timeout: float, cut_grace: float) -> None:
+        """Give up a write that has waited on its client more than ``write_timeout`` by
+        ``now`` (``cut_grace`` once the request was cut): hang up, and end the request."""
+
+
+@final
+@attrs.frozen
+class RunningStatistics:
+    """A snapshot of the registry (trio's ``statistics()`` habit: no live counters)."""
+
+    running: int
+    draining: bool  # new requests are refused
+    drain_over: bool  # the drain's time is up: what still ran was cut
+
+
+@final
+class RunningRequests:
+    """The running requests of one router.
+
+    ``count_changed(+1 | -1)`` follows each start and end (the requests gauge);
+    ``write_timeout_s`` and ``cut_grace_s`` are the stall sweep's bounds.
+    """
+
+    def __init__(
+        self, count_changed: Callable[[int], None], write_timeout_s: float, cut_grace_s: float
+    ) -> None:
+        self._count_changed = count_changed
+        self._write_timeout_s = write_timeout_s
+        self._cut_grace_s = cut_grace_s
+        # each running request's cancel scope, and what it is (to look for stalled writes)
+        self._running: dict[trio.CancelScope, RunningRequest] = {}
+        self._idle = trio.Event()
+        self._idle.set()
+        # draining: new requests are refused; drain_over: running ones are cut
+        self.draining = False
+        self.drain_over = trio.Event()
+
+    def __len__(self) -> int:
+        return len(self._running)
+
+    def statistics(self) -> RunningStatistics:
+        return RunningStatistics(len(self._running), self.draining, self.drain_over.is_set())
+
+    def started(self, scope: trio.CancelScope, request: RunningRequest) -> None:
+        """Count a running request; ``scope`` is cancelled when the drain's time is up."""
+        self._running[scope] = request
+        self._count_changed(1)
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        if self.drain_over.is_set():
+            scope.cancel()
+
+    def ended(self, scope: trio.CancelScope) -> None:
+        if self._running.pop(scope, None) is None:
+            return
+        self._count_changed(-1)
+        if not self._running:
+            self._idle.set()
+
+    async def hang_up_stalled_clients(self) -> None:
+        """Look for writes that have waited on their client for the write timeout, or
+        the cut's grace once their request was cut: one pass over the running requests
+        every quarter of the shorter."""
+        write_timeout, cut_grace = self._write_timeout_s, self._cut_grace_s
+        while True:
+            await trio.sleep(min(write_timeout, cut_grace) / 4)
+            now = trio.current_time()
+            for request in list(self._running.values()):
+                request.hang_up_if_stalled(now, write_timeout, cut_grace)
+
+    async def drain(self, drain_s: float) -> None:
+        """Refuse new requests, give running ones ``drain_s`` to finish, then cut them.
+
+        Returns once no request is left (the cut ones get a bounded moment to say why).
+        """
+        if not self.draining:
+            self.draining = True
+            log.info("draining: %d requests running, up to %gs", len(self._running), drain_s)
+        with trio.move_on_after(drain_s):
+            await self._idle.wait()
+        if not self.drain_over.is_set():
+            if self._running:
+                log.warning("drain time is up: cutting %d requests", len(self._running))
+            self.drain_over.set()
+            for scope in self._running:
+                scope.cancel()
+        # each cut request sends its error event and cleans up, both bounded by the grace
+        with trio.move_on_after(2 * self._cut_grace_s + 1):
+            await self._idle.wait()
