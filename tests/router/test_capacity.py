@@ -293,7 +293,9 @@ async def test_room_found_as_the_lease_deadline_passes_still_starts_the_decode(
 
         def announce_late() -> None:
             waiting = [
-                r for r in router._running.values() if r.machine.phase.name == "PLACING_DECODE"
+                r
+                for r in router.requests._running.values()
+                if getattr(r, "machine", None) and r.machine.phase.name == "PLACING_DECODE"
             ]
             room = router.decode_with_room(16 * 16)  # (what a default request needs)
             announce()
@@ -324,8 +326,10 @@ async def test_room_found_as_the_lease_deadline_passes_still_starts_the_decode(
                 answers.append(await http.post("/v1/completions", json=body))
 
             nursery.start_soon(waiter)
-            while not queue._waiters:  # noqa: ASYNC110 (the queue has no event for it)
-                await trio.sleep(0.01)
+            with trio.fail_after(30):
+                while not queue._waiters and not answers:  # noqa: ASYNC110 (no event for it)
+                    await trio.sleep(0.01)
+            assert not answers, f"the request did not wait for decode room: {answers[0].text}"
             holder.cancel()  # its room comes free: the announce blocks past the deadline
         assert blocked_until, "no waiter was woken"
         (response,) = answers
