@@ -51,6 +51,7 @@ from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    json_pieces,
     parse_chat_completion_request,
     parse_completion_request,
 )
@@ -440,7 +441,7 @@ def test_piecewise_json_is_json_loads(data: bytes) -> None:
     """The big-body parser, cut into tiny windows, accepts and rejects what json.loads does."""
     expected = _load_or_error(json.loads, data)
     with _piecewise_everywhere():
-        got = _load_or_error(openai._load_piecewise, data)
+        got = _load_or_error(json_pieces.load_piecewise, data)
     if expected is RecursionError or got is RecursionError:
         return  # each parser has its own depth limit
     if expected is ValueError or got is ValueError:
