@@ -563,7 +563,7 @@ DECODERS: dict[str, tuple[Decoder[Any], st.SearchStrategy[Any]]] = {
         st.builds(PrefillRequest, _wire_text, prompts, samplings, st.none() | _ints),
     ),
     "release_request": (Decoder(ReleaseRequest), st.builds(ReleaseRequest, _wire_text)),
-    # the KV transfer port (pdtrio/kv/tcp.py, pdtrio/kv/nixl.py)
+    # the KV transfer port (pdtrio/kv/tcp.py; the NIXL session: pdtrio/kv/nixl.py, nixl_grants.py)
     "transfer_request": (tcp.request_decoder, transfer_requests),
     "transfer_answer": (tcp.answer_decoder, transfer_answers),
     "transfer_done": (tcp.done_decoder, transfer_dones),
