@@ -557,7 +557,7 @@ nixl_infos = st.builds(
 DECODERS: dict[str, tuple[Decoder[Any], st.SearchStrategy[Any]]] = {
     "to_worker": (to_worker_decoder, to_worker_messages),
     "from_worker": (from_worker_decoder, from_worker_messages),
-    # the worker's HTTP endpoints (pdtrio/worker/server.py)
+    # the worker's HTTP endpoints (pdtrio/worker/http_api.py)
     "prefill_request": (
         Decoder(PrefillRequest),
         st.builds(PrefillRequest, _wire_text, prompts, samplings, st.none() | _ints),
