@@ -37,11 +37,10 @@ from typing import Any, Literal, cast, final
 import trio
 
 from pdtrio.asgi import Message, Receive, Send, send_json
-from pdtrio.engine.blocks import blocks_needed
 from pdtrio.protocol import request_machine as rm
 from pdtrio.protocol.egress import send_deadline
 from pdtrio.protocol.errors import Reason, status_for_worker_failure
-from pdtrio.protocol.kv_layout import KvLayout
+from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
 from pdtrio.protocol.lifecycle import State
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
