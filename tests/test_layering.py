@@ -132,3 +132,13 @@ def test_only_the_torch_engine_imports_torch() -> None:
         if torch_package in path.parents:
             continue
         assert "torch" not in _top_level_imports(path), path
+
+
+def test_the_router_imports_nothing_of_the_engine() -> None:
+    """The router sizes KV by the protocol's arithmetic (``kv_layout.blocks_needed``), so a
+    router host needs no engine code."""
+    for path in (PACKAGE_ROOT / "router").rglob("*.py"):
+        engine = {
+            m for m in _imports(path) if m == "pdtrio.engine" or m.startswith("pdtrio.engine.")
+        }
+        assert not engine, (path, engine)

@@ -10,10 +10,7 @@ from collections.abc import Iterable
 from typing import final
 
 from pdtrio.engine.api import NoRoom
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+from pdtrio.protocol.kv_layout import blocks_needed
 
 
 @final

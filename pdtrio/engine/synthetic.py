@@ -30,7 +30,7 @@ from pdtrio.engine.api import (
     StepOutputs,
     kv_buffer,
 )
-from pdtrio.engine.blocks import BlockAllocator, BlockOwnership, blocks_needed
+from pdtrio.engine.blocks import BlockAllocator, BlockOwnership
 from pdtrio.engine.budget import (
     check_continuation,
     check_prompt_length,
@@ -39,7 +39,7 @@ from pdtrio.engine.budget import (
     tokens_left,
 )
 from pdtrio.engine.stopping import OutputProcessor
-from pdtrio.protocol.kv_layout import KvLayout
+from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.wire import ChatPrompt, Prompt, TextPrompt, TokenEntry, Usage
 

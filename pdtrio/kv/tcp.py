@@ -14,7 +14,7 @@ and go unchecked.  Sessions:
   bytes; decode acknowledges with ``TransferDone`` once the bytes are in its
   own blocks (prefill keeps them leased until the router releases them, once
   decode has produced a token).
-- ``N`` (NIXL control, see ``pdtrio.kv.nixl``): prefill sends its
+- ``N`` (NIXL control, see ``pdtrio.kv.nixl_grants``): prefill sends its
   ``NixlAgentInfo`` first; an instance without NIXL says why not there.
 
 Messages are length-prefixed msgpack (``pdtrio.protocol.wire``); block bytes

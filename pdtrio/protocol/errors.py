@@ -4,7 +4,7 @@ Every error a client gets is an OpenAI error body with an HTTP status. Where a
 failure is found (the router's pipeline, its HTTP front, a worker's answer) it
 names a :class:`Reason`; this table alone says which status, OpenAI ``type`` and
 ``code`` that reason is shown as, so two places never answer the same failure
-differently. :func:`pdtrio.protocol.openai.error_for` builds the error from a
+differently. :func:`pdtrio.protocol.openai.errors.error_for` builds the error from a
 reason and a message; the named constructors there (``queue_full``,
 ``service_unavailable``, ...) are that call with their fixed message.
 

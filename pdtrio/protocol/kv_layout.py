@@ -1,4 +1,5 @@
-"""The KV layout descriptor and the rule that says two sides may be paired."""
+"""The KV layout descriptor, the rule that says two sides may be paired, and how many
+blocks a number of tokens takes (the router, the engines and decode admission alike)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,8 @@ def layout_mismatch(prefill: KvLayout, decode: KvLayout) -> str | None:
         f"KV layout mismatch in {', '.join(differing)}: "
         f"prefill has [{prefill.describe()}], decode has [{decode.describe()}]"
     )
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """How many blocks of ``block_size`` tokens hold ``num_tokens`` (a ceiling division)."""
+    return -(-num_tokens // block_size)

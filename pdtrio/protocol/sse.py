@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Final, Literal, final
 
-from pdtrio.protocol.openai import OpenAIError
+from pdtrio.protocol.openai.errors import OpenAIError
 from pdtrio.protocol.wire import Usage
 
 DONE_EVENT: Final = b"data: [DONE]\n\n"

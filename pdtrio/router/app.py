@@ -36,9 +36,7 @@ from pdtrio.protocol.openai import (
     body_timeout,
     error_for,
     is_json_content_type,
-    method_not_allowed,
     models_list_body,
-    not_found,
     parse_chat_completion_request,
     parse_completion_request,
     queue_full,
@@ -48,6 +46,7 @@ from pdtrio.protocol.openai import (
     unsupported_media_type,
 )
 from pdtrio.protocol.registration import ROUTER_HEADER
+from pdtrio.protocol.routes import RouteTable
 from pdtrio.router.core import Router
 from pdtrio.router.metrics import Outcome
 
@@ -61,13 +60,15 @@ TRIO_ONLY_MESSAGE = (
 
 
 # Each known path and the methods it answers; any other method gets a 405 with Allow.
-ROUTE_METHODS: Final[dict[str, tuple[str, ...]]] = {
-    "/v1/chat/completions": ("POST",),
-    "/v1/completions": ("POST",),
-    "/v1/models": ("GET",),
-    "/health": ("GET",),
-    "/metrics": ("GET",),
-}
+ROUTES: Final = RouteTable(
+    {
+        "/v1/chat/completions": ("POST",),
+        "/v1/completions": ("POST",),
+        "/v1/models": ("GET",),
+        "/health": ("GET",),
+        "/metrics": ("GET",),
+    }
+)
 # Bodies above this are parsed on a thread, so the loop keeps serving meanwhile.
 OFF_LOOP_PARSE_BYTES: Final = 256 * 1024
 # While a thread parses, the loop gets the GIL back this soon after asking for it.
@@ -169,19 +170,15 @@ class RouterApp:
         if server is not None:
             router.serving_at(server)
         try:
-            allowed = ROUTE_METHODS.get(path)
-            if allowed is None:
-                if path.startswith("/pd/"):
-                    # a worker's path: say who answers, so that a registration pointing
-                    # at a router is recognised as one (and ignored) when it is dialed
-                    raise error_for(
-                        Reason.NOT_FOUND,
-                        f"this is a pdtrio router, not a worker: no route {method} {path}",
-                        headers=[(ROUTER_HEADER, "1")],
-                    )
-                raise not_found(f"no route {method} {path}")
-            if method not in allowed:
-                raise method_not_allowed(method, path, allowed)
+            if path not in ROUTES and path.startswith("/pd/"):
+                # a worker's path: say who answers, so that a registration pointing
+                # at a router is recognised as one (and ignored) when it is dialed
+                raise error_for(
+                    Reason.NOT_FOUND,
+                    f"this is a pdtrio router, not a worker: no route {method} {path}",
+                    headers=[(ROUTER_HEADER, "1")],
+                )
+            ROUTES.check(method, path)
             key_id = _client_key(router, path, scope)
             if path in _COMPLETION_PATHS:
                 with router.client_limits.admit(key_id):

@@ -27,10 +27,9 @@ from pdtrio.discovery.registry import (
     StaticRegistry,
     static_registration,
 )
-from pdtrio.engine.blocks import blocks_needed
 from pdtrio.peer_auth import PeerAuthenticationError, link_authorization
 from pdtrio.protocol.egress import EgressConfig, EgressController
-from pdtrio.protocol.kv_layout import KvLayout, layout_mismatch
+from pdtrio.protocol.kv_layout import KvLayout, blocks_needed, layout_mismatch
 from pdtrio.protocol.registration import (
     REJECTED_ROUTER_URL,
     ROUTER_HEADER,

@@ -38,11 +38,10 @@ import attrs
 import trio
 
 from pdtrio.asgi import Receive, Send
-from pdtrio.engine.blocks import blocks_needed
 from pdtrio.protocol import request_machine as rm
 from pdtrio.protocol.egress import send_deadline
 from pdtrio.protocol.errors import Reason, status_for_worker_failure
-from pdtrio.protocol.kv_layout import KvLayout
+from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
 from pdtrio.protocol.lifecycle import State
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,

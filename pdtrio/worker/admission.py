@@ -16,10 +16,9 @@ import attrs
 import trio
 
 from pdtrio.engine.api import Engine, NoRoom
-from pdtrio.engine.blocks import blocks_needed
 from pdtrio.engine.budget import tokens_left
 from pdtrio.kv.api import KvTransferError, KvTransport
-from pdtrio.protocol.kv_layout import KvLayout, layout_mismatch
+from pdtrio.protocol.kv_layout import KvLayout, blocks_needed, layout_mismatch
 from pdtrio.protocol.wire import DecodeStart, RejectReason, lease_deadline, with_lease_left
 from pdtrio.worker.leases import KvLeases
 

@@ -6,9 +6,10 @@ worker, whatever its role: prefill calls (``PrefillRequest`` answered by
 progress), decode starts and aborts, and the token frames.  A reader takes
 the router's frames; a prefill runs as a task of the link, through the
 worker's :class:`Prefiller`; admission (``worker.admission``) decides on each
-decode start; a single sender writes every frame, so writes never interleave.
-Engine outputs reach the sender through a bounded channel and leave in
-coalesced token frames under the ``FlushPolicy`` (pdtrio.protocol.flush).
+decode start; a single sender (``pdtrio.worker.link_sender``) writes every
+frame, so writes never interleave: engine outputs, control messages, the KV
+capacity reports, batches and heartbeats are its.  Here: the reader, the
+dispatch of each message, and the routing of engine outputs to the links.
 
 When the router goes away, the link's prefills in progress are cancelled
 and its decode requests aborted, and a prefill whose reply was not written
@@ -21,20 +22,8 @@ A release over the link for a prefill that link asked for, and whose reply it
 has not written yet, needs no token: it stops the prefill (one not started yet
 never starts) or frees what it leased.
 
-Each link also reports the engine's free KV blocks (``DecodeCapacity``) when
-it opens and whenever the count may have changed (an accept, a finish, an
-abort): a dirty flag and a poke of the outbox, so reports coalesce to the
-latest value and nothing polls.  The report a control message may change goes
-out just before it, so the router never sees an accept its report lacks.
-
-A router that asks for it (``?batch=1``) gets the frames that queued during
-a write in one message, a batch (``wire.is_batch``): one send through the
-websocket, and one wake-up of the router, for all of them.
-
-Liveness: after ``heartbeat_s`` without a frame (the router names the
-interval in the link's URL, ``?heartbeat_s=``), the sender writes a
-``Heartbeat``, so the router can tell a silent link from a hung worker.
-The sender waits for the earlier of the flush deadline and the heartbeat's.
+The router names the heartbeat interval in the link's URL (``?heartbeat_s=``)
+and whether it reads batches (``?batch=1``).
 
 A link only ever touches the requests it started, and each of them ends with
 exactly one of: its finish entry, ``DecodeRejected``, ``DecodeFailed``, or the
@@ -54,40 +43,31 @@ from pdtrio.asgi import Receive, Scope, Send
 from pdtrio.engine.api import Engine, EngineError, EngineOutput, StepFailed, StepOutputs
 from pdtrio.memory import HeapTrimmer
 from pdtrio.protocol import wire
-from pdtrio.protocol.flush import FlushConfig, FlushNow, FlushPolicy, WaitUntil
+from pdtrio.protocol.flush import FlushConfig
 from pdtrio.protocol.wire import (
     DecodeAbort,
     DecodeAccepted,
-    DecodeCapacity,
     DecodeFailed,
     DecodeRejected,
     DecodeStart,
-    Heartbeat,
     PrefillFailed,
     PrefillReply,
     PrefillRequest,
     RejectReason,
     ReleaseRequest,
-    TokenFrame,
     WireError,
 )
 from pdtrio.worker.admission import Decision, DecodeAdmission, Rejected
 from pdtrio.worker.fault_hooks import FaultHooks
+from pdtrio.worker.link_sender import DEFAULT_HEARTBEAT_S, Control, LinkSender
 
 log = logging.getLogger("pdtrio.worker.link")
 
 # Messages above this are decoded on a thread: a 15 MB prompt is milliseconds of memcpy.
 OFF_LOOP_DECODE_BYTES: Final = 256 * 1024
-# the heartbeat interval of a router that names none; a named one is kept within these
-DEFAULT_HEARTBEAT_S: Final = 0.5
+# the heartbeat interval a router names is kept within these
 _MIN_HEARTBEAT_S: Final = 0.01
 _MAX_HEARTBEAT_S: Final = 3600.0
-_HEARTBEAT: Final = Heartbeat()
-
-_Control = DecodeAccepted | DecodeRejected | DecodeFailed | PrefillReply | PrefillFailed
-# What reaches the sender: a step's entries, a control message, or None: a write finished.
-_Outgoing = StepOutputs | _Control | None
-_Frame = TokenFrame | _Control | DecodeCapacity | Heartbeat
 
 
 class Prefiller(Protocol):
@@ -108,6 +88,8 @@ class Prefiller(Protocol):
 
 @final
 class _Link:
+    """One router's link: its reader and the dispatch of each message; its sender sends."""
+
     def __init__(
         self,
         server: RouterLinkServer,
@@ -117,142 +99,27 @@ class _Link:
         batches: bool = False,
     ) -> None:
         self._server = server
-        self._heartbeat_s = heartbeat_s
-        # the router reads batches (?batch=1): what is ready goes out in one message
-        self._batches = batches
-        self._last_write = trio.current_time()  # when the writer last finished a frame
         self._engine = server.engine
-        self._send = send
-        self.outbox_send, self._outbox_receive = trio.open_memory_channel[_Outgoing](256)
+        self.sender = LinkSender(
+            send,
+            server.engine,
+            server.flush,
+            heartbeat_s=heartbeat_s,
+            batches=batches,
+            reports_capacity=server.admission is not None,
+            is_draining=lambda: server.draining,
+            reply_written=self._reply_written,
+            faults=server.faults,
+        )
         # the requests this link started and that have not ended: the scope of a
         # start still in progress, None once the engine runs the request
         self.requests: dict[str, trio.CancelScope | None] = {}
         # prefills this link asked for whose reply it has not written (a release of one
         # needs no grant; the link's close frees them) -> whether a release stopped it
         self.prefilling: dict[str, bool] = {}
-        self._in_flight = 0  # frames handed to the writer and not yet written
-        # only a decoding worker reports its KV room; the first report goes out at once
-        self._reports_capacity = server.admission is not None
-        self._capacity_dirty = self._reports_capacity
-        self._last_capacity: DecodeCapacity | None = None
-        self._faults = server.faults
-        # a fault hook (testing only) may turn heartbeats off
-        self._heartbeats = server.faults is None or not server.faults.heartbeats_off
 
-    def mark_capacity(self) -> None:
-        """The engine's free blocks may have changed: report it soon (never blocks)."""
-        if not self._reports_capacity:
-            return
-        self._capacity_dirty = True
-        try:
-            self.outbox_send.send_nowait(None)  # wake the collector; a full outbox wakes it anyway
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-
-    def _capacity_report(self) -> DecodeCapacity | None:
-        """The current report, or None when it says what the last one said."""
-        self._capacity_dirty = False
-        stats = self._engine.statistics()
-        # a draining worker takes nothing new: it says it has no room
-        free_blocks = 0 if self._server.draining else stats.kv_blocks_total - stats.kv_blocks_in_use
-        report = DecodeCapacity(
-            free_blocks=free_blocks,
-            total_blocks=stats.kv_blocks_total,
-            block_size=self._engine.layout.block_size,
-        )
-        if report == self._last_capacity:
-            return None
-        self._last_capacity = report
-        return report
-
-    async def send_control(self, message: _Control) -> None:
-        await self.outbox_send.send(message)
-
-    async def run_sender(self) -> None:
-        """Collect engine outputs under the flush policy; a writer task sends frames.
-
-        The writer counts its finished writes in ``_in_flight`` and pokes the
-        outbox (never blocking on it), so the policy knows when a frame is in
-        flight: tokens that arrive meanwhile merge into the next frame instead
-        of queueing as frames.
-        """
-        policy = FlushPolicy(self._server.flush)
-        receive = self._outbox_receive
-        frames_send, frames_receive = trio.open_memory_channel[_Frame](4)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._run_writer, frames_receive)
-            while True:
-                if self._capacity_dirty:
-                    report = self._capacity_report()
-                    if report is not None:
-                        self._in_flight += 1
-                        await frames_send.send(report)
-                decision = policy.decide(trio.current_time(), in_flight=self._in_flight > 0)
-                if isinstance(decision, FlushNow):
-                    self._in_flight += 1
-                    await frames_send.send(TokenFrame(policy.take()))
-                    continue
-                deadline = decision.deadline if isinstance(decision, WaitUntil) else math.inf
-                # a frame in flight is proof of life; its write's poke re-arms the heartbeat
-                beat_at = (
-                    self._last_write + self._heartbeat_s
-                    if self._heartbeats and not self._in_flight
-                    else math.inf
-                )
-                item: _Outgoing = None
-                # only the wait is bounded: a hand-over cut by the deadline would lose a frame
-                with trio.move_on_at(min(deadline, beat_at)):
-                    item = await receive.receive()
-                if item is None:
-                    if not self._in_flight and trio.current_time() >= beat_at:
-                        self._in_flight += 1
-                        await frames_send.send(_HEARTBEAT)
-                    continue
-                if isinstance(item, list):
-                    policy.add(item, trio.current_time())
-                    continue
-                # control messages keep their order relative to tokens
-                while policy.has_pending:
-                    self._in_flight += 1
-                    await frames_send.send(TokenFrame(policy.take()))
-                # what an accept allocated is in the report ahead of it
-                report = self._capacity_report() if self._reports_capacity else None
-                if report is not None:
-                    self._in_flight += 1
-                    await frames_send.send(report)
-                self._in_flight += 1
-                await frames_send.send(item)
-
-    async def _run_writer(self, frames: trio.MemoryReceiveChannel[_Frame]) -> None:
-        poke = self.outbox_send.clone()
-        faults = self._faults
-        async for frame in frames:
-            batch = [frame]
-            if self._batches:
-                # the frames that queued during the last write go out with this one: one
-                # send (and one wake-up of the router) for all of them; the channel's
-                # bound bounds a batch
-                while True:
-                    try:
-                        batch.append(frames.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-            if faults is not None:
-                for queued in batch:
-                    await faults.before_frame(queued)  # a stall (testing only)
-            data = wire.encode(batch if self._batches else frame)
-            await self._send({"type": "websocket.send", "bytes": data})
-            self._last_write = trio.current_time()
-            for sent in batch:
-                if type(sent) is PrefillReply:
-                    # written: the router holds its handle now (it releases it, or decode)
-                    self.prefilling.pop(sent.request_id, None)
-            self._in_flight -= len(batch)
-            try:
-                # wake the collector; a full outbox wakes it anyway, so never wait here
-                poke.send_nowait(None)
-            except trio.WouldBlock:
-                pass
+    def _reply_written(self, request_id: str) -> None:
+        self.prefilling.pop(request_id, None)
 
     async def run_reader(self, receive: Receive, nursery: trio.Nursery) -> None:
         decode = wire.to_worker_decoder.decode
@@ -319,7 +186,7 @@ class _Link:
             return
         request_id = message.request_id
         if server.admission is None:
-            await self.send_control(
+            await self.sender.send_control(
                 DecodeRejected(
                     request_id, RejectReason.BAD_REQUEST, "this instance does not decode"
                 )
@@ -327,7 +194,7 @@ class _Link:
             return
         if request_id in server.owner:
             message_text = f"request {request_id} is already running here"
-            await self.send_control(
+            await self.sender.send_control(
                 DecodeRejected(request_id, RejectReason.BAD_REQUEST, message_text)
             )
             return
@@ -343,7 +210,7 @@ class _Link:
         """Track the call from now (a release that comes before its task runs stops it),
         and run it as a task of the link."""
         if request.request_id in self.prefilling:
-            nursery.start_soon(self.send_control, _already_prefilling(request.request_id))
+            nursery.start_soon(self.sender.send_control, _already_prefilling(request.request_id))
             return
         self.prefilling[request.request_id] = False
         nursery.start_soon(self._prefill, request, big)
@@ -375,7 +242,7 @@ class _Link:
                     prefiller.release(request_id)
                 self.prefilling.pop(request_id, None)
                 return
-            await self.send_control(answer)
+            await self.sender.send_control(answer)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the router is gone: the link's close frees what the reply leased
         finally:
@@ -406,7 +273,7 @@ class _Link:
     ) -> None:
         request_id = start.request_id
         accepted = started = False
-        ending: _Control | None = None
+        ending: Control | None = None
         try:
             with scope:
                 admission = self._server.admission
@@ -420,7 +287,7 @@ class _Link:
                     ending = DecodeRejected(request_id, decision.reason, decision.message)
                 else:
                     accepted = True
-                    await self.send_control(DecodeAccepted(request_id))
+                    await self.sender.send_control(DecodeAccepted(request_id))
                     try:
                         await self._engine.start_decode(
                             request_id,
@@ -449,7 +316,7 @@ class _Link:
                 self.requests[request_id] = None
             self._server.capacity_changed()  # allocated, or freed on the way out
         if ending is not None:
-            await self.send_control(ending)
+            await self.sender.send_control(ending)
 
 
 # router links a worker keeps at once (each router process holds one)
@@ -488,7 +355,7 @@ class RouterLinkServer:
     def capacity_changed(self) -> None:
         """The engine's free blocks may have changed: every link reports it (never blocks)."""
         for link in self._links:
-            link.mark_capacity()
+            link.sender.mark_capacity()
 
     @property
     def link_count(self) -> int:
@@ -531,7 +398,7 @@ class RouterLinkServer:
         if finished:
             self.capacity_changed()  # a finished request's blocks are free
         try:
-            await link.outbox_send.send(entries)
+            await link.sender.outbox_send.send(entries)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the link is gone; its requests were aborted
 
@@ -543,7 +410,7 @@ class RouterLinkServer:
             link.forget(request_id)
             self.capacity_changed()
             try:
-                await link.send_control(DecodeFailed(request_id, failed.message))
+                await link.sender.send_control(DecodeFailed(request_id, failed.message))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the link is gone
 
@@ -561,12 +428,12 @@ class RouterLinkServer:
         self._links.add(link)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(link.run_sender)
+                nursery.start_soon(link.sender.run)
                 await link.run_reader(receive, nursery)
                 nursery.cancel_scope.cancel()
         finally:
             self._links.discard(link)
-            link.outbox_send.close()
+            link.sender.outbox_send.close()
             # the router went away: every request it started here ends now
             for request_id in list(link.requests):
                 link.abort(request_id)

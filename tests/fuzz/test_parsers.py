@@ -51,6 +51,7 @@ from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    json_pieces,
     parse_chat_completion_request,
     parse_completion_request,
 )
@@ -440,7 +441,7 @@ def test_piecewise_json_is_json_loads(data: bytes) -> None:
     """The big-body parser, cut into tiny windows, accepts and rejects what json.loads does."""
     expected = _load_or_error(json.loads, data)
     with _piecewise_everywhere():
-        got = _load_or_error(openai._load_piecewise, data)
+        got = _load_or_error(json_pieces.load_piecewise, data)
     if expected is RecursionError or got is RecursionError:
         return  # each parser has its own depth limit
     if expected is ValueError or got is ValueError:
@@ -556,13 +557,13 @@ nixl_infos = st.builds(
 DECODERS: dict[str, tuple[Decoder[Any], st.SearchStrategy[Any]]] = {
     "to_worker": (to_worker_decoder, to_worker_messages),
     "from_worker": (from_worker_decoder, from_worker_messages),
-    # the worker's HTTP endpoints (pdtrio/worker/server.py)
+    # the worker's HTTP endpoints (pdtrio/worker/http_api.py)
     "prefill_request": (
         Decoder(PrefillRequest),
         st.builds(PrefillRequest, _wire_text, prompts, samplings, st.none() | _ints),
     ),
     "release_request": (Decoder(ReleaseRequest), st.builds(ReleaseRequest, _wire_text)),
-    # the KV transfer port (pdtrio/kv/tcp.py, pdtrio/kv/nixl.py)
+    # the KV transfer port (pdtrio/kv/tcp.py; the NIXL session: pdtrio/kv/nixl.py, nixl_grants.py)
     "transfer_request": (tcp.request_decoder, transfer_requests),
     "transfer_answer": (tcp.answer_decoder, transfer_answers),
     "transfer_done": (tcp.done_decoder, transfer_dones),

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import trio
 
-from pdtrio.kv.nixl import NixlKvTransport, coalesced_runs
+from pdtrio.kv.nixl import NixlKvTransport
+from pdtrio.kv.nixl_agent import coalesced_runs
 from pdtrio.protocol.wire import KvHandle, RejectReason
 from pdtrio.testing import Processes
 from pdtrio.worker.admission import DecodeAdmission, Rejected

@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdtrio.kv.api import KvTransferError
-from pdtrio.kv.nixl import NixlKvTransport, coalesced_runs
+from pdtrio.kv.nixl import NixlKvTransport
+from pdtrio.kv.nixl_agent import coalesced_runs
 from pdtrio.kv.tcp import TcpKvTransport
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.wire import DecodeStart, KvHandle, RejectReason

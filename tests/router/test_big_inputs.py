@@ -18,15 +18,14 @@ from hypothesis import strategies as st
 
 from pdtrio import memory
 from pdtrio.asgi import BodyTooLarge, ClientDisconnected, Receive, read_body
-from pdtrio.protocol import openai, wire
+from pdtrio.protocol import wire
 from pdtrio.protocol.openai import (
-    PIECEWISE_JSON_BYTES,
-    CountedArray,
     OpenAIError,
-    _load_piecewise,
+    json_pieces,
     parse_chat_completion_request,
     parse_completion_request,
 )
+from pdtrio.protocol.openai.json_pieces import PIECEWISE_JSON_BYTES, CountedArray, load_piecewise
 from pdtrio.testing import Processes, synthetic_worker_config, write_router_config
 from tests.cluster import client, running_cluster
 
@@ -109,7 +108,7 @@ async def test_big_chat_body_is_parsed_off_the_loop_and_answered() -> None:
 @pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")])
 def test_piecewise_parse_equals_json_loads(value: object, separators: tuple[str, str]) -> None:
     body = json.dumps(value, separators=separators).encode()
-    assert _load_piecewise(body) == json.loads(body)
+    assert load_piecewise(body) == json.loads(body)
 
 
 @pytest.mark.parametrize(
@@ -120,7 +119,7 @@ def test_piecewise_parse_rejects_what_json_loads_rejects(body: bytes) -> None:
     with pytest.raises(ValueError):
         json.loads(body)
     with pytest.raises(ValueError):
-        _load_piecewise(body)
+        load_piecewise(body)
 
 
 _TRICKY_TEXT = 'a\\"b\\\\\n\t\x7f\u00e9\u4e2d\U0001f600\ud800x\udc00"' * 7
@@ -141,7 +140,7 @@ def test_long_strings_parse_window_by_window_like_json_loads(
     value: object, ensure_ascii: bool
 ) -> None:
     body = json.dumps(value, ensure_ascii=ensure_ascii).encode("utf-8", "surrogatepass")
-    assert _load_piecewise(body) == json.loads(body)
+    assert load_piecewise(body) == json.loads(body)
 
 
 # what JSON escapes, both halves of surrogate pairs, and anything else
@@ -165,10 +164,10 @@ def test_any_string_cut_at_any_window_parses_like_json_loads(
     value = {"prompt": text, "messages": [{"role": "user", "content": text}], "stop": [text]}
     body = json.dumps(value, ensure_ascii=ensure_ascii).encode("utf-8", "surrogatepass")
     with (
-        mock.patch.object(openai, "_CHUNK_CHARS", chunk),
-        mock.patch.object(openai, "_SMALL_VALUE_CHARS", small),
+        mock.patch.object(json_pieces, "_CHUNK_CHARS", chunk),
+        mock.patch.object(json_pieces, "_SMALL_VALUE_CHARS", small),
     ):
-        assert _load_piecewise(body) == json.loads(body)
+        assert load_piecewise(body) == json.loads(body)
 
 
 @pytest.mark.parametrize(
@@ -186,11 +185,11 @@ def test_bad_long_strings_are_refused_like_json_loads(content: str, chunk: int) 
     body = ('{"prompt": "' + content + '", "model": "m"}').encode()
     with pytest.raises(ValueError):
         json.loads(body)
-    with mock.patch.object(openai, "_CHUNK_CHARS", chunk), pytest.raises(ValueError):
-        _load_piecewise(body)
+    with mock.patch.object(json_pieces, "_CHUNK_CHARS", chunk), pytest.raises(ValueError):
+        load_piecewise(body)
     unterminated = ('{"prompt": "' + "x" * 100).encode()
-    with mock.patch.object(openai, "_CHUNK_CHARS", chunk), pytest.raises(ValueError):
-        _load_piecewise(unterminated)
+    with mock.patch.object(json_pieces, "_CHUNK_CHARS", chunk), pytest.raises(ValueError):
+        load_piecewise(unterminated)
 
 
 @pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")])
@@ -201,11 +200,11 @@ def test_a_token_array_past_the_limit_is_counted_not_built(
     ids = list(range(100_000))
     prompt = [ids] if nested else ids
     body = json.dumps({"prompt": prompt, "model": "m", "n": 1}, separators=separators).encode()
-    obj = _load_piecewise(body, ("prompt", 5000))
+    obj = load_piecewise(body, ("prompt", 5000))
     counted = obj["prompt"][0] if nested else obj["prompt"]
     assert counted == CountedArray(100_000)
     assert obj["model"] == "m" and obj["n"] == 1
-    assert _load_piecewise(body, ("prompt", 200_000)) == json.loads(body)  # within: built
+    assert load_piecewise(body, ("prompt", 200_000)) == json.loads(body)  # within: built
 
 
 def test_a_million_token_ids_are_refused_with_their_count() -> None:

@@ -150,7 +150,7 @@ async def test_a_dead_prefill_is_skipped_and_taken_back_when_it_returns() -> Non
                     await trio.sleep(0.1)
             # it failed a request when it went: back in rotation once its backoff (1 s) ends
             with trio.fail_after(30):
-                while not back.served_prefills:
+                while not back.prefill.served_prefills:
                     assert (await http.post("/v1/completions", json=body)).status_code == 200
                     await trio.sleep(0.1)
         nursery.cancel_scope.cancel()

@@ -22,7 +22,8 @@ from pdtrio.protocol.wire import (
 )
 from pdtrio.router.worker_link import WorkerLink, WorkerLinkHung, WorkerLinkLost
 from pdtrio.router.ws_client import HandshakeError
-from pdtrio.worker.router_link import DEFAULT_HEARTBEAT_S, _heartbeat_interval
+from pdtrio.worker.link_sender import DEFAULT_HEARTBEAT_S
+from pdtrio.worker.router_link import _heartbeat_interval
 from tests.cluster import serve_app, synthetic_worker, wait_for_stats
 
 # generous: these bound liveness, they do not measure it

@@ -34,7 +34,10 @@ async def test_requests_go_to_the_instances_of_the_model_they_name() -> None:
                     )
                     assert response.status_code == 200, response.text
                     assert response.json()["model"] == model
-        assert (alpha_prefill.served_prefills, beta_prefill.served_prefills) == (3, 2)
+        assert (alpha_prefill.prefill.served_prefills, beta_prefill.prefill.served_prefills) == (
+            3,
+            2,
+        )
         router = cluster.router_app.router
         assert router is not None
         # each decode took only its model's requests (its link's frames say so)
@@ -56,7 +59,7 @@ async def test_round_robin_prefill_takes_each_instance_in_turn() -> None:
             for _ in range(9):
                 body = {"model": "synthetic", "prompt": "hi", "max_tokens": 2}
                 assert (await http.post("/v1/completions", json=body)).status_code == 200
-        assert [p.served_prefills for p in prefills] == [3, 3, 3]
+        assert [p.prefill.served_prefills for p in prefills] == [3, 3, 3]
 
 
 async def test_power_of_two_spreads_the_load() -> None:
@@ -68,5 +71,5 @@ async def test_power_of_two_spreads_the_load() -> None:
             for _ in range(12):
                 body = {"model": "synthetic", "prompt": "hi", "max_tokens": 2}
                 assert (await http.post("/v1/completions", json=body)).status_code == 200
-        assert all(p.served_prefills for p in cluster.workers[:2])
+        assert all(p.prefill.served_prefills for p in cluster.workers[:2])
         await wait_until_idle(cluster)

@@ -153,7 +153,7 @@ async def _kv_port_answer(worker: Worker, proof: bytes, request: TransferRequest
 
 
 async def _prefill_directly(worker: Worker, request_id: str) -> PrefillReply:
-    answer = await worker.prefill_call(
+    answer = await worker.prefill.prefill_call(
         PrefillRequest(request_id, TextPrompt("a prompt of some length"), SamplingParams(), 8)
     )
     assert isinstance(answer, PrefillReply) and answer.kv_handle is not None
@@ -210,7 +210,7 @@ async def test_a_link_may_release_only_its_own_prefills_or_with_the_grant() -> N
         finally:
             await ws.aclose()
         assert prefill.stats()["kv_leases"] == 1  # untouched
-        assert prefill.release("someone-elses")
+        assert prefill.prefill.release("someone-elses")
 
 
 async def test_a_kv_handle_naming_an_unregistered_source_never_reaches_decode() -> None:
@@ -218,7 +218,7 @@ async def test_a_kv_handle_naming_an_unregistered_source_never_reaches_decode() 
         prefill, decode = cluster.workers
         # the prefill hands out handles naming another address than it registered (and
         # than its /pd/info says)
-        prefill_once = prefill._prefill
+        prefill_once = prefill.prefill._prefill
 
         async def lying_prefill(request: PrefillRequest) -> PrefillReply:
             reply = await prefill_once(request)
@@ -226,7 +226,7 @@ async def test_a_kv_handle_naming_an_unregistered_source_never_reaches_decode() 
             elsewhere = msgspec.structs.replace(reply.kv_handle, transfer_port=1)
             return msgspec.structs.replace(reply, kv_handle=elsewhere)
 
-        prefill._prefill = lying_prefill  # type: ignore[method-assign]
+        prefill.prefill._prefill = lying_prefill  # type: ignore[method-assign]
         async with client(cluster) as http:
             response = await http.post("/v1/completions", json=BODY)
         assert response.status_code == 502, response.text

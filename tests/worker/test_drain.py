@@ -49,7 +49,7 @@ async def test_a_draining_prefill_refuses_with_its_own_error_type_and_routers_go
     async with running_cluster(roles=("prefill", "prefill", "decode")) as cluster:
         stopping, staying, _ = cluster.workers
         stopping.begin_drain()
-        answer = await stopping.prefill_call(
+        answer = await stopping.prefill.prefill_call(
             PrefillRequest("direct-1", TextPrompt("hi"), SamplingParams(), 4)
         )
         assert isinstance(answer, PrefillFailed) and answer.status == 503
@@ -60,6 +60,6 @@ async def test_a_draining_prefill_refuses_with_its_own_error_type_and_routers_go
                     "/v1/completions", json={"model": "synthetic", "prompt": "hi", "max_tokens": 4}
                 )
                 assert response.status_code == 200, response.text
-        assert staying.served_prefills == 4 and stopping.served_prefills == 0
+        assert staying.prefill.served_prefills == 4 and stopping.prefill.served_prefills == 0
         assert await stopping.drain(1.0)
         await wait_until_idle(cluster)

@@ -140,7 +140,7 @@ async def test_a_hung_prefill_is_a_504_and_is_released() -> None:
         assert response.status_code == 504, response.text
         assert response.json()["error"]["message"] == "prefill did not answer in time"
         await _idle(cluster)  # prefills_in_progress back to 0: the release stopped it
-        assert cluster.workers[0].served_prefills == 0
+        assert cluster.workers[0].prefill.served_prefills == 0
 
 
 # --- decode ------------------------------------------------------------------------

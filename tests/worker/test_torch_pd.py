@@ -190,7 +190,7 @@ async def test_prompt_beyond_context_is_rejected_before_prefill_runs() -> None:
             response = await http.post(
                 "/v1/completions", json={"model": "tiny-random", "prompt": "word " * 3000}
             )
-        assert cluster.workers[0].served_prefills == 0
+        assert cluster.workers[0].prefill.served_prefills == 0
     assert response.status_code == 400
     assert "maximum context length" in response.json()["error"]["message"]
 

@@ -34,7 +34,7 @@ from pdtrio.engine.api import (
     StepObserver,
     StepOutputs,
 )
-from pdtrio.engine.blocks import BlockOwnership, blocks_needed
+from pdtrio.engine.blocks import BlockOwnership
 from pdtrio.engine.budget import (
     check_continuation,
     check_prompt_length,
@@ -50,7 +50,7 @@ from pdtrio.engine.torch.loaders import LoadedModel, load_gguf, load_hf_checkpoi
 from pdtrio.engine.torch.model import SeqInput, StepAbandoned
 from pdtrio.engine.torch.sampler import sample
 from pdtrio.engine.torch.threads import apply_num_threads
-from pdtrio.protocol.kv_layout import KvLayout
+from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.wire import ChatPrompt, Prompt, TextPrompt, TokenEntry, Usage
 

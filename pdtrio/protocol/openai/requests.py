@@ -1,25 +1,30 @@
-"""OpenAI request models, their validation, and the non-streamed response bodies.
+"""OpenAI request models and their validation.
 
 Sans-IO: ``parse_*`` take the raw request body and return a frozen request or
-raise :class:`OpenAIError`, never anything else, whatever the bytes are.  The
-router turns the error into a JSON body with its status before the headers go
-out, or into an SSE error event after.
+raise :class:`~pdtrio.protocol.openai.errors.OpenAIError`, never anything else,
+whatever the bytes are.  The router turns the error into a JSON body with its
+status before the headers go out, or into an SSE error event after.
 """
 
 from __future__ import annotations
 
-import codecs
 import json
 import math
-import re
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import Any, Final, final
 
 import attrs
 
-from pdtrio.protocol.errors import ERRORS, Reason
+from pdtrio.protocol.openai.errors import (
+    OpenAIError,
+    bad_request,
+    context_length_exceeded,
+    not_found_model,
+    show_client_text,
+)
+from pdtrio.protocol.openai.json_pieces import PIECEWISE_JSON_BYTES, CountedArray, load_piecewise
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import ChatPrompt, TextPrompt, TokenPrompt, Usage
+from pdtrio.protocol.wire import ChatPrompt, TextPrompt, TokenPrompt
 
 CHAT_ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES: Final = 4
@@ -27,185 +32,6 @@ _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
 # top_k larger than any vocabulary is "off" in effect; the bound keeps it packable.
 _TOP_K_MAX: Final = 2**31 - 1
-# Bodies above this are parsed piece by piece: json.loads holds the GIL for the whole body.
-PIECEWISE_JSON_BYTES: Final = 256 * 1024
-JSON_MEDIA_TYPE: Final = "application/json"
-
-
-# --- errors ------------------------------------------------------------------
-
-
-@final
-class OpenAIError(Exception):
-    """An error the client sees, with its HTTP status and OpenAI error body."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: Sequence[tuple[str, str]] = (),
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = tuple(headers)  # extra response headers, e.g. a 405's Allow
-
-    def to_body(self) -> dict[str, Any]:
-        return error_body(self.message, type_=self.type, param=self.param, code=self.code)
-
-    def __repr__(self) -> str:
-        return (
-            f"OpenAIError({self.message!r}, status={self.status}, type={self.type!r}, "
-            f"param={self.param!r}, code={self.code!r})"
-        )
-
-
-def error_body(
-    message: str, *, type_: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """The one error body, the router's and the workers' alike."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def error_for(
-    reason: Reason,
-    message: str,
-    *,
-    param: str | None = None,
-    code: str | None = None,
-    headers: Sequence[tuple[str, str]] = (),
-) -> OpenAIError:
-    """The error the client sees for ``reason`` (its status, type and code: the one
-    table, :data:`pdtrio.protocol.errors.ERRORS`); ``code`` only where the reason has
-    none of its own (which of the request's fields is invalid, say), ``headers`` added
-    to the reason's."""
-    kind = ERRORS[reason]
-    return OpenAIError(
-        message,
-        status=kind.status,
-        type=kind.type,
-        param=param,
-        code=kind.code if kind.code is not None else code,
-        headers=(*kind.headers, *headers),
-    )
-
-
-def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> OpenAIError:
-    return error_for(Reason.INVALID_REQUEST, message, param=param, code=code)
-
-
-def not_found(message: str) -> OpenAIError:
-    """An unknown route (OpenAI answers these with invalid_request_error too)."""
-    return error_for(Reason.NOT_FOUND, message)
-
-
-def method_not_allowed(method: str, path: str, allowed: Sequence[str]) -> OpenAIError:
-    """A known route asked with the wrong method; ``Allow`` lists the right ones."""
-    allow = ", ".join(allowed)
-    return error_for(
-        Reason.METHOD_NOT_ALLOWED,
-        f"Method {_show(method)} is not allowed on {path}; use {allow}.",
-        headers=(("allow", allow),),
-    )
-
-
-def is_json_content_type(content_type: str | None) -> bool:
-    """Whether a Content-Type header says UTF-8 JSON (``application/json``, charset optional)."""
-    if content_type is None:
-        return False
-    media_type, *parameters = content_type.split(";")
-    if media_type.strip().lower() != JSON_MEDIA_TYPE:
-        return False
-    for parameter in parameters:
-        name, _, value = parameter.partition("=")
-        if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in (
-            "utf-8",
-            "utf8",
-        ):
-            return False
-    return True
-
-
-def unsupported_media_type(content_type: str | None) -> OpenAIError:
-    shown = "none" if content_type is None else _show(content_type)
-    return error_for(
-        Reason.UNSUPPORTED_MEDIA_TYPE,
-        f"Unsupported Content-Type {shown}: the request body must be {JSON_MEDIA_TYPE}.",
-    )
-
-
-def not_found_model(model: str) -> OpenAIError:
-    return error_for(
-        Reason.MODEL_NOT_FOUND, f"The model {_show(model)} does not exist.", param="model"
-    )
-
-
-def context_length_exceeded(
-    *, prompt_tokens: int, max_tokens: int | None, context_length: int, param: str = "messages"
-) -> OpenAIError:
-    asked = "" if max_tokens is None else f" and {max_tokens} in the completion"
-    return error_for(
-        Reason.CONTEXT_LENGTH_EXCEEDED,
-        f"This model's maximum context length is {context_length} tokens. However, you "
-        f"requested {prompt_tokens} tokens in the prompt{asked}. Please reduce the length "
-        "of the prompt or the completion.",
-        param=param,
-    )
-
-
-def request_too_large(limit_bytes: int) -> OpenAIError:
-    return error_for(
-        Reason.REQUEST_TOO_LARGE,
-        f"The request body is larger than the limit of {limit_bytes} bytes.",
-    )
-
-
-def body_timeout(timeout_s: float) -> OpenAIError:
-    return error_for(Reason.BODY_TIMEOUT, f"The request body did not arrive within {timeout_s:g}s.")
-
-
-def server_error(message: str) -> OpenAIError:
-    return error_for(Reason.INTERNAL, message)
-
-
-def service_unavailable(message: str) -> OpenAIError:
-    return error_for(Reason.SERVICE_UNAVAILABLE, message)
-
-
-def queue_full() -> OpenAIError:
-    """The admission queue is at its limit: 429, retry in a second."""
-    return error_for(
-        Reason.QUEUE_FULL, "the server is at capacity and its queue is full; retry shortly"
-    )
-
-
-def unauthorized(has_key: bool) -> OpenAIError:
-    """No API key, or not one of the router's: 401 (OpenAI's shape and words)."""
-    message = (
-        "Incorrect API key provided."
-        if has_key
-        else "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
-    )
-    return error_for(Reason.INVALID_API_KEY, message)
-
-
-def too_many_requests(message: str) -> OpenAIError:
-    """A concurrency limit is reached: 429, retry in a second."""
-    return error_for(Reason.RATE_LIMITED, message)
-
-
-def gateway_timeout(message: str) -> OpenAIError:
-    return error_for(Reason.TIMEOUT, message)
-
-
-# --- requests ----------------------------------------------------------------
 
 
 @final
@@ -333,88 +159,7 @@ def parse_completion_request(
     )
 
 
-# --- response bodies -----------------------------------------------------------
-
-
-def models_list_body(
-    models: Sequence[str], *, created: int, owned_by: str = "pdtrio"
-) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {"id": m, "object": "model", "created": created, "owned_by": owned_by} for m in models
-        ],
-    }
-
-
-def usage_body(usage: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-    }
-
-
-def chat_completion_body(
-    *,
-    request_id: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str | None,
-    usage: Usage,
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason,
-                "logprobs": None,
-            }
-        ],
-        "usage": usage_body(usage),
-    }
-
-
-def completion_body(
-    *,
-    request_id: str,
-    model: str,
-    created: int,
-    text: str,
-    finish_reason: str | None,
-    usage: Usage,
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "finish_reason": finish_reason,
-                "logprobs": None,
-            }
-        ],
-        "usage": usage_body(usage),
-    }
-
-
 # --- validation helpers ----------------------------------------------------------
-
-
-def _show(value: str) -> str:
-    """A client string quoted for an error message, cut short."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _json_type(value: Any) -> str:
@@ -452,7 +197,7 @@ def _load_object(
 ) -> dict[str, Any]:
     try:
         if len(body) > PIECEWISE_JSON_BYTES:
-            obj = _load_piecewise(body, count_past)
+            obj = load_piecewise(body, count_past)
         else:
             obj = json.loads(body)
     except (ValueError, RecursionError) as exc:
@@ -466,245 +211,6 @@ def _load_object(
             code="invalid_json",
         )
     return obj
-
-
-# The C scanners json.loads is built on (untyped in typeshed): one value, one string.
-_scan_value: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
-_scan_string: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
-_WHITESPACE = re.compile(r"[ \t\n\r]*")
-_WHITESPACE_CHARS: Final = frozenset(" \t\n\r")
-# At most this many characters go to one C call (a fraction of a millisecond).
-_CHUNK_CHARS: Final = 64 * 1024
-# A run of plain numbers, each followed by a comma: loaded as one chunk, at C speed.
-_NUMBER_RUN = re.compile(r"(?:-?[0-9][-+0-9.eE]*[ \t\n\r]*,[ \t\n\r]*)+")
-_NUMBER_HEADS: Final = frozenset("-0123456789")
-_PIECEWISE_DEPTH: Final = 3  # body > prompt > [token ids]: the deepest arrays always split
-# An object or array deeper than that is one scanner call if it ends this soon,
-# else split too (a message whose content is megabytes).
-_SMALL_VALUE_CHARS: Final = 4096
-# Of a string's content, what can be cut off and decoded on its own: plain runs,
-# escapes, and a high surrogate escape only with its low one or with enough after it
-# to see that none follows (a pair cut in two would decode as two lone surrogates).
-# It stops at the closing quote, a control character, a bad escape, or the window's end.
-_STRING_RUN = re.compile(
-    r"""(?:[^"\\\x00-\x1f]+"""
-    r"""|\\["\\/bfnrt]"""
-    r"""|\\u(?![dD][89abAB])[0-9a-fA-F]{4}"""
-    r"""|\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"""
-    r"""|\\u[dD][89abAB][0-9a-fA-F]{2}(?=[^\\]|\\[^u]|\\u[^dD]|\\u[dD][^c-fC-F])"""
-    r""")*"""
-)
-# The most characters _STRING_RUN needs past a cut to decide on an escape (a pair).
-_LONGEST_ESCAPE: Final = 12
-# Bytes decoded to text per C call (a megabyte of UTF-8 is about a millisecond).
-_DECODE_CHUNK_BYTES: Final = 1024 * 1024
-
-
-@final
-@attrs.frozen
-class CountedArray:
-    """A JSON array of which only the length was kept: it was longer than any use of it."""
-
-    length: int
-
-
-def _load_piecewise(body: bytes | bytearray, count_past: tuple[str, int] | None = None) -> Any:
-    """``json.loads`` for big bodies, one small C call at a time.
-
-    A single json.loads of megabytes holds the GIL for tens of milliseconds, so
-    even on a worker thread it stalls the event loop; between these pieces the
-    interpreter can hand the GIL back.  The body is decoded a megabyte at a
-    time; arrays (token ids, messages) are split into elements, runs of numbers
-    into 64 KiB chunks, long strings into 64 KiB windows, and an object that
-    does not end within 4 KiB into its members.  Raises ValueError
-    (JSONDecodeError, bad UTF-8) like json.loads.
-
-    ``count_past=(key, limit)``: an array under the top-level ``key`` (or an
-    array in it) longer than ``limit`` becomes a :class:`CountedArray`; the
-    numbers past the limit are counted, not built (nor checked one by one), and
-    other elements (messages) are dropped as soon as they are parsed.
-    """
-    text = _decode_piecewise(body)
-    pos = _skip_whitespace(text, 0)
-    if text.startswith("\ufeff", pos):
-        raise json.JSONDecodeError("Unexpected UTF-8 BOM", text, pos)
-    value, pos = _piece(text, pos, 1, count_past)
-    pos = _skip_whitespace(text, pos)
-    if pos != len(text):
-        raise json.JSONDecodeError("Extra data", text, pos)
-    return value
-
-
-def _decode_piecewise(body: bytes | bytearray) -> str:
-    """``body.decode`` as json.loads does it, a megabyte per call; joining is a copy."""
-    decoder = codecs.getincrementaldecoder(json.detect_encoding(body))("surrogatepass")
-    view = memoryview(body)
-    parts = [
-        decoder.decode(view[start : start + _DECODE_CHUNK_BYTES])
-        for start in range(0, len(view), _DECODE_CHUNK_BYTES)
-    ]
-    parts.append(decoder.decode(b"", final=True))
-    return "".join(parts)
-
-
-def _skip_whitespace(text: str, pos: int) -> int:
-    if pos < len(text) and text[pos] in _WHITESPACE_CHARS:
-        match = _WHITESPACE.match(text, pos)
-        assert match is not None  # the pattern matches the empty string
-        return match.end()
-    return pos
-
-
-def _piece(
-    text: str, pos: int, depth: int, count_past: tuple[str, int] | None = None
-) -> tuple[Any, int]:
-    """The value at ``pos``; ``count_past``: at depth 1, what to count (see _load_piecewise)."""
-    head = text[pos : pos + 1]
-    if head == '"':
-        return _string_piecewise(text, pos)
-    if head == "{":
-        if depth > 1 and (small := _scan_small(text, pos)) is not None:
-            return small
-        return _object_piecewise(text, pos, depth, count_past if depth == 1 else None)
-    if head == "[":
-        if depth > _PIECEWISE_DEPTH and (small := _scan_small(text, pos)) is not None:
-            return small
-        return _array_piecewise(text, pos, depth)
-    try:
-        value, end = _scan_value(text, pos)
-    except StopIteration as stop:
-        # (the scanner's "no value starts here": json.loads's own words, nothing lost)
-        raise json.JSONDecodeError("Expecting value", text, stop.value) from None
-    return value, end
-
-
-def _scan_small(text: str, pos: int) -> tuple[Any, int] | None:
-    """The object or array at ``pos`` in one scanner call, if it ends within a few KiB.
-
-    None if it does not, or if it is malformed: the piecewise parse then finds
-    where.  Scanning a copy of the window bounds the call whatever follows; an
-    object or array is whole once its closing bracket is in.
-    """
-    window = text[pos : pos + _SMALL_VALUE_CHARS]
-    try:
-        value, end = _scan_value(window, 0)
-    except (ValueError, StopIteration, RecursionError):
-        return None
-    return value, pos + end
-
-
-def _string_piecewise(text: str, pos: int) -> tuple[str, int]:
-    """The string whose opening quote is at ``pos``, one window of its content at a time."""
-    pieces: list[str] = []
-    start = pos + 1
-    size = len(text)
-    while True:
-        window_end = min(size, start + _CHUNK_CHARS)
-        run = _STRING_RUN.match(text, start, window_end)
-        assert run is not None  # the pattern matches the empty string
-        stop = run.end()
-        if stop > start:
-            piece = text[start:stop]
-            if "\\" in piece:
-                piece = _scan_string(piece + '"', 0)[0]
-            pieces.append(piece)
-        if stop < size and text[stop] == '"':
-            return "".join(pieces), stop + 1
-        if window_end < size and (
-            stop == window_end or (text[stop] == "\\" and stop + _LONGEST_ESCAPE > window_end)
-        ):
-            start = stop  # the window cut the content, perhaps mid-escape: go on from there
-            continue
-        raise _string_error(text, pos, stop)
-
-
-def _string_error(text: str, quote: int, stop: int) -> json.JSONDecodeError:
-    """Why the string opened at ``quote`` cannot go on at ``stop``, as json.loads says it."""
-    if stop >= len(text):
-        return json.JSONDecodeError("Unterminated string starting at", text, quote)
-    if text[stop] == "\\":
-        if text[stop + 1 : stop + 2] == "u":
-            return json.JSONDecodeError("Invalid \\uXXXX escape", text, stop + 1)
-        return json.JSONDecodeError("Invalid \\escape", text, stop)
-    return json.JSONDecodeError("Invalid control character at", text, stop)
-
-
-def _object_piecewise(
-    text: str, pos: int, depth: int, count_past: tuple[str, int] | None = None
-) -> tuple[dict[str, Any], int]:
-    obj: dict[str, Any] = {}
-    pos = _skip_whitespace(text, pos + 1)
-    if text[pos : pos + 1] == "}":
-        return obj, pos + 1
-    while True:
-        if text[pos : pos + 1] != '"':
-            raise json.JSONDecodeError(
-                "Expecting property name enclosed in double quotes", text, pos
-            )
-        key, pos = _string_piecewise(text, pos)
-        pos = _skip_whitespace(text, pos)
-        if text[pos : pos + 1] != ":":
-            raise json.JSONDecodeError("Expecting ':' delimiter", text, pos)
-        pos = _skip_whitespace(text, pos + 1)
-        if count_past is not None and key == count_past[0] and text[pos : pos + 1] == "[":
-            value, pos = _array_piecewise(text, pos, depth + 1, count_past[1])
-        else:
-            value, pos = _piece(text, pos, depth + 1)
-        obj[key] = value
-        pos = _skip_whitespace(text, pos)
-        delimiter = text[pos : pos + 1]
-        if delimiter == "}":
-            return obj, pos + 1
-        if delimiter != ",":
-            raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
-        pos = _skip_whitespace(text, pos + 1)
-
-
-def _array_piecewise(
-    text: str, pos: int, depth: int, limit: int | None = None
-) -> tuple[list[Any] | CountedArray, int]:
-    """The array at ``pos``; past ``limit`` elements, only counted (then a CountedArray)."""
-    items: list[Any] = []
-    counted = 0  # elements past the limit, not kept
-    pos = _skip_whitespace(text, pos + 1)
-    if text[pos : pos + 1] == "]":
-        return items, pos + 1
-    while True:
-        counting = limit is not None and len(items) > limit
-        run = (
-            _NUMBER_RUN.match(text[pos : pos + _CHUNK_CHARS])
-            if text[pos : pos + 1] in _NUMBER_HEADS
-            else None
-        )
-        if run is not None:
-            # the run ends just after a comma: the array goes on past it
-            chunk = run.group().rstrip().removesuffix(",")
-            if counting:
-                counted += chunk.count(",") + 1
-            else:
-                try:
-                    items.extend(json.loads(f"[{chunk}]"))
-                except json.JSONDecodeError as exc:
-                    # the same error, placed in the whole body instead of the chunk
-                    raise json.JSONDecodeError(exc.msg, text, pos + max(0, exc.pos - 1)) from None
-            pos = _skip_whitespace(text, pos + run.end())  # the window may cut the spaces
-        if limit is not None and text[pos : pos + 1] == "[":
-            value, pos = _array_piecewise(text, pos, depth + 1, limit)  # [[ids]]: one prompt
-        else:
-            value, pos = _piece(text, pos, depth + 1)
-        if counting:
-            counted += 1
-        else:
-            items.append(value)
-        pos = _skip_whitespace(text, pos)
-        delimiter = text[pos : pos + 1]
-        if delimiter == "]":
-            if counted:
-                return CountedArray(len(items) + counted), pos + 1
-            return items, pos + 1
-        if delimiter != ",":
-            raise json.JSONDecodeError("Expecting ',' delimiter", text, pos)
-        pos = _skip_whitespace(text, pos + 1)
 
 
 # Characters of a string encoded per C call when checking it for lone surrogates.
@@ -828,7 +334,7 @@ def _message(message: Any, where: str) -> tuple[str, str]:
     if role not in CHAT_ROLES:
         supported = ", ".join(f"'{r}'" for r in sorted(CHAT_ROLES))
         raise bad_request(
-            f"Invalid value: {_show(role)}. Supported values are: {supported}.",
+            f"Invalid value: {show_client_text(role)}. Supported values are: {supported}.",
             param=f"{where}.role",
             code="invalid_value",
         )
@@ -860,7 +366,7 @@ def _text_part(part: Any, where: str) -> str:
         raise _type_error(f"{where}.type", "a string", kind)
     if kind != "text":
         raise bad_request(
-            f"Content parts of type {_show(kind)} are not supported; only 'text' parts are.",
+            f"Content parts of type {show_client_text(kind)} are not supported; only 'text' parts are.",
             param=f"{where}.type",
             code="unsupported_content",
         )

@@ -1,0 +1,79 @@
+"""The OpenAI surface, sans-IO: request validation, the errors a client sees, the bodies.
+
+- :mod:`.requests` — the request models and ``parse_*``, which take the raw body and
+  return a frozen request or raise :class:`OpenAIError`, never anything else;
+- :mod:`.errors` — :class:`OpenAIError` and its named constructors (each a reason of
+  :data:`pdtrio.protocol.errors.ERRORS` with its message);
+- :mod:`.bodies` — the non-streamed response bodies;
+- :mod:`.json_pieces` — the piecewise JSON parser big bodies go through.
+
+The names below are the surface the router and the workers use.
+"""
+
+from pdtrio.protocol.openai.bodies import (
+    chat_completion_body,
+    completion_body,
+    models_list_body,
+    usage_body,
+)
+from pdtrio.protocol.openai.errors import (
+    JSON_MEDIA_TYPE,
+    OpenAIError,
+    bad_request,
+    body_timeout,
+    context_length_exceeded,
+    error_body,
+    error_for,
+    gateway_timeout,
+    is_json_content_type,
+    method_not_allowed,
+    not_found,
+    not_found_model,
+    queue_full,
+    request_too_large,
+    server_error,
+    service_unavailable,
+    too_many_requests,
+    unauthorized,
+    unsupported_media_type,
+)
+from pdtrio.protocol.openai.requests import (
+    CHAT_ROLES,
+    MAX_STOP_SEQUENCES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_chat_completion_request,
+    parse_completion_request,
+)
+
+__all__ = [
+    "CHAT_ROLES",
+    "JSON_MEDIA_TYPE",
+    "MAX_STOP_SEQUENCES",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "OpenAIError",
+    "bad_request",
+    "body_timeout",
+    "chat_completion_body",
+    "completion_body",
+    "context_length_exceeded",
+    "error_body",
+    "error_for",
+    "gateway_timeout",
+    "is_json_content_type",
+    "method_not_allowed",
+    "models_list_body",
+    "not_found",
+    "not_found_model",
+    "parse_chat_completion_request",
+    "parse_completion_request",
+    "queue_full",
+    "request_too_large",
+    "server_error",
+    "service_unavailable",
+    "too_many_requests",
+    "unauthorized",
+    "unsupported_media_type",
+    "usage_body",
+]

@@ -1,0 +1,268 @@
+"""The worker's HTTP routes and its ``/pd/link`` websocket, behind the peer challenge.
+
+Every route but ``/health`` (and ``/metrics`` with the metrics token) needs a
+router's proof of the shared worker secret, refused before any body is read.
+``POST /pd/prefill`` and ``POST /pd/release`` make the same calls as a router's
+link (``pdtrio.worker.router_link``), for curl and tests; ``GET /pd/stats`` exposes
+the counts tests use to prove that nothing leaks.  Bodies are msgpack
+(``pdtrio.protocol.wire``) on the way in and out; errors are OpenAI-style JSON
+bodies, a wrong path or method answered from the one route table type
+(``pdtrio.protocol.routes``) the router's app uses too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Final, Protocol, final
+
+import trio
+
+from pdtrio.asgi import (
+    BodyTooLarge,
+    ClientDisconnected,
+    Receive,
+    Scope,
+    Send,
+    header,
+    read_body,
+    send_bytes,
+    send_json,
+)
+from pdtrio.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pdtrio.protocol import wire
+from pdtrio.protocol.openai import OpenAIError, error_body, not_found
+from pdtrio.protocol.routes import RouteTable
+from pdtrio.protocol.wire import (
+    PrefillFailed,
+    PrefillReply,
+    PrefillRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    WireError,
+)
+from pdtrio.security import AUTH_SCHEME, ChallengeBook, bearer_matches, new_nonce
+from pdtrio.worker.http_listener import HttpConnections
+from pdtrio.worker.leases import KvLeases
+from pdtrio.worker.metrics import WorkerMetrics
+from pdtrio.worker.prefill import PrefillRole
+from pdtrio.worker.router_link import OFF_LOOP_DECODE_BYTES, RouterLinkServer
+
+log = logging.getLogger("pdtrio.worker")
+
+_MAX_PREFILL_BODY = 64 * 1024 * 1024
+_MAX_RELEASE_BODY = 4096
+# prefill bodies being received over HTTP at once (each up to _MAX_PREFILL_BODY)
+_MAX_BODIES_IN_FLIGHT = 4
+_MSGPACK = wire.MSGPACK_CONTENT_TYPE.encode()
+_prefill_request_decoder: wire.Decoder[PrefillRequest] = wire.Decoder(PrefillRequest)
+_release_request_decoder: wire.Decoder[ReleaseRequest] = wire.Decoder(ReleaseRequest)
+
+# the worker's HTTP routes and the one method each takes (a wrong method is a 405)
+ROUTES: Final = RouteTable(
+    {
+        "/health": ("GET",),
+        "/pd/auth": ("GET",),
+        "/pd/info": ("GET",),
+        "/metrics": ("GET",),
+        "/pd/stats": ("GET",),
+        "/pd/prefill": ("POST",),
+        "/pd/release": ("POST",),
+    }
+)
+
+
+class ServedWorker(Protocol):
+    """What the routes read of the worker (``pdtrio.worker.server.Worker``)."""
+
+    @property
+    def links(self) -> RouterLinkServer | None: ...
+
+    @property
+    def serves_prefill(self) -> bool: ...
+
+    @property
+    def prefill(self) -> PrefillRole: ...
+
+    @property
+    def leases(self) -> KvLeases: ...
+
+    @property
+    def metrics(self) -> WorkerMetrics: ...
+
+    @property
+    def http_connections(self) -> HttpConnections: ...
+
+    def info(self) -> dict[str, Any]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class Busy(Exception):
+    """A bound on work in flight is reached: 503, retry shortly."""
+
+
+@final
+class WorkerHttpApi:
+    """The worker's ASGI app: its routes, and its routers' links."""
+
+    def __init__(
+        self, worker: ServedWorker, *, challenges: ChallengeBook, metrics_token: str
+    ) -> None:
+        self._worker = worker
+        # routers prove they hold the secret by answering a challenge of ours, once each
+        self._challenges = challenges
+        self._metrics_token = metrics_token
+        # one big decode at a time: bounds the memory of bodies being decoded at once
+        self._decode_limiter = trio.CapacityLimiter(1)
+        self._bodies_in_flight = trio.CapacityLimiter(_MAX_BODIES_IN_FLIGHT)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        worker = self._worker
+        kind = scope["type"]  # "http" or "websocket": our listener sends no lifespan
+        path = scope["path"]
+        links = worker.links
+        # every endpoint but /health needs a router's proof: refused before any body is read
+        authorization = header(scope, b"authorization")
+        authenticated = self._challenges.admits(authorization, trio.current_time())
+        if authenticated:
+            # its connection leaves the strangers' bound (see http_listener)
+            worker.http_connections.authenticated(scope.get("client"))
+        admitted = (
+            authenticated
+            or path == "/health"
+            or (path == "/metrics" and bearer_matches(authorization, self._metrics_token))
+        )
+        if kind == "websocket":
+            if not admitted:
+                log.warning("refused a router link that did not answer a challenge of ours")
+                await send({"type": "websocket.close", "code": 1008})  # (an HTTP 403)
+            elif path != "/pd/link":
+                await send({"type": "websocket.close", "code": 1008})  # policy: no such link
+            elif links is None:
+                await send({"type": "websocket.close", "code": 1013})  # try again later
+            else:
+                await links.serve_websocket(scope, receive, send)
+            return
+        method = scope["method"]
+        if not admitted:
+            # the challenge proves we hold the secret when the caller sent a nonce to answer
+            challenge = self._challenges.challenge(authorization, trio.current_time(), new_nonce())
+            await send_json(
+                send,
+                401,
+                error_body(
+                    "this worker endpoint needs proof of the shared worker secret "
+                    f"(the {AUTH_SCHEME} challenge in WWW-Authenticate)",
+                    type_="authentication_error",
+                ),
+                [(b"www-authenticate", challenge.encode())],
+            )
+            return
+        try:
+            if path == "/health" and method == "GET":
+                await send_json(send, 200, {"status": "ok"})
+            elif path == "/metrics" and method == "GET":
+                await send_bytes(send, 200, worker.metrics.render(), METRICS_CONTENT_TYPE)
+            elif links is None:
+                await send_json(
+                    send, 503, error_body("the worker is starting", type_="service_unavailable")
+                )
+            else:
+                await self._route(method, path, receive, send)
+        except OpenAIError as exc:  # no such route, or not with that method
+            await send_json(send, exc.status, exc.to_body(), _encoded(exc.headers))
+        except ClientDisconnected:
+            return
+        except BodyTooLarge:
+            await send_json(
+                send,
+                413,
+                error_body("the request body is too large", type_="invalid_request_error"),
+            )
+        except WireError as exc:
+            await send_json(
+                send, 400, error_body(f"malformed request: {exc}", type_="invalid_request_error")
+            )
+        except Busy as exc:
+            await send_json(
+                send,
+                503,
+                error_body(str(exc), type_="service_unavailable"),
+                [(b"retry-after", b"1")],
+            )
+
+    async def _route(self, method: str, path: str, receive: Receive, send: Send) -> None:
+        """A running worker's routes past /health and /metrics; OpenAIError: 404 or 405."""
+        worker = self._worker
+        if path == "/pd/prefill" and not worker.serves_prefill:
+            raise not_found(f"no route {method} {path}")
+        ROUTES.check(method, path)
+        if path == "/pd/auth":
+            # admitted without a challenge: this worker holds no secret
+            await send_json(send, 200, {"authentication": "none"})
+        elif path == "/pd/info":
+            await send_json(send, 200, worker.info())
+        elif path == "/pd/stats":
+            await send_json(send, 200, worker.stats())
+        elif path == "/pd/prefill":
+            await self._handle_prefill(receive, send)
+        else:  # /pd/release (/health and /metrics are answered before)
+            await self._handle_release(receive, send)
+
+    async def _handle_release(self, receive: Receive, send: Send) -> None:
+        body = await read_body(receive, _MAX_RELEASE_BODY)
+        request = _release_request_decoder.decode(body)
+        # a peer: only the holder of the request's grant may free its blocks
+        released = self._worker.prefill.release_granted(request.request_id, request.access_token)
+        await send_bytes(send, 200, wire.encode(ReleaseReply(released)), _MSGPACK)
+
+    async def _handle_prefill(self, receive: Receive, send: Send) -> None:
+        """``POST /pd/prefill``: the same call as the link's, for curl and tests."""
+        # bodies in flight are bounded: a peer (even one with the secret) cannot make the
+        # worker hold any number of 64 MB bodies at once
+        try:
+            self._bodies_in_flight.acquire_nowait()
+        except trio.WouldBlock:
+            raise Busy("too many prefill bodies are being received; retry shortly") from None
+        try:
+            body = await read_body(receive, _MAX_PREFILL_BODY)
+        finally:
+            self._bodies_in_flight.release()
+        if len(body) > OFF_LOOP_DECODE_BYTES:
+            request = await trio.to_thread.run_sync(
+                _prefill_request_decoder.decode, body, limiter=self._decode_limiter
+            )
+        else:
+            request = _prefill_request_decoder.decode(body)
+        del body  # the prompt lives on in the request; the raw bytes need not
+        answer: PrefillReply | PrefillFailed | None = None
+        async with trio.open_nursery() as nursery:
+            # the caller hanging up cancels the prefill and frees its blocks
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            answer = await self._worker.prefill.prefill_call(request)
+            nursery.cancel_scope.cancel()
+        if answer is None:
+            return  # cancelled: released, or the caller left
+        if isinstance(answer, PrefillFailed):
+            await send_json(
+                send,
+                answer.status,
+                error_body(answer.message, type_=answer.error_type, param=answer.param),
+            )
+            return
+        try:
+            await send_bytes(send, 200, wire.encode(answer), _MSGPACK)
+        except BaseException:
+            self._worker.leases.release(request.request_id)  # nobody will come for the blocks
+            raise
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+def _encoded(headers: Sequence[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    return [(name.encode(), value.encode()) for name, value in headers]
