@@ -455,6 +455,8 @@ class Worker:
             "router_links": 0 if links is None else links.link_count,
             "decode_requests": 0 if links is None else links.request_count,
             "prefills_in_progress": len(self._prefill_scopes),
+            # prefill bodies being read off HTTP connections (bounded: beyond, a 503)
+            "prefill_bodies_receiving": self._bodies_in_flight.borrowed_tokens,
             "served_prefills": self.served_prefills,
         }
 

@@ -89,11 +89,7 @@ async def running_router(etcd: EtcdServer, **router: Any) -> AsyncIterator[Runni
 
 
 async def until(condition: Callable[[], bool], what: str, within_s: float = WAIT_S) -> None:
-    """wait_for_stats, failing with what it waited for."""
-    try:
-        await wait_for_stats(condition, within_s)
-    except trio.TooSlowError:
-        raise AssertionError(f"timed out waiting for: {what}") from None
+    await wait_for_stats(condition, within_s, what=what)
 
 
 def body(max_tokens: int = 16) -> dict[str, Any]:

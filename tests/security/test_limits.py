@@ -30,7 +30,7 @@ async def test_prefill_bodies_in_flight_are_bounded() -> None:
         prefill = cluster.workers[0]
         held = [await _start_a_body(prefill.http_port) for _ in range(4)]
         try:
-            await trio.sleep(0.2)  # (each is inside its read now)
+            await wait_for_stats(lambda: prefill.stats()["prefill_bodies_receiving"] == 4)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{prefill.http_port}") as http:
                 refused = await http.post("/pd/prefill", content=b"x" * 10)
             assert refused.status_code == 503, refused.text
@@ -39,7 +39,7 @@ async def test_prefill_bodies_in_flight_are_bounded() -> None:
         finally:
             for stream in held:
                 await stream.aclose()
-        await trio.sleep(0.2)
+        await wait_for_stats(lambda: prefill.stats()["prefill_bodies_receiving"] == 0)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{prefill.http_port}") as http:
             malformed = await http.post("/pd/prefill", content=b"x" * 10)
         assert malformed.status_code == 400  # room again: read, then refused as malformed
