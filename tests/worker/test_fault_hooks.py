@@ -198,9 +198,13 @@ async def test_a_failing_kv_transfer_is_retried_on_the_other_decode() -> None:
         await _idle(cluster)
 
 
+# one decode, refused: the router's wait for another decode to connect is cut short
+_NO_OTHER_DECODE = RouterConfig(decode_reconnect_wait_s=0.2)
+
+
 async def test_a_failing_kv_transfer_with_one_decode_is_a_503() -> None:
     faults = {"decode#1": WorkerFaultsConfig(kv_transfer_fail=True)}
-    async with running_cluster(make_worker=_faulty(faults)) as cluster:
+    async with running_cluster(make_worker=_faulty(faults), router=_NO_OTHER_DECODE) as cluster:
         async with client(cluster) as http:
             response = await http.post("/v1/completions", json=_body())
         assert response.status_code == 503, response.text
@@ -219,7 +223,7 @@ async def test_a_kv_transfer_stalled_past_the_pull_deadline_is_rejected() -> Non
         worker.transport = FaultyKvTransport(TcpKvTransport(timeout_s=0.3), faults)
         return worker
 
-    async with running_cluster(make_worker=make) as cluster:
+    async with running_cluster(make_worker=make, router=_NO_OTHER_DECODE) as cluster:
         async with client(cluster) as http:
             with trio.fail_after(LIVENESS_S):
                 response = await http.post("/v1/completions", json=_body())
