@@ -23,7 +23,14 @@ from pdtrio.config import (
 from pdtrio.kv.tcp import TcpKvTransport
 from pdtrio.worker.fault_hooks import FaultyKvTransport
 from pdtrio.worker.server import Worker
-from tests.cluster import Cluster, client, running_cluster, synthetic_worker, wait_until_idle
+from tests.cluster import (
+    Cluster,
+    client,
+    running_cluster,
+    synthetic_worker,
+    wait_for_answer,
+    wait_until_idle,
+)
 from tests.metrics import value
 
 # generous: these bound liveness, they do not measure it
@@ -64,9 +71,7 @@ async def _health(http: httpx.AsyncClient) -> dict[str, Any]:
 async def _wait_health(
     http: httpx.AsyncClient, condition: Callable[[dict[str, Any]], bool]
 ) -> None:
-    with trio.fail_after(LIVENESS_S):
-        while not condition(await _health(http)):  # noqa: ASYNC110
-            await trio.sleep(0.02)
+    await wait_for_answer(lambda: _health(http), condition, LIVENESS_S)
 
 
 async def _stream_events(http: httpx.AsyncClient, body: dict[str, Any]) -> list[str]:
