@@ -29,6 +29,7 @@ from pdtrio.protocol.openai import (
 )
 from pdtrio.testing import Processes, synthetic_worker_config, write_router_config
 from tests.cluster import client, running_cluster
+from tests.examples import examples
 
 
 async def test_token_prompt_longer_than_context_is_refused_by_the_router() -> None:
@@ -151,7 +152,7 @@ _CHARACTERS = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     text=st.text(_CHARACTERS, max_size=60),
     ensure_ascii=st.booleans(),
