@@ -250,14 +250,23 @@ async def _serving(proxied: Proxied, exclude: int | None = None) -> int:
     return index
 
 
-async def _frames_come(proxied: Proxied, on: int, frames: int = 3) -> None:
-    """Until the router has read ``frames`` more frames from decode ``on``: tokens flow."""
+async def _tokens_come(proxied: Proxied, on: int, tokens: int = 3) -> None:
+    """Until the router holds ``tokens`` tokens of its one stream from decode ``on``.
+
+    Past decode's first token: a loss now is a migration, not a retry before it.
+    """
     router = proxied.cluster.router_app.router
     assert router is not None
     link = router.instances[proxied.cluster.workers[1 + on].instance_id].link
     assert link is not None
-    seen = link.frames_received
-    await wait_for_stats(lambda: link.frames_received >= seen + frames, LIVENESS_S)
+
+    def pushed() -> int:
+        # (the link's table of streams is its own; each stream's buffer statistics are
+        # the contract)
+        streams = link._streams.values()
+        return max((stream.buffer.statistics().tokens_pushed for stream in streams), default=0)
+
+    await wait_for_stats(lambda: pushed() >= tokens, LIVENESS_S)
 
 
 async def _holds_nothing(cluster: Cluster) -> None:
@@ -356,7 +365,7 @@ async def test_a_non_streaming_request_is_continued_the_same_way(fault: str) -> 
                 nursery.start_soon(run)
                 # no byte comes before the end: the decode's own count says it is under way
                 on = await _serving(proxied)
-                await _frames_come(proxied, on)  # some tokens in
+                await _tokens_come(proxied, on)  # some tokens in
                 if fault == "reset":
                     proxied.proxies[on].reset_all()
                 else:
@@ -437,7 +446,7 @@ async def test_migrations_are_bounded_by_the_limit() -> None:
                 proxied.proxies[first].reset_all()
                 # it migrates to another; lose that one too
                 second = await _serving(proxied, exclude=first)
-                await _frames_come(proxied, second)
+                await _tokens_come(proxied, second)
                 proxied.proxies[second].reset_all()
         answer = _read(events)
         assert len(answer.errors) == 1 and answer.done and answer.finish_reasons == []
