@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import inspect
+import queue
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
 
 import attrs
@@ -128,6 +130,50 @@ async def running_cluster(
         url = await serve_app(app, nursery)
         yield Cluster(url=url, workers=workers, router_app=app)
         nursery.cancel_scope.cancel()
+
+
+@contextmanager
+def cluster_in_a_thread(**kwargs: Any) -> Iterator[Cluster]:
+    """:func:`running_cluster` on a trio loop of its own, in a thread, for several tests.
+
+    For a module of tests that only send requests and read answers: the cluster starts
+    once, not once per test (each test's trio run ends with the test, so a cluster that
+    several of them share cannot live in one).  A failure of the cluster's loop is
+    raised when the block ends.
+    """
+    # the running cluster, or None: its loop ended (before it started, if that comes first)
+    started: queue.Queue[tuple[Cluster, trio.lowlevel.TrioToken, trio.Event] | None]
+    started = queue.Queue()
+    failed: list[BaseException] = []
+
+    async def serve() -> None:
+        async with running_cluster(**kwargs) as cluster:
+            stop = trio.Event()
+            started.put((cluster, trio.lowlevel.current_trio_token(), stop))
+            await stop.wait()
+
+    def run() -> None:
+        try:
+            trio.run(serve)
+        except BaseException as exc:  # reported by the test thread, below
+            failed.append(exc)
+        finally:
+            started.put(None)
+
+    thread = threading.Thread(target=run, name="cluster-in-a-thread", daemon=True)
+    thread.start()
+    running = started.get()
+    if running is None:
+        raise AssertionError("the shared cluster did not start") from (failed or [None])[0]
+    cluster, token, stop = running
+    try:
+        yield cluster
+    finally:
+        trio.from_thread.run_sync(stop.set, trio_token=token)
+        thread.join(30)
+        assert not thread.is_alive(), "the shared cluster did not stop"
+        if failed:
+            raise AssertionError("the shared cluster's loop failed") from failed[0]
 
 
 async def wait_until_idle(cluster: Cluster, deadline_s: float = 10.0) -> None:
