@@ -57,6 +57,9 @@ SLOW = (
     "test_processes_harness.py",
     "test_cli.py",
     "test_logs.py",
+    # matplotlib runs fc-list to build its font cache on first use (no cache: every time,
+    # since the refused process leaves it unbuilt)
+    "test_benchmark_plots.py::test_latency_cdfs_and_throughput_are_written_as_a_png",
     # in-process, but long by design (2 s or more each on a shared 2-core machine): real
     # link, client and transfer timeouts waited out, statistical runs, the fuzzers
     "fuzz/",
