@@ -285,7 +285,7 @@ def test_the_router_gives_the_memory_of_huge_requests_back() -> None:
             # what the first request loads (modules, pools) is not the huge ones' doing
             small = {"model": "synthetic", "prompt": "hi", "max_tokens": 2}
             assert http.post("/v1/completions", json=small).status_code == 200
-            time.sleep(0.5)
+            time.sleep(0.5)  # (what it frees after that request, gone before the baseline)
             start = _rss_mb(pids)
             for _ in range(2):
                 for path, body in encoded:
@@ -296,5 +296,5 @@ def test_the_router_gives_the_memory_of_huge_requests_back() -> None:
         # memory is the measure here, not time: the deadline only bounds a failing run
         deadline = time.monotonic() + 10
         while (grown := _rss_mb(pids) - start) > 30 and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.1)  # another process's memory: nothing to wait on but its size
         assert grown <= 30, f"the router kept {grown:.0f} MB more than at the start"
