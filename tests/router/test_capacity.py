@@ -23,18 +23,18 @@ from tests.cluster import (
     wait_until_idle,
 )
 
-# a 3-token prompt plus the default budget capped by the context: 256 tokens = 16 blocks,
-# so 128 blocks hold 8 default requests at once
+# a 3-token prompt plus the default budget capped by the context: 64 tokens = 4 blocks,
+# so decode's 32 blocks hold 8 default requests at once (prefill holds the prompts of those
+# that wait: room for all of them)
 _SMALL = {
-    "max_model_len": 256,
-    "num_kv_blocks": 128,
+    "max_model_len": 64,
     "tokens_per_step": 8,
     "decode_step_s": 0.002,
 }
 
 
 def _small_worker(role: str) -> Worker:
-    return synthetic_worker(role, **_SMALL)
+    return synthetic_worker(role, num_kv_blocks=32 if role == "decode" else 512, **_SMALL)
 
 
 async def _offer(cluster: Cluster, count: int) -> list[httpx.Response]:
