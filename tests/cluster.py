@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
+import queue
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, TypeVar
 
 import attrs
 import httpx
@@ -27,6 +30,8 @@ from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.protocol.flush import FlushConfig
 from pdtrio.router.app import RouterApp
 from pdtrio.worker.server import Worker
+
+T = TypeVar("T")
 
 
 @attrs.define
@@ -127,22 +132,98 @@ async def running_cluster(
         nursery.cancel_scope.cancel()
 
 
-async def wait_until_idle(cluster: Cluster, deadline_s: float = 10.0) -> None:
-    """Wait for every worker to hold nothing, as a user watching /pd/stats would.
+@contextmanager
+def cluster_in_a_thread(**kwargs: Any) -> Iterator[Cluster]:
+    """:func:`running_cluster` on a trio loop of its own, in a thread, for several tests.
 
-    The only polling loop in the tree: the statistics are the observable contract,
-    and the cleanup they check runs across the engine thread and the link tasks.
+    For a module of tests that only send requests and read answers: the cluster starts
+    once, not once per test (each test's trio run ends with the test, so a cluster that
+    several of them share cannot live in one).  A failure of the cluster's loop is
+    raised when the block ends.
     """
-    with trio.fail_after(deadline_s):
-        while cluster.busy():  # noqa: ASYNC110
-            await trio.sleep(0.01)
+    # the running cluster, or None: its loop ended (before it started, if that comes first)
+    started: queue.Queue[tuple[Cluster, trio.lowlevel.TrioToken, trio.Event] | None]
+    started = queue.Queue()
+    failed: list[BaseException] = []
+
+    async def serve() -> None:
+        async with running_cluster(**kwargs) as cluster:
+            stop = trio.Event()
+            started.put((cluster, trio.lowlevel.current_trio_token(), stop))
+            await stop.wait()
+
+    def run() -> None:
+        try:
+            trio.run(serve)
+        except BaseException as exc:  # reported by the test thread, below
+            failed.append(exc)
+        finally:
+            started.put(None)
+
+    thread = threading.Thread(target=run, name="cluster-in-a-thread", daemon=True)
+    thread.start()
+    running = started.get()
+    if running is None:
+        raise AssertionError("the shared cluster did not start") from (failed or [None])[0]
+    cluster, token, stop = running
+    try:
+        yield cluster
+    finally:
+        trio.from_thread.run_sync(stop.set, trio_token=token)
+        thread.join(30)
+        assert not thread.is_alive(), "the shared cluster did not stop"
+        if failed:
+            raise AssertionError("the shared cluster's loop failed") from failed[0]
 
 
-async def wait_for_stats(condition: Callable[[], bool], deadline_s: float = 5.0) -> None:
-    """Wait until a worker's statistics satisfy ``condition`` (polling, as wait_until_idle)."""
-    with trio.fail_after(deadline_s):
-        while not condition():  # noqa: ASYNC110
-            await trio.sleep(0.005)
+async def wait_until_idle(cluster: Cluster, deadline_s: float = 10.0) -> None:
+    """Wait for every worker to hold nothing, as a user watching /pd/stats would."""
+    await wait_for_stats(
+        lambda: not cluster.busy(), deadline_s, what=lambda: f"every worker idle: {cluster.stats()}"
+    )
+
+
+async def wait_for_stats(
+    condition: Callable[[], bool],
+    deadline_s: float = 5.0,
+    *,
+    what: str | Callable[[], str] | None = None,
+) -> None:
+    """Wait until ``condition()`` holds; past ``deadline_s`` fail saying what was awaited.
+
+    The one polling loop for in-process state (the tests' others wait on events): the
+    statistics are the observable contract, and what they report is changed by the
+    engine thread and the link tasks, which set no event a test could wait on.  ``what``
+    (a text, or a function giving one when it fails, to show the state last seen)
+    defaults to the condition's source line.
+    """
+    with trio.move_on_after(deadline_s):
+        while not condition():  # noqa: ASYNC110 - see above
+            await trio.sleep(_POLL_S)
+        return
+    raise AssertionError(f"waited {deadline_s} s, in vain, for {_describe(what, condition)}")
+
+
+async def wait_for_answer(
+    ask: Callable[[], Awaitable[T]],
+    accept: Callable[[T], bool],
+    deadline_s: float = 5.0,
+    *,
+    what: str | None = None,
+) -> T:
+    """Ask (``GET /health``, say) until the answer is accepted, as a load balancer would.
+
+    Returns the accepted answer; past ``deadline_s`` fails showing the last one.
+    """
+    answer: T | None = None
+    with trio.move_on_after(deadline_s):
+        while not accept(answer := await ask()):  # noqa: ASYNC110 - asking is the contract
+            await trio.sleep(_ASK_EVERY_S)
+        return answer
+    raise AssertionError(
+        f"waited {deadline_s} s, in vain, for {_describe(what, accept)}; the last answer: "
+        f"{answer!r}"
+    )
 
 
 def eventually(condition: Callable[[], bool], timeout: float) -> bool:
@@ -151,8 +232,23 @@ def eventually(condition: Callable[[], bool], timeout: float) -> bool:
     while not condition():
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.05)
+        time.sleep(0.05)  # another process: nothing here to wait on
     return True
+
+
+_POLL_S = 0.005
+_ASK_EVERY_S = 0.02  # a request each time: not as often as a look at statistics
+
+
+def _describe(what: str | Callable[[], str] | None, condition: Callable[..., Any]) -> str:
+    if callable(what):
+        return what()
+    if what:
+        return what
+    try:
+        return inspect.getsource(condition).strip()
+    except (OSError, TypeError):
+        return repr(condition)
 
 
 def client(cluster: Cluster, **kwargs: Any) -> httpx.AsyncClient:

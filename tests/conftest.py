@@ -13,12 +13,23 @@ process fails, naming the rule, instead of quietly making the fast tier slow.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
+
+from tests.examples import PROFILE
+
+# hypothesis's example counts: the fast tier's by default, CI's under HYPOTHESIS_PROFILE=ci
+# (tests/examples.py)
+settings.load_profile(PROFILE)
+# torch's OpenMP threads in this process sleep when idle, as a worker's do
+# (pdtrio/engine/threads.py): spinning ones take the cores the trio tests wait for
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 TESTS = Path(__file__).resolve().parent
 
@@ -46,6 +57,9 @@ SLOW = (
     "test_processes_harness.py",
     "test_cli.py",
     "test_logs.py",
+    # matplotlib runs fc-list to build its font cache on first use (no cache: every time,
+    # since the refused process leaves it unbuilt)
+    "test_benchmark_plots.py::test_latency_cdfs_and_throughput_are_written_as_a_png",
     # in-process, but long by design (2 s or more each on a shared 2-core machine): real
     # link, client and transfer timeouts waited out, statistical runs, the fuzzers
     "fuzz/",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -18,7 +19,8 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path) -> set[str]:
+@functools.cache  # each file is parsed once for all the tests here, not once per test
+def _imports(path: Path) -> frozenset[str]:
     """Every module this file imports, wherever the import statement stands."""
     tree = ast.parse(path.read_text(), filename=str(path))
     found: set[str] = set()
@@ -29,7 +31,7 @@ def _imports(path: Path) -> set[str]:
             found.add(node.module)
             # `from pdtrio.x import y` may name a submodule y
             found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return found
+    return frozenset(found)
 
 
 def _graph() -> dict[str, set[str]]:

@@ -93,7 +93,7 @@ async def test_streams_share_one_clock(
     woke: list[tuple[int, float]] = []
 
     async def stream(name: int, delay: float) -> None:
-        await trio.sleep(delay)
+        await trio.sleep(delay)  # starts between two ticks (the mock clock's time)
         tick = clock.ticks
         for _ in range(3):
             tick += 1

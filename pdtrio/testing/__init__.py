@@ -3,6 +3,7 @@
 Nothing here is imported by the router or the workers, and nothing here needs torch.
 """
 
+from pdtrio.testing.fault_proxy import FaultProxyProcess, start_fault_proxy
 from pdtrio.testing.processes import (
     LOOPBACK,
     ProcessError,
@@ -23,6 +24,7 @@ from pdtrio.worker.launch import READY_PREFIX, worker_command
 
 __all__ = [
     "LOOPBACK",
+    "FaultProxyProcess",
     "READY_PREFIX",
     "ProcessError",
     "Processes",
@@ -35,6 +37,7 @@ __all__ = [
     "pin",
     "router_command",
     "router_config_toml",
+    "start_fault_proxy",
     "synthetic_worker_config",
     "worker_command",
     "write_router_config",

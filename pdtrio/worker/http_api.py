@@ -117,6 +117,11 @@ class WorkerHttpApi:
         self._decode_limiter = trio.CapacityLimiter(1)
         self._bodies_in_flight = trio.CapacityLimiter(_MAX_BODIES_IN_FLIGHT)
 
+    @property
+    def bodies_receiving(self) -> int:
+        """Prefill bodies being read off HTTP connections now."""
+        return int(self._bodies_in_flight.borrowed_tokens)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         worker = self._worker
         kind = scope["type"]  # "http" or "websocket": our listener sends no lifespan

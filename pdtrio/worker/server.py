@@ -283,5 +283,7 @@ class Worker:
             "router_links": 0 if links is None else links.link_count,
             "decode_requests": 0 if links is None else links.request_count,
             "prefills_in_progress": self.prefill.in_progress,
+            # prefill bodies being read off HTTP connections (bounded: beyond, a 503)
+            "prefill_bodies_receiving": self.http.bodies_receiving,
             "served_prefills": self.prefill.served_prefills,
         }

@@ -26,7 +26,7 @@ from pdtrio.router.app import RouterApp
 from pdtrio.router.core import Router
 from pdtrio.testing.etcd import EtcdServer
 from pdtrio.testing.processes import Processes, Service, synthetic_worker_config
-from tests.cluster import serve_app, wait_for_stats
+from tests.cluster import serve_app, wait_for_answer, wait_for_stats
 
 WAIT_S = 20.0  # a bound on waiting for the system to act, never a performance threshold
 LEASE_TTL_S = 2
@@ -89,11 +89,7 @@ async def running_router(etcd: EtcdServer, **router: Any) -> AsyncIterator[Runni
 
 
 async def until(condition: Callable[[], bool], what: str, within_s: float = WAIT_S) -> None:
-    """wait_for_stats, failing with what it waited for."""
-    try:
-        await wait_for_stats(condition, within_s)
-    except trio.TooSlowError:
-        raise AssertionError(f"timed out waiting for: {what}") from None
+    await wait_for_stats(condition, within_s, what=what)
 
 
 def body(max_tokens: int = 16) -> dict[str, Any]:
@@ -179,9 +175,9 @@ async def test_a_killed_worker_leaves_routing_when_its_lease_expires(
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(load.run, router.url, 6, stop)
-            with trio.fail_after(WAIT_S):
-                while not (await stats(doomed))["decode_requests"]:  # noqa: ASYNC110
-                    await trio.sleep(0.01)
+            await wait_for_answer(
+                lambda: stats(doomed), lambda seen: seen["decode_requests"] > 0, WAIT_S
+            )
             # killed mid-stream: no deregistration; the link's heartbeat notices first
             doomed.process.kill()
             await trio.to_thread.run_sync(doomed.process.wait)
@@ -199,9 +195,10 @@ async def test_a_killed_worker_leaves_routing_when_its_lease_expires(
         async with EtcdClient([etcd.endpoint]) as client:
             kvs, _ = await client.get_prefix(PREFIX)
         assert sorted(decode_registration(kv.value).instance_id for kv in kvs) == ["d1", "p1"]
-        with trio.fail_after(WAIT_S):  # nothing stranded on the survivor
-            while (await stats(survivor))["kv_blocks_in_use"]:  # noqa: ASYNC110
-                await trio.sleep(0.05)
+        # nothing stranded on the survivor
+        await wait_for_answer(
+            lambda: stats(survivor), lambda seen: not seen["kv_blocks_in_use"], WAIT_S
+        )
 
 
 async def test_a_stopped_worker_deregisters_before_it_exits(
@@ -260,7 +257,8 @@ async def test_an_etcd_outage_leaves_routing_on_the_last_view_and_a_restart_resu
         for _ in range(4):
             response = await complete(http)
             assert response.status_code == 200, response.text
-        # longer than the lease: the workers register again once etcd is back
+        # an outage longer than the lease (the thing tested): the workers register again
+        # once etcd is back
         await trio.sleep(LEASE_TTL_S + 1)
         await etcd.start()
         await until(lambda: router.router.discovery.connected, "the router watches again")
@@ -274,12 +272,11 @@ async def test_an_etcd_outage_leaves_routing_on_the_last_view_and_a_restart_resu
 
 
 async def until_async_registered(client: EtcdClient, names: set[str]) -> None:
-    with trio.fail_after(WAIT_S):
-        while True:
-            kvs, _ = await client.get_prefix(PREFIX)
-            if {decode_registration(kv.value).instance_id for kv in kvs} == names:
-                return
-            await trio.sleep(0.1)
+    async def registered() -> set[str]:
+        kvs, _ = await client.get_prefix(PREFIX)
+        return {decode_registration(kv.value).instance_id for kv in kvs}
+
+    await wait_for_answer(registered, lambda seen: seen == names, WAIT_S, what=f"{names} in etcd")
 
 
 # --- pairing and addresses ----------------------------------------------------------------

@@ -90,10 +90,7 @@ async def running_router(
 
 
 async def until(condition: Any, what: str) -> None:
-    try:
-        await wait_for_stats(condition, WAIT_S)
-    except trio.TooSlowError:
-        raise AssertionError(f"timed out waiting for: {what}") from None
+    await wait_for_stats(condition, WAIT_S, what=what)
 
 
 def key_of(name: str) -> str:

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from pdtrio.testing import (
     LOOPBACK,
     Processes,
     Service,
-    free_port,
+    start_fault_proxy,
     synthetic_worker_config,
     write_router_config,
 )
@@ -255,27 +254,6 @@ def test_streams_on_a_decode_killed_mid_stream_finish_unbroken_on_the_other(
     assert _eventually(lambda: _holds_nothing(prefill) and _holds_nothing(decode))
 
 
-def _fault_proxy(procs: Processes, target: Service) -> tuple[str, int]:
-    """``python -m pdtrio.faults`` in front of ``target``: its URL, and its control port."""
-    listen, control = free_port(), free_port()
-    proxy = procs.start(
-        [
-            sys.executable,
-            "-m",
-            "pdtrio.faults",
-            "--listen",
-            f"{LOOPBACK}:{listen}",
-            "--target",
-            target.address,
-            "--control-port",
-            str(control),
-        ],
-        output="lines",
-    )
-    procs.read_line(proxy, b"control on ", LIVENESS_S)
-    return f"http://{LOOPBACK}:{listen}", control
-
-
 def _control(port: int, command: str) -> str:
     with socket.create_connection((LOOPBACK, port), timeout=LIVENESS_S) as sock:
         lines = sock.makefile("rwb")
@@ -298,7 +276,8 @@ def test_sixteen_streams_on_a_decode_lost_mid_stream_finish_unbroken_on_the_othe
     roles = ("prefill", "decode", "decode")
     started = [procs.start_worker(_worker_config(role)) for role in roles]
     prefill, victim, decode = [procs.wait_ready(process) for process in started]
-    victim_url, control = _fault_proxy(procs, victim)
+    proxy = start_fault_proxy(procs, victim.address, timeout=LIVENESS_S)
+    victim_url, control = proxy.url, proxy.control_port
     config = write_router_config(
         tmp_path / "router.toml",
         [("prefill", prefill.url), ("decode", victim_url), ("decode", decode.url)],

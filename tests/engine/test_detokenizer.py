@@ -15,6 +15,7 @@ from tokenizers import AddedToken, decoders, models  # noqa: E402
 
 from pdtrio.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from pdtrio.engine.tokenizer import Tokenizer, tiny_tokenizer  # noqa: E402
+from tests.examples import examples
 
 TINY = tiny_tokenizer()
 
@@ -24,7 +25,7 @@ def stream(tok: Tokenizer, prompt: list[int], ids: list[int], **kwargs: Any) -> 
     return [detok.push(i) for i in ids]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(prompt=st.text(max_size=20), text=st.text())
 def test_tiny_stream_equals_decode(prompt: str, text: str) -> None:
     ids = TINY.encode(text)
@@ -43,7 +44,7 @@ def test_tiny_stream_equals_decode(prompt: str, text: str) -> None:
         assert text.startswith(emitted) or "<|" in text
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     prompt=st.lists(st.integers(0, TINY.vocab_size - 1), max_size=10),
     ids=st.lists(st.integers(0, TINY.vocab_size - 1), max_size=16),

@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from pdtrio.engine.torch.sampler import sample, seeded_uniform  # noqa: E402
 from pdtrio.protocol.sampling import SamplingParams  # noqa: E402
+from tests.examples import examples  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -47,7 +48,7 @@ sampling_params = st.builds(
 # ---------------------------------------------------------------------- greedy
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(rows=rows)
 def test_greedy_is_argmax(rows: list[list[float]]) -> None:
     logits = torch.tensor(rows)
@@ -55,7 +56,7 @@ def test_greedy_is_argmax(rows: list[list[float]]) -> None:
     assert tokens == [max(range(len(r)), key=lambda i: (r[i], -i)) for r in rows]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(rows=rows, seed=st.integers(0, 2**32))
 def test_top_k_one_and_tiny_top_p_are_greedy(rows: list[list[float]], seed: int) -> None:
     logits = torch.tensor(rows)
@@ -74,7 +75,7 @@ def test_tiny_temperature_is_greedy() -> None:
 # ---------------------------------------------------------------------- determinism
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(
     data=st.data(),
     rows=rows,
@@ -280,7 +281,7 @@ def test_large_vocabulary_draws_follow_the_definition() -> None:
     assert tokens == expected
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(data=st.data(), seed=st.integers(0, 2**32))
 def test_large_vocabulary_draw_ignores_batch(data: st.DataObject, seed: int) -> None:
     n, vocab = 10, 2500

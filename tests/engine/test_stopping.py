@@ -12,6 +12,7 @@ from pdtrio.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from pdtrio.engine.stopping import OutputProcessor  # noqa: E402
 from pdtrio.engine.tokenizer import Tokenizer, tiny_tokenizer  # noqa: E402
 from pdtrio.protocol.sampling import SamplingParams  # noqa: E402
+from tests.examples import examples
 
 TINY = tiny_tokenizer()
 ENDOFTEXT, IM_START, IM_END = 0, 1, 2
@@ -262,7 +263,7 @@ def token_streams(draw: st.DrawFn) -> list[int]:
     return ids
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(
     ids=token_streams(),
     stops=st.lists(st.text(alphabet="ab é😀th", min_size=1, max_size=4), max_size=3),

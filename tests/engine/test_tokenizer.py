@@ -17,6 +17,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers  # noqa: E40
 
 from pdtrio.engine.api import PromptRejected  # noqa: E402
 from pdtrio.engine.tokenizer import Tokenizer, tiny_tokenizer  # noqa: E402
+from tests.examples import examples
 
 CHATML = (
     "{% for message in messages %}"
@@ -95,7 +96,7 @@ def test_tiny_specials_encode_as_one_id_and_merges_apply() -> None:
     assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nthe cat<|im_end|>"
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.text())
 def test_tiny_round_trips_any_unicode(text: str) -> None:
     tok = tiny_tokenizer()

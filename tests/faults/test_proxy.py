@@ -23,7 +23,7 @@ from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig
 from pdtrio.faults import Fault, FaultProxy
 from pdtrio.router.app import RouterApp
 from pdtrio.testing import LOOPBACK, Processes, free_port
-from tests.cluster import serve_app, synthetic_worker
+from tests.cluster import serve_app, synthetic_worker, wait_for_answer
 
 # bounds, not measurements: a fault that has no effect fails them, a slow machine does not
 DEADLINE_S = 10.0
@@ -104,7 +104,7 @@ async def test_latency_delays_each_direction_and_keeps_the_order() -> None:
                 started = trio.current_time()
                 for part in (b"one ", b"two ", b"three"):
                     await stream.send_all(part)
-                    await trio.sleep(0.01)
+                    await trio.sleep(0.01)  # a paced client: three writes, each delayed
                 assert await _receive_exactly(stream, 13) == b"one two three"
                 # there and back: two delays, and trio never wakes early
                 assert trio.current_time() - started >= 0.39
@@ -216,9 +216,9 @@ async def test_an_unreachable_target_resets_the_client() -> None:
 
 async def _until_healthy(client: httpx.AsyncClient) -> None:
     """Poll ``GET /health`` until 200, as a load balancer would: it is the observable contract."""
-    with trio.fail_after(DEADLINE_S):
-        while (await client.get("/health")).status_code != 200:  # noqa: ASYNC110
-            await trio.sleep(0.05)
+    await wait_for_answer(
+        lambda: client.get("/health"), lambda health: health.status_code == 200, DEADLINE_S
+    )
 
 
 async def test_a_stalled_decode_link_fails_its_stream_and_the_instance_comes_back() -> None:

@@ -16,7 +16,7 @@ import trio
 from pdtrio.config import InstanceConfig, PdtrioConfig
 from pdtrio.router.app import RouterApp
 from pdtrio.testing import Processes, Service, synthetic_worker_config
-from tests.cluster import serve_app
+from tests.cluster import serve_app, wait_for_answer
 
 pytest.importorskip("nixl")
 
@@ -71,12 +71,16 @@ async def test_two_worker_processes_hand_kv_over_nixl_and_say_so(procs: Processe
     info = (await get(decode, "/pd/info"))["kv_transport"]
     assert info["pulls"]["nixl"] == len(BODIES) and info["pulls"]["tcp"] == 0
     assert [peer["transport"] for peer in info["peers"].values()] == ["nixl"]
-    with trio.fail_after(10):
-        while True:
-            stats = [await get(service, "/pd/stats") for service in (prefill, decode, both)]
-            if not any(s["kv_blocks_in_use"] or s["kv_leases"] for s in stats):
-                break
-            await trio.sleep(0.02)
+
+    async def every_stats() -> list[dict[str, Any]]:
+        return [await get(service, "/pd/stats") for service in (prefill, decode, both)]
+
+    await wait_for_answer(
+        every_stats,
+        lambda stats: not any(s["kv_blocks_in_use"] or s["kv_leases"] for s in stats),
+        10,
+        what="no KV blocks or leases held on any worker",
+    )
     assert (await get(prefill, "/pd/info"))["kv_transport"]["releases_notified"] == len(BODIES)
 
 

@@ -16,6 +16,7 @@ from pdtrio.protocol.flush import (
     WaitUntil,
 )
 from pdtrio.protocol.wire import TokenEntry, Usage
+from tests.examples import examples
 
 Entry = TokenEntry
 REQUESTS = [f"r{i}" for i in range(8)]
@@ -335,7 +336,7 @@ def reassemble(frames: list[list[Entry]]) -> dict[str, tuple[list[int], str, Any
     return streams
 
 
-@settings(max_examples=400)
+@settings(max_examples=examples(400))
 @given(config=configs, ops=operations)
 def test_policy_preserves_streams_and_keeps_its_promises(
     config: FlushConfig, ops: list[tuple[str, Any, int]]
@@ -384,7 +385,7 @@ class SimulatedSender:
         h.now = max(h.now, until)
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(
     config=configs,
     write_ticks=st.integers(0, 30),

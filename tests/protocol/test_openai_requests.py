@@ -26,6 +26,7 @@ from pdtrio.protocol.openai import (
 )
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.wire import ChatPrompt, TextPrompt, TokenPrompt, Usage
+from tests.examples import examples
 
 MODEL = "tiny"
 LIMIT = 512
@@ -588,19 +589,19 @@ def _parse_both(body: bytes) -> None:
             json.dumps(error.to_body())
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(json_values)
 def test_arbitrary_json_only_raises_openai_error(value: Any) -> None:
     _parse_both(json.dumps(value).encode())
 
 
-@settings(max_examples=500)
+@settings(max_examples=examples(500))
 @given(near_valid())
 def test_near_valid_json_only_raises_openai_error(value: Any) -> None:
     _parse_both(json.dumps(value).encode())
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(300))
 @given(st.binary(max_size=200))
 def test_arbitrary_bytes_only_raise_openai_error(body: bytes) -> None:
     _parse_both(body)

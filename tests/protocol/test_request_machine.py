@@ -65,6 +65,7 @@ from pdtrio.protocol.request_machine import (
     WaitUntil,
     WorkerFailure,
 )
+from tests.examples import examples
 
 LIMITS = Limits(
     request_timeout_s=60.0,
@@ -317,7 +318,7 @@ def test_seeded_random_interleavings(streaming: bool, keep_tokens: bool) -> None
     assert expected_kinds <= kinds
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), streaming=st.booleans(), keep_tokens=st.booleans())
 def test_hypothesis_interleavings(seed: int, streaming: bool, keep_tokens: bool) -> None:
     run = _drive(random.Random(seed), streaming=streaming, keep_tokens=keep_tokens)

@@ -35,6 +35,7 @@ from pdtrio.protocol.websocket_frames import (
     ReaderClosedError,
     masked_binary_frame,
 )
+from tests.examples import examples
 
 _OP_TEXT = 0x1
 _OP_BINARY = 0x2
@@ -371,7 +372,7 @@ def _build(server: wsproto.WSConnection, items: list[object]) -> tuple[bytes, li
     return out, expected
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(items=_messages, cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=30))
 def test_any_split_of_a_valid_stream_gives_the_same_messages(
     items: list[object], cuts: list[int]
@@ -401,7 +402,7 @@ def _shell_reads(reader: ClientFrameReader, data: bytes, caps: list[int]) -> Ite
         pos += size
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     data=st.binary(max_size=400),
     cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=10),
@@ -415,7 +416,7 @@ def test_arbitrary_bytes_only_ever_give_messages_or_a_close(
     _check_outcome(fed, client, max_message_size)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     items=_messages,
     edits=st.lists(
@@ -457,7 +458,7 @@ def _check_outcome(fed: _Fed, client: wsproto.WSConnection, max_message_size: in
 
 
 @given(payload=st.binary(max_size=70_000), mask=st.binary(min_size=4, max_size=4))
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 def test_masked_binary_frame_is_what_wsproto_writes_and_a_server_reads(
     payload: bytes, mask: bytes
 ) -> None:

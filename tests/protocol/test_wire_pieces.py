@@ -19,6 +19,7 @@ from pdtrio.protocol.wire import (
     prompt_is_long,
     to_worker_decoder,
 )
+from tests.examples import examples
 
 LONG = PIECEWISE_TEXT_CHARS
 PIECE_BYTES = 64 * 1024
@@ -47,7 +48,7 @@ def test_pieces_join_to_the_whole_encoding_none_longer_than_asked(prompt: Prompt
     assert to_worker_decoder.decode(b"".join(pieces)) == request
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(text=st.text(min_size=1, max_size=20), repeat=st.integers(LONG // 20, LONG // 5))
 def test_any_long_text_encodes_in_pieces_as_whole(text: str, repeat: int) -> None:
     long_text = (text * repeat).encode("utf-8", "replace").decode("utf-8")  # no lone surrogates

@@ -112,7 +112,9 @@ async def test_an_error_is_never_held(monkeypatch: pytest.MonkeyPatch) -> None:
             await original_run(task_status=task_status)
 
     decode.run = run_decode  # type: ignore[method-assign]
-    async with running_cluster(make_worker=make, router=RouterConfig()) as cluster:
+    # (the one decode is gone for good: no 5 s wait for another to connect)
+    router = RouterConfig(decode_reconnect_wait_s=0.2)
+    async with running_cluster(make_worker=make, router=router) as cluster:
         async with client(cluster) as http:
             body = {"model": "synthetic", "prompt": "x", "max_tokens": 2000, "stream": True}
             with trio.fail_after(60):  # liveness bound, not a timing assertion

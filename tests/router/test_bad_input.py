@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
-from tests.cluster import client, running_cluster
+from tests.cluster import Cluster, client, cluster_in_a_thread, running_cluster
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -49,18 +51,24 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Cluster]:
+    """One cluster for the module's cases that only send a request and read the answer."""
+    with cluster_in_a_thread() as cluster:
+        yield cluster
+
+
 @pytest.mark.parametrize(("path", "body", "status", "param"), CASES)
 async def test_bad_request_gets_openai_error(
-    path: str, body: object, status: int, param: str | None
+    shared: Cluster, path: str, body: object, status: int, param: str | None
 ) -> None:
-    async with running_cluster() as cluster:
-        async with client(cluster) as http:
-            if isinstance(body, bytes):
-                response = await http.post(
-                    path, content=body, headers={"content-type": "application/json"}
-                )
-            else:
-                response = await http.post(path, json=body)
+    async with client(shared) as http:
+        if isinstance(body, bytes):
+            response = await http.post(
+                path, content=body, headers={"content-type": "application/json"}
+            )
+        else:
+            response = await http.post(path, json=body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}

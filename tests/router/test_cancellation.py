@@ -9,7 +9,13 @@ import httpx
 import trio
 
 from pdtrio.config import RouterConfig
-from tests.cluster import client, raw_post_then_hang_up, running_cluster, wait_until_idle
+from tests.cluster import (
+    client,
+    raw_post_then_hang_up,
+    running_cluster,
+    wait_for_answer,
+    wait_until_idle,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -145,12 +151,15 @@ async def test_a_dead_prefill_is_skipped_and_taken_back_when_it_returns() -> Non
             # it comes back on the same address; the router takes it back
             back = Worker(attrs.evolve(flaky.config, port=flaky_port), flaky.engine)
             await nursery.start(back.run)
-            with trio.fail_after(30):
-                while (await http.get("/health")).json()["prefill_instances"] != 2:  # noqa: ASYNC110
-                    await trio.sleep(0.1)
+            await wait_for_answer(
+                lambda: http.get("/health"),
+                lambda health: health.json()["prefill_instances"] == 2,
+                30,
+            )
             # it failed a request when it went: back in rotation once its backoff (1 s) ends
+            assert app.router is not None
+            await trio.sleep_until(app.router.instances[back.instance_id].suspended_until)
             with trio.fail_after(30):
                 while not back.prefill.served_prefills:
                     assert (await http.post("/v1/completions", json=body)).status_code == 200
-                    await trio.sleep(0.1)
         nursery.cancel_scope.cancel()

@@ -21,21 +21,22 @@ from tests.cluster import (
     running_cluster,
     serve_app,
     synthetic_worker,
+    wait_for_stats,
     wait_until_idle,
 )
 
-# a 3-token prompt plus the default budget capped by the context: 256 tokens = 16 blocks,
-# so 128 blocks hold 8 default requests at once
+# a 3-token prompt plus the default budget capped by the context: 64 tokens = 4 blocks,
+# so decode's 32 blocks hold 8 default requests at once (prefill holds the prompts of those
+# that wait: room for all of them)
 _SMALL = {
-    "max_model_len": 256,
-    "num_kv_blocks": 128,
+    "max_model_len": 64,
     "tokens_per_step": 8,
     "decode_step_s": 0.002,
 }
 
 
 def _small_worker(role: str) -> Worker:
-    return synthetic_worker(role, **_SMALL)
+    return synthetic_worker(role, num_kv_blocks=32 if role == "decode" else 512, **_SMALL)
 
 
 async def _offer(cluster: Cluster, count: int) -> list[httpx.Response]:
@@ -168,16 +169,12 @@ async def test_a_request_arriving_at_a_full_queue_gets_429_without_a_prefill() -
             # one decoding first (a place is held from arrival, so three at once would
             # find the queue full), then two that wait
             nursery.start_soon(_stream_until_cancelled, http, body)
-            with trio.fail_after(20):
-                while decode.stats()["running_requests"] < 1:  # noqa: ASYNC110
-                    await trio.sleep(0.01)
+            await wait_for_stats(lambda: decode.stats()["running_requests"] >= 1, 20)
             for _ in range(2):
                 nursery.start_soon(_stream_until_cancelled, http, body)
-            with trio.fail_after(20):
-                # the queue is full from the two arrivals (their places are reserved before
-                # prefill): wait for both to be prefilled too, not just for the places
-                while not (queue.full and prefill.stats()["served_prefills"] == 3):  # noqa: ASYNC110 (the router's own state, no event to wait on)
-                    await trio.sleep(0.01)
+            # the queue is full from the two arrivals (their places are reserved before
+            # prefill): wait for both to be prefilled too, not just for the places
+            await wait_for_stats(lambda: queue.full and prefill.stats()["served_prefills"] == 3, 20)
             served = prefill.stats()["served_prefills"]
             assert served == 3  # one decoding, two prefilled and waiting
 

@@ -26,7 +26,8 @@ async def test_a_failing_decode_is_suspended_then_probed_again() -> None:
             for _ in range(4):
                 assert (await http.post("/v1/completions", json=BODY)).status_code == 200
             assert failing.link.frames_received == frames_before  # all went to the other
-            await trio.sleep(0.6)  # the backoff is over: probed, and served again
+            # once its backoff is over it is probed, and served again
+            await trio.sleep_until(failing.suspended_until)
             for _ in range(4):
                 assert (await http.post("/v1/completions", json=BODY)).status_code == 200
         assert failing.link.frames_received > frames_before

@@ -18,6 +18,7 @@ from pdtrio.router.loop_load import (
     run_egress_control,
     run_egress_sampler,
 )
+from tests.cluster import wait_for_stats
 
 
 async def burn_cpu(seconds: float) -> None:
@@ -64,7 +65,7 @@ async def test_a_spinning_loop_is_busier_than_a_sleeping_one() -> None:
     meter = LoopLoadMeter()
     with installed(meter):
         meter.take_busy_fraction()
-        await trio.sleep(0.3)
+        await trio.sleep(0.3)  # the thing measured: a loop that sleeps
         sleeping = meter.take_busy_fraction()
         await burn_cpu(0.3)
         spinning = meter.take_busy_fraction()
@@ -111,7 +112,8 @@ async def test_the_sampler_feeds_each_window_to_the_controller(
                 run_egress_sampler, meter, controller, interval_s=0.1, on_spacing=published.append
             )
         )
-        await trio.sleep(0.05)  # halfway through each window
+        # (the mock clock's time, instant) halfway through each window
+        await trio.sleep(0.05)
         for _ in windows:
             await trio.sleep(0.1)
             seen.append(controller.spacing_s)
@@ -151,11 +153,11 @@ async def test_egress_control_spaces_sends_while_the_loop_is_busy_and_stops_afte
             if controller.spacing_s > 0.0:
                 break
         assert controller.spacing_s > 0.0, controller.busy_fraction
-        for _ in range(100):
-            await trio.sleep(0.1)
-            if controller.spacing_s == 0.0:
-                break
-        assert controller.spacing_s == 0.0, controller.busy_fraction
+        await wait_for_stats(
+            lambda: controller.spacing_s == 0.0,
+            10,
+            what=lambda: f"no spacing once idle (busy {controller.busy_fraction})",
+        )
         nursery.cancel_scope.cancel()
     [meter] = made
     with pytest.raises(KeyError):

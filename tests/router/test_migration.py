@@ -29,7 +29,14 @@ from pdtrio.faults import FaultProxy
 from pdtrio.router.app import RouterApp
 from pdtrio.testing import LOOPBACK
 from pdtrio.worker.server import Worker
-from tests.cluster import Cluster, serve_app, synthetic_worker, wait_for_stats, wait_until_idle
+from tests.cluster import (
+    Cluster,
+    serve_app,
+    synthetic_worker,
+    wait_for_answer,
+    wait_for_stats,
+    wait_until_idle,
+)
 from tests.metrics import by_labels, value
 
 # generous: these bound liveness, they do not measure it
@@ -110,11 +117,11 @@ async def proxied_cluster(
         url = await serve_app(app, nursery)
         cluster = Cluster(url=url, workers=workers, router_app=app)
         async with httpx.AsyncClient(base_url=url, timeout=LIVENESS_S) as http:
-            with trio.fail_after(LIVENESS_S):
-                up = (await http.get("/health")).json().get("decode_instances")
-                while up != decodes:  # noqa: ASYNC110 - /health is the contract
-                    await trio.sleep(0.02)
-                    up = (await http.get("/health")).json().get("decode_instances")
+            await wait_for_answer(
+                lambda: http.get("/health"),
+                lambda health: health.json().get("decode_instances") == decodes,
+                LIVENESS_S,
+            )
         yield Proxied(cluster, proxies)
         nursery.cancel_scope.cancel()
 
@@ -243,6 +250,25 @@ async def _serving(proxied: Proxied, exclude: int | None = None) -> int:
     return index
 
 
+async def _tokens_come(proxied: Proxied, on: int, tokens: int = 3) -> None:
+    """Until the router holds ``tokens`` tokens of its one stream from decode ``on``.
+
+    Past decode's first token: a loss now is a migration, not a retry before it.
+    """
+    router = proxied.cluster.router_app.router
+    assert router is not None
+    link = router.instances[proxied.cluster.workers[1 + on].instance_id].link
+    assert link is not None
+
+    def pushed() -> int:
+        # (the link's table of streams is its own; each stream's buffer statistics are
+        # the contract)
+        streams = link._streams.values()
+        return max((stream.buffer.statistics().tokens_pushed for stream in streams), default=0)
+
+    await wait_for_stats(lambda: pushed() >= tokens, LIVENESS_S)
+
+
 async def _holds_nothing(cluster: Cluster) -> None:
     await wait_until_idle(cluster, LIVENESS_S)
     for stats in cluster.stats():
@@ -339,7 +365,7 @@ async def test_a_non_streaming_request_is_continued_the_same_way(fault: str) -> 
                 nursery.start_soon(run)
                 # no byte comes before the end: the decode's own count says it is under way
                 on = await _serving(proxied)
-                await trio.sleep(0.2)  # some tokens in
+                await _tokens_come(proxied, on)  # some tokens in
                 if fault == "reset":
                     proxied.proxies[on].reset_all()
                 else:
@@ -420,7 +446,7 @@ async def test_migrations_are_bounded_by_the_limit() -> None:
                 proxied.proxies[first].reset_all()
                 # it migrates to another; lose that one too
                 second = await _serving(proxied, exclude=first)
-                await trio.sleep(0.1)
+                await _tokens_come(proxied, second)
                 proxied.proxies[second].reset_all()
         answer = _read(events)
         assert len(answer.errors) == 1 and answer.done and answer.finish_reasons == []
@@ -473,6 +499,7 @@ async def test_kv_no_decode_can_pull_in_time_is_freed_and_the_request_goes_on_fr
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(run)
                 # past the lease (less the router's margin) the KV is given up: then back
+                # (the lease's time waited out is the thing tested)
                 await trio.sleep(1.5)
                 down.update(refuse=False)
         answer = _read(events)

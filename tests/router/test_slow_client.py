@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from pdtrio.config import RouterConfig
-from tests.cluster import client, running_cluster, synthetic_worker, wait_until_idle
+from tests.cluster import client, running_cluster, synthetic_worker, wait_for_stats, wait_until_idle
 from tests.metrics import value
 
 
@@ -96,13 +96,11 @@ async def test_a_client_that_stops_reading_is_hung_up_on(router: RouterConfig) -
     async with running_cluster(router=router, decode_step_s=0.001) as cluster:
         stalled = await _open_stalled_stream(cluster.url, max_tokens=8000)
         async with stalled:
-            with trio.fail_after(20):  # liveness bound: before, it waited for the client
-                while cluster.router_app.router is None or (  # noqa: ASYNC110
-                    len(cluster.router_app.router.requests) == 0
-                ):
-                    await trio.sleep(0.01)
-                while cluster.router_app.router.active_requests:  # noqa: ASYNC110
-                    await trio.sleep(0.05)
+            # liveness bounds: before, it waited for the client
+            router = cluster.router_app.router
+            assert router is not None
+            await wait_for_stats(lambda: len(router.requests) > 0, 20)
+            await wait_for_stats(lambda: not len(router.requests), 20)
             await wait_until_idle(cluster, deadline_s=20)  # nothing held on the workers
             async with client(cluster) as http:
                 metrics = (await http.get("/metrics")).text

@@ -11,7 +11,13 @@ from pdtrio.config import RouterConfig
 from pdtrio.engine.api import EngineError
 from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.worker.server import Worker
-from tests.cluster import client, running_cluster, synthetic_worker, wait_until_idle
+from tests.cluster import (
+    client,
+    running_cluster,
+    synthetic_worker,
+    wait_for_stats,
+    wait_until_idle,
+)
 
 
 class _FailingPrefill(SyntheticEngine):
@@ -92,15 +98,18 @@ async def test_decode_dying_mid_request_is_a_502_for_a_non_streaming_client() ->
             worker.run = run_until_stopped  # type: ignore[method-assign]
         return worker
 
-    async with running_cluster(make_worker=make) as cluster:
+    # (no wait for another decode to come: the one there is is gone for good)
+    router = RouterConfig(decode_reconnect_wait_s=0.2)
+    async with running_cluster(make_worker=make, router=router) as cluster:
+        decode = cluster.workers[1]
         async with client(cluster) as http:
             async with trio.open_nursery() as nursery:
 
-                async def stop_decode_soon() -> None:
-                    await trio.sleep(0.2)
+                async def stop_decode_once_it_decodes() -> None:
+                    await wait_for_stats(lambda: decode.stats()["running_requests"] > 0)
                     decode_scope.cancel()
 
-                nursery.start_soon(stop_decode_soon)
+                nursery.start_soon(stop_decode_once_it_decodes)
                 body = {"model": "synthetic", "prompt": "x", "max_tokens": 2000}
                 response = await http.post("/v1/completions", json=body)
         assert response.status_code == 502, response.text
@@ -191,7 +200,11 @@ async def test_a_mended_prefill_returns_to_rotation_after_its_wait() -> None:
             while not _FailingPrefill.calls:
                 assert (await http.post("/v1/completions", json=body)).status_code == 200
             prefills[0].engine.__class__ = SyntheticEngine  # mended
-            await trio.sleep(0.3)  # its time out of rotation (the configured 0.2 s) is over
+            router = cluster.router_app.router
+            assert router is not None
+            suspended = router.instances[prefills[0].instance_id]
+            assert suspended.suspended_until > 0.0  # out of rotation
+            await trio.sleep_until(suspended.suspended_until)  # its time out of it is over
             for _ in range(6):
                 assert (await http.post("/v1/completions", json=body)).status_code == 200
         assert prefills[0].stats()["served_prefills"] > 0
@@ -215,7 +228,7 @@ async def test_a_stream_decode_forgot_is_ended_while_its_link_lives_on() -> None
             worker.engine.__class__ = _ForgetsSeedThirteen
         return worker
 
-    router = RouterConfig(stream_idle_timeout_s=0.5)
+    router = RouterConfig(stream_idle_timeout_s=0.5, decode_reconnect_wait_s=0.5)
     async with running_cluster(make_worker=make, router=router) as cluster:
         async with client(cluster) as http:
             with trio.fail_after(20):  # liveness bound, not a timing assertion

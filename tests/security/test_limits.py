@@ -30,7 +30,7 @@ async def test_prefill_bodies_in_flight_are_bounded() -> None:
         prefill = cluster.workers[0]
         held = [await _start_a_body(prefill.http_port) for _ in range(4)]
         try:
-            await trio.sleep(0.2)  # (each is inside its read now)
+            await wait_for_stats(lambda: prefill.stats()["prefill_bodies_receiving"] == 4)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{prefill.http_port}") as http:
                 refused = await http.post("/pd/prefill", content=b"x" * 10)
             assert refused.status_code == 503, refused.text
@@ -39,7 +39,7 @@ async def test_prefill_bodies_in_flight_are_bounded() -> None:
         finally:
             for stream in held:
                 await stream.aclose()
-        await trio.sleep(0.2)
+        await wait_for_stats(lambda: prefill.stats()["prefill_bodies_receiving"] == 0)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{prefill.http_port}") as http:
             malformed = await http.post("/pd/prefill", content=b"x" * 10)
         assert malformed.status_code == 400  # room again: read, then refused as malformed
@@ -105,7 +105,9 @@ async def test_an_idle_connection_to_a_worker_is_closed_soon() -> None:
         async with idle:
             with trio.fail_after(15):  # (5 s of keep-alive, with room on a slow machine)
                 assert await idle.receive_some(1) == b""
-        # the router's link (a websocket) is not idle-timed: still there
+        # the router's link (a websocket) is not idle-timed: still there.  It is older than
+        # the idle connection, so had it been timed it would be closed by now; a moment for
+        # such a close to reach the statistics (proving an absence: nothing to wait on)
         await trio.sleep(0.1)
         assert prefill.stats()["router_links"] == 1
 

@@ -206,9 +206,19 @@ async def test_a_link_may_release_only_its_own_prefills_or_with_the_grant() -> N
         try:
             await ws.send_messages([wire.encode(ReleaseRequest("someone-elses"))])
             await ws.send_messages([wire.encode(wire.DecodeAbort("someone-elses"))])
-            await trio.sleep(0.2)
+            # the link reads its messages in order: once a prefill sent after them is
+            # answered, the release and the abort have been dealt with
+            barrier = PrefillRequest("barrier", TextPrompt("after them"), SamplingParams(), 8)
+            await ws.send_messages([wire.encode(barrier)])
+            with trio.fail_after(10):
+                while not any(
+                    isinstance(message, PrefillReply) and message.request_id == "barrier"
+                    for message in map(wire.from_worker_decoder.decode, await ws.receive_messages())
+                ):
+                    pass
         finally:
             await ws.aclose()
+        assert prefill.release("barrier")
         assert prefill.stats()["kv_leases"] == 1  # untouched
         assert prefill.prefill.release("someone-elses")
 

@@ -299,9 +299,7 @@ async def test_a_start_for_a_running_request_is_rejected() -> None:
                 pass
             assert message[:3] == [REJECTED, "twice", "bad_request"]
             await ws.send_message(msgpack.packb([ABORT, "twice"]))
-        with trio.fail_after(5):
-            while pair.decode.stats()["decode_requests"]:  # noqa: ASYNC110 - observing from outside
-                await trio.sleep(0.01)
+        await wait_for_stats(lambda: not pair.decode.stats()["decode_requests"])
         assert pair.decode.engine.statistics().kv_blocks_in_use == 0
 
 
@@ -359,9 +357,7 @@ async def test_a_lease_nobody_claims_is_freed_when_it_expires() -> None:
         reply = await _prefill(f"http://127.0.0.1:{ready['http_port']}", "orphan", "hello there", 5)
         assert reply[R_HANDLE] is not None
         assert prefill.engine.statistics().kv_blocks_in_use == len(reply[R_HANDLE][H_BLOCKS])
-        with trio.fail_after(10):
-            while len(prefill.leases):  # noqa: ASYNC110 - observing the expiry from outside
-                await trio.sleep(0.02)
+        await wait_for_stats(lambda: not len(prefill.leases), 10)  # its expiry, from outside
         assert prefill.engine.statistics().kv_blocks_in_use == 0
         assert prefill.stats()["kv_leases_expired"] == 1
         nursery.cancel_scope.cancel()

@@ -23,7 +23,14 @@ from pdtrio.config import (
 from pdtrio.kv.tcp import TcpKvTransport
 from pdtrio.worker.fault_hooks import FaultyKvTransport
 from pdtrio.worker.server import Worker
-from tests.cluster import Cluster, client, running_cluster, synthetic_worker, wait_until_idle
+from tests.cluster import (
+    Cluster,
+    client,
+    running_cluster,
+    synthetic_worker,
+    wait_for_answer,
+    wait_until_idle,
+)
 from tests.metrics import value
 
 # generous: these bound liveness, they do not measure it
@@ -64,9 +71,7 @@ async def _health(http: httpx.AsyncClient) -> dict[str, Any]:
 async def _wait_health(
     http: httpx.AsyncClient, condition: Callable[[dict[str, Any]], bool]
 ) -> None:
-    with trio.fail_after(LIVENESS_S):
-        while not condition(await _health(http)):  # noqa: ASYNC110
-            await trio.sleep(0.02)
+    await wait_for_answer(lambda: _health(http), condition, LIVENESS_S)
 
 
 async def _stream_events(http: httpx.AsyncClient, body: dict[str, Any]) -> list[str]:
@@ -198,9 +203,13 @@ async def test_a_failing_kv_transfer_is_retried_on_the_other_decode() -> None:
         await _idle(cluster)
 
 
+# one decode, refused: the router's wait for another decode to connect is cut short
+_NO_OTHER_DECODE = RouterConfig(decode_reconnect_wait_s=0.2)
+
+
 async def test_a_failing_kv_transfer_with_one_decode_is_a_503() -> None:
     faults = {"decode#1": WorkerFaultsConfig(kv_transfer_fail=True)}
-    async with running_cluster(make_worker=_faulty(faults)) as cluster:
+    async with running_cluster(make_worker=_faulty(faults), router=_NO_OTHER_DECODE) as cluster:
         async with client(cluster) as http:
             response = await http.post("/v1/completions", json=_body())
         assert response.status_code == 503, response.text
@@ -219,7 +228,7 @@ async def test_a_kv_transfer_stalled_past_the_pull_deadline_is_rejected() -> Non
         worker.transport = FaultyKvTransport(TcpKvTransport(timeout_s=0.3), faults)
         return worker
 
-    async with running_cluster(make_worker=make) as cluster:
+    async with running_cluster(make_worker=make, router=_NO_OTHER_DECODE) as cluster:
         async with client(cluster) as http:
             with trio.fail_after(LIVENESS_S):
                 response = await http.post("/v1/completions", json=_body())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import httpx
 import msgspec
@@ -11,9 +12,16 @@ import pytest
 from pdtrio.protocol import wire
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.wire import PrefillRequest, Prompt, TextPrompt, TokenPrompt
-from tests.cluster import running_cluster
+from tests.cluster import Cluster, cluster_in_a_thread, running_cluster
 
 MSGPACK = {"content-type": wire.MSGPACK_CONTENT_TYPE}
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[Cluster]:
+    """One cluster for the module's cases that only send a request and read the answer."""
+    with cluster_in_a_thread() as cluster:
+        yield cluster
 
 
 def _prefill(prompt: object, sampling: object = (), max_tokens: object = None) -> bytes:
@@ -37,14 +45,13 @@ def _prefill(prompt: object, sampling: object = (), max_tokens: object = None) -
         ("/pd/prefill", msgspec.msgpack.encode([wire.MessageKind.PREFILL, "", ["text", "hi"], []])),
     ],
 )
-async def test_malformed_worker_body_is_400(path: str, body: bytes) -> None:
-    async with running_cluster() as cluster:
-        url = f"http://127.0.0.1:{cluster.workers[0].http_port}"
-        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-            response = await http.post(path, content=body, headers=MSGPACK)
-        assert response.status_code == 400, response.text
-        assert response.json()["error"]["message"]
-        assert not cluster.busy()
+async def test_malformed_worker_body_is_400(shared: Cluster, path: str, body: bytes) -> None:
+    url = f"http://127.0.0.1:{shared.workers[0].http_port}"
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        response = await http.post(path, content=body, headers=MSGPACK)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"]
+    assert not shared.busy()
 
 
 async def test_huge_prompt_is_refused_before_tokenizing() -> None:
