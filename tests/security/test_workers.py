@@ -218,7 +218,7 @@ async def test_a_link_may_release_only_its_own_prefills_or_with_the_grant() -> N
                     pass
         finally:
             await ws.aclose()
-        assert prefill.release("barrier")
+        assert prefill.prefill.release("barrier")
         assert prefill.stats()["kv_leases"] == 1  # untouched
         assert prefill.prefill.release("someone-elses")
 
