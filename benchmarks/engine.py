@@ -106,10 +106,7 @@ async def _load(
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
-            result = await stream_completion(http, body, f"{url}/v1/completions")
-            if not result.ok:
-                raise RuntimeError(f"{url}: request failed: {result.status} {result.error}")
-            results[index] = result
+            results[index] = await stream_completion(http, body, f"{url}/v1/completions")
 
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         async with trio.open_nursery() as nursery:
@@ -123,6 +120,17 @@ async def _load(
     return done, first_send, last_finish
 
 
+def _failure(result: StreamResult, osl: int) -> str | None:
+    """Why a request does not count (None: it does)."""
+    if not result.ok:
+        error = result.error or {}
+        return f"{result.status} {error.get('code') or error.get('message', '')}".strip()
+    generated = int((result.usage or {}).get("completion_tokens", 0))
+    if generated != osl or len(result.arrivals) < 2:
+        return f"{generated} tokens, expected {osl}"
+    return None
+
+
 def measure(url: str, model: str, plan: Plan, concurrency: int, seed: int) -> dict[str, Any]:
     """One server at one concurrency: TTFT p50, TPOT p50 and output tokens/s."""
     count = concurrency + plan.requests(concurrency)
@@ -130,16 +138,20 @@ def measure(url: str, model: str, plan: Plan, concurrency: int, seed: int) -> di
     done, first_send, last_finish = trio.run(_load, url, model, plan, concurrency, prompt_list)
     measured = done[concurrency:]
     ttfts, tpots, tokens = [], [], 0
+    failures: dict[str, int] = {}
     for r in measured:
-        generated = int((r.usage or {}).get("completion_tokens", 0))
-        if generated != plan.osl:
-            raise RuntimeError(f"{url}: {generated} tokens, expected {plan.osl}")
-        tokens += generated
+        failure = _failure(r, plan.osl)
+        if failure is not None:
+            failures[failure] = failures.get(failure, 0) + 1
+            continue
+        tokens += plan.osl
         ttfts.append((r.arrivals[0] - r.started) * 1e3)
-        tpots.append((r.arrivals[-1] - r.arrivals[0]) / (generated - 1) * 1e3)
+        tpots.append((r.arrivals[-1] - r.arrivals[0]) / (plan.osl - 1) * 1e3)
     return {
         "concurrency": concurrency,
         "requests": len(measured),
+        "failed": sum(failures.values()),
+        "failures": failures,
         "ttft_p50_ms": percentile(ttfts, 50),
         "ttft_p99_ms": percentile(ttfts, 99),
         "tpot_p50_ms": percentile(tpots, 50),
@@ -174,6 +186,15 @@ def pdtrio_servers(model: str, dtype: str) -> Iterator[dict[str, str]]:
             write_router_config(Path(tmp) / "colocated.toml", [("both", both.url)])
         )
         yield {"colocated": colocated.url, "pd": pd.url}
+
+
+def vllm_on_every_cpu(command: str) -> str:
+    """The command with vLLM's OpenMP threads bound to every CPU here, as pdtrio's run on
+    (``VLLM_CPU_OMP_THREADS_BIND``; a ready file may name fewer)."""
+    every = f"VLLM_CPU_OMP_THREADS_BIND=0-{(os.cpu_count() or 1) - 1}"
+    if "VLLM_CPU_OMP_THREADS_BIND=" in command:
+        return re.sub(r"VLLM_CPU_OMP_THREADS_BIND=\S+", every, command)
+    return f"{every} {command}"
 
 
 def vllm_port(command: str) -> int:
@@ -250,6 +271,15 @@ def memory_floor(plan: Plan) -> dict[str, Any]:
 # --- the run --------------------------------------------------------------------------------
 
 
+def _progress(row: dict[str, Any]) -> None:
+    print(
+        f"    TTFT p50 {row['ttft_p50_ms']:.0f} ms, TPOT p50 {row['tpot_p50_ms']:.1f} ms, "
+        f"{row['output_tokens_per_s']:.1f} tok/s, {row['failed']} failed {row['failures']}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def run(plan: Plan, vllm_command: str | None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     seed = 0
@@ -262,6 +292,7 @@ def run(plan: Plan, vllm_command: str | None) -> dict[str, Any]:
                     print(f"  {mode} {dtype} c={c} ...", file=sys.stderr, flush=True)
                     row = measure(url, plan.model, plan, c, seed)
                     rows.append({"server": f"pdtrio {mode}", "dtype": dtype, **row})
+                    _progress(rows[-1])
     vllm: dict[str, Any] = {"status": "not run (--quick)" if not plan.vllm else "not installed"}
     if plan.vllm and vllm_command is not None:
         print("vLLM: starting (minutes) ...", file=sys.stderr, flush=True)
@@ -273,12 +304,22 @@ def run(plan: Plan, vllm_command: str | None) -> dict[str, Any]:
                 print(f"  vLLM c={c} ...", file=sys.stderr, flush=True)
                 row = measure(url, served, plan, c, seed)
                 rows.append({"server": "vLLM CPU", "dtype": "bfloat16", **row})
+                _progress(rows[-1])
     return {"rows": rows, "vllm": vllm}
 
 
 def print_report(report: dict[str, Any]) -> None:
     plan = report["plan"]
-    header = ["server", "dtype", "c", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "output tok/s"]
+    header = [
+        "server",
+        "dtype",
+        "c",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "TPOT p50 ms",
+        "output tok/s",
+        "failed",
+    ]
     rows = [
         [
             r["server"],
@@ -288,6 +329,7 @@ def print_report(report: dict[str, Any]) -> None:
             f"{r['ttft_p99_ms']:.0f}",
             f"{r['tpot_p50_ms']:.1f}",
             f"{r['output_tokens_per_s']:.1f}",
+            f"{r['failed']}/{r['requests']}",
         ]
         for r in report["rows"]
     ]
@@ -295,7 +337,7 @@ def print_report(report: dict[str, Any]) -> None:
         f"{plan['model']}, ISL {plan['isl']}, OSL {plan['osl']}, streaming /v1/completions, "
         f"ignore_eos, temperature 0; {os.cpu_count()} CPUs\n"
     )
-    print(markdown_table(header, rows, align="llrrrrr"))
+    print(markdown_table(header, rows, align="llrrrrrr"))
     print(f"\nvLLM: {report['vllm']['status']}")
     floor = report["memory_floor"]
     print(f"memory read bandwidth (torch, a sum over 512 MB): {floor['read_gbps']:.1f} GB/s")
@@ -370,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = attrs.evolve(plan, vllm=False)
     vllm_command = None
     if plan.vllm and args.vllm_ready.exists():
-        vllm_command = args.vllm_ready.read_text().strip() or None
+        vllm_command = vllm_on_every_cpu(args.vllm_ready.read_text().strip())
     report: dict[str, Any] = {"benchmark": "engine", "plan": attrs.asdict(plan)}
     report["memory_floor"] = memory_floor(plan)
     report.update(run(plan, vllm_command))

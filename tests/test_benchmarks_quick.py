@@ -262,7 +262,7 @@ def _engine(printed: str, report: Any) -> None:
         for c in (1, 4)
     }
     for r in report["rows"]:
-        assert r["requests"] >= 4 and len(r["ttfts_ms"]) == r["requests"], r
+        assert r["requests"] >= 4 and r["failed"] == 0 and len(r["ttfts_ms"]) == r["requests"], r
         assert r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 and r["tpot_p50_ms"] > 0, r
         assert r["output_tokens_per_s"] > 0, r
     floor = report["memory_floor"]
