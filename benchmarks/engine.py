@@ -280,7 +280,8 @@ def _progress(row: dict[str, Any]) -> None:
     )
 
 
-def run(plan: Plan, vllm_command: str | None) -> dict[str, Any]:
+def run(plan: Plan, vllm_command: str | None, vllm_absent: str) -> dict[str, Any]:
+    """Every row; ``vllm_absent`` says why vLLM's are missing when ``vllm_command`` is None."""
     rows: list[dict[str, Any]] = []
     seed = 0
     for dtype in plan.dtypes:
@@ -293,8 +294,8 @@ def run(plan: Plan, vllm_command: str | None) -> dict[str, Any]:
                     row = measure(url, plan.model, plan, c, seed)
                     rows.append({"server": f"pdtrio {mode}", "dtype": dtype, **row})
                     _progress(rows[-1])
-    vllm: dict[str, Any] = {"status": "not run (--quick)" if not plan.vllm else "not installed"}
-    if plan.vllm and vllm_command is not None:
+    vllm: dict[str, Any] = {"status": vllm_absent}
+    if vllm_command is not None:
         print("vLLM: starting (minutes) ...", file=sys.stderr, flush=True)
         started = time.monotonic()
         with vllm_server(vllm_command) as (url, served):
@@ -411,11 +412,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.no_vllm:
         plan = attrs.evolve(plan, vllm=False)
     vllm_command = None
-    if plan.vllm and args.vllm_ready.exists():
+    if args.quick:
+        vllm_absent = "not run (--quick)"
+    elif args.no_vllm:
+        vllm_absent = "not run (--no-vllm)"
+    elif not args.vllm_ready.exists():
+        vllm_absent = f"not installed (no {args.vllm_ready})"
+    else:
+        vllm_absent = ""
         vllm_command = vllm_on_every_cpu(args.vllm_ready.read_text().strip())
     report: dict[str, Any] = {"benchmark": "engine", "plan": attrs.asdict(plan)}
     report["memory_floor"] = memory_floor(plan)
-    report.update(run(plan, vllm_command))
+    report.update(run(plan, vllm_command, vllm_absent))
     print_report(report)
     write_json(args.json, report)
     if args.plot is not None:
