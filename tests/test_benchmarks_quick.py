@@ -249,6 +249,28 @@ def _migration(printed: str, report: Any) -> None:
     assert report["itl_p50_ms"] > 0 and report["continuation_ttft_floor_p50_ms"] > 0
 
 
+def _engine(printed: str, report: Any) -> None:
+    assert "| server | dtype | c | TTFT p50 ms |" in printed
+    assert "memory floor of one decode step at c=1, float32" in printed
+    assert report["benchmark"] == "engine" and report["vllm"]["status"] == "not run (--quick)"
+    rows = {(r["server"], r["dtype"], r["concurrency"]) for r in report["rows"]}
+    # both modes, both dtypes, each concurrency of the quick plan
+    assert rows == {
+        (server, dtype, c)
+        for server in ("pdtrio colocated", "pdtrio pd")
+        for dtype in ("float32", "bfloat16")
+        for c in (1, 4)
+    }
+    for r in report["rows"]:
+        assert r["requests"] >= 4 and r["failed"] == 0 and len(r["ttfts_ms"]) == r["requests"], r
+        assert r["ttft_p99_ms"] >= r["ttft_p50_ms"] > 0 and r["tpot_p50_ms"] > 0, r
+        assert r["output_tokens_per_s"] > 0, r
+    floor = report["memory_floor"]
+    assert floor["read_gbps"] > 0
+    # bfloat16 weights are half the bytes of float32 ones
+    assert floor["bfloat16"]["weights_bytes"] * 2 == floor["float32"]["weights_bytes"]
+
+
 # --- the list -------------------------------------------------------------------------------
 
 
@@ -271,6 +293,7 @@ QUICK = [
     Quick("benchmarks.kv_transfer", _kv_transfer, 400),
     Quick("benchmarks.abandoned_prefill", _abandoned_prefill, 300),
     Quick("benchmarks.migration", _migration, 240),
+    Quick("benchmarks.engine", _engine, 240),
 ]
 # run --quick by a test of their own
 ELSEWHERE = {"benchmarks.soak": "tests/e2e/test_soak.py"}

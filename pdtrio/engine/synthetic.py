@@ -38,6 +38,7 @@ from pdtrio.engine.budget import (
     token_budget,
     tokens_left,
 )
+from pdtrio.engine.scheduler import SchedulerLimits, schedule
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
 from pdtrio.protocol.sampling import SamplingParams
@@ -132,8 +133,22 @@ class _Running:
     processor: OutputProcessor
 
 
+@attrs.define(eq=False)
+class _WaitingPrompt:
+    """A prompt waiting for its steps (scheduled prefill)."""
+
+    remaining: int  # tokens still to prefill
+    done: trio.Event = attrs.field(factory=trio.Event)
+
+
 @final
 class SyntheticEngine:
+    """``scheduler_limits``: schedule steps as the torch engine does (pdtrio.engine.scheduler):
+    a prefill waits for steps that take its prompt a chunk at a time within the step's
+    prompt-token budget, and a step decodes at most ``max_batch_size`` sequences.  None
+    (the default): every prefill runs at once (``prefill_s_per_token``), every running
+    sequence decodes each step."""
+
     def __init__(
         self,
         config: SyntheticEngineConfig,
@@ -142,8 +157,12 @@ class SyntheticEngine:
         block_size: int,
         model_name: str = SYNTHETIC_MODEL_NAME,
         default_max_tokens: int = 2048,
+        scheduler_limits: SchedulerLimits | None = None,
     ) -> None:
         self._config = config
+        self._limits = scheduler_limits
+        self._waiting: list[_WaitingPrompt] = []  # scheduled prefills, in arrival order
+        self._left_out = 0  # requests the last scheduled step left waiting
         self._default_max_tokens = default_max_tokens
         self._model_name = model_name
         self._blocks = BlockOwnership(BlockAllocator(num_blocks), block_size)
@@ -183,6 +202,7 @@ class SyntheticEngine:
             running_requests=len(self._running) + self._prefilling,
             kv_blocks_in_use=self._blocks.num_used,
             kv_blocks_total=self._blocks.num_blocks,
+            waiting_requests=self._left_out,
         )
 
     def observe_steps(self, observer: StepObserver) -> None:
@@ -227,7 +247,9 @@ class SyntheticEngine:
         block_ids = self._blocks.ensure(request_id, len(prompt_token_ids))
         self._prefilling += 1
         try:
-            if self._config.prefill_s_per_token > 0:
+            if self._limits is not None:
+                await self._scheduled_prefill(len(prompt_token_ids))
+            elif self._config.prefill_s_per_token > 0:
                 await trio.sleep(self._config.prefill_s_per_token * len(prompt_token_ids))
             else:
                 await trio.lowlevel.checkpoint()
@@ -351,12 +373,36 @@ class SyntheticEngine:
     def abort(self, request_id: str) -> None:
         self.free_request(request_id)
 
-    def _step(self) -> StepOutputs:
+    async def _scheduled_prefill(self, num_tokens: int) -> None:
+        waiting = _WaitingPrompt(num_tokens)
+        self._waiting.append(waiting)
+        self._work_arrived.set()
+        try:
+            await waiting.done.wait()
+        finally:
+            if waiting in self._waiting:
+                self._waiting.remove(waiting)  # cancelled while it waited
+
+    def _step(self) -> tuple[StepOutputs, int]:
+        """One step's outputs, and how many sequences (prompts and decodes) it ran."""
+        running = list(self._running.values())
+        if self._limits is not None:
+            plan = schedule(self._waiting, running, self._limits, lambda w: w.remaining)
+            running = list(plan.decodes)
+            for waiting, take in plan.prefills:
+                waiting.remaining -= take
+                if waiting.remaining == 0:
+                    self._waiting.remove(waiting)
+                    waiting.done.set()
+            batch = len(plan.prefills) + len(plan.decodes)
+            self._left_out = plan.waiting
+        else:
+            batch = len(running)
         outputs: StepOutputs = []
         vocab = self._config.vocab_size
         per_step = self._config.tokens_per_step
         finished: list[str] = []
-        for state in self._running.values():
+        for state in running:
             processor = state.processor
             tokens: list[int] = []
             texts: list[str] = []
@@ -374,7 +420,7 @@ class SyntheticEngine:
             outputs.append(TokenEntry(state.request_id, tokens, "".join(texts), finish, usage))
         for request_id in finished:
             self.free_request(request_id)
-        return outputs
+        return outputs, batch
 
     async def run(
         self,
@@ -387,7 +433,7 @@ class SyntheticEngine:
         async with outputs:
             next_step = -math.inf
             while True:
-                if not self._running:
+                if not self._running and not self._waiting:
                     self._work_arrived = trio.Event()
                     await self._work_arrived.wait()
                     next_step = trio.current_time()
@@ -398,8 +444,7 @@ class SyntheticEngine:
                 else:
                     await trio.lowlevel.checkpoint()
                 started = time.perf_counter()
-                batch = len(self._running)
-                produced = self._step()
+                produced, batch = self._step()
                 observer = self._step_observer
                 if observer is not None:
                     tokens = sum(len(entry.token_ids) for entry in produced)

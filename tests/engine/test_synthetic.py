@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pdtrio.config import SyntheticEngineConfig
 from pdtrio.engine.api import EngineError, EngineOutput, PromptRejected, StepFailed
 from pdtrio.engine.budget import token_budget, tokens_left
+from pdtrio.engine.scheduler import SchedulerLimits
 from pdtrio.engine.stopping import OutputProcessor, StopStringHoldBack
 from pdtrio.engine.synthetic import SyntheticEngine, synthetic_text
 from pdtrio.protocol.sampling import SamplingParams
@@ -308,3 +310,70 @@ async def test_a_continuation_with_nothing_left_to_generate_is_refused() -> None
     with pytest.raises(PromptRejected, match="generated tokens"):
         await prefill.prefill("c", [400, 401], SamplingParams(), 5, 2)
     assert prefill.statistics().kv_blocks_in_use == 0
+
+
+# --- scheduled steps (pdtrio.engine.scheduler), as the torch engine takes them ---------------
+
+
+def _scheduled(max_batch_size: int, max_prefill_tokens: int, chunk: int) -> SyntheticEngine:
+    limits = SchedulerLimits(
+        max_batch_size=max_batch_size,
+        max_prefill_tokens=max_prefill_tokens,
+        prefill_chunk_tokens=chunk,
+    )
+    config = SyntheticEngineConfig(decode_step_s=0.0)
+    return SyntheticEngine(config, num_blocks=256, block_size=4, scheduler_limits=limits)
+
+
+async def test_scheduled_steps_decode_at_most_the_batch_limit() -> None:
+    target = _scheduled(max_batch_size=2, max_prefill_tokens=64, chunk=64)
+    sampling = SamplingParams(temperature=0, ignore_eos=True)
+    decoded: list[int] = []  # sequences decoded, step by step
+    send, receive = trio.open_memory_channel[EngineOutput](64)
+    finished: set[str] = set()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(target.run, send)
+        for name in ("a", "b", "c"):
+            ids = [5, 6, 7]
+            result = await target.prefill(name, ids, sampling, 4)
+            target.allocate_blocks(name, len(ids) + result.token_budget)
+            await target.start_decode(name, ids, result.first_token_id, sampling, 4, 1, 0)
+        with trio.fail_after(10):
+            async for step in receive:
+                decoded.append(len(step))
+                finished |= {e.request_id for e in step if e.finish_reason is not None}
+                if finished == {"a", "b", "c"}:
+                    break
+        nursery.cancel_scope.cancel()
+    # never more than max_batch_size a step; 3 tokens after the first for each of 3
+    # sequences, 2 a step: 9 in at least 5 steps
+    assert max(decoded) == 2 and sum(decoded) == 9 and len(decoded) >= 5
+    assert target.statistics().waiting_requests == 0
+
+
+async def test_scheduled_prefills_take_their_chunks_within_the_step_budget() -> None:
+    # 10-token prompts, 4 tokens of one a step, 6 tokens a step in all: 2 prompts share it
+    target = _scheduled(max_batch_size=8, max_prefill_tokens=6, chunk=4)
+    sampling = SamplingParams(temperature=0, ignore_eos=True)
+    batches: list[int] = []
+    target.observe_steps(lambda seconds, batch, tokens: batches.append(batch))
+    done: list[str] = []
+    send, _receive = trio.open_memory_channel[EngineOutput](64)
+
+    async def prefill(name: str) -> None:
+        await target.prefill(name, list(range(5, 15)), sampling, 4)
+        done.append(name)
+
+    async with trio.open_nursery() as nursery:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as prompts:
+                # both waiting, a first, before the engine takes a step
+                for name in ("a", "b"):
+                    prompts.start_soon(prefill, name)
+                    await trio.testing.wait_all_tasks_blocked()
+                await nursery.start(target.run, send)
+        nursery.cancel_scope.cancel()
+    # a: 4 + 4 + 2; b: 2 + 2 + 4 + 2 (what a leaves of each step's 6): 4 steps, a first
+    assert done == ["a", "b"]
+    assert batches == [2, 2, 2, 1]
+    assert target.statistics().waiting_requests == 0

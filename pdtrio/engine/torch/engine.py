@@ -43,6 +43,7 @@ from pdtrio.engine.budget import (
     tokens_left,
 )
 from pdtrio.engine.detokenizer import IncrementalDetokenizer
+from pdtrio.engine.scheduler import SchedulerLimits, schedule
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.engine.tokenizer import Tokenizer
 from pdtrio.engine.torch.builtin import load_builtin
@@ -110,6 +111,10 @@ class _PrefillJob:
     computed: int = 0
     # a continuation's: the last ids of the prompt that are earlier output
     generated_tokens: int = 0
+
+    def remaining(self) -> int:
+        """Prompt tokens still to prefill."""
+        return len(self.prompt_token_ids) - self.computed
 
 
 @attrs.define(eq=False)
@@ -414,9 +419,11 @@ class TorchEngine:
     def _loop(self, send_outputs: Callable[[EngineOutput], None], stop: _Stop) -> None:
         prefills: list[_PrefillJob] = []
         running: dict[str, _DecodeSeq] = {}
-        max_batch = self._config.max_batch_size
-        prefill_budget = self._config.max_prefill_tokens
-        chunk_tokens = min(self._config.prefill_chunk_tokens, prefill_budget)
+        limits = SchedulerLimits(
+            max_batch_size=self._config.max_batch_size,
+            max_prefill_tokens=self._config.max_prefill_tokens,
+            prefill_chunk_tokens=self._config.prefill_chunk_tokens,
+        )
         # what the inbox brought during a step, for the next turn of the loop
         carried: list[object] = []
 
@@ -468,21 +475,10 @@ class TorchEngine:
                     self._forget(item.request_id)
             if not prefills and not running:
                 continue
-            # this step: waiting prompts up to the token budget, a long one a chunk at a time
-            # (an abort, or a decode, waits one chunk at most), then every running sequence
-            step_prefills: list[tuple[_PrefillJob, int]] = []
-            used = 0
-            for job in prefills:
-                remaining = len(job.prompt_token_ids) - job.computed
-                take = min(remaining, chunk_tokens, prefill_budget - used)
-                if take <= 0:
-                    break
-                step_prefills.append((job, take))
-                used += take
-                if take < remaining:
-                    break  # the rest of it next step, before anything queued behind it
-            step_decodes = list(running.values())[:max_batch]
-            self._waiting = len(prefills) - len(step_prefills) + len(running) - len(step_decodes)
+            # what this step runs is the scheduler's to say (pdtrio.engine.scheduler)
+            plan = schedule(prefills, list(running.values()), limits, _PrefillJob.remaining)
+            step_prefills, step_decodes = plan.prefills, plan.decodes
+            self._waiting = plan.waiting
             step_started = time.perf_counter()
             seqs: list[SeqInput] = []
             # the prefills whose last chunk this is (the step samples their first token), and

@@ -6,6 +6,7 @@ self_attn.q_proj.weight`` ...), so a HF state dict loads as it is.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import final
@@ -112,6 +113,41 @@ def _attention(
     )
 
 
+# A matrix product of at least this many rows, in a reduced dtype on a CPU whose torch has
+# no fast kernel for it, is computed in float32 (see _linear).
+_WIDEN_ROWS = 16
+
+
+@functools.cache
+def _slow_reduced_matmul(dtype: torch.dtype) -> bool:
+    """Whether torch multiplies ``dtype`` matrices on this CPU without oneDNN's kernels (an
+    AVX2-only CPU: no AVX-512 BF16/FP16, no AMX), i.e. through its generic loops."""
+    if dtype == torch.bfloat16:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear``; a bfloat16/float16 product of many rows (a prefill) on a CPU without
+    fast kernels for that dtype is widened to float32 and rounded back.  Measured on an
+    AVX2 EPYC, 2 threads, [256, 576] x [576, 1536]: bfloat16 26 ms (17 GFLOPS), float32
+    3.4 ms (135 GFLOPS); widening the weight costs far less than the difference.  A few
+    rows (a decode step) stay in bfloat16: the product is bound by reading the weights,
+    which are half the bytes, and widening them each step would read them twice."""
+    dtype = x.dtype
+    if (
+        x.device.type == "cpu"
+        and dtype in _REDUCED
+        and x.shape[0] >= _WIDEN_ROWS
+        and _slow_reduced_matmul(dtype)
+    ):
+        wide_bias = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), wide_bias).to(dtype)
+    return F.linear(x, weight, bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -119,13 +155,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # normalised in float32, rounded to the model's dtype, then scaled (as HF's Llama
+        # does); torch's fused rms_norm is one op where the spelled-out one took seven
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class Attention(nn.Module):
+    # set by fuse(), which CausalLM.build calls
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
@@ -137,26 +179,59 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
+    def fuse(self) -> None:
+        """One weight for q, k and v (their rows stacked): a step multiplies once, not three
+        times.  The three projections' parameters become views into it (no second copy)."""
+        self.qkv_weight, self.qkv_bias = _stack_linears((self.q_proj, self.k_proj, self.v_proj))
+
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q [T, Hq, D], rotated k [T, Hkv, D] and v [T, Hkv, D]."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+        heads = self.num_heads + 2 * self.num_kv_heads
+        qkv = _linear(x, self.qkv_weight, self.qkv_bias).view(t, heads, self.head_dim)
+        rotated = self.num_heads + self.num_kv_heads
+        qk = _apply_rope(qkv[:, :rotated], cos, sin)  # q and k in one go
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, rotated:]
+
+
+def _stack_linears(
+    linears: Sequence[nn.Linear],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The linears' weights (and biases) stacked by rows; each linear's own parameters become
+    views of the stacked tensors, so the model holds one copy."""
+    weight = torch.cat([linear.weight for linear in linears])
+    has_bias = [linear.bias is not None for linear in linears]
+    bias = torch.cat([linear.bias for linear in linears]) if all(has_bias) else None
+    if any(has_bias) and bias is None:
+        raise ValueError("some of the projections to stack have a bias and some not")
+    row = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(weight[row : row + rows], requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias[row : row + rows], requires_grad=False)
+        row += rows
+    return weight, bias
 
 
 class MLP(nn.Module):
+    gate_up_weight: torch.Tensor  # set by fuse()
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
+    def fuse(self) -> None:
+        """One weight for gate and up (see Attention.fuse)."""
+        self.gate_up_weight, _ = _stack_linears((self.gate_proj, self.up_proj))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = _linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return _linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -191,10 +266,14 @@ class _PagedPlan:
     positions: torch.Tensor  # [T]
     write_base: torch.Tensor  # [T] row of layer 0's K slot in the flat cache view
     last_index: torch.Tensor  # [B] row of each sequence's last new token
-    decode_rows: torch.Tensor  # [Bd] token rows of the one-token sequences
-    decode_base: torch.Tensor | None  # [Bd, Lmax] cache rows of their context, padded
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] True where a key is real
-    prefill: list[tuple[int, int, int, torch.Tensor]]  # (row0, n_new, start_pos, base [end])
+    decode_rows: torch.Tensor | None  # [Bd] token rows of the one-token sequences; None: all
+    # [Bd * Lblocks] the blocks of their contexts, row after row, a short one padded
+    decode_blocks: torch.Tensor | None
+    decode_width: int  # slots of a decode row's blocks (Lblocks * block_size)
+    decode_context: int  # of which it attends over the first (one sequence: its own length)
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, decode_context] True where a key is real
+    # (row0, n_new, start_pos, blocks of positions 0 .. start_pos + n_new)
+    prefill: list[tuple[int, int, int, torch.Tensor]]
 
 
 @final
@@ -247,6 +326,9 @@ class CausalLM(nn.Module):
             missing.discard(name)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+        for layer in model.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
         model.eval()
         return model
 
@@ -265,7 +347,7 @@ class CausalLM(nn.Module):
             if self.config.tie_word_embeddings
             else self.lm_head.weight
         )
-        return F.linear(hidden, weight).float()
+        return _linear(hidden, weight).float()
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.rope_inv_freq[None, :]
@@ -289,7 +371,7 @@ class CausalLM(nn.Module):
                 is_causal=True,
                 enable_gqa=True,
             )
-            h = h + attn.o_proj(out.transpose(0, 1).reshape(len(token_ids), -1))
+            h = h + _linear(out.transpose(0, 1).reshape(len(token_ids), -1), attn.o_proj.weight)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self._logits(h)
 
@@ -301,15 +383,15 @@ class CausalLM(nn.Module):
 
     def _plan(self, seqs: Sequence[SeqInput], cache: PagedKvCache) -> _PagedPlan:
         bs = cache.block_size
-        layer_stride = 2 * bs  # rows between one layer's K slots and the next's
-        block_stride = cache.num_layers * layer_stride
+        block_stride = cache.num_layers * 2 * bs  # rows of the flat view between blocks
         all_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        write_base: list[torch.Tensor] = []
+        positions: list[int] = []
+        write_base: list[int] = []
         last_index: list[int] = []
         decode_rows: list[int] = []
-        decode_bases: list[torch.Tensor] = []
-        prefill: list[tuple[int, int, int, torch.Tensor]] = []
+        decode_tables: list[list[int]] = []
+        decode_ends: list[int] = []
+        prefill: list[tuple[int, int, int, list[int]]] = []
         row = 0
         for seq in seqs:
             n = len(seq.token_ids)
@@ -318,46 +400,63 @@ class CausalLM(nn.Module):
             if seq.start_pos < 0:
                 raise ValueError(f"start_pos must be >= 0, got {seq.start_pos}")
             end = seq.start_pos + n
-            if len(seq.block_table) < cache.blocks_needed(end):
+            needed = cache.blocks_needed(end)
+            if len(seq.block_table) < needed:
                 raise ValueError(
                     f"block table of {len(seq.block_table)} blocks cannot hold {end} positions "
                     f"with block_size {bs}"
                 )
-            table = torch.tensor(seq.block_table[: cache.blocks_needed(end)], dtype=torch.long)
-            if int(table.min()) < 0 or int(table.max()) >= cache.num_blocks:
+            table = seq.block_table[:needed]
+            if min(table) < 0 or max(table) >= cache.num_blocks:
                 raise ValueError(f"block id out of range 0..{cache.num_blocks - 1}")
-            pos = torch.arange(end)
-            base = table[pos // bs] * block_stride + pos % bs  # layer 0's K row of each position
             all_ids.extend(seq.token_ids)
-            positions.append(pos[seq.start_pos :])
-            write_base.append(base[seq.start_pos :])
+            positions.extend(range(seq.start_pos, end))
+            # layer 0's K row of each new position
+            write_base.extend(
+                table[pos // bs] * block_stride + pos % bs for pos in range(seq.start_pos, end)
+            )
             last_index.append(row + n - 1)
             if n == 1:
                 decode_rows.append(row)
-                decode_bases.append(base)
+                decode_tables.append(table)
+                decode_ends.append(end)
             else:
-                prefill.append((row, n, seq.start_pos, base.to(cache.device)))
+                prefill.append((row, n, seq.start_pos, table))
             row += n
-        decode_base = decode_mask = None
-        if decode_bases:
-            longest = max(len(b) for b in decode_bases)
-            decode_base = torch.zeros(len(decode_bases), longest, dtype=torch.long)
-            decode_mask = torch.zeros(len(decode_bases), 1, 1, longest, dtype=torch.bool)
-            for i, b in enumerate(decode_bases):
-                decode_base[i, : len(b)] = b
-                decode_mask[i, 0, 0, : len(b)] = True
-            decode_base = decode_base.to(cache.device)
-            decode_mask = decode_mask.to(cache.device)
         device = cache.device
+        decode_blocks = decode_mask = None
+        decode_width = decode_context = 0
+        if decode_tables:
+            widest = max(len(t) for t in decode_tables)
+            decode_width = widest * bs
+            # a short table is padded with its own first block: read, then masked out
+            padded = [t + [t[0]] * (widest - len(t)) for t in decode_tables]
+            decode_blocks = torch.tensor(padded, dtype=torch.long).view(-1).to(device)
+            if len(decode_tables) == 1:
+                decode_context = decode_ends[0]  # its keys cut to length: no mask
+            else:
+                decode_context = decode_width
+                ends = torch.tensor(decode_ends)
+                mask = torch.arange(decode_width)[None, :] < ends[:, None]
+                decode_mask = mask[:, None, None, :].to(device)
         return _PagedPlan(
             token_ids=self._token_tensor(all_ids),
-            positions=torch.cat(positions).to(device),
-            write_base=torch.cat(write_base).to(device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            write_base=torch.tensor(write_base, dtype=torch.long, device=device),
             last_index=torch.tensor(last_index, dtype=torch.long, device=device),
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-            decode_base=decode_base,
+            decode_rows=(
+                None
+                if len(decode_rows) == row
+                else torch.tensor(decode_rows, dtype=torch.long, device=device)
+            ),
+            decode_blocks=decode_blocks,
+            decode_width=decode_width,
+            decode_context=decode_context,
             decode_mask=decode_mask,
-            prefill=prefill,
+            prefill=[
+                (row0, n, start, torch.tensor(table, dtype=torch.long, device=device))
+                for row0, n, start, table in prefill
+            ],
         )
 
     @torch.inference_mode()
@@ -372,9 +471,11 @@ class CausalLM(nn.Module):
         ``should_stop`` is asked after each layer; when it says so, StepAbandoned is raised
         (the KV written so far is the caller's to drop).
 
-        Linear layers run once over the tokens of all sequences; one-token
-        (decode) sequences share one padded attention call per layer, longer
-        ones attend one by one.
+        Linear layers run once over the tokens of all sequences; one-token (decode)
+        sequences share one attention call per layer over their blocks, gathered whole
+        (a block's slots of one layer are contiguous) and padded to the longest; a
+        prompt's first chunk attends over its own k and v, a later chunk over its
+        blocks.
         """
         if not seqs:
             return torch.empty(0, self.config.vocab_size, device=self.device)
@@ -396,6 +497,7 @@ class CausalLM(nn.Module):
             self.config.head_dim,
         )
         flat = cache.kv.view(-1, kv_heads, head_dim)  # row = ((block*L + layer)*2 + kv)*bs + slot
+        num_blocks = cache.num_blocks
         cos, sin = self._rope(plan.positions)
         h = self.model.embed_tokens(plan.token_ids)
         total = h.shape[0]
@@ -405,35 +507,47 @@ class CausalLM(nn.Module):
             k_off = layer_idx * 2 * bs
             flat.index_copy_(0, plan.write_base + k_off, k)
             flat.index_copy_(0, plan.write_base + k_off + bs, v)
-            out = torch.empty(total, heads, head_dim, dtype=h.dtype, device=h.device)
-            if plan.decode_base is not None:
-                rows = plan.decode_base + k_off
-                batch, longest = rows.shape
-                keys = flat.index_select(0, rows.view(-1)).view(batch, longest, kv_heads, head_dim)
-                values = flat.index_select(0, (rows + bs).view(-1)).view(
-                    batch, longest, kv_heads, head_dim
-                )
-                dq = q.index_select(0, plan.decode_rows)[:, :, None, :]  # [Bd, Hq, 1, D]
+            # this layer's K (V) slots of every block: [blocks, bs * Hkv * D], rows in place
+            layer_keys = cache.kv[:, layer_idx, 0].view(num_blocks, -1)
+            layer_values = cache.kv[:, layer_idx, 1].view(num_blocks, -1)
+            out: torch.Tensor | None = None
+            if plan.decode_blocks is not None:
+                shape = (-1, plan.decode_width, kv_heads, head_dim)
+                context = plan.decode_context
+                keys = layer_keys.index_select(0, plan.decode_blocks).view(shape)[:, :context]
+                values = layer_values.index_select(0, plan.decode_blocks).view(shape)[:, :context]
+                dq = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
                 dout = _attention(
-                    dq,
+                    dq[:, :, None, :],  # [Bd, Hq, 1, D]
                     keys.transpose(1, 2),
                     values.transpose(1, 2),
                     attn_mask=plan.decode_mask,
                     enable_gqa=True,
-                )
-                out.index_copy_(0, plan.decode_rows, dout[:, :, 0, :])
-            for row0, n, start, base in plan.prefill:
-                keys = flat.index_select(0, base + k_off).transpose(0, 1)
-                values = flat.index_select(0, base + k_off + bs).transpose(0, 1)
+                )[:, :, 0, :]
+                if plan.decode_rows is None:
+                    out = dout
+                else:
+                    out = torch.empty(total, heads, head_dim, dtype=h.dtype, device=h.device)
+                    out.index_copy_(0, plan.decode_rows, dout)
+            if out is None:
+                out = torch.empty(total, heads, head_dim, dtype=h.dtype, device=h.device)
+            for row0, n, start, blocks in plan.prefill:
                 sq = q[row0 : row0 + n].transpose(0, 1)
                 if start == 0:
+                    # a first chunk: its keys are its own, just computed
+                    keys = k[row0 : row0 + n].transpose(0, 1)
+                    values = v[row0 : row0 + n].transpose(0, 1)
                     sout = _attention(sq, keys, values, is_causal=True, enable_gqa=True)
                 else:
+                    end = start + n
+                    rows = (-1, kv_heads, head_dim)
+                    keys = layer_keys.index_select(0, blocks).view(rows)[:end].transpose(0, 1)
+                    values = layer_values.index_select(0, blocks).view(rows)[:end].transpose(0, 1)
                     # query i sits at position start + i and sees keys 0 ..= start + i
-                    mask = torch.ones(n, start + n, dtype=torch.bool, device=h.device).tril(start)
+                    mask = torch.ones(n, end, dtype=torch.bool, device=h.device).tril(start)
                     sout = _attention(sq, keys, values, attn_mask=mask, enable_gqa=True)
                 out[row0 : row0 + n] = sout.transpose(0, 1)
-            h = h + attn.o_proj(out.view(total, heads * head_dim))
+            h = h + _linear(out.reshape(total, heads * head_dim), attn.o_proj.weight)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if should_stop is not None and should_stop():
                 raise StepAbandoned
