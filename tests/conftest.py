@@ -46,6 +46,7 @@ SLOW = (
     "test_processes_harness.py",
     "test_cli.py",
     "test_logs.py",
+    "tools/test_export_hf.py",
     # in-process, but long by design (2 s or more each on a shared 2-core machine): real
     # link, client and transfer timeouts waited out, statistical runs, the fuzzers
     "fuzz/",
