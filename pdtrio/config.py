@@ -248,11 +248,11 @@ class InstanceConfig:
     def __attrs_post_init__(self) -> None:
         if self.kind == "pdtrio" and (self.model or self.api_key):
             raise ValueError(
-                f"instance {self.url}: model and api_key are for engines (kind \"vllm\" or "
-                "\"sglang\"); a pdtrio worker reports its model and takes the worker secret"
+                f'instance {self.url}: model and api_key are for engines (kind "vllm" or '
+                '"sglang"); a pdtrio worker reports its model and takes the worker secret'
             )
         if self.bootstrap_port and self.kind != "sglang":
-            raise ValueError(f"instance {self.url}: bootstrap_port is SGLang's (kind \"sglang\")")
+            raise ValueError(f'instance {self.url}: bootstrap_port is SGLang\'s (kind "sglang")')
         if self.kind == "sglang" and self.role != "decode" and not self.bootstrap_port:
             raise ValueError(
                 f"instance {self.url}: an SGLang prefill needs bootstrap_port (its "

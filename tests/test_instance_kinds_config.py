@@ -24,7 +24,13 @@ def test_the_kind_defaults_to_pdtrio_and_a_pdtrio_list_fronts_no_engine() -> Non
 def test_a_vllm_pair_is_an_engine_pool_with_its_model_and_key() -> None:
     config = config_from_dict(
         _pool(
-            {"role": "prefill", "url": "http://a", "kind": "vllm", "api_key": "sk-front-7", "model": "m"},
+            {
+                "role": "prefill",
+                "url": "http://a",
+                "kind": "vllm",
+                "api_key": "sk-front-7",
+                "model": "m",
+            },
             {"role": "decode", "url": "http://b", "kind": "vllm"},
         )
     )
