@@ -13,6 +13,7 @@ process fails, naming the rule, instead of quietly making the fast tier slow.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,10 +89,17 @@ def _is_slow(item: pytest.Item) -> bool:
     return bool(SLOW_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _is_slow(item):
             item.add_marker(pytest.mark.slow)
+    # the tests against a real vLLM run only where nox -s vllm gave them one (its own
+    # interpreter, minutes to install and start): out of the default suite, not skipped
+    if not os.environ.get("PDTRIO_VLLM_PYTHON"):
+        real_vllm = [item for item in items if item.get_closest_marker("vllm") is not None]
+        if real_vllm:
+            config.hook.pytest_deselected(items=real_vllm)
+            items[:] = [item for item in items if item.get_closest_marker("vllm") is None]
 
 
 @pytest.fixture(autouse=True)
