@@ -97,3 +97,13 @@ def test_engines_are_listed_not_found_in_etcd() -> None:
                 "discovery": {"etcd_endpoints": ["http://127.0.0.1:2379"]},
             }
         )
+
+
+def test_sglang_is_refused_until_its_bootstrap_protocol_is_routed() -> None:
+    with pytest.raises(ConfigError, match="SGLang instances .* are not routed yet"):
+        config_from_dict(
+            _pool(
+                {"role": "prefill", "url": "http://a", "kind": "sglang", "bootstrap_port": 8998},
+                {"role": "decode", "url": "http://b", "kind": "sglang"},
+            )
+        )
