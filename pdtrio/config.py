@@ -379,11 +379,6 @@ class PdtrioConfig:
                 f"[[instances]] mixes kinds that cannot pair ({listed}): a prefill's KV is "
                 "read only by a decode of its own kind, so one router fronts one kind"
             )
-        if kinds == ["sglang"]:
-            raise ValueError(
-                'SGLang instances (kind "sglang") are not routed yet: the router speaks '
-                "vLLM's KV connector protocol (kind \"vllm\") and pdtrio's own"
-            )
         if kinds and kinds[0] in ENGINE_KINDS:
             name = _KIND_NAMES[kinds[0]]
             if not any(i.role in ("prefill", "both") for i in self.instances):

@@ -99,11 +99,12 @@ def test_engines_are_listed_not_found_in_etcd() -> None:
         )
 
 
-def test_sglang_is_refused_until_its_bootstrap_protocol_is_routed() -> None:
-    with pytest.raises(ConfigError, match="SGLang instances .* are not routed yet"):
-        config_from_dict(
-            _pool(
-                {"role": "prefill", "url": "http://a", "kind": "sglang", "bootstrap_port": 8998},
-                {"role": "decode", "url": "http://b", "kind": "sglang"},
-            )
+def test_an_sglang_pair_is_an_engine_pool() -> None:
+    config = config_from_dict(
+        _pool(
+            {"role": "prefill", "url": "http://a", "kind": "sglang", "bootstrap_port": 8998},
+            {"role": "decode", "url": "http://b", "kind": "sglang"},
         )
+    )
+    assert config.engine_kind == "sglang"
+    assert config.instances[0].bootstrap_port == 8998

@@ -181,15 +181,16 @@ class EngineLoad:
     kv_usage: float  # 0..1 of its KV cache in use
 
 
-_WAITING = "vllm:num_requests_waiting"
-_RUNNING = "vllm:num_requests_running"
-# 0.32's name, and the one before it
-_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+# vLLM's names, then SGLang's
+_WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+_RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+# vLLM 0.32's name, the one before it, SGLang's
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 
 
 def parse_engine_metrics(text: str) -> EngineLoad:
-    """vLLM's Prometheus text: waiting and running requests, KV cache usage (summed over
-    its engines; a figure it does not show counts as 0)."""
+    """vLLM's (or SGLang's) Prometheus text: waiting and running requests, KV cache usage
+    (summed over its engines; a figure it does not show counts as 0)."""
     sums: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
@@ -198,7 +199,7 @@ def parse_engine_metrics(text: str) -> EngineLoad:
         if name_end < 0:
             continue
         name = line[:name_end]
-        if name != _WAITING and name != _RUNNING and name not in _KV_USAGE:
+        if name not in _WAITING and name not in _RUNNING and name not in _KV_USAGE:
             continue
         try:
             value = float(line.rsplit(" ", 1)[1])
@@ -207,4 +208,6 @@ def parse_engine_metrics(text: str) -> EngineLoad:
         if math.isfinite(value):
             sums[name] = sums.get(name, 0.0) + value
     kv = next((sums[name] for name in _KV_USAGE if name in sums), 0.0)
-    return EngineLoad(int(sums.get(_WAITING, 0)), int(sums.get(_RUNNING, 0)), kv)
+    waiting = sum(sums.get(name, 0.0) for name in _WAITING)
+    running = sum(sums.get(name, 0.0) for name in _RUNNING)
+    return EngineLoad(int(waiting), int(running), kv)

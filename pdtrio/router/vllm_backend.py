@@ -45,6 +45,7 @@ from pdtrio.protocol.openai import (
     completion_body,
     error_for,
 )
+from pdtrio.protocol.sglang_pd import ROOM_BITS, bootstrap_body, prefill_leg_body
 from pdtrio.protocol.sse import StreamShaper
 from pdtrio.protocol.vllm_pd import (
     PATHS,
@@ -138,6 +139,7 @@ class VllmRequest:
         self._unpulled: PrefillAnswer | None = None
         self._text: list[str] = []
         self._delivered_tokens = 0
+        self._bootstrap = pool.kind == "sglang"
         self._finish_reason: str | None = None
         self._usage: Usage | None = None
         self.figures = router.metrics.figures(request.model)
@@ -197,6 +199,11 @@ class VllmRequest:
     # --- the legs ---------------------------------------------------------------------
 
     async def _legs(self) -> OpenAIError | None:
+        if self.pool.kind == "sglang":
+            return await self._bootstrap_legs()
+        return await self._connector_legs()
+
+    async def _connector_legs(self) -> OpenAIError | None:
         """Prefill then decode, retried as the module says; the error to send, if any."""
         pool = self.pool
         model = self.request.model
@@ -233,6 +240,90 @@ class VllmRequest:
             except _ClientError as exc:
                 return exc.error
         return self._unavailable("prefill", last_failure)
+
+    async def _bootstrap_legs(self) -> OpenAIError | None:
+        """SGLang: both legs at once; a failed prefill closes the decode leg (it would wait
+        for the KV), a failed decode the prefill leg; either, before decode's first token,
+        starts both again elsewhere (a new room)."""
+        pool = self.pool
+        model = self.request.model
+        tried_prefill: set[str] = set()
+        tried_decode: set[str] = set()
+        last_failure = ""
+        for _ in range(len(pool.instances) + 1):
+            prefill = pool.pick("prefill", model, frozenset(tried_prefill))
+            if prefill is None:
+                return self._unavailable("prefill", last_failure)
+            decode = pool.pick("decode", model, frozenset(tried_decode))
+            if decode is None:
+                return self._unavailable("decode", last_failure)
+            host = httpx.URL(prefill.url).host
+            body = bootstrap_body(
+                self.client_body, host, prefill.config.bootstrap_port, secrets.randbits(ROOM_BITS)
+            )
+            prefill_failure: _InstanceFailed | _ClientError | None = None
+            decode_outcome: OpenAIError | _InstanceFailed | _ClientError | None = None
+            with trio.CancelScope() as decode_scope:
+                async with trio.open_nursery() as legs:
+
+                    async def run_prefill(
+                        instance: EngineInstance = prefill, leg: dict[str, Any] = body
+                    ) -> None:
+                        nonlocal prefill_failure
+                        try:
+                            await self._bootstrap_prefill(instance, leg)
+                        except (_InstanceFailed, _ClientError) as exc:
+                            prefill_failure = exc
+                            if not self._delivered_tokens:
+                                decode_scope.cancel()  # decode would wait for the KV
+
+                    legs.start_soon(run_prefill)
+                    try:
+                        decode_outcome = await self._decode_leg(
+                            decode, PrefillAnswer(None, 0, 0), decode_body(body, None)
+                        )
+                    except (_InstanceFailed, _ClientError) as exc:
+                        decode_outcome = exc
+                        legs.cancel_scope.cancel()  # prefill would wait for its decode
+            if isinstance(decode_outcome, _ClientError):
+                return decode_outcome.error
+            if isinstance(decode_outcome, _InstanceFailed):
+                if self._delivered_tokens:
+                    return error_for(
+                        Reason.DECODE_FAILED, f"decode failed mid-stream: {decode_outcome}"
+                    )
+                tried_decode.add(decode.name)
+                last_failure = str(decode_outcome)
+                self.router.metrics.retries.labels("decode").inc()
+                continue
+            if decode_scope.cancelled_caught or (prefill_failure and not self._delivered_tokens):
+                if isinstance(prefill_failure, _ClientError):
+                    return prefill_failure.error
+                tried_prefill.add(prefill.name)
+                last_failure = str(prefill_failure)
+                self.router.metrics.retries.labels("prefill").inc()
+                continue
+            return decode_outcome
+        return self._unavailable("prefill", last_failure)
+
+    async def _bootstrap_prefill(self, instance: EngineInstance, body: dict[str, Any]) -> None:
+        self._prefill = instance
+        instance.in_flight += 1
+        try:
+            with trio.fail_after(self.router.config.router.prefill_timeout_s):
+                response = await self.pool.http.post(
+                    instance.url + PATHS[self.kind],
+                    json=prefill_leg_body(body),
+                    headers=instance.headers(self.request_id),
+                )
+        except (httpx.HTTPError, OSError, trio.TooSlowError) as exc:
+            why = str(exc) or type(exc).__name__
+            self.pool.failed(instance, f"prefill unreachable: {why}")
+            raise _InstanceFailed(why) from exc
+        finally:
+            instance.in_flight -= 1
+        self._check_status(instance, "prefill", response.status_code, response.content)
+        self.pool.served(instance)
 
     def _unavailable(self, role: str, last_failure: str) -> OpenAIError:
         why = f" (last: {last_failure})" if last_failure else ""
@@ -282,12 +373,13 @@ class VllmRequest:
         raise _InstanceFailed(f"{leg} on {instance.name} answered {status}: {message}")
 
     async def _decode_leg(
-        self, instance: EngineInstance, answer: PrefillAnswer
+        self, instance: EngineInstance, answer: PrefillAnswer, body: dict[str, Any] | None = None
     ) -> OpenAIError | None:
         self._decode = instance
         if self.shaper is not None:
             self.shaper.set_prompt_usage(answer.prompt_tokens, answer.cached_tokens)
-        body = decode_body(self.client_body, answer.kv_transfer_params)
+        if body is None:
+            body = decode_body(self.client_body, answer.kv_transfer_params)
         instance.in_flight += 1
         try:
             async with self.pool.http.stream(
@@ -344,8 +436,11 @@ class VllmRequest:
             if tokens or chunk.text:
                 self._unpulled = None  # decode has the KV: prefill freed its blocks
             if chunk.usage is not None:
+                # vLLM: prefill's count of cached tokens (decode's says what decode found);
+                # SGLang: decode's (prefill's answer may come after the stream)
+                cached = chunk.usage.cached_tokens if self._bootstrap else answer.cached_tokens
                 self._usage = Usage(
-                    chunk.usage.prompt_tokens, chunk.usage.completion_tokens, answer.cached_tokens
+                    chunk.usage.prompt_tokens, chunk.usage.completion_tokens, cached
                 )
                 continue
             if finished or (not chunk.text and not tokens and chunk.finish_reason is None):

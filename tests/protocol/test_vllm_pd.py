@@ -119,3 +119,12 @@ broken line
     assert (load.waiting, load.running, load.kv_usage) == (3, 3, 0.25)
     older = parse_engine_metrics('vllm:gpu_cache_usage_perc{model_name="m"} 0.5\n')
     assert older.kv_usage == 0.5 and older.waiting == 0
+
+
+def test_sglangs_metrics_give_the_same_figures() -> None:
+    load = parse_engine_metrics(
+        'sglang:num_queue_reqs{model_name="m"} 4\n'
+        'sglang:num_running_reqs{model_name="m"} 2\n'
+        'sglang:token_usage{model_name="m"} 0.125\n'
+    )
+    assert (load.waiting, load.running, load.kv_usage) == (4, 2, 0.125)
