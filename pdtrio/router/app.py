@@ -266,7 +266,15 @@ class RouterApp:
             if router.engines is not None and not isinstance(request, OpenAIError):
                 # an engine gets the client's own request (what pdtrio validated), its legs'
                 # fields set on it
-                await _front_engines(router, request, bytes(body), chat, receive, send)
+                await _front_engines(
+                    router,
+                    request,
+                    bytes(body),
+                    chat,
+                    receive,
+                    send,
+                    functools.partial(hang_up, scope),
+                )
                 return
             del body, parse  # a big body's memory goes back now, not when the stream ends
             if isinstance(request, OpenAIError):
@@ -294,8 +302,9 @@ async def _front_engines(
     chat: bool,
     receive: Receive,
     send: Send,
+    hang_up_client: Callable[[], bool],
 ) -> None:
-    """The request on the vLLM instances the router fronts (``kind = "vllm"``)."""
+    """The request on the vLLM or SGLang instances the router fronts."""
     from pdtrio.router.vllm_backend import VllmRequest, new_request_id
 
     kind: Literal["chat", "completion"] = "chat" if chat else "completion"
@@ -308,6 +317,7 @@ async def _front_engines(
         new_request_id(kind),
         receive,
         send,
+        hang_up_client,
     ).run()
 
 

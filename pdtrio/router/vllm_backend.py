@@ -29,13 +29,13 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any, Literal, cast, final
 
 import httpx
 import trio
 
-from pdtrio.asgi import Receive, Send, send_json
+from pdtrio.asgi import Message, Receive, Send, send_json
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
@@ -107,6 +107,7 @@ class VllmRequest:
         request_id: str,
         receive: Receive,
         send: Send,
+        hang_up: Callable[[], bool] = lambda: False,
     ) -> None:
         self.router = router
         self.pool = pool
@@ -115,7 +116,14 @@ class VllmRequest:
         self.kind = kind
         self.request_id = request_id
         self._receive = receive
-        self._send = send
+        self._send_to_server = send
+        # shuts the client's connection down (one that stopped reading); True if done
+        self._hang_up = hang_up
+        # the router's stall check (check_write): which send is under way, since when
+        self._sending = False
+        self._sends = 0
+        self._stall_mark: tuple[int, float] | None = None
+        self._gave_up_on_client = False
         self.created = int(time.time())
         self.shaper = (
             StreamShaper(
@@ -185,7 +193,35 @@ class VllmRequest:
             self.router.request_ended(scope)
 
     def check_write(self, now: float, write_timeout: float, cut_grace: float) -> None:
-        """(The router's stall check: the shaped writes here are small and few.)"""
+        """The router's periodic look for a send waiting on a client that stopped reading
+        (hypercorn shields its writes: it would hold the request as long as the client's
+        TCP stays up): one seen under way ``write_timeout`` ago is given up, the client
+        hung up on (the request then ends as the client's leaving)."""
+        if not self._sending or self._gave_up_on_client:
+            self._stall_mark = None
+            return
+        mark = self._stall_mark
+        if mark is None or mark[0] != self._sends:
+            self._stall_mark = (self._sends, now)
+            return
+        if now - mark[1] < (cut_grace if self._complete else write_timeout):
+            return
+        self._gave_up_on_client = True
+        found = self._hang_up()
+        log.warning(
+            "request %s: its client has read nothing for %gs; %s",
+            self.request_id,
+            now - mark[1],
+            "hung up on it" if found else "its connection is not found",
+        )
+
+    async def _send(self, message: Message) -> None:
+        self._sending = True
+        self._sends += 1
+        try:
+            await self._send_to_server(message)
+        finally:
+            self._sending = False
 
     async def _watch_disconnect(self, scope: trio.CancelScope) -> None:
         while True:
