@@ -45,6 +45,7 @@ from pdtrio.protocol.openai import (
     completion_body,
     error_for,
 )
+from pdtrio.protocol.request_machine import DRAIN_CUT, DRAIN_REFUSAL
 from pdtrio.protocol.sglang_pd import ROOM_BITS, bootstrap_body, prefill_leg_body
 from pdtrio.protocol.sse import StreamShaper
 from pdtrio.protocol.vllm_pd import (
@@ -157,6 +158,11 @@ class VllmRequest:
     async def run(self) -> None:
         error: OpenAIError | None = None
         config = self.router.config.router
+        if self.router.draining:
+            refusal = error_for(Reason.SHUTTING_DOWN, DRAIN_REFUSAL)
+            self._record(Outcome.REJECTED, refusal.status)
+            await self._send_error(refusal)
+            return
         with trio.CancelScope() as scope:
             self.router.request_started(scope, self)
             try:
@@ -176,7 +182,7 @@ class VllmRequest:
                     self._record(Outcome.DISCONNECTED, None)
         if scope.cancelled_caught and not self.client_gone:
             # the drain's cut: what is left of the time goes to saying so
-            error = error_for(Reason.SHUTTING_DOWN, "the router is shutting down")
+            error = error_for(Reason.SHUTTING_DOWN, DRAIN_CUT)
         try:
             if not self.client_gone:
                 if error is not None:

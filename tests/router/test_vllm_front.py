@@ -282,3 +282,15 @@ async def test_the_openai_client_and_health() -> None:
         assert text == " t0 t1 t2"
         assert usage.completion_tokens == 3
         assert usage.prompt_tokens_details.cached_tokens == CACHED_TOKENS
+
+
+async def test_a_draining_router_refuses_new_requests_before_any_leg() -> None:
+    async with fronted() as (url, [prefill], [decode], app):
+        app.router.draining = True  # type: ignore[union-attr]
+        async with httpx.AsyncClient(base_url=url) as client:
+            response = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+            )
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "shutting_down"
+        assert not prefill.received and not decode.received
