@@ -15,8 +15,9 @@ decode).  A 4xx from either is the client's own: passed on, nothing suspended.
 
 A client that leaves cancels the open leg (closing decode's stream aborts the
 request in vLLM).  One that leaves after prefill answered but before decode
-pulled the KV would strand prefill's blocks until vLLM's abort timeout
-(``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s): the router sends the decode leg
+pulled the KV would strand prefill's blocks until vLLM gives up on them (0.32's
+NIXL lease, ``kv_lease_duration``, 30 s by default; before it
+``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s): the router sends the decode leg
 anyway, as a one-token request in the background, so decode pulls the blocks
 and prefill frees them at once.
 """

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import final
+from typing import Any, final
 
 import attrs
 import httpx
@@ -26,7 +26,18 @@ import httpx
 from pdtrio.testing.processes import LOOPBACK, free_port
 
 SERVED_MODEL = "smollm2-135m-instruct"
-NIXL_KV_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+NIXL_KV_CONFIG: Mapping[str, Any] = {
+    "kv_connector": "NixlConnector",
+    "kv_role": "kv_both",
+    "kv_buffer_device": "cpu",
+}
+# what prefill holds unpulled KV for (vLLM 0.32's NIXL lease, 30 s by default; older
+# versions: VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s): long, so that a prompt release is
+# told apart from the lease running out
+NIXL_LEASED_KV_CONFIG: Mapping[str, Any] = {
+    **NIXL_KV_CONFIG,
+    "kv_connector_extra_config": {"kv_lease_duration": 300},
+}
 _READY_TIMEOUT_S = 420.0
 
 
@@ -53,7 +64,7 @@ def vllm_model_dir() -> Path:
 
 
 def vllm_command(
-    python: str, model: Path, port: int, *, kv_config: Mapping[str, str] | None
+    python: str, model: Path, port: int, *, kv_config: Mapping[str, Any] | None
 ) -> list[str]:
     command = [
         python,
@@ -107,7 +118,7 @@ def start_vllm(
     cpu: int,
     log_dir: Path,
     *,
-    kv_config: Mapping[str, str] | None = NIXL_KV_CONFIG,
+    kv_config: Mapping[str, Any] | None = NIXL_KV_CONFIG,
     kv_cache_gib: int = 1,
     extra_env: Mapping[str, str] | None = None,
 ) -> VllmServer:
@@ -158,7 +169,7 @@ def wait_ready(servers: list[VllmServer], timeout_s: float = _READY_TIMEOUT_S) -
 
 @contextmanager
 def vllm_pd_pair(
-    log_dir: Path, *, kv_config: Mapping[str, str] | None = NIXL_KV_CONFIG
+    log_dir: Path, *, kv_config: Mapping[str, Any] | None = NIXL_KV_CONFIG
 ) -> Iterator[tuple[VllmServer, VllmServer]]:
     """A vLLM prefill (core 0) and decode (core 1), ready; both stopped on exit."""
     servers: list[VllmServer] = []
