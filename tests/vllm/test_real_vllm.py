@@ -11,6 +11,7 @@ import functools
 import json
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -31,6 +32,7 @@ from pdtrio.testing.vllm import (
     vllm_pd_pair,
 )
 from tests.cluster import serve_app
+from tests.quick_benchmarks import run_quick
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -163,3 +165,11 @@ async def test_a_client_gone_between_the_legs_leaves_no_kv_on_prefill(
         # vLLM alone holds it for its lease (300 s here) with no decode to pull it
         freed_in = await _kv_becomes(fronted.prefill.url, held=False, within_s=60)
         print(f"prefill's KV freed {freed_in:.1f}s after the client left")
+
+
+def test_the_benchmark_runs_quick(tmp_path: Path) -> None:
+    completed, out = run_quick("benchmarks.front_vllm", tmp_path, timeout=600)
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-8000:]
+    report = json.loads(out.read_text())
+    assert report["pdtrio"]["ttft_ms"] > 0
+    assert report["stranded_kv_freed_after_s"]
