@@ -22,17 +22,17 @@ BOOTSTRAP_PORT = 8998
 
 @asynccontextmanager
 async def fronted(
-    prefills: int = 1,
-) -> AsyncIterator[tuple[str, list[FakeSglang], FakeSglang]]:
+    prefills: int = 1, decodes: int = 1
+) -> AsyncIterator[tuple[str, list[FakeSglang], list[FakeSglang]]]:
     async with trio.open_nursery() as nursery:
         rooms: dict[Any, Any] = {}
         engines = [
             FakeSglang(f"p{i}", {}, rooms=rooms, bootstrap_port=BOOTSTRAP_PORT + i)
             for i in range(prefills)
-        ] + [FakeSglang("d0", {}, rooms=rooms)]
+        ] + [FakeSglang(f"d{i}", {}, rooms=rooms) for i in range(decodes)]
         for engine in engines:
             engine.url = await serve_app(engine, nursery)
-        *prefill, decode = engines
+        prefill, decode = engines[:prefills], engines[prefills:]
         config = PdtrioConfig(
             router=RouterConfig(instance_backoff_s=60.0),
             instances=tuple(
@@ -41,7 +41,7 @@ async def fronted(
                 )
                 for e in prefill
             )
-            + (InstanceConfig(role="decode", url=decode.url, kind="sglang"),),
+            + tuple(InstanceConfig(role="decode", url=e.url, kind="sglang") for e in decode),
         )
         url = await serve_app(RouterApp(config), nursery)
         yield url, prefill, decode
@@ -57,7 +57,7 @@ def _events(text: str) -> list[Any]:
 
 
 async def test_both_legs_carry_one_room_and_the_client_gets_decodes_stream() -> None:
-    async with fronted() as (url, [prefill], decode):
+    async with fronted() as (url, [prefill], [decode]):
         async with httpx.AsyncClient(base_url=url) as client:
             response = await client.post(
                 "/v1/completions",
@@ -85,7 +85,7 @@ async def test_both_legs_carry_one_room_and_the_client_gets_decodes_stream() -> 
 
 
 async def test_a_failed_prefill_closes_the_waiting_decode_and_another_prefill_takes_it() -> None:
-    async with fronted(prefills=2) as (url, prefills, decode):
+    async with fronted(prefills=2) as (url, prefills, [decode]):
         prefills[0].fail_status = prefills[1].fail_status = 500
         async with httpx.AsyncClient(base_url=url) as client:
             refused = await client.post(
@@ -104,7 +104,7 @@ async def test_a_failed_prefill_closes_the_waiting_decode_and_another_prefill_ta
 
 
 async def test_a_client_that_leaves_closes_both_legs() -> None:
-    async with fronted() as (url, [prefill], decode):
+    async with fronted() as (url, [prefill], [decode]):
         prefill.prefill_gate = trio.Event()  # prefill never gets to the KV
         async with httpx.AsyncClient(base_url=url) as client:
             async with trio.open_nursery() as nursery:
@@ -121,3 +121,23 @@ async def test_a_client_that_leaves_closes_both_legs() -> None:
         with trio.fail_after(5):
             await decode.decode_aborted.wait()
         assert not prefill.held
+
+
+async def test_a_decode_failing_before_its_first_token_starts_both_legs_again() -> None:
+    async with fronted(decodes=2) as (url, [prefill], decodes):
+        decodes[0].fail_status = decodes[1].fail_status = 500
+        async with httpx.AsyncClient(base_url=url) as client:
+            refused = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+            )
+            assert refused.status_code == 503
+            decodes[1].fail_status = 0
+            served = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+            )
+    assert served.status_code == 200, served.text
+    assert served.json()["choices"][0]["text"] == " t0 t1"
+    # the prefill legs of the failed tries were closed, each try had its own room
+    rooms = [leg["bootstrap_room"] for leg in prefill.legs()]
+    decode_legs = len(decodes[0].legs()) + len(decodes[1].legs())
+    assert len(rooms) == len(set(rooms)) == decode_legs >= 3

@@ -24,7 +24,7 @@ from tests.router.fake_vllm import CACHED_TOKENS, MODEL, FakeVllm, fake_engines
 
 @asynccontextmanager
 async def fronted(
-    prefills: int = 1, decodes: int = 1
+    prefills: int = 1, decodes: int = 1, api_key: str = ""
 ) -> AsyncIterator[tuple[str, list[FakeVllm], list[FakeVllm], RouterApp]]:
     names = [f"p{i}" for i in range(prefills)] + [f"d{i}" for i in range(decodes)]
     async with trio.open_nursery() as nursery:
@@ -34,8 +34,14 @@ async def fronted(
             config = PdtrioConfig(
                 router=RouterConfig(instance_backoff_s=60.0),
                 instances=tuple(
-                    [InstanceConfig(role="prefill", url=e.url, kind="vllm") for e in p]
-                    + [InstanceConfig(role="decode", url=e.url, kind="vllm") for e in d]
+                    [
+                        InstanceConfig(role="prefill", url=e.url, kind="vllm", api_key=api_key)
+                        for e in p
+                    ]
+                    + [
+                        InstanceConfig(role="decode", url=e.url, kind="vllm", api_key=api_key)
+                        for e in d
+                    ]
                 ),
             )
             app = RouterApp(config)
@@ -294,3 +300,14 @@ async def test_a_draining_router_refuses_new_requests_before_any_leg() -> None:
         assert response.status_code == 503
         assert response.json()["error"]["code"] == "shutting_down"
         assert not prefill.received and not decode.received
+
+
+async def test_an_instances_api_key_goes_with_each_leg() -> None:
+    async with fronted(api_key="sk-engine") as (url, [prefill], [decode], _):
+        async with httpx.AsyncClient(base_url=url) as client:
+            response = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+            )
+        assert response.status_code == 200, response.text
+        for _, headers in prefill.received + decode.received:
+            assert headers["authorization"] == "Bearer sk-engine"
