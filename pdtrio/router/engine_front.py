@@ -238,10 +238,11 @@ class EnginePool:
                 if metrics.status_code == 200:
                     instance.load = parse_engine_metrics(metrics.text)
         except (httpx.HTTPError, OSError, trio.TooSlowError, _NotUp, ValueError) as exc:
+            why = str(exc) or type(exc).__name__
+            if was_healthy or why != instance.last_error:  # once per change, not per scrape
+                log.warning("engine %s is not up: %s", instance.name, why)
             instance.healthy = False
-            instance.last_error = str(exc) or type(exc).__name__
-            if was_healthy or not instance.last_error:
-                log.warning("engine %s is down: %s", instance.name, instance.last_error)
+            instance.last_error = why
             return
         instance.healthy = True
         if not was_healthy:
