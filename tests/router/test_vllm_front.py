@@ -311,3 +311,28 @@ async def test_an_instances_api_key_goes_with_each_leg() -> None:
         assert response.status_code == 200, response.text
         for _, headers in prefill.received + decode.received:
             assert headers["authorization"] == "Bearer sk-engine"
+
+
+async def test_an_engine_not_up_is_not_routed_to_and_health_says_why() -> None:
+    async with trio.open_nursery() as nursery:
+        async with fake_engines(nursery, "p0", "d0") as engines:
+            engines["p0"].health_status = 503
+            config = PdtrioConfig(
+                instances=(
+                    InstanceConfig(role="prefill", url=engines["p0"].url, kind="vllm"),
+                    InstanceConfig(role="decode", url=engines["d0"].url, kind="vllm"),
+                )
+            )
+            url = await serve_app(RouterApp(config), nursery)
+            async with httpx.AsyncClient(base_url=url) as client:
+                health = await client.get("/health")
+                response = await client.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+                )
+        nursery.cancel_scope.cancel()
+    assert health.status_code == 503
+    [prefill] = [e for e in health.json()["engines"] if e["role"] == "prefill"]
+    assert prefill["healthy"] is False and "/health answered 503" in prefill["error"]
+    assert response.status_code == 503
+    assert "no prefill instance is available" in response.json()["error"]["message"]
+    assert not engines["p0"].received
