@@ -153,29 +153,37 @@ async def _run(
 
 
 def _measure(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    if args.prefill_url and args.decode_url:  # a pair already running (the tests')
+        return _measure_on(args, logs, args.prefill_url, args.decode_url)
     with vllm_pd_pair(logs, kv_config=NIXL_LEASED_KV_CONFIG) as (prefill, decode):
-        proxy_port = free_port()
-        config = logs / "front-vllm.toml"
-        config.write_text(
-            f'[[instances]]\nkind = "vllm"\nrole = "prefill"\nurl = "{prefill.url}"\n'
-            f'[[instances]]\nkind = "vllm"\nrole = "decode"\n'
-            f'url = "http://{LOOPBACK}:{proxy_port}"\n'
+        return _measure_on(args, logs, prefill.url, decode.url)
+
+
+def _measure_on(
+    args: argparse.Namespace, logs: Path, prefill_url: str, decode_url: str
+) -> dict[str, Any]:
+    proxy_port = free_port()
+    config = logs / "front-vllm.toml"
+    config.write_text(
+        f'[[instances]]\nkind = "vllm"\nrole = "prefill"\nurl = "{prefill_url}"\n'
+        f'[[instances]]\nkind = "vllm"\nrole = "decode"\n'
+        f'url = "http://{LOOPBACK}:{proxy_port}"\n'
+    )
+    port = free_port()
+    with (logs / "router.log").open("wb") as log:
+        router = subprocess.Popen(
+            router_command(f"{LOOPBACK}:{port}"),
+            env={**os.environ, "PDTRIO_CONFIG": str(config)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
-        port = free_port()
-        with (logs / "router.log").open("wb") as log:
-            router = subprocess.Popen(
-                router_command(f"{LOOPBACK}:{port}"),
-                env={**os.environ, "PDTRIO_CONFIG": str(config)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        try:
-            return trio.run(
-                _run, args, prefill.url, decode.url, proxy_port, router, f"http://{LOOPBACK}:{port}"
-            )
-        finally:
-            router.terminate()
-            router.wait(timeout=30)
+    try:
+        return trio.run(
+            _run, args, prefill_url, decode_url, proxy_port, router, f"http://{LOOPBACK}:{port}"
+        )
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--storm", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--prefill-url", default="", help="a running vLLM prefill (with --decode-url)"
+    )
+    parser.add_argument(
+        "--decode-url", default="", help="a running vLLM decode (with --prefill-url)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.tokens, args.storm = 3, 8, 1
