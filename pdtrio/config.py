@@ -22,6 +22,10 @@ from pdtrio.protocol.scheduling import SchedulingPolicy
 Role = Literal["prefill", "decode", "both"]
 EngineKind = Literal["synthetic", "torch"]
 OmpWaitPolicy = Literal["passive", "active", ""]
+# what an [[instances]] entry is: a pdtrio worker, or an engine the router fronts
+InstanceKind = Literal["pdtrio", "vllm", "sglang"]
+ENGINE_KINDS = frozenset({"vllm", "sglang"})
+_KIND_NAMES = {"pdtrio": "pdtrio", "vllm": "vLLM", "sglang": "SGLang"}
 # how decode pulls KV from prefill: "auto" takes NIXL where it imports and works, else TCP
 KvTransportChoice = Literal["nixl", "tcp", "auto"]
 
@@ -223,10 +227,37 @@ class WorkerConfig:
 @final
 @attrs.frozen(kw_only=True)
 class InstanceConfig:
-    """A worker the router talks to, given by its HTTP base URL."""
+    """An instance the router talks to, given by its HTTP base URL.
+
+    ``kind`` says what it is: a pdtrio worker (asked for ``/pd/info``, one link),
+    or an engine the router fronts over its own HTTP PD protocol (vLLM's KV
+    connector protocol, SGLang's bootstrap protocol).
+    """
 
     role: Role
     url: str
+    kind: InstanceKind = "pdtrio"
+    # an engine's served model name ("": the first of its /v1/models); pdtrio workers say
+    # theirs in /pd/info
+    model: str = ""
+    # the bearer token the engine asks for (vLLM's and SGLang's --api-key); "": none
+    api_key: str = attrs.field(default="", repr=False)
+    # an SGLang prefill's --disaggregation-bootstrap-port (decode dials it for the KV)
+    bootstrap_port: int = attrs.field(default=0, validator=_non_negative)
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind == "pdtrio" and (self.model or self.api_key):
+            raise ValueError(
+                f'instance {self.url}: model and api_key are for engines (kind "vllm" or '
+                '"sglang"); a pdtrio worker reports its model and takes the worker secret'
+            )
+        if self.bootstrap_port and self.kind != "sglang":
+            raise ValueError(f'instance {self.url}: bootstrap_port is SGLang\'s (kind "sglang")')
+        if self.kind == "sglang" and self.role != "decode" and not self.bootstrap_port:
+            raise ValueError(
+                f"instance {self.url}: an SGLang prefill needs bootstrap_port (its "
+                "--disaggregation-bootstrap-port, which decode dials for the KV)"
+            )
 
 
 @final
@@ -334,9 +365,41 @@ class PdtrioConfig:
     discovery: DiscoveryConfig = DiscoveryConfig()
     security: SecurityConfig = SecurityConfig()
 
+    def __attrs_post_init__(self) -> None:
+        kinds = sorted({instance.kind for instance in self.instances})
+        if len(kinds) > 1:
+            # KV prefilled by one kind is read only by the same kind: a vLLM prefill's
+            # blocks are not in a pdtrio decode's layout, nor in SGLang's
+            listed = "; ".join(
+                f"{_KIND_NAMES[kind]}: "
+                + ", ".join(f"{i.role} {i.url}" for i in self.instances if i.kind == kind)
+                for kind in kinds
+            )
+            raise ValueError(
+                f"[[instances]] mixes kinds that cannot pair ({listed}): a prefill's KV is "
+                "read only by a decode of its own kind, so one router fronts one kind"
+            )
+        if kinds and kinds[0] in ENGINE_KINDS:
+            name = _KIND_NAMES[kinds[0]]
+            if not any(i.role in ("prefill", "both") for i in self.instances):
+                raise ValueError(f"[[instances]] lists no {name} prefill (role prefill or both)")
+            if not any(i.role in ("decode", "both") for i in self.instances):
+                raise ValueError(f"[[instances]] lists no {name} decode (role decode or both)")
+            if self.discovery.uses_etcd:
+                raise ValueError(
+                    f"{name} instances are listed in [[instances]]; etcd discovery is for "
+                    "pdtrio workers"
+                )
+
     @property
     def uses_embedded_cluster(self) -> bool:
         return not self.instances and not self.discovery.uses_etcd
+
+    @property
+    def engine_kind(self) -> InstanceKind | None:
+        """The engine kind the router fronts (vLLM, SGLang), or None: pdtrio workers."""
+        kind = self.instances[0].kind if self.instances else "pdtrio"
+        return kind if kind in ENGINE_KINDS else None
 
 
 def _converter() -> cattrs.Converter:

@@ -60,6 +60,7 @@ SLOW = (
     # matplotlib runs fc-list to build its font cache on first use (no cache: every time,
     # since the refused process leaves it unbuilt)
     "test_benchmark_plots.py::test_latency_cdfs_and_throughput_are_written_as_a_png",
+    "tools/test_export_hf.py",
     # in-process, but long by design (2 s or more each on a shared 2-core machine): real
     # link, client and transfer timeouts waited out, statistical runs, the fuzzers
     "fuzz/",
@@ -101,10 +102,17 @@ def _is_slow(item: pytest.Item) -> bool:
     return bool(SLOW_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _is_slow(item):
             item.add_marker(pytest.mark.slow)
+    # the tests against a real vLLM run only where nox -s vllm gave them one (its own
+    # interpreter, minutes to install and start): out of the default suite, not skipped
+    if not os.environ.get("PDTRIO_VLLM_PYTHON"):
+        real_vllm = [item for item in items if item.get_closest_marker("vllm") is not None]
+        if real_vllm:
+            config.hook.pytest_deselected(items=real_vllm)
+            items[:] = [item for item in items if item.get_closest_marker("vllm") is None]
 
 
 @pytest.fixture(autouse=True)

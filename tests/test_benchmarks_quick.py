@@ -296,7 +296,10 @@ QUICK = [
     Quick("benchmarks.engine", _engine, 240),
 ]
 # run --quick by a test of their own
-ELSEWHERE = {"benchmarks.soak": "tests/e2e/test_soak.py"}
+ELSEWHERE = {
+    "benchmarks.soak": "tests/e2e/test_soak.py",
+    "benchmarks.front_vllm": "tests/vllm/test_real_vllm.py",  # a real vLLM: nox -s vllm
+}
 # modules of benchmarks/ that are not benchmarks
 NOT_BENCHMARKS = {"benchmarks.kit", "benchmarks.plotting", "benchmarks.trivial_sse_app"}
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Final, final
+from typing import Final, Literal, final
 
 import trio
 
@@ -82,7 +83,10 @@ def context_lengths(router: Router) -> dict[str, int]:
 
     The largest, so that a prompt is refused only if no instance could take it.
     """
-    lengths: dict[str, int] = {}
+    if router.engines is not None:
+        lengths: dict[str, int] = router.engines.context_lengths()
+        return lengths
+    lengths = {}
     for instance in router.instances.values():
         if instance.serves_prefill:
             lengths[instance.model] = max(lengths.get(instance.model, 0), instance.max_model_len)
@@ -257,6 +261,19 @@ class RouterApp:
                     )
             else:
                 request = parse()
+            if router.engines is not None and not isinstance(request, OpenAIError):
+                # an engine gets the client's own request (what pdtrio validated), its legs'
+                # fields set on it
+                await _front_engines(
+                    router,
+                    request,
+                    bytes(body),
+                    chat,
+                    receive,
+                    send,
+                    functools.partial(hang_up, scope),
+                )
+                return
             del body, parse  # a big body's memory goes back now, not when the stream ends
             if isinstance(request, OpenAIError):
                 raise request
@@ -274,6 +291,33 @@ class RouterApp:
             if big:
                 # by the time it runs (a moment later) the response is out and all is freed
                 self.heap_trimmer.trim_soon()
+
+
+async def _front_engines(
+    router: Router,
+    request: ChatCompletionRequest | CompletionRequest,
+    body: bytes,
+    chat: bool,
+    receive: Receive,
+    send: Send,
+    hang_up_client: Callable[[], bool],
+) -> None:
+    """The request on the vLLM or SGLang instances the router fronts."""
+    from pdtrio.router.vllm_backend import VllmRequest, new_request_id
+
+    kind: Literal["chat", "completion"] = "chat" if chat else "completion"
+    assert router.engines is not None  # (the caller's test)
+    await VllmRequest(
+        router,
+        router.engines,
+        request,
+        json.loads(body),
+        kind,
+        new_request_id(kind),
+        receive,
+        send,
+        hang_up_client,
+    ).run()
 
 
 def _client_key(router: Router, path: str, scope: Scope) -> str:

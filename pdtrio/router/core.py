@@ -42,6 +42,7 @@ from pdtrio.protocol.scheduling import Candidate, Scheduler
 from pdtrio.router.capacity import CapacityQueue
 from pdtrio.router.client_limits import ClientLimits
 from pdtrio.router.cluster import WorkerProcess, embedded_workers
+from pdtrio.router.engine_front import EnginePool
 from pdtrio.router.loop_load import run_egress_control
 from pdtrio.router.metrics import Outcome, RouterMetrics
 from pdtrio.router.running_requests import RunningRequests
@@ -128,6 +129,10 @@ class Router:
         self.http = http
         self._nursery = nursery
         self.instances: dict[str, Instance] = {}
+        # the vLLM or SGLang instances fronted instead of pdtrio workers (kind = "vllm")
+        self.engines: EnginePool | None = (
+            EnginePool(config, http) if config.engine_kind is not None else None
+        )
         self.workers: list[WorkerProcess] = []
         self.tokens_delivered = 0
         # the running requests: their count, the drain, the stall sweep
@@ -183,6 +188,8 @@ class Router:
 
     @property
     def models(self) -> list[str]:
+        if self.engines is not None:
+            return self.engines.models
         return sorted({i.model for i in self.instances.values()})
 
     async def add_instance(self, role: Role, url: str, name: str) -> None:
@@ -561,6 +568,8 @@ class Router:
         return None if chosen is None else self.instances[chosen]
 
     def health(self) -> dict[str, Any]:
+        if self.engines is not None:
+            return self.engines.health(len(self.requests))
 
         prefill = sum(1 for i in self.instances.values() if i.serves_prefill and i.usable)
         decode = sum(1 for i in self.instances.values() if i.serves_decode and i.usable)
@@ -603,7 +612,9 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
             await nursery.start(run_egress_control, router.egress)
             nursery.start_soon(router.hold_timer.run)
             nursery.start_soon(router.requests.hang_up_stalled_clients)
-            if config.uses_embedded_cluster:
+            if router.engines is not None:
+                await nursery.start(router.engines.run)
+            elif config.uses_embedded_cluster:
                 await _start_embedded(router, nursery)
             else:
                 # the static list, then (or instead) what etcd has

@@ -146,6 +146,8 @@ def describe_start(config: PdtrioConfig) -> str:
 
 
 def describe_instances(router: Router) -> str:
+    if router.engines is not None:
+        return "engines " + router.engines.describe()
     instances = sorted(router.instances.values(), key=lambda instance: instance.name)
     if not instances:
         return "no instances yet"

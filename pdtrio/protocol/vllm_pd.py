@@ -1,0 +1,213 @@
+"""vLLM's disaggregated-prefill HTTP protocol (the KV connector's ``kv_transfer_params``).
+
+A request is two legs with one ``X-Request-Id``.  The prefill leg is the
+client's request with ``stream: false``, one token, no ``stream_options`` nor
+``min_tokens``, and ``kv_transfer_params.do_remote_decode``: the prefill
+instance computes the prompt's KV, holds it for a remote decode, and answers
+where it lies (``kv_transfer_params``: engine id, block ids, host, port, ...;
+newer versions add fields, so it is passed on whole).  The decode leg is the
+client's request carrying that object: decode pulls the blocks (which frees
+them on prefill) and generates the whole answer, streamed.  A null
+``kv_transfer_params`` (prefill ended at its one token) makes decode's a plain
+request.
+
+Pure data (sans-IO): bodies built, answers and ``/metrics`` read; no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any, Literal, final
+
+import attrs
+
+from pdtrio.protocol.wire import Usage
+
+REQUEST_ID_HEADER = "X-Request-Id"
+# what the prefill leg asks for: keep the KV for a decode elsewhere to pull
+PREFILL_KV_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+# the client's fields that make no sense on a one-token, unstreamed prefill
+_NOT_FOR_PREFILL = ("stream_options", "min_tokens", "min_completion_tokens")
+Endpoint = Literal["chat", "completion"]
+PATHS: Mapping[Endpoint, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+class EngineAnswerError(ValueError):
+    """An engine's answer is not what its protocol says it sends."""
+
+
+def prefill_body(client_body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill leg: one token, not streamed, the KV kept for a remote decode."""
+    body = {key: value for key, value in client_body.items() if key not in _NOT_FOR_PREFILL}
+    body["stream"] = False
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    return body
+
+
+def decode_body(
+    client_body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The decode leg: the client's request with prefill's ``kv_transfer_params`` (None:
+    a plain request), always streamed with a running token count (the router shapes
+    the client's answer from it, streamed or not)."""
+    body = dict(client_body)
+    body.pop("kv_transfer_params", None)
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    return body
+
+
+def release_body(
+    client_body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]
+) -> dict[str, Any]:
+    """A decode leg whose only use is to pull prefill's blocks, which frees them there:
+    for a request whose client left after prefill answered (vLLM would otherwise keep
+    them until its abort timeout).  One token, not streamed."""
+    body = {key: value for key, value in client_body.items() if key not in _NOT_FOR_PREFILL}
+    body["stream"] = False
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["kv_transfer_params"] = dict(kv_transfer_params)
+    return body
+
+
+@final
+@attrs.frozen
+class PrefillAnswer:
+    """What the router keeps of prefill's answer."""
+
+    kv_transfer_params: Mapping[str, Any] | None  # whole, as prefill sent it
+    prompt_tokens: int
+    cached_tokens: int
+
+
+def parse_prefill_answer(answer: Any) -> PrefillAnswer:
+    """Prefill's JSON answer (a completion of one token)."""
+    if not isinstance(answer, dict):
+        raise EngineAnswerError(f"prefill answered {type(answer).__name__}, not an object")
+    params = answer.get("kv_transfer_params")
+    if params is not None and not isinstance(params, dict):
+        raise EngineAnswerError("prefill's kv_transfer_params is not an object")
+    usage = answer.get("usage")
+    prompt_tokens, cached = _prompt_counts(usage)
+    return PrefillAnswer(params, prompt_tokens, cached)
+
+
+def _prompt_counts(usage: Any) -> tuple[int, int]:
+    if not isinstance(usage, dict):
+        return 0, 0
+    prompt = usage.get("prompt_tokens")
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return (
+        prompt if isinstance(prompt, int) else 0,
+        cached if isinstance(cached, int) else 0,
+    )
+
+
+@final
+@attrs.frozen
+class DecodeChunk:
+    """One event of decode's stream, as the router reads it."""
+
+    text: str
+    completion_tokens: int | None  # the running count, when the chunk carries usage
+    finish_reason: str | None
+    usage: Usage | None  # the final counts (the usage-only chunk)
+    error: str | None = None  # an error event: the engine failed the stream
+
+
+def parse_decode_event(data: str, endpoint: Endpoint) -> DecodeChunk | None:
+    """An SSE ``data:`` payload of decode's stream; None for ``[DONE]``."""
+    if data == "[DONE]":
+        return None
+    try:
+        event = json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise EngineAnswerError(f"decode sent an event that is not JSON: {exc}") from exc
+    if not isinstance(event, dict):
+        raise EngineAnswerError("decode sent an event that is not an object")
+    if "error" in event:
+        error = event["error"]
+        message = error.get("message") if isinstance(error, dict) else error
+        return DecodeChunk("", None, None, None, error=str(message))
+    text = ""
+    finish_reason = None
+    choices = event.get("choices") or []
+    if choices:
+        choice = choices[0]
+        if not isinstance(choice, dict):
+            raise EngineAnswerError("decode sent a choice that is not an object")
+        if endpoint == "chat":
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or ""
+        else:
+            text = choice.get("text") or ""
+        finish_reason = choice.get("finish_reason")
+    usage = event.get("usage")
+    running = None
+    final = None
+    if isinstance(usage, dict):
+        completion = usage.get("completion_tokens")
+        running = completion if isinstance(completion, int) else None
+        if not choices and running is not None:  # the usage-only chunk that ends the stream
+            prompt, cached = _prompt_counts(usage)
+            final = Usage(prompt, running, cached)
+    return DecodeChunk(text, running, finish_reason, final)
+
+
+@final
+@attrs.frozen
+class EngineLoad:
+    """What an engine's ``/metrics`` says of its load."""
+
+    waiting: int
+    running: int
+    kv_usage: float  # 0..1 of its KV cache in use
+
+
+# vLLM's names, then SGLang's
+_WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+_RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+# vLLM 0.32's name, the one before it, SGLang's
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+
+
+def parse_engine_metrics(text: str) -> EngineLoad:
+    """vLLM's (or SGLang's) Prometheus text: waiting and running requests, KV cache usage
+    (summed over its engines; a figure it does not show counts as 0)."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        if name_end < 0:
+            continue
+        name = line[:name_end]
+        if name not in _WAITING and name not in _RUNNING and name not in _KV_USAGE:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if math.isfinite(value):
+            sums[name] = sums.get(name, 0.0) + value
+    kv = next((sums[name] for name in _KV_USAGE if name in sums), 0.0)
+    waiting = sum(sums.get(name, 0.0) for name in _WAITING)
+    running = sum(sums.get(name, 0.0) for name in _RUNNING)
+    return EngineLoad(int(waiting), int(running), kv)

@@ -1,0 +1,273 @@
+"""The router in front of engines (vLLM) instead of pdtrio workers: the pool.
+
+An engine is known by its ``[[instances]]`` entry (``kind = "vllm"``): its
+model and context length come from its ``/v1/models``, its health from
+``/health`` and its load from ``/metrics`` (waiting and running requests, KV
+cache usage), scraped once per ``_SCRAPE_INTERVAL_S`` however many requests
+run.  Placement is the router's scheduling policies over that load plus the
+requests this router has out on it.  An instance failing with a 5xx or
+unreachable is out of rotation for a while (doubling, capped), as pdtrio
+workers are; a 4xx is the client's and never counts against it.
+
+The request itself is ``pdtrio.router.vllm_backend``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any, final
+
+import attrs
+import httpx
+import trio
+
+from pdtrio.config import InstanceConfig, PdtrioConfig
+from pdtrio.protocol.scheduling import Candidate, Scheduler
+from pdtrio.protocol.vllm_pd import EngineLoad, parse_engine_metrics
+
+log = logging.getLogger("pdtrio.router.engines")
+
+# how often each engine's /health and /metrics are read (the load signal's age)
+_SCRAPE_INTERVAL_S = 1.0
+_MAX_BACKOFF_S = 30.0
+_KV_SCALE = 1000  # KV usage as "free blocks" for the scheduler: thousandths left
+
+
+@attrs.define(eq=False)
+class EngineInstance:
+    config: InstanceConfig
+    model: str = ""  # "" until its /v1/models answered
+    max_model_len: int = 0
+    healthy: bool = False
+    load: EngineLoad | None = None
+    in_flight: int = 0  # this router's legs out on it now
+    suspended_until: float = 0.0
+    failures_in_a_row: int = 0
+    last_error: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.config.url
+
+    @property
+    def url(self) -> str:
+        return self.config.url.rstrip("/")
+
+    @property
+    def serves_prefill(self) -> bool:
+        return self.config.role in ("prefill", "both")
+
+    @property
+    def serves_decode(self) -> bool:
+        return self.config.role in ("decode", "both")
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and bool(self.model)
+
+    def headers(self, request_id: str | None = None) -> dict[str, str]:
+        headers = {}
+        if self.config.api_key:
+            headers["Authorization"] = f"Bearer {self.config.api_key}"
+        if request_id is not None:
+            headers["X-Request-Id"] = request_id
+        return headers
+
+    def candidate(self, now: float, allow_suspended: bool) -> Candidate:
+        load = self.load
+        queued = 0 if load is None else load.waiting
+        free = None if load is None else round((1.0 - load.kv_usage) * _KV_SCALE)
+        return Candidate(
+            self.name,
+            self.in_flight + queued,
+            self.usable and (allow_suspended or self.suspended_until <= now),
+            free,
+        )
+
+
+@final
+class EnginePool:
+    """The engines one router fronts, their health and load, and placement over them."""
+
+    def __init__(self, config: PdtrioConfig, http: httpx.AsyncClient) -> None:
+        self.config = config
+        self.kind = config.engine_kind
+        self.http = http
+        self.instances = {i.url: EngineInstance(i) for i in config.instances}
+        self._schedulers = {
+            "prefill": Scheduler(config.router.prefill_policy),
+            "decode": Scheduler(config.router.decode_policy),
+        }
+        self._timeout_s = config.router.connect_timeout_s
+        # where background legs run (a release of a left client's prefill KV)
+        self.nursery: trio.Nursery | None = None
+
+    # --- what the app asks ---------------------------------------------------------
+
+    @property
+    def models(self) -> list[str]:
+        return sorted({i.model for i in self.instances.values() if i.model})
+
+    def context_lengths(self) -> dict[str, int]:
+        lengths: dict[str, int] = {}
+        for instance in self.instances.values():
+            if instance.model and instance.max_model_len and instance.serves_prefill:
+                lengths[instance.model] = max(
+                    lengths.get(instance.model, 0), instance.max_model_len
+                )
+        return lengths
+
+    def health(self, active_requests: int) -> dict[str, Any]:
+        prefill = sum(1 for i in self.instances.values() if i.serves_prefill and i.usable)
+        decode = sum(1 for i in self.instances.values() if i.serves_decode and i.usable)
+        report: dict[str, Any] = {
+            "status": "ok" if prefill and decode else "unavailable",
+            "prefill_instances": prefill,
+            "decode_instances": decode,
+            "active_requests": active_requests,
+            "engines": [
+                {
+                    "url": i.config.url,
+                    "kind": i.config.kind,
+                    "role": i.config.role,
+                    "model": i.model,
+                    "healthy": i.healthy,
+                    **({} if i.healthy else {"error": i.last_error}),
+                    **(
+                        {}
+                        if i.load is None
+                        else {
+                            "waiting": i.load.waiting,
+                            "running": i.load.running,
+                            "kv_usage": i.load.kv_usage,
+                        }
+                    ),
+                }
+                for i in self.instances.values()
+            ],
+        }
+        return report
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"{i.config.kind} {i.config.role} {i.config.url}"
+            + ("" if i.usable else f" (not up: {i.last_error or 'no answer yet'})")
+            for i in self.instances.values()
+        )
+
+    # --- placement -------------------------------------------------------------------
+
+    def pick(
+        self, role: str, model: str, exclude: frozenset[str] = frozenset()
+    ) -> EngineInstance | None:
+        """A usable instance for ``role`` serving ``model``; suspended ones only when no
+        other is left."""
+        serving = [
+            i
+            for i in self.instances.values()
+            if (i.serves_prefill if role == "prefill" else i.serves_decode) and i.model == model
+        ]
+        now = trio.current_time()
+        scheduler = self._schedulers[role]
+        for allow_suspended in (False, True):
+            chosen = scheduler.pick(
+                [i.candidate(now, allow_suspended) for i in serving], exclude=exclude
+            )
+            if chosen is not None:
+                return self.instances[chosen]
+        return None
+
+    def failed(self, instance: EngineInstance, why: str) -> None:
+        """It failed a leg (a 5xx, unreachable, a broken stream): out of rotation a while."""
+        instance.failures_in_a_row += 1
+        backoff = min(
+            self.config.router.instance_backoff_s * 2 ** (instance.failures_in_a_row - 1),
+            _MAX_BACKOFF_S,
+        )
+        instance.suspended_until = trio.current_time() + backoff
+        instance.last_error = why
+        log.warning(
+            "engine %s failed %d leg(s) in a row (%s): out of rotation for %gs",
+            instance.name,
+            instance.failures_in_a_row,
+            why,
+            backoff,
+        )
+
+    @staticmethod
+    def served(instance: EngineInstance) -> None:
+        if instance.failures_in_a_row:
+            instance.failures_in_a_row = 0
+            instance.suspended_until = 0.0
+
+    def all_of(self, role: str, model: str) -> Iterator[EngineInstance]:
+        for instance in self.instances.values():
+            if instance.model == model and (
+                instance.serves_prefill if role == "prefill" else instance.serves_decode
+            ):
+                yield instance
+
+    # --- health and load -------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Ask every engine once (start-up waits for that), then keep reading them."""
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            await self._scrape_all()
+            task_status.started()
+            while True:
+                await trio.sleep(_SCRAPE_INTERVAL_S)
+                await self._scrape_all()
+
+    async def _scrape_all(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for instance in self.instances.values():
+                nursery.start_soon(self._scrape, instance)
+
+    async def _scrape(self, instance: EngineInstance) -> None:
+        was_healthy = instance.healthy
+        try:
+            with trio.fail_after(self._timeout_s):
+                if not instance.model:
+                    await self._learn_model(instance)
+                health = await self.http.get(f"{instance.url}/health", headers=instance.headers())
+                if health.status_code != 200:
+                    raise _NotUp(f"/health answered {health.status_code}")
+                metrics = await self.http.get(f"{instance.url}/metrics", headers=instance.headers())
+                if metrics.status_code == 200:
+                    instance.load = parse_engine_metrics(metrics.text)
+        except (httpx.HTTPError, OSError, trio.TooSlowError, _NotUp, ValueError) as exc:
+            why = str(exc) or type(exc).__name__
+            if was_healthy or why != instance.last_error:  # once per change, not per scrape
+                log.warning("engine %s is not up: %s", instance.name, why)
+            instance.healthy = False
+            instance.last_error = why
+            return
+        instance.healthy = True
+        if not was_healthy:
+            log.info(
+                "engine %s is up: %s %s, model %s (context %d)",
+                instance.name,
+                instance.config.kind,
+                instance.config.role,
+                instance.model,
+                instance.max_model_len,
+            )
+
+    async def _learn_model(self, instance: EngineInstance) -> None:
+        response = await self.http.get(f"{instance.url}/v1/models", headers=instance.headers())
+        if response.status_code != 200:
+            raise _NotUp(f"/v1/models answered {response.status_code}")
+        listed = response.json().get("data") or []
+        wanted = instance.config.model
+        entry = next((m for m in listed if not wanted or m.get("id") == wanted), None)
+        if entry is None:
+            names = ", ".join(str(m.get("id")) for m in listed) or "none"
+            raise _NotUp(f"it serves no model {wanted!r} (it serves {names})")
+        instance.max_model_len = int(entry.get("max_model_len") or 0)
+        instance.model = str(entry["id"])
+
+
+class _NotUp(Exception):
+    """An engine answered, but not as one that can serve."""

@@ -1,0 +1,1 @@
+"""Command-line tools beside the router and the workers (run with ``python -m``)."""

@@ -1,0 +1,143 @@
+"""The router in front of SGLang instances (kind = "sglang"): the bootstrap protocol's two
+concurrent legs, against the emulator in tests/router/fake_sglang.py."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import trio
+
+from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig
+from pdtrio.router.app import RouterApp
+from tests.cluster import serve_app
+from tests.router.fake_sglang import FakeSglang
+from tests.router.fake_vllm import MODEL
+
+BOOTSTRAP_PORT = 8998
+
+
+@asynccontextmanager
+async def fronted(
+    prefills: int = 1, decodes: int = 1
+) -> AsyncIterator[tuple[str, list[FakeSglang], list[FakeSglang]]]:
+    async with trio.open_nursery() as nursery:
+        rooms: dict[Any, Any] = {}
+        engines = [
+            FakeSglang(f"p{i}", {}, rooms=rooms, bootstrap_port=BOOTSTRAP_PORT + i)
+            for i in range(prefills)
+        ] + [FakeSglang(f"d{i}", {}, rooms=rooms) for i in range(decodes)]
+        for engine in engines:
+            engine.url = await serve_app(engine, nursery)
+        prefill, decode = engines[:prefills], engines[prefills:]
+        config = PdtrioConfig(
+            router=RouterConfig(instance_backoff_s=60.0),
+            instances=tuple(
+                InstanceConfig(
+                    role="prefill", url=e.url, kind="sglang", bootstrap_port=e.bootstrap_port
+                )
+                for e in prefill
+            )
+            + tuple(InstanceConfig(role="decode", url=e.url, kind="sglang") for e in decode),
+        )
+        url = await serve_app(RouterApp(config), nursery)
+        yield url, prefill, decode
+        nursery.cancel_scope.cancel()
+
+
+def _events(text: str) -> list[Any]:
+    return [
+        line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
+        for line in text.splitlines()
+        if line.startswith("data: ")
+    ]
+
+
+async def test_both_legs_carry_one_room_and_the_client_gets_decodes_stream() -> None:
+    async with fronted() as (url, [prefill], [decode]):
+        async with httpx.AsyncClient(base_url=url) as client:
+            response = await client.post(
+                "/v1/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": "a b c",
+                    "max_tokens": 3,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+    assert response.status_code == 200, response.text
+    events = _events(response.text)
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == " t0 t1 t2"
+    assert events[-2]["usage"]["completion_tokens"] == 3
+    assert events[-1] == "[DONE]"
+    [prefill_leg] = prefill.legs()
+    [decode_leg] = decode.legs()
+    for key in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+        assert prefill_leg[key] == decode_leg[key]
+    assert decode_leg["bootstrap_port"] == BOOTSTRAP_PORT
+    assert decode_leg["bootstrap_host"] == "127.0.0.1"
+    assert 0 <= decode_leg["bootstrap_room"] < 1 << 63
+    assert prefill_leg["stream"] is False and decode_leg["stream"] is True
+
+
+async def test_a_failed_prefill_closes_the_waiting_decode_and_another_prefill_takes_it() -> None:
+    async with fronted(prefills=2) as (url, prefills, [decode]):
+        prefills[0].fail_status = prefills[1].fail_status = 500
+        async with httpx.AsyncClient(base_url=url) as client:
+            refused = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+            )
+            assert refused.status_code == 503
+            assert decode.decode_aborted.is_set()  # it waited for KV that never came
+            prefills[1].fail_status = 0
+            served = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+            )
+    assert served.status_code == 200, served.text
+    assert served.json()["choices"][0]["text"] == " t0 t1"
+    rooms = {leg["bootstrap_room"] for leg in decode.legs()}
+    assert len(rooms) == len(decode.legs())  # each try its own room
+
+
+async def test_a_client_that_leaves_closes_both_legs() -> None:
+    async with fronted() as (url, [prefill], [decode]):
+        prefill.prefill_gate = trio.Event()  # prefill never gets to the KV
+        async with httpx.AsyncClient(base_url=url) as client:
+            async with trio.open_nursery() as nursery:
+
+                async def leave() -> None:
+                    await decode.decode_waiting_for_kv.wait()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(leave)
+                await client.post(
+                    "/v1/completions",
+                    json={"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": True},
+                )
+        with trio.fail_after(5):
+            await decode.decode_aborted.wait()
+        assert not prefill.held
+
+
+async def test_a_decode_failing_before_its_first_token_starts_both_legs_again() -> None:
+    async with fronted(decodes=2) as (url, [prefill], decodes):
+        decodes[0].fail_status = decodes[1].fail_status = 500
+        async with httpx.AsyncClient(base_url=url) as client:
+            refused = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+            )
+            assert refused.status_code == 503
+            decodes[1].fail_status = 0
+            served = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+            )
+    assert served.status_code == 200, served.text
+    assert served.json()["choices"][0]["text"] == " t0 t1"
+    # the prefill legs of the failed tries were closed, each try had its own room
+    rooms = [leg["bootstrap_room"] for leg in prefill.legs()]
+    decode_legs = len(decodes[0].legs()) + len(decodes[1].legs())
+    assert len(rooms) == len(set(rooms)) == decode_legs >= 3

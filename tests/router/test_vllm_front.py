@@ -1,0 +1,338 @@
+"""The router in front of vLLM instances (kind = "vllm"): the KV connector protocol's legs,
+the shape of what the client gets, retries, 4xx, a client leaving between the legs.
+
+Against in-process fakes of vLLM's HTTP contract (tests/router/fake_vllm.py); the
+same against a real vLLM pair is tests/vllm/test_real_vllm.py (nox -s vllm).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import openai
+import trio
+
+from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig
+from pdtrio.router.app import RouterApp
+from tests.cluster import serve_app
+from tests.router.fake_vllm import CACHED_TOKENS, MODEL, FakeVllm, fake_engines
+
+
+@asynccontextmanager
+async def fronted(
+    prefills: int = 1, decodes: int = 1, api_key: str = ""
+) -> AsyncIterator[tuple[str, list[FakeVllm], list[FakeVllm], RouterApp]]:
+    names = [f"p{i}" for i in range(prefills)] + [f"d{i}" for i in range(decodes)]
+    async with trio.open_nursery() as nursery:
+        async with fake_engines(nursery, *names) as engines:
+            p = [engines[n] for n in names[:prefills]]
+            d = [engines[n] for n in names[prefills:]]
+            config = PdtrioConfig(
+                router=RouterConfig(instance_backoff_s=60.0),
+                instances=tuple(
+                    [
+                        InstanceConfig(role="prefill", url=e.url, kind="vllm", api_key=api_key)
+                        for e in p
+                    ]
+                    + [
+                        InstanceConfig(role="decode", url=e.url, kind="vllm", api_key=api_key)
+                        for e in d
+                    ]
+                ),
+            )
+            app = RouterApp(config)
+            url = await serve_app(app, nursery)
+            yield url, p, d, app
+        nursery.cancel_scope.cancel()
+
+
+def _events(text: str) -> list[Any]:
+    out: list[Any] = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def test_a_completion_takes_both_legs_and_gets_prefills_cached_tokens() -> None:
+    async with fronted() as (url, [prefill], [decode], _):
+        async with httpx.AsyncClient(base_url=url) as client:
+            response = await client.post(
+                "/v1/completions",
+                json={
+                    "model": MODEL,
+                    "prompt": "one two three",
+                    "max_tokens": 4,
+                    "min_tokens": 2,
+                },
+            )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["choices"][0]["text"] == " t0 t1 t2 t3"
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 4
+        assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": CACHED_TOKENS}
+
+        [(prefill_leg, prefill_headers)] = prefill.received
+        assert prefill_leg["stream"] is False and prefill_leg["max_tokens"] == 1
+        assert "stream_options" not in prefill_leg and "min_tokens" not in prefill_leg
+        assert prefill_leg["kv_transfer_params"]["do_remote_decode"] is True
+        assert prefill_leg["kv_transfer_params"]["do_remote_prefill"] is False
+        [(decode_leg, decode_headers)] = decode.received
+        # prefill's kv_transfer_params, whole (a newer version's fields included)
+        assert decode_leg["kv_transfer_params"]["a_field_of_a_newer_version"] == {"kept": True}
+        assert decode_leg["kv_transfer_params"]["remote_engine_id"] == "p0"
+        assert decode_leg["max_tokens"] == 4 and decode_leg["min_tokens"] == 2
+        assert prefill_headers["x-request-id"] == decode_headers["x-request-id"] == body["id"]
+        assert prefill.held == {}  # decode pulled the blocks
+
+
+async def test_max_completion_tokens_is_one_on_the_prefill_leg() -> None:
+    async with fronted() as (url, [prefill], [decode], _):
+        async with httpx.AsyncClient(base_url=url) as client:
+            response = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_completion_tokens": 3,
+                },
+            )
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"] == " t0 t1 t2"
+        [leg] = prefill.legs()
+        assert leg["max_completion_tokens"] == 1 and leg["max_tokens"] == 1
+        assert decode.legs()[0]["max_completion_tokens"] == 3
+
+
+async def test_a_stream_has_the_role_chunk_usage_only_when_asked_and_done() -> None:
+    async with fronted() as (url, [prefill], _, _):
+        async with httpx.AsyncClient(base_url=url) as client:
+            asked = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 3,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+            plain = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 3,
+                    "stream": True,
+                },
+            )
+    assert all("stream_options" not in leg and leg["stream"] is False for leg in prefill.legs())
+    events = _events(asked.text)
+    assert events[-1] == "[DONE]"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = [e for e in events[1:-1] if e["choices"]]
+    assert "".join(e["choices"][0]["delta"]["content"] for e in content) == " t0 t1 t2"
+    assert [e["choices"][0]["finish_reason"] for e in content] == [None, None, "length"]
+    usage = events[-2]
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 3
+    assert usage["usage"]["prompt_tokens_details"] == {"cached_tokens": CACHED_TOKENS}
+    plain_events = _events(plain.text)
+    assert plain_events[-1] == "[DONE]"
+    assert all("usage" not in e for e in plain_events[:-1])
+
+
+async def test_a_null_kv_transfer_params_sends_decode_the_plain_request() -> None:
+    async with fronted() as (url, [prefill], [decode], _):
+        prefill.null_kv_params = True
+        async with httpx.AsyncClient(base_url=url) as client:
+            response = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 2}
+            )
+        assert response.status_code == 200, response.text
+        assert "kv_transfer_params" not in decode.legs()[0]
+
+
+async def test_a_4xx_is_the_clients_and_suspends_nothing() -> None:
+    async with fronted() as (url, [prefill], [decode], app):
+        prefill.fail_status = 400
+        async with httpx.AsyncClient(base_url=url) as client:
+            refused = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 2}
+            )
+            assert refused.status_code == 400
+            assert refused.json()["error"]["message"] == "p0 says no"
+            prefill.fail_status = 0
+            assert (
+                await client.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 2}
+                )
+            ).status_code == 200
+        pool = app.router.engines  # type: ignore[union-attr]
+        assert all(i.failures_in_a_row == 0 for i in pool.instances.values())
+
+
+async def test_a_prefill_failing_with_a_5xx_is_suspended_and_another_takes_it() -> None:
+    async with fronted(prefills=2) as (url, prefills, [decode], app):
+        prefills[0].fail_status = 500
+        prefills[1].fail_status = 500
+        async with httpx.AsyncClient(base_url=url) as client:
+            both_down = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 2}
+            )
+            assert both_down.status_code == 503
+            assert "no prefill instance is available" in both_down.json()["error"]["message"]
+            prefills[1].fail_status = 0
+            served = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 2}
+            )
+        assert served.status_code == 200, served.text
+        pool = app.router.engines  # type: ignore[union-attr]
+        assert pool.instances[prefills[0].url].failures_in_a_row >= 1
+
+
+async def test_a_decode_failing_before_its_first_token_gets_a_new_prefill_and_another_decode() -> (
+    None
+):
+    async with fronted(decodes=2) as (url, [prefill], decodes, _):
+        decodes[0].fail_status = 500
+        decodes[1].fail_status = 500
+        async with httpx.AsyncClient(base_url=url) as client:
+            for _ in range(2):  # whichever decode it picks first
+                decodes[0].fail_status, decodes[1].fail_status = 500, 0
+                response = await client.post(
+                    "/v1/completions",
+                    json={"model": MODEL, "prompt": "a b", "max_tokens": 2, "stream": True},
+                )
+                assert response.status_code == 200, response.text
+                assert _events(response.text)[-1] == "[DONE]"
+        assert decodes[1].legs()  # the one that works served them
+        # each request that met the failing decode was prefilled again
+        assert len(prefill.legs()) == 2 + len(decodes[0].legs())
+
+
+async def test_a_decode_failing_mid_stream_ends_with_an_error_event_and_done() -> None:
+    async with fronted() as (url, _, [decode], _):
+        decode.fail_after_tokens = 2
+        async with httpx.AsyncClient(base_url=url) as client:
+            response = await client.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "a b", "max_tokens": 5, "stream": True},
+            )
+    events = _events(response.text)
+    assert response.status_code == 200
+    assert [e["choices"][0]["text"] for e in events[:2]] == [" t0", " t1"]
+    assert "the engine broke" in events[2]["error"]["message"]
+    assert events[3] == "[DONE]"
+
+
+async def test_a_client_leaving_between_the_legs_leaves_no_kv_on_prefill() -> None:
+    async with fronted() as (url, [prefill], [decode], _):
+        decode.decode_gate = trio.Event()  # decode takes the request but waits
+        async with httpx.AsyncClient(base_url=url) as client:
+            with trio.move_on_after(5) as waited:
+                async with trio.open_nursery() as nursery:
+
+                    async def leave_once_prefilled() -> None:
+                        await decode.decode_waiting.wait()  # prefill answered, decode waits
+                        nursery.cancel_scope.cancel()  # the client goes
+
+                    nursery.start_soon(leave_once_prefilled)
+                    await client.post(
+                        "/v1/completions",
+                        json={"model": MODEL, "prompt": "a b c", "max_tokens": 8, "stream": True},
+                    )
+            assert not waited.cancelled_caught
+            with trio.fail_after(5):
+                await decode.decode_aborted.wait()  # the router hung up on the decode leg
+            assert prefill.held  # stranded, until a decode pulls them
+            decode.decode_gate.set()
+            with trio.fail_after(5):
+                await prefill.wait_until(holding=False)
+        # the leg that freed them: one token, not streamed, prefill's params
+        release = decode.legs()[-1]
+        assert release["max_tokens"] == 1 and release["stream"] is False
+        assert release["kv_transfer_params"]["remote_engine_id"] == "p0"
+
+
+async def test_the_openai_client_and_health() -> None:
+    async with fronted() as (url, _, _, _):
+        async with httpx.AsyncClient(base_url=url) as client:
+            health = (await client.get("/health")).json()
+            models = (await client.get("/v1/models")).json()
+        assert health["status"] == "ok"
+        assert [e["kind"] for e in health["engines"]] == ["vllm", "vllm"]
+        assert [m["id"] for m in models["data"]] == [MODEL]
+
+        def call() -> tuple[str, Any]:
+            api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            chunks = list(
+                api.completions.create(
+                    model=MODEL,
+                    prompt="hello",
+                    max_tokens=3,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            return text, chunks[-1].usage
+
+        text, usage = await trio.to_thread.run_sync(call)
+        assert text == " t0 t1 t2"
+        assert usage.completion_tokens == 3
+        assert usage.prompt_tokens_details.cached_tokens == CACHED_TOKENS
+
+
+async def test_a_draining_router_refuses_new_requests_before_any_leg() -> None:
+    async with fronted() as (url, [prefill], [decode], app):
+        app.router.requests.draining = True  # type: ignore[union-attr]
+        async with httpx.AsyncClient(base_url=url) as client:
+            response = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+            )
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "shutting_down"
+        assert not prefill.received and not decode.received
+
+
+async def test_an_instances_api_key_goes_with_each_leg() -> None:
+    async with fronted(api_key="sk-engine") as (url, [prefill], [decode], _):
+        async with httpx.AsyncClient(base_url=url) as client:
+            response = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+            )
+        assert response.status_code == 200, response.text
+        for _, headers in prefill.received + decode.received:
+            assert headers["authorization"] == "Bearer sk-engine"
+
+
+async def test_an_engine_not_up_is_not_routed_to_and_health_says_why() -> None:
+    async with trio.open_nursery() as nursery:
+        async with fake_engines(nursery, "p0", "d0") as engines:
+            engines["p0"].health_status = 503
+            config = PdtrioConfig(
+                instances=(
+                    InstanceConfig(role="prefill", url=engines["p0"].url, kind="vllm"),
+                    InstanceConfig(role="decode", url=engines["d0"].url, kind="vllm"),
+                )
+            )
+            url = await serve_app(RouterApp(config), nursery)
+            async with httpx.AsyncClient(base_url=url) as client:
+                health = await client.get("/health")
+                response = await client.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 2}
+                )
+        nursery.cancel_scope.cancel()
+    assert health.status_code == 503
+    [prefill] = [e for e in health.json()["engines"] if e["role"] == "prefill"]
+    assert prefill["healthy"] is False and "/health answered 503" in prefill["error"]
+    assert response.status_code == 503
+    assert "no prefill instance is available" in response.json()["error"]["message"]
+    assert not engines["p0"].received

@@ -1,0 +1,187 @@
+"""pdtrio's router in front of a real vLLM PD pair (NixlConnector, KV in CPU memory).
+
+Not in the default suite: ``nox -s vllm`` installs vLLM in its own interpreter, exports
+SmolLM2 as an HF checkpoint and runs this file (PDTRIO_VLLM_PYTHON, PDTRIO_VLLM_MODEL).
+One pair for the module: it takes 1-3 minutes to start on two cores.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import openai
+import pytest
+import trio
+
+from pdtrio.config import InstanceConfig, PdtrioConfig
+from pdtrio.faults.plan import Fault
+from pdtrio.faults.proxy import FaultProxy
+from pdtrio.router.app import RouterApp
+from pdtrio.testing.vllm import (
+    NIXL_LEASED_KV_CONFIG,
+    SERVED_MODEL,
+    VllmServer,
+    kv_usage,
+    vllm_pd_pair,
+)
+from tests.cluster import serve_app
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
+    with vllm_pd_pair(tmp_path_factory.mktemp("vllm"), kv_config=NIXL_LEASED_KV_CONFIG) as servers:
+        yield servers
+
+
+@attrs.define
+class Front:
+    url: str
+    prefill: VllmServer
+    decode_proxy: FaultProxy
+
+
+@asynccontextmanager
+async def front(pair: tuple[VllmServer, VllmServer]) -> AsyncIterator[Front]:
+    """The router over the pair, decode behind a fault proxy (to hold it between the legs)."""
+    prefill, decode = pair
+    async with trio.open_nursery() as nursery:
+        proxy = FaultProxy("127.0.0.1", 0, "127.0.0.1", int(decode.url.rsplit(":", 1)[1]))
+        port = await nursery.start(proxy.run)
+        config = PdtrioConfig(
+            instances=(
+                InstanceConfig(role="prefill", url=prefill.url, kind="vllm"),
+                InstanceConfig(role="decode", url=f"http://127.0.0.1:{port}", kind="vllm"),
+            )
+        )
+        yield Front(await serve_app(RouterApp(config), nursery), prefill, proxy)
+        nursery.cancel_scope.cancel()
+
+
+async def _kv(url: str) -> float:
+    return await trio.to_thread.run_sync(kv_usage, url)
+
+
+async def _kv_becomes(url: str, held: bool, within_s: float) -> float:
+    """Poll the instance's KV usage (its /metrics is all there is to watch) until it is
+    non-zero (``held``) or zero; how long that took."""
+    started = trio.current_time()
+    for _ in range(int(within_s / 0.1)):
+        if (await _kv(url) > 0.0) == held:
+            return trio.current_time() - started
+        await trio.sleep(0.1)
+    raise AssertionError(f"{url}: KV usage not {'> 0' if held else '0'} in {within_s:g}s")
+
+
+async def test_completions_streamed_and_not_match_decode_alone(
+    pair: tuple[VllmServer, VllmServer],
+) -> None:
+    prefill, decode = pair
+    body: dict[str, Any] = {
+        "model": SERVED_MODEL,
+        "prompt": "The capital of France is",
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    async with front(pair) as fronted, httpx.AsyncClient(timeout=120) as client:
+        alone = (await client.post(f"{decode.url}/v1/completions", json=body)).json()
+        plain = await client.post(f"{fronted.url}/v1/completions", json=body)
+        streamed = await client.post(
+            f"{fronted.url}/v1/completions",
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        )
+    assert plain.status_code == 200, plain.text
+    answer = plain.json()
+    # KV from prefill, decoded on decode: the same greedy text as decode computing it all
+    assert answer["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == 8
+    assert answer["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
+    events = [
+        line[len("data: ") :] for line in streamed.text.splitlines() if line.startswith("data: ")
+    ]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == alone["choices"][0]["text"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    assert "cached_tokens" in chunks[-1]["usage"]["prompt_tokens_details"]
+    assert await _kv(prefill.url) == 0.0  # decode pulled every block
+
+
+async def test_the_openai_client_streams_a_chat(pair: tuple[VllmServer, VllmServer]) -> None:
+    async with front(pair) as fronted:
+
+        def call() -> list[Any]:
+            api = openai.OpenAI(base_url=f"{fronted.url}/v1", api_key="unused", max_retries=0)
+            return list(
+                api.chat.completions.create(
+                    model=SERVED_MODEL,
+                    messages=[{"role": "user", "content": "What is the capital of France?"}],
+                    max_tokens=12,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    timeout=120,
+                )
+            )
+
+        chunks = await trio.to_thread.run_sync(call)
+    content = [c for c in chunks if c.choices]
+    assert content[0].choices[0].delta.role == "assistant"
+    assert "Paris" in "".join(c.choices[0].delta.content or "" for c in content)
+    assert content[-1].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+async def test_a_client_gone_between_the_legs_leaves_no_kv_on_prefill(
+    pair: tuple[VllmServer, VllmServer],
+) -> None:
+    async with front(pair) as fronted, httpx.AsyncClient(timeout=120) as client:
+        assert await _kv(fronted.prefill.url) == 0.0
+        fronted.decode_proxy.fault = Fault(stall=True)  # decode takes nothing for now
+        with trio.move_on_after(60) as waited:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    functools.partial(
+                        client.post,
+                        f"{fronted.url}/v1/completions",
+                        json={"model": SERVED_MODEL, "prompt": "hello " * 100, "max_tokens": 8},
+                    )
+                )
+                await _kv_becomes(fronted.prefill.url, held=True, within_s=50)  # prefilled
+                nursery.cancel_scope.cancel()  # the client leaves
+        assert not waited.cancelled_caught, "prefill never held the prompt's KV"
+        fronted.decode_proxy.fault = Fault()
+        # vLLM alone holds it for its lease (300 s here) with no decode to pull it
+        freed_in = await _kv_becomes(fronted.prefill.url, held=False, within_s=60)
+        print(f"prefill's KV freed {freed_in:.1f}s after the client left")
+
+
+def test_the_benchmark_runs_quick(pair: tuple[VllmServer, VllmServer], tmp_path: Path) -> None:
+    # on this module's pair: a second pair's start took over 420 s once on two cores
+    prefill, decode = pair
+    out = tmp_path / "front_vllm.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.front_vllm", "--quick", "--json", str(out)]
+        + ["--prefill-url", prefill.url, "--decode-url", decode.url],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-8000:]
+    report = json.loads(out.read_text())
+    assert report["pdtrio"]["ttft_ms"] > 0
+    assert report["stranded_kv_freed_after_s"]
