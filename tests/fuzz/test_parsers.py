@@ -55,6 +55,7 @@ from pdtrio.protocol.openai import (
     parse_chat_completion_request,
     parse_completion_request,
 )
+from pdtrio.protocol.openai import requests as openai_requests
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.websocket_frames import ClientFrameReader, ReaderClosedError
 from pdtrio.protocol.wire import (
@@ -308,12 +309,14 @@ def request_bytes(draw: st.DrawFn) -> bytes:
 @contextmanager
 def _piecewise_everywhere() -> Iterator[None]:
     """The piecewise JSON parser for every body, with windows small enough to cut anything."""
-    with mock.patch.multiple(
-        openai,
-        PIECEWISE_JSON_BYTES=0,
-        _CHUNK_CHARS=16,  # past _LONGEST_ESCAPE: a window always holds one whole escape
-        _SMALL_VALUE_CHARS=24,
-        _DECODE_CHUNK_BYTES=5,
+    with (
+        mock.patch.object(openai_requests, "PIECEWISE_JSON_BYTES", 0),
+        mock.patch.multiple(
+            json_pieces,
+            _CHUNK_CHARS=16,  # past _LONGEST_ESCAPE: a window always holds one whole escape
+            _SMALL_VALUE_CHARS=24,
+            _DECODE_CHUNK_BYTES=5,
+        ),
     ):
         yield
 
