@@ -347,20 +347,15 @@ class RequestPipeline:
         timer = self._timer
         assert timer is not None  # (set by _wait)
         fired = timer.cancel_called
-        if not fired:
-            wait = await self._step(event)
-            armed = self.machine.next_deadline()
-            timer.deadline = armed[0] if armed else float("inf")
-            return wait
         self._emits = []
         wait = self._feed(event)
         armed = self.machine.next_deadline()
         timer.deadline = armed[0] if armed else float("inf")
-        if armed is not None and armed[0] <= trio.current_time():
-            await self._write_emits()  # a deadline still due: the timer's cut stands
-        else:
-            with trio.CancelScope(shield=True):
+        if fired and (armed is None or armed[0] > trio.current_time()):
+            with trio.CancelScope(shield=True):  # the cut it fired for is no longer due
                 await self._write_emits()
+        else:
+            await self._write_emits()
         return wait
 
     # --- prefill ------------------------------------------------------------------
