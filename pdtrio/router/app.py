@@ -172,7 +172,7 @@ class RouterApp:
         method: str = scope["method"]
         server = scope.get("server")
         if server is not None:
-            router.serving_at(server)
+            router.links.serving_at(server)
         try:
             if path not in ROUTES and path.startswith("/pd/"):
                 # a worker's path: say who answers, so that a registration pointing

@@ -47,7 +47,7 @@ class EngineInstance:
     last_error: str = ""
 
     @property
-    def name(self) -> str:
+    def instance_id(self) -> str:
         return self.config.url
 
     @property
@@ -79,7 +79,7 @@ class EngineInstance:
         queued = 0 if load is None else load.waiting
         free = None if load is None else round((1.0 - load.kv_usage) * _KV_SCALE)
         return Candidate(
-            self.name,
+            self.instance_id,
             self.in_flight + queued,
             self.usable and (allow_suspended or self.suspended_until <= now),
             free,
@@ -189,7 +189,7 @@ class EnginePool:
         instance.last_error = why
         log.warning(
             "engine %s failed %d leg(s) in a row (%s): out of rotation for %gs",
-            instance.name,
+            instance.instance_id,
             instance.failures_in_a_row,
             why,
             backoff,
@@ -240,7 +240,7 @@ class EnginePool:
         except (httpx.HTTPError, OSError, trio.TooSlowError, _NotUp, ValueError) as exc:
             why = str(exc) or type(exc).__name__
             if was_healthy or why != instance.last_error:  # once per change, not per scrape
-                log.warning("engine %s is not up: %s", instance.name, why)
+                log.warning("engine %s is not up: %s", instance.instance_id, why)
             instance.healthy = False
             instance.last_error = why
             return
@@ -248,7 +248,7 @@ class EnginePool:
         if not was_healthy:
             log.info(
                 "engine %s is up: %s %s, model %s (context %d)",
-                instance.name,
+                instance.instance_id,
                 instance.config.kind,
                 instance.config.role,
                 instance.model,

@@ -148,11 +148,11 @@ def describe_start(config: PdtrioConfig) -> str:
 def describe_instances(router: Router) -> str:
     if router.engines is not None:
         return "engines " + router.engines.describe()
-    instances = sorted(router.instances.values(), key=lambda instance: instance.name)
+    instances = sorted(router.instances.values(), key=lambda instance: instance.instance_id)
     if not instances:
         return "no instances yet"
     return "instances " + ", ".join(
-        f"{instance.name} ({instance.role}, {instance.model}) at {instance.url}"
+        f"{instance.instance_id} ({instance.role}, {instance.model}) at {instance.url}"
         for instance in instances
     )
 

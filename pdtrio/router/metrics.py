@@ -460,7 +460,7 @@ class RouterStateCollector(Collector):
         )
         cut_off = 0
         for instance in router.instances.values():
-            values = [instance.name, instance.role, instance.model]
+            values = [instance.instance_id, instance.role, instance.model]
             link = instance.link
             up.add_metric(values, 1.0 if instance.usable else 0.0)
             streams = 0 if link is None else link.active_requests
@@ -469,9 +469,9 @@ class RouterStateCollector(Collector):
                 continue
             if link.capacity is not None:
                 free.add_metric(values, float(link.capacity.free_blocks))
-            reconnects.add_metric([instance.name], float(max(0, link.connects - 1)))
-            misses.add_metric([instance.name], float(link.hangs))
-            frames.add_metric([instance.name], float(link.frames_received))
+            reconnects.add_metric([instance.instance_id], float(max(0, link.connects - 1)))
+            misses.add_metric([instance.instance_id], float(link.hangs))
+            frames.add_metric([instance.instance_id], float(link.frames_received))
             cut_off += link.clients_cut_off
         yield from (up, active, free, reconnects, misses, frames)
         yield CounterMetricFamily(

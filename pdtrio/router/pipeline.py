@@ -32,7 +32,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Hashable, Mapping
-from typing import Literal, cast, final
+from typing import Literal, final
 
 import attrs
 import trio
@@ -51,7 +51,6 @@ from pdtrio.protocol.openai import (
 )
 from pdtrio.protocol.sse import StreamShaper
 from pdtrio.protocol.wire import (
-    DRAINING_ERROR_TYPE,
     DecodeStart,
     KvHandle,
     PrefillFailed,
@@ -75,9 +74,6 @@ from pdtrio.router.worker_link import (
 )
 
 log = logging.getLogger("pdtrio.router.pipeline")
-
-Connection = tuple[WorkerLink, int]
-"""A decode link and which of its connections (``WorkerLink.connects``) a request was on."""
 
 # request ids: unique across router processes sharing workers (the random part),
 # and no system call per request (uuid4 reads the OS's randomness every time)
@@ -362,7 +358,8 @@ class RequestPipeline:
 
     async def _send_prefill(self, command: rm.SendPrefill) -> _Wait | None:
         router = self.router
-        instance = router.pick_prefill(self.request.model, command.exclude)
+        instances = router.instances
+        instance = instances.pick_prefill(self.request.model, trio.current_time(), command.exclude)
         if instance is None or instance.link is None:
             return await self._report(rm.PrefillUnavailable())
         if command.retry:
@@ -370,11 +367,11 @@ class RequestPipeline:
         else:
             self._prefill_started = time.perf_counter()
         self.prefill_instance = instance
-        await self._report(rm.PrefillSent(instance.name))
+        await self._report(rm.PrefillSent(instance.instance_id))
         if self._call is None:
             self._call = self._first_call()
         call = self._call
-        instance.active_prefills += 1
+        instance.prefill_started()
         try:
             # a cancelled call releases the request on prefill itself
             answer = await instance.link.prefill(call)
@@ -382,27 +379,18 @@ class RequestPipeline:
             return await self._report(rm.PrefillNotSent())  # it never saw it: another may
         except BackendLost as exc:
             # the worker drops a lost link's prefills: another instance may try
-            router.instance_failed(instance)
+            instances.instance_failed(instance, trio.current_time())
             return await self._report(rm.PrefillLost(str(exc)))
         finally:
-            instance.active_prefills -= 1
+            instance.prefill_ended()
         if type(answer) is PrefillFailed:
-            if answer.status >= 500:
-                # the instance's fault, not the request's (a 4xx is not retried); 503 is a
-                # busy one (no KV room): tried elsewhere, but not suspended
-                if answer.error_type == DRAINING_ERROR_TYPE:
-                    router.instance_draining(instance)
-                elif answer.status != 503:
-                    router.instance_failed(instance)
-                log.warning(
-                    "prefill on %s failed, trying another: %s", instance.name, answer.message
-                )
+            instances.prefill_failed(instance, answer, trio.current_time())
             failure = rm.WorkerFailure(
                 answer.status, answer.error_type, answer.message, answer.param
             )
             return await self._report(rm.PrefillFailed(failure))
         assert type(answer) is PrefillReply
-        router.instance_served(instance)
+        instances.instance_served(instance)
         if answer.finish_reason is not None and answer.usage is None:
             raise _ShellFailure(_NO_COUNTS)
         if not command.continuation:  # the request's own prefill, not a migration's
@@ -417,10 +405,39 @@ class RequestPipeline:
             return await self._report(rm.Prefilled(None))
         self._kv_access_token = handle.access_token  # what a release must show
         self._lease_holder = instance
-        instance.leases_out += 1  # its link stays until this request ends
-        await _check_kv_source(router, handle, instance)
+        instance.lease_taken()  # its link stays until this request ends
+        await self._check_kv_source(handle, instance)
         ends_at = LEASES.ends_at(handle, trio.current_time())
         return await self._report(rm.Prefilled(ends_at))
+
+    async def _check_kv_source(self, handle: KvHandle, instance: Instance) -> None:
+        """Decode pulls only from where the prefill instance registered its KV port: a
+        handle naming another address (or instance) is refused, never passed on.
+
+        A restarted worker serves a new KV port: what its /pd/info says now (asked at
+        the URL it registered, with the worker secret) is its registration then.
+        """
+        instances = self.router.instances
+        if handle.instance_id == instance.instance_id and instances.kv_source_mismatch(
+            handle, instance
+        ):
+            await self.router.links.refresh_transfer_endpoint(instance)
+        if instances.kv_source_mismatch(handle, instance):
+            log.error(
+                "prefill instance %s handed out KV at %s:%d (as %r), not its registered %s:%d",
+                instance.instance_id,
+                handle.transfer_host,
+                handle.transfer_port,
+                handle.instance_id,
+                *instance.transfer_endpoint,
+            )
+            raise _ShellFailure(
+                rm.Failure(
+                    Reason.BAD_KV_HANDLE,
+                    f"prefill instance {instance.instance_id} named a KV source it is not "
+                    "registered with",
+                )
+            )
 
     def _first_call(self) -> PrefillRequest:
         request = self.request
@@ -439,7 +456,7 @@ class RequestPipeline:
 
     def _drop_lease(self) -> None:
         if self._lease_holder is not None:
-            self._lease_holder.leases_out -= 1
+            self._lease_holder.lease_returned()
             self._lease_holder = None
 
     def _migrate(self, command: rm.Migrate) -> None:
@@ -473,28 +490,18 @@ class RequestPipeline:
     # --- decode -------------------------------------------------------------------
 
     def _not_on(self, tried: Mapping[str, Hashable]) -> frozenset[str]:
-        """The instances in ``tried`` still on the connection they were tried on: one that
-        has reconnected since (a reset link, a worker back from a stop) may be tried again,
-        since the worker ended everything of the old connection's."""
-        instances = self.router.instances
-        excluded = set()
-        for name, connection in tried.items():
-            link, connects = cast(Connection, connection)  # what _place_decode reports
-            instance = instances.get(name)
-            if instance is not None and instance.link is link and link.connects == connects:
-                excluded.add(name)
-        return frozenset(excluded)
+        return self.router.instances.still_on(tried)
 
     async def _wait_for_decode_link(self, command: rm.WaitForDecode) -> _Wait | None:
         """Until a decode not in the command's ``exclude`` is connected (the machine's
         RECONNECT deadline bounds it)."""
-        router = self.router
         reply = self._reply
         assert reply is not None
         layout = None if command.any_layout or reply.kv_handle is None else reply.kv_handle.layout
         tried = command.exclude
-        if not router.decode_links(self._not_on(tried), layout):
-            await router.wait_for_decode_link(lambda: self._not_on(tried), layout)
+        instances = self.router.instances
+        if not instances.decode_links(self._not_on(tried), layout):
+            await instances.wait_for_decode_link(lambda: self._not_on(tried), layout)
         if not command.any_layout:
             log.warning("decode failed before its first token: trying another")
         return await self._report(rm.DecodeConnected())
@@ -520,7 +527,7 @@ class RequestPipeline:
         assert link is not None and link.capacity is not None  # what decode_with_room picks
         # no checkpoint from the pick to the promise inside start: the room is ours
         self.decode_link = link
-        await self._report(rm.DecodeStartSent(instance.name, (link, link.connects)))
+        await self._report(rm.DecodeStartSent(instance.instance_id, (link, link.connects)))
         return _RunDecode(link, sent_at)
 
     async def _run_decode(self, wait: _RunDecode) -> _Wait | None:
@@ -584,37 +591,27 @@ class RequestPipeline:
         """A decode instance with room for the request (not one of ``tried``, unless it has
         reconnected since), waiting in FIFO order for one."""
         router = self.router
-        links = router.decode_links(self._not_on(tried), handle.layout)
+        instances = router.instances
+        links = instances.decode_links(self._not_on(tried), handle.layout)
         if not links and await self._a_decode_connects(tried, handle.layout, handle):
-            links = router.decode_links(self._not_on(tried), handle.layout)
-        if not links:
-            if router.decode_links(self._not_on(tried)):
-                last_reason = f"none takes prefill's KV layout [{handle.layout.describe()}]"
-            raise _ShellFailure(
-                rm.Failure(
-                    Reason.SERVICE_UNAVAILABLE,
-                    f"no decode instance could take the request: {last_reason}",
-                )
-            )
+            links = instances.decode_links(self._not_on(tried), handle.layout)
         num_tokens = self._kv_tokens(reply)
-        own_prompt = reply.prompt_tokens - self._leg_generated
-        reports = [link.capacity for link in links if link.capacity is not None]
-        if reports and all(
-            blocks_needed(num_tokens, c.block_size) > c.total_blocks for c in reports
-        ):
-            most = max(c.total_blocks * c.block_size for c in reports)
-            raise _ShellFailure(
-                rm.Failure(
-                    Reason.CONTEXT_LENGTH_EXCEEDED,
-                    f"This request needs {num_tokens} tokens of KV cache ({own_prompt} in "
-                    f"the prompt, {reply.token_budget} for the completion), more than any "
-                    f"decode instance can hold ({most}). Please reduce max_tokens or the prompt.",
-                    param="max_tokens",
-                )
-            )
+        unplaceable = instances.decode_unplaceable(
+            links,
+            self._not_on(tried),
+            handle.layout,
+            num_tokens,
+            reply.prompt_tokens - self._leg_generated,
+            reply.token_budget,
+            last_reason,
+        )
+        if unplaceable is not None:
+            raise _ShellFailure(rm.Failure(*unplaceable))
 
         def take() -> Instance | None:
-            return router.decode_with_room(num_tokens, self._not_on(tried), handle.layout)
+            return instances.decode_with_room(
+                num_tokens, trio.current_time(), self._not_on(tried), handle.layout
+            )
 
         # the reserved place becomes a waiter's (no checkpoint until wait_for holds it)
         self._unreserve()
@@ -638,7 +635,7 @@ class RequestPipeline:
         if wait_s <= 0:
             return False
         with trio.move_on_after(wait_s):
-            await router.wait_for_decode_link(lambda: self._not_on(tried), layout)
+            await router.instances.wait_for_decode_link(lambda: self._not_on(tried), layout)
             return True
         return False
 
@@ -682,7 +679,7 @@ class RequestPipeline:
                 if final:
                     decode = self._decode_instance()
                     if decode is not None:
-                        self.router.instance_served(decode)
+                        self.router.instances.instance_served(decode)
                     return await self._report(rm.DecodeTokens(final=True))
                 if spacing:
                     # spaced from the schedule, not from when the send returned: the
@@ -701,7 +698,7 @@ class RequestPipeline:
         if decode is not None and reason not in _LINK_FAILURES:
             # a lost link is out of rotation until it reconnects: one loss fails all its
             # streams at once, and is not that many failures in a row
-            self.router.instance_failed(decode)
+            self.router.instances.instance_failed(decode, trio.current_time())
         migratable = reason in MIGRATION_REASONS and stream.token_ids is not None
         if (
             migratable
@@ -773,7 +770,7 @@ class RequestPipeline:
             )
         message = failure.message
         if failure.explain_no_prefill:
-            message = _no_instance_reason(self.router, self.request.model)
+            message = self.router.instances.no_instance_reason(self.request.model)
         return error_for(failure.reason, message, param=failure.param)
 
     async def _send_error(self) -> None:
@@ -809,7 +806,7 @@ class RequestPipeline:
             status=status,
             figures=figures,
             request_id=self.request_id,
-            prefill="-" if prefill is None else prefill.name,
+            prefill="-" if prefill is None else prefill.instance_id,
             decode="-" if decode is None else decode.instance_id,
         )
 
@@ -821,50 +818,3 @@ _NO_COUNTS = rm.Failure(Reason.INTERNAL, "the engine finished the request withou
 def _migration_label(reason: str) -> str:
     """A stream's failure reason as a MIGRATION_REASONS label."""
     return reason if reason in MIGRATION_REASONS else "decode_failed"
-
-
-async def _check_kv_source(router: Router, handle: KvHandle, instance: Instance | None) -> None:
-    """Decode pulls only from where the prefill instance registered its KV port: a handle
-    naming another address (or instance) is refused, never passed on to decode.
-
-    A restarted worker serves a new KV port: what its /pd/info says now (asked at the
-    URL it registered, with the worker secret) is its registration then.
-    """
-    if instance is None:
-        return
-    named = (handle.transfer_host, handle.transfer_port)
-    if handle.instance_id == instance.name and named != instance.transfer_endpoint:
-        await router.refresh_transfer_endpoint(instance)
-    if handle.instance_id != instance.name or named != instance.transfer_endpoint:
-        log.error(
-            "prefill instance %s handed out KV at %s:%d (as %r), not its registered %s:%d",
-            instance.name,
-            *named,
-            handle.instance_id,
-            *instance.transfer_endpoint,
-        )
-        raise _ShellFailure(
-            rm.Failure(
-                Reason.BAD_KV_HANDLE,
-                f"prefill instance {instance.name} named a KV source it is not registered with",
-            )
-        )
-
-
-def _no_instance_reason(router: Router, model: str) -> str:
-    """Why no instance pair takes a request: the role none is up for, or why none pair."""
-    instances = router.instances.values()
-    if not any(i.serves_prefill and i.usable and i.model == model for i in instances):
-        role = "prefill"
-    elif not any(i.serves_decode and i.usable for i in instances):
-        role = "decode"  # (a decode restarting, say): prefill is up, but has no counterpart
-    else:
-        role = "prefill"  # both are up, but none pairs: the reasons below say why
-    unpaired = [
-        reason
-        for name, reason in router.unpaired().items()
-        if router.instances[name].serves_prefill and router.instances[name].model == model
-    ]
-    if unpaired and role == "prefill":
-        return "no prefill instance is available: " + "; ".join(unpaired)
-    return f"no {role} instance is available"

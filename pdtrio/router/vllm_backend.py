@@ -264,7 +264,7 @@ class VllmRequest:
             try:
                 answer = await self._prefill_leg(prefill)
             except _InstanceFailed as exc:
-                tried_prefill.add(prefill.name)
+                tried_prefill.add(prefill.instance_id)
                 last_failure = str(exc)
                 continue
             except _ClientError as exc:
@@ -278,11 +278,13 @@ class VllmRequest:
                 if self._delivered_tokens:
                     # tokens went out: a new leg cannot take them back (error event + [DONE])
                     return error_for(Reason.DECODE_FAILED, f"decode failed mid-stream: {exc}")
-                tried_decode.add(decode.name)
+                tried_decode.add(decode.instance_id)
                 last_failure = str(exc)
                 self._release_unpulled()  # (the new prefill's blocks are another request's)
                 self.router.metrics.retries.labels("decode").inc()
-                log.warning("decode on %s failed before its first token: retrying", decode.name)
+                log.warning(
+                    "decode on %s failed before its first token: retrying", decode.instance_id
+                )
             except _ClientError as exc:
                 return exc.error
         return self._unavailable("prefill", last_failure)
@@ -338,14 +340,14 @@ class VllmRequest:
                     return error_for(
                         Reason.DECODE_FAILED, f"decode failed mid-stream: {decode_outcome}"
                     )
-                tried_decode.add(decode.name)
+                tried_decode.add(decode.instance_id)
                 last_failure = str(decode_outcome)
                 self.router.metrics.retries.labels("decode").inc()
                 continue
             if decode_scope.cancelled_caught or (prefill_failure and not self._delivered_tokens):
                 if isinstance(prefill_failure, _ClientError):
                     return prefill_failure.error
-                tried_prefill.add(prefill.name)
+                tried_prefill.add(prefill.instance_id)
                 last_failure = str(prefill_failure)
                 self.router.metrics.retries.labels("prefill").inc()
                 continue
@@ -416,7 +418,7 @@ class VllmRequest:
             # the client's request (its prompt, a field): its own error, the instance is fine
             raise _ClientError(OpenAIError(message, status=status, type=_engine_type(content)))
         self.pool.failed(instance, f"{leg} answered {status}: {message}")
-        raise _InstanceFailed(f"{leg} on {instance.name} answered {status}: {message}")
+        raise _InstanceFailed(f"{leg} on {instance.instance_id} answered {status}: {message}")
 
     async def _decode_leg(
         self, instance: EngineInstance, answer: PrefillAnswer, body: dict[str, Any] | None = None
@@ -441,7 +443,7 @@ class VllmRequest:
         except (httpx.HTTPError, OSError) as exc:
             why = str(exc) or type(exc).__name__
             self.pool.failed(instance, f"decode lost: {why}")
-            raise _InstanceFailed(f"decode on {instance.name} lost: {why}") from exc
+            raise _InstanceFailed(f"decode on {instance.instance_id} lost: {why}") from exc
         finally:
             instance.in_flight -= 1
         self.pool.served(instance)
@@ -630,7 +632,7 @@ class VllmRequest:
             "request %s: its client left before decode; decode %s pulled (and dropped) its "
             "prefilled KV in %.0f ms (%d)",
             self.request_id,
-            decode.name,
+            decode.instance_id,
             (time.perf_counter() - started) * 1000,
             response.status_code,
         )
@@ -645,8 +647,8 @@ class VllmRequest:
             status=status,
             figures=self.figures,
             request_id=self.request_id,
-            prefill="-" if self._prefill is None else self._prefill.name,
-            decode="-" if self._decode is None else self._decode.name,
+            prefill="-" if self._prefill is None else self._prefill.instance_id,
+            decode="-" if self._decode is None else self._decode.instance_id,
         )
 
 

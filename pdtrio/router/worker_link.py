@@ -284,6 +284,7 @@ class WorkerLink:
         *,
         max_pending_tokens: int,
         on_capacity: Callable[[], None] = lambda: None,
+        on_quieter: Callable[[], None] = lambda: None,
         link_timeout_s: float = 1.5,
         heartbeat_s: float = 0.5,
         connect_timeout_s: float = 10.0,
@@ -307,6 +308,8 @@ class WorkerLink:
         self.hangs = 0  # links dropped for silence
         self.connects = 0  # connections made (the ones after the first: reconnects)
         self._on_capacity = on_capacity
+        # told when it does less: a request ends on it, its outbox empties, it drops
+        self._on_quieter = on_quieter
         # decode's last report (None: none on this connection yet)
         self.capacity: DecodeCapacity | None = None
         # blocks of starts sent and not yet answered: decode's report may not count them yet
@@ -421,6 +424,7 @@ class WorkerLink:
             self._recent_releases.clear()
             self._fail_all(lost, "link_timeout" if self._hung else "link_lost")
             self._on_capacity()  # waiters look elsewhere (or time out)
+            self._on_quieter()
             if ws is not None:
                 await ws.aclose()
 
@@ -551,6 +555,7 @@ class WorkerLink:
                         stream.failure_reason = "decode_failed"
                         del streams[message.request_id]
                     stream.notify()
+                    self._on_quieter()
 
     def _dispatch_entries(self, entries: list[TokenEntry]) -> None:
         """Hand each entry to its stream; never waits (the hot path)."""
@@ -574,6 +579,7 @@ class WorkerLink:
                 stream.cut_off = True
             elif finish_reason is not None:
                 del streams[entry.request_id]  # finished on decode: nothing to abort
+                self._on_quieter()
             if not stream._updated and (finish_reason is not None or not stream.holding):
                 stream.notify()
 
@@ -583,6 +589,7 @@ class WorkerLink:
             del self._streams[stream.request_id]
             if abort:
                 self._post_nowait(encode(DecodeAbort(stream.request_id)))
+            self._on_quieter()
         if stream.failure is None:
             stream.failure = failure
             stream.failure_reason = reason
@@ -637,6 +644,8 @@ class WorkerLink:
             except ConnectionClosed:
                 return  # the reader sees the close; the worker ends a lost link's requests
             del batch  # a huge prefill call must not live on until the next write
+            if not self._outbox:
+                self._on_quieter()
 
     # --- the pipeline's side --------------------------------------------------------
 

@@ -72,7 +72,7 @@ class RunningRouter:
         return router
 
     def routable(self) -> set[str]:
-        return {i.name for i in self.router.instances.values() if i.usable}
+        return {i.instance_id for i in self.router.instances.values() if i.usable}
 
     def known(self) -> set[str]:
         return set(self.router.instances)

@@ -108,7 +108,7 @@ def ignored(health: dict[str, Any]) -> dict[str, str]:
 
 
 def ignored_names(router: RunningRouter) -> list[str]:
-    return [key.removeprefix(PREFIX) for key in router.router.ignored_registrations]
+    return [key.removeprefix(PREFIX) for key in router.router.links.ignored_registrations]
 
 
 def rejected_count(metrics: str, reason: str) -> float:
@@ -163,8 +163,8 @@ async def test_a_registration_pointing_at_the_router_itself_is_refused(etcd: Etc
     ):
         # before anyone asked the router anything: found out by dialing it
         await client.put(key_of("self"), encode_registration(registration("self", url=router.url)))
-        await until(lambda: key_of("self") in router.router.ignored_registrations, "refused")
-        assert "router" in router.router.ignored_registrations[key_of("self")]
+        await until(lambda: key_of("self") in router.router.links.ignored_registrations, "refused")
+        assert "router" in router.router.links.ignored_registrations[key_of("self")]
         assert router.known() == set()
         # once it was reached at its address: known at once
         await router.health()
@@ -172,7 +172,7 @@ async def test_a_registration_pointing_at_the_router_itself_is_refused(etcd: Etc
         await client.put(key_of("alias"), encode_registration(alias))
         await client.put(key_of("good"), encode_registration(registration("good")))
         await until(lambda: router.known() == {"good"}, "the good entry is seen")
-        await until(lambda: key_of("alias") in router.router.ignored_registrations, "refused")
+        await until(lambda: key_of("alias") in router.router.links.ignored_registrations, "refused")
         assert router.known() == {"good"}
         assert rejected_count(await router.metrics(), "router_url") == 2
 

@@ -488,7 +488,7 @@ async def test_kv_no_decode_can_pull_in_time_is_freed_and_the_request_goes_on_fr
         down.reset_all()
         router = proxied.cluster.router_app.router
         assert router is not None
-        await wait_for_stats(lambda: len(router.decode_links()) == 1, LIVENESS_S)
+        await wait_for_stats(lambda: len(router.instances.decode_links()) == 1, LIVENESS_S)
         events: list[str] = []
 
         async def run() -> None:
