@@ -294,7 +294,9 @@ async def test_room_found_as_the_lease_deadline_passes_still_starts_the_decode(
                 for r in router.requests._running.values()
                 if getattr(r, "machine", None) and r.machine.phase.name == "PLACING_DECODE"
             ]
-            room = router.instances.decode_with_room(16 * 16, trio.current_time())  # (what a default request needs)
+            room = router.instances.decode_with_room(
+                16 * 16, trio.current_time()
+            )  # (what a default request needs)
             announce()
             if waiting and room is not None and queue._waiters and not blocked_until:
                 armed = waiting[0].machine.next_deadline()

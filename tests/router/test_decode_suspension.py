@@ -20,7 +20,9 @@ async def test_a_failing_decode_is_suspended_then_probed_again() -> None:
         assert router is not None
         failing = router.instances[first.instance_id]
         assert failing.link is not None
-        router.instances.instance_failed(failing, trio.current_time())  # as a stream failing on it does
+        router.instances.instance_failed(
+            failing, trio.current_time()
+        )  # as a stream failing on it does
         frames_before = failing.link.frames_received
         async with client(cluster) as http:
             for _ in range(4):
