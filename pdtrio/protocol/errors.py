@@ -29,6 +29,8 @@ class Reason(enum.Enum):
     INVALID_REQUEST = "invalid_request"  # a field, the JSON, a value: the message says which
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
     INVALID_API_KEY = "invalid_api_key"
+    PEER_UNAUTHENTICATED = "peer_unauthenticated"  # a worker endpoint without the secret's proof
+    REQUEST_ID_IN_USE = "request_id_in_use"  # a worker already runs a request of that id
     NOT_FOUND = "not_found"  # no such route
     MODEL_NOT_FOUND = "model_not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
@@ -69,6 +71,10 @@ ERRORS: Final[Mapping[Reason, ErrorKind]] = MappingProxyType(
         Reason.INVALID_API_KEY: ErrorKind(
             401, _INVALID, "invalid_api_key", (("www-authenticate", "Bearer"),)
         ),
+        Reason.PEER_UNAUTHENTICATED: ErrorKind(
+            401, "authentication_error", "peer_authentication_required"
+        ),
+        Reason.REQUEST_ID_IN_USE: ErrorKind(409, _INVALID, "request_id_in_use"),
         Reason.NOT_FOUND: ErrorKind(404, _INVALID, "not_found"),
         Reason.MODEL_NOT_FOUND: ErrorKind(404, _INVALID, "model_not_found"),
         Reason.METHOD_NOT_ALLOWED: ErrorKind(405, _INVALID, "method_not_allowed"),

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Final, Generic, TypeVar, final
 
 import msgspec
 
+from pdtrio.protocol.errors import ERRORS, Reason
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
 
@@ -213,6 +214,28 @@ class PrefillFailed(_Positional, frozen=True, tag=int(MessageKind.PREFILL_FAILED
 # PrefillFailed.error_type of a prefill refused because its instance is stopping: routers
 # take the instance out of rotation at once and send the request elsewhere
 DRAINING_ERROR_TYPE = "instance_draining"
+
+
+def prefill_failed(
+    request_id: str,
+    reason: Reason,
+    message: str,
+    *,
+    param: str | None = None,
+    error_type: str | None = None,
+) -> PrefillFailed:
+    """Prefill's answer for a request it refused or failed: the status and type are the
+    one table's (:data:`pdtrio.protocol.errors.ERRORS`); ``error_type`` only where the
+    router must tell this failure apart (a draining instance)."""
+    kind = ERRORS[reason]
+    return PrefillFailed(request_id, kind.status, message, error_type or kind.type, param)
+
+
+def request_id_in_use(request_id: str) -> PrefillFailed:
+    """A second request of an id prefill knows: it would share the first one's blocks."""
+    return prefill_failed(
+        request_id, Reason.REQUEST_ID_IN_USE, f"request {request_id} is already known"
+    )
 
 
 class ReleaseRequest(_Positional, frozen=True, tag=int(MessageKind.RELEASE)):

@@ -31,7 +31,8 @@ from pdtrio.asgi import (
 )
 from pdtrio.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdtrio.protocol import wire
-from pdtrio.protocol.openai import OpenAIError, error_body, not_found
+from pdtrio.protocol.errors import Reason
+from pdtrio.protocol.openai import OpenAIError, error_body, error_for, not_found
 from pdtrio.protocol.routes import RouteTable
 from pdtrio.protocol.wire import (
     PrefillFailed,
@@ -76,7 +77,7 @@ class ServedWorker(Protocol):
     """What the routes read of the worker (``pdtrio.worker.server.Worker``)."""
 
     @property
-    def links(self) -> RouterLinkServer | None: ...
+    def link_server(self) -> RouterLinkServer | None: ...
 
     @property
     def serves_prefill(self) -> bool: ...
@@ -98,8 +99,8 @@ class ServedWorker(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
-class Busy(Exception):
-    """A bound on work in flight is reached: 503, retry shortly."""
+# a bound on work in flight is reached, or the worker is starting: retry shortly
+_SOON = (("retry-after", "1"),)
 
 
 @final
@@ -126,7 +127,7 @@ class WorkerHttpApi:
         worker = self._worker
         kind = scope["type"]  # "http" or "websocket": our listener sends no lifespan
         path = scope["path"]
-        links = worker.links
+        links = worker.link_server
         # every endpoint but /health needs a router's proof: refused before any body is read
         authorization = header(scope, b"authorization")
         authenticated = self._challenges.admits(authorization, trio.current_time())
@@ -153,15 +154,14 @@ class WorkerHttpApi:
         if not admitted:
             # the challenge proves we hold the secret when the caller sent a nonce to answer
             challenge = self._challenges.challenge(authorization, trio.current_time(), new_nonce())
-            await send_json(
+            await _send_error(
                 send,
-                401,
-                error_body(
+                error_for(
+                    Reason.PEER_UNAUTHENTICATED,
                     "this worker endpoint needs proof of the shared worker secret "
                     f"(the {AUTH_SCHEME} challenge in WWW-Authenticate)",
-                    type_="authentication_error",
+                    headers=(("www-authenticate", challenge),),
                 ),
-                [(b"www-authenticate", challenge.encode())],
             )
             return
         try:
@@ -170,32 +170,20 @@ class WorkerHttpApi:
             elif path == "/metrics" and method == "GET":
                 await send_bytes(send, 200, worker.metrics.render(), METRICS_CONTENT_TYPE)
             elif links is None:
-                await send_json(
-                    send, 503, error_body("the worker is starting", type_="service_unavailable")
-                )
+                raise error_for(Reason.SERVICE_UNAVAILABLE, "the worker is starting", headers=_SOON)
             else:
                 await self._route(method, path, receive, send)
-        except OpenAIError as exc:  # no such route, or not with that method
-            await send_json(send, exc.status, exc.to_body(), _encoded(exc.headers))
         except ClientDisconnected:
             return
+        except OpenAIError as exc:  # no such route, not with that method, or not now
+            await _send_error(send, exc)
         except BodyTooLarge:
-            await send_json(
-                send,
-                413,
-                error_body("the request body is too large", type_="invalid_request_error"),
+            await _send_error(
+                send, error_for(Reason.REQUEST_TOO_LARGE, "the request body is too large")
             )
         except WireError as exc:
-            await send_json(
-                send, 400, error_body(f"malformed request: {exc}", type_="invalid_request_error")
-            )
-        except Busy as exc:
-            await send_json(
-                send,
-                503,
-                error_body(str(exc), type_="service_unavailable"),
-                [(b"retry-after", b"1")],
-            )
+            log.info("a malformed request to %s: %s", path, exc)
+            await _send_error(send, error_for(Reason.INVALID_REQUEST, f"malformed request: {exc}"))
 
     async def _route(self, method: str, path: str, receive: Receive, send: Send) -> None:
         """A running worker's routes past /health and /metrics; OpenAIError: 404 or 405."""
@@ -229,7 +217,11 @@ class WorkerHttpApi:
         try:
             self._bodies_in_flight.acquire_nowait()
         except trio.WouldBlock:
-            raise Busy("too many prefill bodies are being received; retry shortly") from None
+            raise error_for(
+                Reason.SERVICE_UNAVAILABLE,
+                "too many prefill bodies are being received; retry shortly",
+                headers=_SOON,
+            ) from None
         try:
             body = await read_body(receive, _MAX_PREFILL_BODY)
         finally:
@@ -267,6 +259,11 @@ async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> No
     while (await receive())["type"] != "http.disconnect":
         pass
     scope.cancel()
+
+
+async def _send_error(send: Send, error: OpenAIError) -> None:
+    """The one way an error leaves the worker's HTTP API: the table's status and body."""
+    await send_json(send, error.status, error.to_body(), _encoded(error.headers))
 
 
 def _encoded(headers: Sequence[tuple[str, str]]) -> list[tuple[bytes, bytes]]:

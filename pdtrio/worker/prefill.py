@@ -19,6 +19,7 @@ from typing import Protocol, final
 import trio
 
 from pdtrio.engine.api import Engine, EngineError, NoRoom, PromptRejected
+from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.wire import (
     DRAINING_ERROR_TYPE,
@@ -28,6 +29,8 @@ from pdtrio.protocol.wire import (
     PrefillRequest,
     TokenPrompt,
     WireError,
+    prefill_failed,
+    request_id_in_use,
 )
 from pdtrio.security import new_access_token
 from pdtrio.worker.fault_hooks import FaultHooks
@@ -53,7 +56,7 @@ class PrefillHost(Protocol):
     def kv_layout(self) -> KvLayout: ...
 
     @property
-    def links(self) -> RouterLinkServer | None: ...
+    def link_server(self) -> RouterLinkServer | None: ...
 
 
 @final
@@ -124,15 +127,16 @@ class PrefillRole:
         try:
             check_prefill_request(request)
         except WireError as exc:
-            return PrefillFailed(
-                request_id, 400, f"malformed request: {exc}", "invalid_request_error"
-            )
+            return prefill_failed(request_id, Reason.INVALID_REQUEST, f"malformed request: {exc}")
         if self._host.draining:
-            return PrefillFailed(request_id, 503, "the instance is draining", DRAINING_ERROR_TYPE)
-        if self._knows(request_id):
-            return PrefillFailed(
-                request_id, 409, f"request {request_id} is already known", "invalid_request_error"
+            return prefill_failed(
+                request_id,
+                Reason.SHUTTING_DOWN,
+                "the instance is draining",
+                error_type=DRAINING_ERROR_TYPE,
             )
+        if self._knows(request_id):
+            return request_id_in_use(request_id)
         outcome: PrefillReply | PrefillFailed | None = None
         scope = trio.CancelScope()
         self._running[request_id] = (scope, request.release_token)
@@ -149,7 +153,7 @@ class PrefillRole:
 
     def _knows(self, request_id: str) -> bool:
         """Whether the id is in use here: a second request would share its blocks."""
-        links = self._host.links
+        links = self._host.link_server
         return (
             request_id in self._running
             or self._leases.holds(request_id, ())
@@ -166,16 +170,14 @@ class PrefillRole:
                     return failed
             return await self._prefill(request)
         except PromptRejected as exc:
-            return PrefillFailed(
-                request_id, 400, exc.message, "invalid_request_error", param=exc.param
-            )
+            return prefill_failed(request_id, Reason.INVALID_REQUEST, exc.message, param=exc.param)
         except NoRoom as exc:
-            return PrefillFailed(
-                request_id, 503, f"prefill has no KV room: {exc}", "service_unavailable"
+            return prefill_failed(
+                request_id, Reason.SERVICE_UNAVAILABLE, f"prefill has no KV room: {exc}"
             )
         except EngineError as exc:
-            log.error("prefill of %s failed: %r", request_id, exc)
-            return PrefillFailed(request_id, 500, f"prefill failed: {exc}", "internal_server_error")
+            log.error("prefill of %s failed", request_id, exc_info=exc)
+            return prefill_failed(request_id, Reason.INTERNAL, f"prefill failed: {exc}")
 
     async def _prefill(self, request: PrefillRequest) -> PrefillReply:
         request_id = request.request_id

@@ -43,6 +43,7 @@ from pdtrio.asgi import Receive, Scope, Send
 from pdtrio.engine.api import Engine, EngineError, EngineOutput, StepFailed, StepOutputs
 from pdtrio.memory import HeapTrimmer
 from pdtrio.protocol import wire
+from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.flush import FlushConfig
 from pdtrio.protocol.wire import (
     DecodeAbort,
@@ -56,6 +57,8 @@ from pdtrio.protocol.wire import (
     RejectReason,
     ReleaseRequest,
     WireError,
+    prefill_failed,
+    request_id_in_use,
 )
 from pdtrio.worker.admission import Decision, DecodeAdmission, Rejected
 from pdtrio.worker.fault_hooks import FaultHooks
@@ -87,7 +90,7 @@ class Prefiller(Protocol):
 
 
 @final
-class _Link:
+class RouterConnection:
     """One router's link: its reader and the dispatch of each message; its sender sends."""
 
     def __init__(
@@ -210,7 +213,7 @@ class _Link:
         """Track the call from now (a release that comes before its task runs stops it),
         and run it as a task of the link."""
         if request.request_id in self.prefilling:
-            nursery.start_soon(self.sender.send_control, _already_prefilling(request.request_id))
+            nursery.start_soon(self.sender.send_control, request_id_in_use(request.request_id))
             return
         self.prefilling[request.request_id] = False
         nursery.start_soon(self._prefill, request, big)
@@ -229,8 +232,8 @@ class _Link:
         answer: PrefillReply | PrefillFailed | None = None
         try:
             if prefiller is None:
-                answer = PrefillFailed(
-                    request_id, 400, "this instance does not prefill", "invalid_request_error"
+                answer = prefill_failed(
+                    request_id, Reason.INVALID_REQUEST, "this instance does not prefill"
                 )
             elif not self.prefilling.get(request_id, True):
                 answer = await prefiller.prefill_call(request)
@@ -348,8 +351,8 @@ class RouterLinkServer:
         self.big_decodes = trio.CapacityLimiter(1)
         self.heap_trimmer = HeapTrimmer()
         self.flush = flush
-        self.owner: dict[str, _Link] = {}  # request id -> the link that started it
-        self._links: set[_Link] = set()
+        self.owner: dict[str, RouterConnection] = {}  # request id -> the link that started it
+        self._links: set[RouterConnection] = set()
         self.draining = False  # the worker is stopping: decode starts are refused
 
     def capacity_changed(self) -> None:
@@ -377,7 +380,7 @@ class RouterLinkServer:
                     (link,) = self._links
                     await self._deliver(link, [e for e in step if owner.get(e.request_id) is link])
                     continue
-                per_link: dict[_Link, StepOutputs] = {}
+                per_link: dict[RouterConnection, StepOutputs] = {}
                 for entry in step:
                     target = owner.get(entry.request_id)
                     if target is not None:
@@ -385,7 +388,7 @@ class RouterLinkServer:
                 for target, entries in per_link.items():
                     await self._deliver(target, entries)
 
-    async def _deliver(self, link: _Link, entries: StepOutputs) -> None:
+    async def _deliver(self, link: RouterConnection, entries: StepOutputs) -> None:
         if not entries:
             return
         if self.faults is not None:
@@ -424,7 +427,9 @@ class RouterLinkServer:
             await send({"type": "websocket.close", "code": 1013})  # (an HTTP 403)
             return
         await send({"type": "websocket.accept"})
-        link = _Link(self, send, _heartbeat_interval(scope), batches=_wants_batches(scope))
+        link = RouterConnection(
+            self, send, _heartbeat_interval(scope), batches=_wants_batches(scope)
+        )
         self._links.add(link)
         try:
             async with trio.open_nursery() as nursery:
@@ -443,12 +448,6 @@ class RouterLinkServer:
                     self.prefiller.release(request_id)
             link.prefilling.clear()
             self.capacity_changed()  # the other routers learn what it freed
-
-
-def _already_prefilling(request_id: str) -> PrefillFailed:
-    return PrefillFailed(
-        request_id, 409, f"request {request_id} is already known", "invalid_request_error"
-    )
 
 
 def _query(scope: Scope) -> dict[str, list[str]]:

@@ -79,7 +79,7 @@ class Worker:
         self.leases = KvLeases(engine.free_request)
         self.transfer_endpoint: tuple[str, int] = (config.advertised_host, 0)
         self.http_port = 0
-        self.links: RouterLinkServer | None = None  # set once the instance id is known
+        self.link_server: RouterLinkServer | None = None  # set once the instance id is known
         # asked to stop: new work is refused while running requests finish (see drain)
         self.draining = False
         self.prefill = PrefillRole(
@@ -193,7 +193,7 @@ class Worker:
                 faults=self.faults,
             )
             nursery.start_soon(links.dispatch_outputs, outputs_receive)
-            self.links = links
+            self.link_server = links
             task_status.started(
                 {
                     "http_port": self.http_port,
@@ -211,14 +211,14 @@ class Worker:
         if self.draining:
             return
         self.draining = True
-        if self.links is not None:
-            self.links.draining = True
-            self.links.capacity_changed()
+        if self.link_server is not None:
+            self.link_server.draining = True
+            self.link_server.capacity_changed()
 
     @property
     def busy(self) -> bool:
         """Whether anything runs here or waits to be pulled: prefills, leases, decodes."""
-        links = self.links
+        links = self.link_server
         return bool(
             self.prefill.in_progress
             or len(self.leases)
@@ -271,7 +271,7 @@ class Worker:
 
     def stats(self) -> dict[str, Any]:
         engine = self.engine.statistics()
-        links = self.links
+        links = self.link_server
         return {
             "instance_id": self.instance_id,
             "role": self.config.role,

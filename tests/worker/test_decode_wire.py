@@ -575,7 +575,7 @@ async def test_a_decode_only_worker_refuses_a_prefill_call_on_the_link() -> None
 async def test_a_big_bad_frame_is_dropped_and_its_memory_trimmed_and_the_link_goes_on() -> None:
     async with running_pair(decode_step_s=0.001) as pair:
         good = await _prefill(pair.prefill_url, "good", "prompt", 3)
-        trimmer = pair.decode.links.heap_trimmer if pair.decode.links else None
+        trimmer = pair.decode.link_server.heap_trimmer if pair.decode.link_server else None
         assert trimmer is not None
         async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
             # past the size decoded on a thread; 0xc1 is never valid msgpack

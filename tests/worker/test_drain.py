@@ -36,7 +36,7 @@ async def test_a_draining_decode_finishes_its_streams_and_takes_no_new_ones() ->
                 await _stream(http, 4, short_answers)
             assert all("data: [DONE]" in a and '"error"' not in a for a in short_answers)
             assert busy.stats()["decode_requests"] == 1  # only the long one
-            assert other.links is not None and other.links.link_count == 1
+            assert other.link_server is not None and other.link_server.link_count == 1
         assert drained == [True]
         assert "data: [DONE]" in long_answers[0] and '"error"' not in long_answers[0]
         assert long_answers[0].count('"text"') > 1

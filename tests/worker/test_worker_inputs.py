@@ -89,3 +89,31 @@ async def test_a_wrong_method_on_a_worker_route_is_405_with_allow() -> None:
                 )
             nowhere = await http.get("/nowhere")
             assert (nowhere.status_code, nowhere.json()["error"]["code"]) == (404, "not_found")
+
+
+async def test_the_workers_errors_take_status_type_and_code_from_the_one_table(
+    shared: Cluster,
+) -> None:
+    """The worker's HTTP answers for a malformed body, a body too large and a request
+    id it already knows are the error table's, as the router's are."""
+    from pdtrio.protocol.errors import ERRORS, Reason
+    from pdtrio.worker.http_api import _MAX_RELEASE_BODY
+
+    url = f"http://127.0.0.1:{shared.workers[0].http_port}"
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        malformed = await http.post("/pd/release", content=b"\xc1", headers=MSGPACK)
+        too_large = await http.post(
+            "/pd/release", content=b"\0" * (_MAX_RELEASE_BODY + 1), headers=MSGPACK
+        )
+    for response, reason in (
+        (malformed, Reason.INVALID_REQUEST),
+        (too_large, Reason.REQUEST_TOO_LARGE),
+    ):
+        kind = ERRORS[reason]
+        error = response.json()["error"]
+        assert (response.status_code, error["type"], error["code"]) == (
+            kind.status,
+            kind.type,
+            kind.code,
+        ), response.text
+    assert not shared.busy()

@@ -1,0 +1,50 @@
+"""The link supervisor retires a deregistered instance's link once nothing runs on it,
+woken by what ends there (no polling): a stream finishing, its lease coming back."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+import trio.testing
+
+from tests.cluster import running_cluster, wait_for_stats, wait_until_idle
+
+LIVENESS_S = 20.0
+
+
+async def test_a_deregistered_decode_keeps_its_link_until_its_stream_ends_then_goes() -> None:
+    async with (
+        running_cluster(decode_step_s=0.02) as cluster,
+        httpx.AsyncClient(base_url=cluster.url, timeout=LIVENESS_S) as http,
+    ):
+        router = cluster.router_app.router
+        assert router is not None
+        (decode,) = [i for i in router.instances.values() if i.serves_decode]
+        link_scope = decode.link_scope
+        assert link_scope is not None
+        body = {"model": router.models[0], "prompt": "hi", "max_tokens": 60, "stream": True}
+        chunks = 0
+        with trio.fail_after(LIVENESS_S):
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunks += 1
+                    if chunks == 3:
+                        # mid-stream: the registry says it left
+                        router.links.instance_deregistered(decode.instance_id)
+                        await trio.testing.wait_all_tasks_blocked()
+                        assert not decode.usable
+                        assert not link_scope.cancel_called  # its stream still runs on it
+                        assert router.instances.get(decode.instance_id) is decode
+            assert chunks > 3  # the stream ran to its end on the deregistered instance
+            # nothing polls: once every task waits, the link has gone (a poll would
+            # still be asleep)
+            await wait_for_stats(lambda: not router.requests, LIVENESS_S)
+            await trio.testing.wait_all_tasks_blocked(cushion=0.01)
+            assert link_scope.cancel_called
+        assert decode.instance_id not in router.instances
+        stats = router.links.statistics()
+        assert stats.links == 1  # prefill's
+        await wait_until_idle(cluster)
