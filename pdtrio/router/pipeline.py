@@ -7,9 +7,11 @@ deadline applies, what cleanup owes, how the response ends) is the machine's:
 owns the nursery, the disconnect watcher and the I/O: it reports what happened
 as events, does what the machine answers, and holds no request logic.
 
-The instances are reached through the backend seam (``pdtrio.router.backend``);
-placement is the router's (``pdtrio.router.core``); a failure's status is the
-one table's (``pdtrio.protocol.errors``).
+The commands that reach an instance are carried out by the request's legs
+(``pdtrio.router.legs``: its prefill calls and its decode run), which reach
+the instances through the backend seam (``pdtrio.router.backend``); placement
+is the instance table's (``pdtrio.router.instances``); a failure's status is
+the one table's (``pdtrio.protocol.errors``).
 
 Deadlines: each wait (a prefill call, a decode placement and its stream, a wait
 for a decode to connect) runs under the machine's earliest armed deadline; when
@@ -31,18 +33,14 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable
 from typing import Literal, final
 
-import attrs
 import trio
 
 from pdtrio.asgi import Receive, Send
 from pdtrio.protocol import request_machine as rm
-from pdtrio.protocol.egress import send_deadline
 from pdtrio.protocol.errors import Reason, status_for_worker_failure
-from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
-from pdtrio.protocol.lifecycle import State
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,28 +48,11 @@ from pdtrio.protocol.openai import (
     error_for,
 )
 from pdtrio.protocol.sse import StreamShaper
-from pdtrio.protocol.wire import (
-    DecodeStart,
-    KvHandle,
-    PrefillFailed,
-    PrefillReply,
-    PrefillRequest,
-    RejectReason,
-    TokenPrompt,
-    Usage,
-)
-from pdtrio.router.backend import BackendLost, BackendUnreachable, DecodeRun
-from pdtrio.router.capacity import QueueFull
+from pdtrio.protocol.wire import Usage
 from pdtrio.router.client_response import ClientResponse
-from pdtrio.router.core import Instance, Router
-from pdtrio.router.kv_leases import LEASES
-from pdtrio.router.metrics import MIGRATION_REASONS, Outcome
-from pdtrio.router.worker_link import (
-    CUT_OFF_MESSAGE,
-    WorkerLink,
-    rejection_is_retryable,
-    release_token,
-)
+from pdtrio.router.core import Router
+from pdtrio.router.legs import DecodeLeg, PrefillLeg, RunDecode, ShellFailure, Wait
+from pdtrio.router.metrics import Outcome
 
 log = logging.getLogger("pdtrio.router.pipeline")
 
@@ -82,36 +63,8 @@ _request_numbers = itertools.count()
 _ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 # decode must pull the KV this long before prefill's lease frees it
 _LEASE_MARGIN_S = 1.0
-# a stream's failure reasons that are its link's, not the worker's word on the request
-_LINK_FAILURES = frozenset({"link_lost", "link_timeout"})
 _OUTCOMES = {ending: Outcome[ending.name] for ending in rm.Ending}
-
-
-@final
-@attrs.frozen
-class _RunDecode:
-    """The shell's own wait after the machine heard the start is going out: the start,
-    the answer and the stream, under a timer of the deadlines that hold from then on.
-
-    Placing disarms the KV lease's deadline; had that timer fired meanwhile (the room
-    came free as the lease ran out), the rest of the wait would be cut by a deadline
-    no longer armed, so it runs under a timer of its own.
-    """
-
-    link: WorkerLink
-    sent_at: float  # (perf_counter) when the start went out: the handoff's time counts from it
-
-
-# what the shell waits on: the machine's commands that start a wait, and its own
-_Wait = rm.SendPrefill | rm.PlaceDecode | rm.WaitForDecode | _RunDecode
-
-
-class _ShellFailure(Exception):
-    """A failure the shell found itself (reported to the machine as ``Failed``)."""
-
-    def __init__(self, failure: rm.Failure) -> None:
-        super().__init__(failure.message)
-        self.failure = failure
+_STRANDED = rm.Failure(Reason.INTERNAL, "the router lost track of the request")
 
 
 @final
@@ -165,31 +118,16 @@ class RequestPipeline:
             hang_up=hang_up,
             draining=lambda: router.requests.draining,
         )
-        # the instances the request is on (the machine names them; these are their links)
-        self.prefill_instance: Instance | None = None
-        self.decode_link: WorkerLink | None = None
-        self._kv_access_token = ""  # the grant in prefill's KV handle, once it answered
-        self._lease_holder: Instance | None = None  # the prefill instance holding our KV
-        # the current leg: the id workers know it by (a continuation gets a new one, so
-        # nothing left of an earlier one, a late release say, can touch it), its call, and
-        # prefill's reply; the prompt's own token ids; every token id delivered (kept when
-        # migration is on); of the current prompt ids, how many are output
-        self._wire_id = self.request_id
-        self._call: PrefillRequest | None = None
-        self._reply: PrefillReply | None = None
-        self._prompt_ids: tuple[int, ...] = ()
-        self._generated: list[int] | None = [] if config.migration_limit > 0 else None
-        self._leg_generated = 0
-        self._prefill_started = 0.0
-        self._queue_place_reserved = False  # holds a place in the router's decode queue
-        self._error: OpenAIError | None = None  # what the client is told, after the nursery
-        self._recorded = False
         # what /metrics and the access line say of it, recorded as it goes
         self.figures = router.metrics.figures(request.model)
-        self._decoding = False  # counted in the router's active streams
+        # the request on the instances: its prefill calls and its decode run
+        self.prefill = PrefillLeg(self, keep_tokens=config.migration_limit > 0)
+        self.decode = DecodeLeg(self, self.prefill, lease_margin_s=_LEASE_MARGIN_S)
+        self._error: OpenAIError | None = None  # what the client is told, after the nursery
+        self._recorded = False
         self._scope: trio.CancelScope | None = None
         self._timer: trio.CancelScope | None = None  # the current wait's deadline
-        self._emits: list[rm.EmitFirstToken | rm.Finish] = []  # what _step writes
+        self._emits: list[rm.EmitFirstToken | rm.Finish] = []  # what report writes
 
     # --- entry ------------------------------------------------------------------
 
@@ -197,13 +135,7 @@ class RequestPipeline:
         router = self.router
         queue_full = False
         if not router.requests.draining:
-            try:
-                # a place in the queue from now: a burst cannot all go to prefill (and run
-                # it out of KV) before the queue fills; refused now, it costs nothing
-                router.decode_queue.reserve()
-                self._queue_place_reserved = True
-            except QueueFull:
-                queue_full = True
+            queue_full = not self.decode.reserve_place()
         wait = self._feed(rm.Arrived(draining=router.requests.draining, queue_full=queue_full))
         scope: trio.CancelScope | None = None
         try:
@@ -219,7 +151,7 @@ class RequestPipeline:
                             wait = await self._wait(wait)
                         scope.cancel()
                 finally:
-                    self._unreserve()
+                    self.decode.unreserve()
                     if self.machine.phase is not rm.Phase.DONE:
                         self._cut()
             await self._send_error()
@@ -254,25 +186,24 @@ class RequestPipeline:
 
     # --- the machine's commands -----------------------------------------------------
 
-    def _feed(self, event: rm.Event) -> _Wait | None:
+    def _feed(self, event: rm.Event) -> Wait | None:
         """Report ``event``; do what the machine answers; return the wait it starts, if any.
 
         The machine ends its answer with at most one wait.  The client's first token and
         the response's end are written by :meth:`_step` (awaited) from ``_emits``.
         """
-        wait: _Wait | None = None
+        wait: Wait | None = None
         for command in self.machine.handle(event, trio.current_time()):
             kind = type(command)
             if kind is rm.WaitUntil:
                 continue  # the machine's next_deadline bounds every wait
             if kind is rm.ReleasePrefill:
-                self._release_prefill()
+                self.prefill.release()
             elif kind is rm.AbortDecode:
-                if self.decode_link is not None:
-                    self.decode_link.abort(self._wire_id)
+                self.decode.abort()
             elif kind is rm.Migrate:
                 assert isinstance(command, rm.Migrate)
-                self._migrate(command)
+                self.prefill.migrate(command)
             elif kind is rm.EmitFirstToken or kind is rm.Finish:
                 self._emits.append(command)  # type: ignore[arg-type]
             elif kind is rm.RespondWithError or kind is rm.StreamError:
@@ -286,7 +217,7 @@ class RequestPipeline:
                 wait = command  # type: ignore[assignment]
         return wait
 
-    async def _step(self, event: rm.Event) -> _Wait | None:
+    async def _step(self, event: rm.Event) -> Wait | None:
         """:meth:`_feed`, then write what it emitted to the client."""
         self._emits = []
         wait = self._feed(event)
@@ -302,21 +233,21 @@ class RequestPipeline:
                 assert isinstance(command, rm.EmitFirstToken)
                 await self._emit_first_token(command.final)
 
-    async def _wait(self, wait: _Wait) -> _Wait | None:
+    async def _wait(self, wait: Wait) -> Wait | None:
         """Carry out one wait under the machine's earliest deadline; the next wait, if any."""
         armed = self.machine.next_deadline()
         with trio.CancelScope(deadline=armed[0] if armed else float("inf")) as timer:
             self._timer = timer
             try:
                 if type(wait) is rm.SendPrefill:
-                    return await self._send_prefill(wait)
+                    return await self.prefill.send(wait)
                 if type(wait) is rm.PlaceDecode:
-                    return await self._place_decode(wait)
-                if type(wait) is _RunDecode:
-                    return await self._run_decode(wait)
+                    return await self.decode.place(wait)
+                if type(wait) is RunDecode:
+                    return await self.decode.run(wait)
                 assert isinstance(wait, rm.WaitForDecode)
-                return await self._wait_for_decode_link(wait)
-            except _ShellFailure as failure:
+                return await self.decode.wait_for_link(wait)
+            except ShellFailure as failure:
                 return await self._step(rm.Failed(failure.failure, torn=self._torn()))
         assert timer.cancelled_caught
         armed = self.machine.next_deadline()
@@ -333,7 +264,7 @@ class RequestPipeline:
             return await self._step(rm.Failed(_STRANDED, torn=self._torn()))
         return await self._step(rm.DeadlinePassed(armed[1], torn=self._torn()))
 
-    async def _report(self, event: rm.Event) -> _Wait | None:
+    async def report(self, event: rm.Event) -> Wait | None:
         """:meth:`_step` inside a wait: its timer follows the deadlines the event armed.
 
         Had the timer fired for a deadline the event disarms (an answer came as its
@@ -353,371 +284,6 @@ class RequestPipeline:
         else:
             await self._write_emits()
         return wait
-
-    # --- prefill ------------------------------------------------------------------
-
-    async def _send_prefill(self, command: rm.SendPrefill) -> _Wait | None:
-        router = self.router
-        instances = router.instances
-        instance = instances.pick_prefill(self.request.model, trio.current_time(), command.exclude)
-        if instance is None or instance.link is None:
-            return await self._report(rm.PrefillUnavailable())
-        if command.retry:
-            router.metrics.retries.labels("prefill").inc()
-        else:
-            self._prefill_started = time.perf_counter()
-        self.prefill_instance = instance
-        await self._report(rm.PrefillSent(instance.instance_id))
-        if self._call is None:
-            self._call = self._first_call()
-        call = self._call
-        instance.prefill_started()
-        try:
-            # a cancelled call releases the request on prefill itself
-            answer = await instance.link.prefill(call)
-        except BackendUnreachable:
-            return await self._report(rm.PrefillNotSent())  # it never saw it: another may
-        except BackendLost as exc:
-            # the worker drops a lost link's prefills: another instance may try
-            instances.instance_failed(instance, trio.current_time())
-            return await self._report(rm.PrefillLost(str(exc)))
-        finally:
-            instance.prefill_ended()
-        if type(answer) is PrefillFailed:
-            instances.prefill_failed(instance, answer, trio.current_time())
-            failure = rm.WorkerFailure(
-                answer.status, answer.error_type, answer.message, answer.param
-            )
-            return await self._report(rm.PrefillFailed(failure))
-        assert type(answer) is PrefillReply
-        instances.instance_served(instance)
-        if answer.finish_reason is not None and answer.usage is None:
-            raise _ShellFailure(_NO_COUNTS)
-        if not command.continuation:  # the request's own prefill, not a migration's
-            self.figures.prefill_s = time.perf_counter() - self._prefill_started
-            self.figures.prompt_tokens = answer.prompt_tokens
-            self._prompt_ids = answer.prompt_token_ids
-            if self.shaper is not None:
-                self.shaper.set_prompt_usage(answer.prompt_tokens, answer.cached_tokens)
-        self._reply = answer
-        handle = answer.kv_handle
-        if handle is None:
-            return await self._report(rm.Prefilled(None))
-        self._kv_access_token = handle.access_token  # what a release must show
-        self._lease_holder = instance
-        instance.lease_taken()  # its link stays until this request ends
-        await self._check_kv_source(handle, instance)
-        ends_at = LEASES.ends_at(handle, trio.current_time())
-        return await self._report(rm.Prefilled(ends_at))
-
-    async def _check_kv_source(self, handle: KvHandle, instance: Instance) -> None:
-        """Decode pulls only from where the prefill instance registered its KV port: a
-        handle naming another address (or instance) is refused, never passed on.
-
-        A restarted worker serves a new KV port: what its /pd/info says now (asked at
-        the URL it registered, with the worker secret) is its registration then.
-        """
-        instances = self.router.instances
-        if handle.instance_id == instance.instance_id and instances.kv_source_mismatch(
-            handle, instance
-        ):
-            await self.router.links.refresh_transfer_endpoint(instance)
-        if instances.kv_source_mismatch(handle, instance):
-            log.error(
-                "prefill instance %s handed out KV at %s:%d (as %r), not its registered %s:%d",
-                instance.instance_id,
-                handle.transfer_host,
-                handle.transfer_port,
-                handle.instance_id,
-                *instance.transfer_endpoint,
-            )
-            raise _ShellFailure(
-                rm.Failure(
-                    Reason.BAD_KV_HANDLE,
-                    f"prefill instance {instance.instance_id} named a KV source it is not "
-                    "registered with",
-                )
-            )
-
-    def _first_call(self) -> PrefillRequest:
-        request = self.request
-        return PrefillRequest(
-            self._wire_id,
-            request.prompt,
-            request.sampling,
-            request.max_tokens,
-            release_token(self._wire_id),
-        )
-
-    def _release_prefill(self) -> None:
-        instance = self.prefill_instance
-        if instance is not None and instance.link is not None:
-            instance.link.release(self._wire_id, self._kv_access_token)
-
-    def _drop_lease(self) -> None:
-        if self._lease_holder is not None:
-            self._lease_holder.lease_returned()
-            self._lease_holder = None
-
-    def _migrate(self, command: rm.Migrate) -> None:
-        """A new leg: the prompt's token ids and every token delivered become a new prompt;
-        a prefill computes their KV (told how many are output already: they are spent
-        from the same budget and replayed into the stop rules, never sent again)."""
-        generated = self._generated
-        reply = self._reply
-        assert generated is not None and reply is not None
-        self.figures.migrations.append(command.reason)
-        self.router.metrics.migrations.labels(command.reason).inc()
-        log.warning(
-            "request %s: decode on %s lost after %d tokens (%s); continuing elsewhere",
-            self.request_id,
-            command.lost_on,
-            len(generated),
-            command.reason,
-        )
-        self._drop_lease()  # its KV was released (at decode's first token, or given up)
-        self._wire_id = f"{self.request_id}-m{len(self.figures.migrations)}"
-        self._leg_generated = len(generated)
-        self._call = PrefillRequest(
-            self._wire_id,
-            TokenPrompt((*self._prompt_ids, *generated)),
-            self.request.sampling,
-            reply.token_budget,  # the whole budget: prefill spends the generated from it
-            release_token(self._wire_id),
-            generated_tokens=len(generated),
-        )
-
-    # --- decode -------------------------------------------------------------------
-
-    def _not_on(self, tried: Mapping[str, Hashable]) -> frozenset[str]:
-        return self.router.instances.still_on(tried)
-
-    async def _wait_for_decode_link(self, command: rm.WaitForDecode) -> _Wait | None:
-        """Until a decode not in the command's ``exclude`` is connected (the machine's
-        RECONNECT deadline bounds it)."""
-        reply = self._reply
-        assert reply is not None
-        layout = None if command.any_layout or reply.kv_handle is None else reply.kv_handle.layout
-        tried = command.exclude
-        instances = self.router.instances
-        if not instances.decode_links(self._not_on(tried), layout):
-            await instances.wait_for_decode_link(lambda: self._not_on(tried), layout)
-        if not command.any_layout:
-            log.warning("decode failed before its first token: trying another")
-        return await self._report(rm.DecodeConnected())
-
-    def _kv_tokens(self, reply: PrefillReply) -> int:
-        """The KV a prefilled request needs on decode: its prompt and its whole budget."""
-        return reply.prompt_tokens - self._leg_generated + reply.token_budget
-
-    async def _place_decode(self, command: rm.PlaceDecode) -> _Wait | None:
-        """Place the request on a decode with room (waiting for room if need be), start
-        it there, and stream its tokens to the client."""
-        reply = self._reply
-        assert reply is not None and reply.kv_handle is not None
-        handle = reply.kv_handle
-        if command.retry:
-            self.router.metrics.retries.labels("decode").inc()
-        figures = self.figures
-        waited_from = time.perf_counter()
-        instance = await self._decode_with_room(reply, handle, command.exclude, command.last_reason)
-        sent_at = time.perf_counter()
-        figures.queued_s = (figures.queued_s or 0.0) + (sent_at - waited_from)
-        link = instance.link
-        assert link is not None and link.capacity is not None  # what decode_with_room picks
-        # no checkpoint from the pick to the promise inside start: the room is ours
-        self.decode_link = link
-        await self._report(rm.DecodeStartSent(instance.instance_id, (link, link.connects)))
-        return _RunDecode(link, sent_at)
-
-    async def _run_decode(self, wait: _RunDecode) -> _Wait | None:
-        """Start the request on the decode placed, and stream its tokens to the client."""
-        reply = self._reply
-        assert reply is not None and reply.kv_handle is not None
-        handle = reply.kv_handle
-        link, sent_at, figures = wait.link, wait.sent_at, self.figures
-        assert link.capacity is not None  # (what decode_with_room picks)
-        start = DecodeStart(
-            request_id=self._wire_id,
-            prompt_token_ids=reply.prompt_token_ids,
-            first_token_id=reply.first_token_id,
-            sampling=self.request.sampling,
-            token_budget=reply.token_budget,
-            tokens_generated=self._leg_generated + 1,
-            cached_tokens=reply.cached_tokens,
-            kv_handle=handle,
-            generated_tokens=self._leg_generated,
-        )
-        try:
-            stream = await link.start(
-                start,
-                blocks_needed(self._kv_tokens(reply), link.capacity.block_size),
-                keep_token_ids=self._generated is not None,
-            )
-        except BackendUnreachable as exc:
-            return await self._report(rm.DecodeNotSent(str(exc)))
-        await self._report(rm.DecodeStartQueued())  # (prefill's token goes out now)
-        while not (stream.accepted or stream.rejection or stream.failure):
-            await stream.wait_update()
-        if stream.accepted:
-            figures.handoff_s = time.perf_counter() - sent_at
-            if not self._decoding:
-                self._decoding = True
-                self.router.metrics.streams_active.inc()
-            await self._report(rm.DecodeAccepted())
-            return await self._stream_tokens(stream)
-        if stream.failure is not None:
-            reason = stream.failure_reason or "link_lost"
-            return await self._report(rm.DecodeFailed(stream.failure, _migration_label(reason)))
-        rejection = stream.rejection
-        assert rejection is not None
-        return await self._report(
-            rm.DecodeRejected(
-                rejection.message,
-                retryable=rejection_is_retryable(rejection),
-                # shutting down, or its pull failed: another; NO_ROOM: a fresh report
-                exclude=rejection.reason != RejectReason.NO_ROOM,
-                layout_mismatch=rejection.reason == RejectReason.LAYOUT_MISMATCH,
-            )
-        )
-
-    async def _decode_with_room(
-        self,
-        reply: PrefillReply,
-        handle: KvHandle,
-        tried: Mapping[str, Hashable],
-        last_reason: str,
-    ) -> Instance:
-        """A decode instance with room for the request (not one of ``tried``, unless it has
-        reconnected since), waiting in FIFO order for one."""
-        router = self.router
-        instances = router.instances
-        links = instances.decode_links(self._not_on(tried), handle.layout)
-        if not links and await self._a_decode_connects(tried, handle.layout, handle):
-            links = instances.decode_links(self._not_on(tried), handle.layout)
-        num_tokens = self._kv_tokens(reply)
-        unplaceable = instances.decode_unplaceable(
-            links,
-            self._not_on(tried),
-            handle.layout,
-            num_tokens,
-            reply.prompt_tokens - self._leg_generated,
-            reply.token_budget,
-            last_reason,
-        )
-        if unplaceable is not None:
-            raise _ShellFailure(rm.Failure(*unplaceable))
-
-        def take() -> Instance | None:
-            return instances.decode_with_room(
-                num_tokens, trio.current_time(), self._not_on(tried), handle.layout
-            )
-
-        # the reserved place becomes a waiter's (no checkpoint until wait_for holds it)
-        self._unreserve()
-        instance = router.decode_queue.take_now(take)
-        if instance is not None:
-            return instance
-        try:
-            # the machine's KV_LEASE deadline bounds the wait
-            return await router.decode_queue.wait_for(take)
-        except QueueFull:
-            raise _ShellFailure(rm.Failure(Reason.QUEUE_FULL, rm.QUEUE_FULL_MESSAGE)) from None
-
-    async def _a_decode_connects(
-        self, tried: Mapping[str, Hashable], layout: KvLayout, handle: KvHandle
-    ) -> bool:
-        """Whether a decode not in ``tried`` connects within ``decode_reconnect_wait_s``
-        (and before the KV must be pulled)."""
-        router = self.router
-        within_s = LEASES.left_s(handle, trio.current_time()) - _LEASE_MARGIN_S
-        wait_s = min(router.config.router.decode_reconnect_wait_s, within_s)
-        if wait_s <= 0:
-            return False
-        with trio.move_on_after(wait_s):
-            await router.instances.wait_for_decode_link(lambda: self._not_on(tried), layout)
-            return True
-        return False
-
-    def _unreserve(self) -> None:
-        if self._queue_place_reserved:
-            self._queue_place_reserved = False
-            self.router.decode_queue.unreserve()
-
-    async def _stream_tokens(self, stream: DecodeRun) -> _Wait | None:
-        """Deliver decode's tokens as they come; under load, spaced (adaptive egress).
-
-        The spacing (``router.egress``, fed by the loop's load) holds a stream's
-        next send until its last send plus the spacing, so the tokens that come
-        meanwhile go out in one event.  A finish or a failure is never held.  The
-        machine hears of the first batch and of the end, not of each token.
-        """
-        buffer = stream.buffer
-        egress = self.router.egress
-        machine = self.machine
-        last_sent_at: float | None = None
-        while True:
-            spacing = egress.spacing_s
-            held_until: float | None = None
-            if spacing and not buffer.finished and stream.failure is None:
-                deadline = send_deadline(last_sent_at, spacing, trio.current_time())
-                if deadline is not None:
-                    await stream.hold_until(deadline, self.router.hold_timer)
-                    held_until = deadline
-            # read before the take: every token pushed before a failure goes out first
-            failure = stream.failure
-            delta = buffer.take()
-            if delta is not None:
-                final = delta.finish_reason is not None
-                if final and delta.usage is None:
-                    raise _ShellFailure(_NO_COUNTS)
-                if delta.num_tokens and machine.lifecycle.state is State.DECODE_CONFIRMING:
-                    await self._report(rm.DecodeTokens())  # prefill may free the KV now
-                await self._deliver(
-                    delta.text, delta.num_tokens, delta.finish_reason, delta.usage, final=final
-                )
-                if final:
-                    decode = self._decode_instance()
-                    if decode is not None:
-                        self.router.instances.instance_served(decode)
-                    return await self._report(rm.DecodeTokens(final=True))
-                if spacing:
-                    # spaced from the schedule, not from when the send returned: the
-                    # send's own time and a late wake-up would add to every gap
-                    last_sent_at = held_until if held_until is not None else trio.current_time()
-            if failure is not None:
-                return await self._decode_failed(stream, failure)
-            await stream.wait_update()
-
-    async def _decode_failed(self, stream: DecodeRun, failure: str) -> _Wait | None:
-        """Decode holds nothing of it any more: it failed there, or the link aborted it."""
-        if stream.cut_off:
-            return await self._report(rm.DecodeFailed(CUT_OFF_MESSAGE, cut_off=True))
-        reason = stream.failure_reason
-        decode = self._decode_instance()
-        if decode is not None and reason not in _LINK_FAILURES:
-            # a lost link is out of rotation until it reconnects: one loss fails all its
-            # streams at once, and is not that many failures in a row
-            self.router.instances.instance_failed(decode, trio.current_time())
-        migratable = reason in MIGRATION_REASONS and stream.token_ids is not None
-        if (
-            migratable
-            and self._generated is not None
-            and self.machine.lifecycle.state is State.DECODING
-        ):
-            # every token it pushed went out: a continuation starts after them
-            assert stream.token_ids is not None
-            self._generated += stream.token_ids
-            if self._decoding:  # until another decode accepts it
-                self._decoding = False
-                self.router.metrics.streams_active.dec()
-        event = rm.DecodeFailed(failure, _migration_label(reason), migratable=migratable)
-        return await self._report(event)
-
-    def _decode_instance(self) -> Instance | None:
-        """The decode instance the request runs on, if it is still known."""
-        link = self.decode_link
-        return None if link is None else self.router.instances.get(link.instance_id)
 
     # --- the client ---------------------------------------------------------------
 
@@ -740,13 +306,14 @@ class RequestPipeline:
 
     async def _emit_first_token(self, final: bool) -> None:
         """Prefill's token (``final``: the whole answer)."""
-        reply = self._reply
+        reply = self.prefill.reply
         assert reply is not None
-        if not final and self._generated is not None:
-            self._generated.append(reply.first_token_id)
-        await self._deliver(reply.first_text, 1, reply.finish_reason, reply.usage, final=final)
+        generated = self.prefill.generated
+        if not final and generated is not None:
+            generated.append(reply.first_token_id)
+        await self.deliver(reply.first_text, 1, reply.finish_reason, reply.usage, final=final)
 
-    async def _deliver(
+    async def deliver(
         self,
         text: str,
         num_tokens: int,
@@ -785,16 +352,14 @@ class RequestPipeline:
 
     def _record_end(self, end: rm.End) -> None:
         """Count the request, record its figures, write its access line (once, at its end)."""
-        if self._decoding:
-            self._decoding = False
-            self.router.metrics.streams_active.dec()
-        self._drop_lease()
+        self.decode.stop_counting()
+        self.prefill.drop_lease()
         if self._recorded:
             return
         self._recorded = True
         status = None if end.failure is None else self._error_of(end.failure).status
-        prefill = self.prefill_instance
-        decode = self.decode_link
+        prefill = self.prefill.instance
+        decode = self.decode.link
         figures = self.figures
         usage = self.response.usage
         if usage is not None:
@@ -809,12 +374,3 @@ class RequestPipeline:
             prefill="-" if prefill is None else prefill.instance_id,
             decode="-" if decode is None else decode.instance_id,
         )
-
-
-_STRANDED = rm.Failure(Reason.INTERNAL, "the router lost track of the request")
-_NO_COUNTS = rm.Failure(Reason.INTERNAL, "the engine finished the request without its token counts")
-
-
-def _migration_label(reason: str) -> str:
-    """A stream's failure reason as a MIGRATION_REASONS label."""
-    return reason if reason in MIGRATION_REASONS else "decode_failed"

@@ -1,0 +1,560 @@
+"""A request's two legs on pdtrio instances: the prefill calls and the decode run.
+
+The shell (``pdtrio.router.pipeline``) carries out the request machine's
+commands; the ones that reach an instance come here.  :class:`PrefillLeg` picks
+a prefill instance, calls it (the first call, a retry, a migration's
+continuation), checks its KV handle, and releases its KV; :class:`DecodeLeg`
+places the request on a decode instance with room (waiting for room or for a
+link), starts it, and hands its tokens to the client.  Each reports what
+happened to the machine through the shell (:meth:`LegHost.report`) and does
+what the answer says next; neither decides anything the machine decides.
+
+The instances are reached through the backend seam (``pdtrio.router.backend``);
+placement is the instance table's (``pdtrio.router.instances``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable, Mapping
+from typing import TYPE_CHECKING, Protocol, final
+
+import attrs
+import trio
+
+from pdtrio.protocol import request_machine as rm
+from pdtrio.protocol.egress import send_deadline
+from pdtrio.protocol.errors import Reason
+from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
+from pdtrio.protocol.lifecycle import State
+from pdtrio.protocol.openai import ChatCompletionRequest, CompletionRequest
+from pdtrio.protocol.sse import StreamShaper
+from pdtrio.protocol.wire import (
+    DecodeStart,
+    KvHandle,
+    PrefillFailed,
+    PrefillReply,
+    PrefillRequest,
+    RejectReason,
+    TokenPrompt,
+    Usage,
+)
+from pdtrio.router.backend import BackendLost, BackendUnreachable, DecodeRun
+from pdtrio.router.capacity import QueueFull
+from pdtrio.router.instances import Instance
+from pdtrio.router.kv_leases import LEASES
+from pdtrio.router.metrics import MIGRATION_REASONS, RequestFigures
+from pdtrio.router.worker_link import (
+    CUT_OFF_MESSAGE,
+    WorkerLink,
+    rejection_is_retryable,
+    release_token,
+)
+
+if TYPE_CHECKING:
+    from pdtrio.router.core import Router
+
+log = logging.getLogger("pdtrio.router.pipeline")
+
+# a stream's failure reasons that are its link's, not the worker's word on the request
+_LINK_FAILURES = frozenset({"link_lost", "link_timeout"})
+
+
+@final
+@attrs.frozen
+class RunDecode:
+    """The shell's own wait after the machine heard the start is going out: the start,
+    the answer and the stream, under a timer of the deadlines that hold from then on.
+
+    Placing disarms the KV lease's deadline; had that timer fired meanwhile (the room
+    came free as the lease ran out), the rest of the wait would be cut by a deadline
+    no longer armed, so it runs under a timer of its own.
+    """
+
+    link: WorkerLink
+    sent_at: float  # (perf_counter) when the start went out: the handoff's time counts from it
+
+
+Wait = rm.SendPrefill | rm.PlaceDecode | rm.WaitForDecode | RunDecode
+"""What the shell waits on: the machine's commands that start a wait, and its own."""
+
+
+class ShellFailure(Exception):
+    """A failure the shell found itself (reported to the machine as ``Failed``)."""
+
+    def __init__(self, failure: rm.Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+NO_COUNTS = rm.Failure(Reason.INTERNAL, "the engine finished the request without its token counts")
+
+
+class LegHost(Protocol):
+    """What a leg needs of the shell that runs it."""
+
+    router: Router
+    request: ChatCompletionRequest | CompletionRequest
+    request_id: str
+    figures: RequestFigures
+    machine: rm.RequestMachine
+    shaper: StreamShaper | None
+
+    async def report(self, event: rm.Event) -> Wait | None:
+        """Tell the machine ``event``, write what it emits; the wait it starts, if any."""
+        ...
+
+    async def deliver(
+        self,
+        text: str,
+        num_tokens: int,
+        finish_reason: str | None,
+        usage: Usage | None,
+        *,
+        final: bool = False,
+    ) -> None:
+        """Count a delta as delivered and hand it to the client."""
+        ...
+
+
+@final
+class PrefillLeg:
+    """The request's prefill calls: the first, its retries, a migration's continuation.
+
+    ``keep_tokens``: every token id delivered is kept (``generated``), for a migration
+    to continue from.
+    """
+
+    def __init__(self, host: LegHost, *, keep_tokens: bool) -> None:
+        self._host = host
+        self.instance: Instance | None = None  # the prefill instance called last
+        # the current leg: the id workers know it by (a continuation gets a new one, so
+        # nothing left of an earlier one, a late release say, can touch it), its call,
+        # and prefill's reply
+        self.wire_id = host.request_id
+        self._call: PrefillRequest | None = None
+        self.reply: PrefillReply | None = None
+        self._kv_access_token = ""  # the grant in prefill's KV handle, once it answered
+        self._lease_holder: Instance | None = None  # the prefill instance holding our KV
+        # the prompt's own token ids; every token id delivered; of the current prompt's
+        # ids, how many are output
+        self.prompt_ids: tuple[int, ...] = ()
+        self.generated: list[int] | None = [] if keep_tokens else None
+        self.leg_generated = 0
+        self._started = 0.0
+
+    async def send(self, command: rm.SendPrefill) -> Wait | None:
+        host = self._host
+        router = host.router
+        instances = router.instances
+        instance = instances.pick_prefill(host.request.model, trio.current_time(), command.exclude)
+        if instance is None or instance.link is None:
+            return await host.report(rm.PrefillUnavailable())
+        if command.retry:
+            router.metrics.retries.labels("prefill").inc()
+        else:
+            self._started = time.perf_counter()
+        self.instance = instance
+        await host.report(rm.PrefillSent(instance.instance_id))
+        if self._call is None:
+            self._call = self._first_call()
+        call = self._call
+        instance.prefill_started()
+        try:
+            # a cancelled call releases the request on prefill itself
+            answer = await instance.link.prefill(call)
+        except BackendUnreachable:
+            return await host.report(rm.PrefillNotSent())  # it never saw it: another may
+        except BackendLost as exc:
+            # the worker drops a lost link's prefills: another instance may try
+            instances.instance_failed(instance, trio.current_time())
+            return await host.report(rm.PrefillLost(str(exc)))
+        finally:
+            instance.prefill_ended()
+        if type(answer) is PrefillFailed:
+            instances.prefill_failed(instance, answer, trio.current_time())
+            failure = rm.WorkerFailure(
+                answer.status, answer.error_type, answer.message, answer.param
+            )
+            return await host.report(rm.PrefillFailed(failure))
+        assert type(answer) is PrefillReply
+        instances.instance_served(instance)
+        if answer.finish_reason is not None and answer.usage is None:
+            raise ShellFailure(NO_COUNTS)
+        if not command.continuation:  # the request's own prefill, not a migration's
+            host.figures.prefill_s = time.perf_counter() - self._started
+            host.figures.prompt_tokens = answer.prompt_tokens
+            self.prompt_ids = answer.prompt_token_ids
+            if host.shaper is not None:
+                host.shaper.set_prompt_usage(answer.prompt_tokens, answer.cached_tokens)
+        self.reply = answer
+        handle = answer.kv_handle
+        if handle is None:
+            return await host.report(rm.Prefilled(None))
+        self._kv_access_token = handle.access_token  # what a release must show
+        self._lease_holder = instance
+        instance.lease_taken()  # its link stays until this request ends
+        await self._check_kv_source(handle, instance)
+        ends_at = LEASES.ends_at(handle, trio.current_time())
+        return await host.report(rm.Prefilled(ends_at))
+
+    async def _check_kv_source(self, handle: KvHandle, instance: Instance) -> None:
+        """Decode pulls only from where the prefill instance registered its KV port: a
+        handle naming another address (or instance) is refused, never passed on.
+
+        A restarted worker serves a new KV port: what its /pd/info says now (asked at
+        the URL it registered, with the worker secret) is its registration then.
+        """
+        router = self._host.router
+        instances = router.instances
+        if handle.instance_id == instance.instance_id and instances.kv_source_mismatch(
+            handle, instance
+        ):
+            await router.links.refresh_transfer_endpoint(instance)
+        if instances.kv_source_mismatch(handle, instance):
+            log.error(
+                "prefill instance %s handed out KV at %s:%d (as %r), not its registered %s:%d",
+                instance.instance_id,
+                handle.transfer_host,
+                handle.transfer_port,
+                handle.instance_id,
+                *instance.transfer_endpoint,
+            )
+            raise ShellFailure(
+                rm.Failure(
+                    Reason.BAD_KV_HANDLE,
+                    f"prefill instance {instance.instance_id} named a KV source it is not "
+                    "registered with",
+                )
+            )
+
+    def _first_call(self) -> PrefillRequest:
+        request = self._host.request
+        return PrefillRequest(
+            self.wire_id,
+            request.prompt,
+            request.sampling,
+            request.max_tokens,
+            release_token(self.wire_id),
+        )
+
+    def release(self) -> None:
+        """Free what prefill holds of the current leg (its KV, or its running prefill)."""
+        instance = self.instance
+        if instance is not None and instance.link is not None:
+            instance.link.release(self.wire_id, self._kv_access_token)
+
+    def drop_lease(self) -> None:
+        """The request holds prefill's KV no more: its link may go."""
+        if self._lease_holder is not None:
+            self._lease_holder.lease_returned()
+            self._lease_holder = None
+
+    def migrate(self, command: rm.Migrate) -> None:
+        """A new leg: the prompt's token ids and every token delivered become a new prompt;
+        a prefill computes their KV (told how many are output already: they are spent
+        from the same budget and replayed into the stop rules, never sent again)."""
+        host = self._host
+        generated = self.generated
+        reply = self.reply
+        assert generated is not None and reply is not None
+        host.figures.migrations.append(command.reason)
+        host.router.metrics.migrations.labels(command.reason).inc()
+        log.warning(
+            "request %s: decode on %s lost after %d tokens (%s); continuing elsewhere",
+            host.request_id,
+            command.lost_on,
+            len(generated),
+            command.reason,
+        )
+        self.drop_lease()  # its KV was released (at decode's first token, or given up)
+        self.wire_id = f"{host.request_id}-m{len(host.figures.migrations)}"
+        self.leg_generated = len(generated)
+        self._call = PrefillRequest(
+            self.wire_id,
+            TokenPrompt((*self.prompt_ids, *generated)),
+            host.request.sampling,
+            reply.token_budget,  # the whole budget: prefill spends the generated from it
+            release_token(self.wire_id),
+            generated_tokens=len(generated),
+        )
+
+
+@final
+class DecodeLeg:
+    """The request on a decode instance: its placement, its start, and its stream.
+
+    ``lease_margin_s``: decode must pull the KV this long before prefill's lease frees it.
+    """
+
+    def __init__(self, host: LegHost, prefill: PrefillLeg, *, lease_margin_s: float) -> None:
+        self._host = host
+        self._prefill = prefill
+        self._lease_margin_s = lease_margin_s
+        self.link: WorkerLink | None = None  # the decode link the request was started on
+        self._queue_place_reserved = False  # holds a place in the router's decode queue
+        self._streaming = False  # counted in the router's active streams
+
+    # --- the router's decode queue ----------------------------------------------------
+
+    def reserve_place(self) -> bool:
+        """A place in the decode queue from the request's arrival (False: it is full): a
+        burst cannot all go to prefill (and run it out of KV) before the queue fills."""
+        try:
+            self._host.router.decode_queue.reserve()
+        except QueueFull:
+            return False
+        self._queue_place_reserved = True
+        return True
+
+    def unreserve(self) -> None:
+        if self._queue_place_reserved:
+            self._queue_place_reserved = False
+            self._host.router.decode_queue.unreserve()
+
+    # --- placement --------------------------------------------------------------------
+
+    def _not_on(self, tried: Mapping[str, Hashable]) -> frozenset[str]:
+        return self._host.router.instances.still_on(tried)
+
+    async def wait_for_link(self, command: rm.WaitForDecode) -> Wait | None:
+        """Until a decode not in the command's ``exclude`` is connected (the machine's
+        RECONNECT deadline bounds it)."""
+        reply = self._prefill.reply
+        assert reply is not None
+        layout = None if command.any_layout or reply.kv_handle is None else reply.kv_handle.layout
+        tried = command.exclude
+        instances = self._host.router.instances
+        if not instances.decode_links(self._not_on(tried), layout):
+            await instances.wait_for_decode_link(lambda: self._not_on(tried), layout)
+        if not command.any_layout:
+            log.warning("decode failed before its first token: trying another")
+        return await self._host.report(rm.DecodeConnected())
+
+    def _kv_tokens(self, reply: PrefillReply) -> int:
+        """The KV a prefilled request needs on decode: its prompt and its whole budget."""
+        return reply.prompt_tokens - self._prefill.leg_generated + reply.token_budget
+
+    async def place(self, command: rm.PlaceDecode) -> Wait | None:
+        """Place the request on a decode with room (waiting for room if need be); the
+        start goes out in the :class:`RunDecode` wait that follows."""
+        host = self._host
+        reply = self._prefill.reply
+        assert reply is not None and reply.kv_handle is not None
+        if command.retry:
+            host.router.metrics.retries.labels("decode").inc()
+        figures = host.figures
+        waited_from = time.perf_counter()
+        instance = await self._with_room(
+            reply, reply.kv_handle, command.exclude, command.last_reason
+        )
+        sent_at = time.perf_counter()
+        figures.queued_s = (figures.queued_s or 0.0) + (sent_at - waited_from)
+        link = instance.link
+        assert link is not None and link.capacity is not None  # what decode_with_room picks
+        # no checkpoint from the pick to the promise inside start: the room is ours
+        self.link = link
+        await host.report(rm.DecodeStartSent(instance.instance_id, (link, link.connects)))
+        return RunDecode(link, sent_at)
+
+    async def _with_room(
+        self,
+        reply: PrefillReply,
+        handle: KvHandle,
+        tried: Mapping[str, Hashable],
+        last_reason: str,
+    ) -> Instance:
+        """A decode instance with room for the request (not one of ``tried``, unless it has
+        reconnected since), waiting in FIFO order for one."""
+        router = self._host.router
+        instances = router.instances
+        links = instances.decode_links(self._not_on(tried), handle.layout)
+        if not links and await self._a_decode_connects(tried, handle.layout, handle):
+            links = instances.decode_links(self._not_on(tried), handle.layout)
+        num_tokens = self._kv_tokens(reply)
+        unplaceable = instances.decode_unplaceable(
+            links,
+            self._not_on(tried),
+            handle.layout,
+            num_tokens,
+            reply.prompt_tokens - self._prefill.leg_generated,
+            reply.token_budget,
+            last_reason,
+        )
+        if unplaceable is not None:
+            raise ShellFailure(rm.Failure(*unplaceable))
+
+        def take() -> Instance | None:
+            return instances.decode_with_room(
+                num_tokens, trio.current_time(), self._not_on(tried), handle.layout
+            )
+
+        # the reserved place becomes a waiter's (no checkpoint until wait_for holds it)
+        self.unreserve()
+        instance = router.decode_queue.take_now(take)
+        if instance is not None:
+            return instance
+        try:
+            # the machine's KV_LEASE deadline bounds the wait
+            return await router.decode_queue.wait_for(take)
+        except QueueFull as exc:
+            raise ShellFailure(rm.Failure(Reason.QUEUE_FULL, rm.QUEUE_FULL_MESSAGE)) from exc
+
+    async def _a_decode_connects(
+        self, tried: Mapping[str, Hashable], layout: KvLayout, handle: KvHandle
+    ) -> bool:
+        """Whether a decode not in ``tried`` connects within ``decode_reconnect_wait_s``
+        (and before the KV must be pulled)."""
+        router = self._host.router
+        within_s = LEASES.left_s(handle, trio.current_time()) - self._lease_margin_s
+        wait_s = min(router.config.router.decode_reconnect_wait_s, within_s)
+        if wait_s <= 0:
+            return False
+        with trio.move_on_after(wait_s):
+            await router.instances.wait_for_decode_link(lambda: self._not_on(tried), layout)
+            return True
+        return False
+
+    # --- the run ----------------------------------------------------------------------
+
+    async def run(self, wait: RunDecode) -> Wait | None:
+        """Start the request on the decode placed, and stream its tokens to the client."""
+        host = self._host
+        prefill = self._prefill
+        reply = prefill.reply
+        assert reply is not None and reply.kv_handle is not None
+        link, sent_at = wait.link, wait.sent_at
+        assert link.capacity is not None  # (what decode_with_room picks)
+        start = DecodeStart(
+            request_id=prefill.wire_id,
+            prompt_token_ids=reply.prompt_token_ids,
+            first_token_id=reply.first_token_id,
+            sampling=host.request.sampling,
+            token_budget=reply.token_budget,
+            tokens_generated=prefill.leg_generated + 1,
+            cached_tokens=reply.cached_tokens,
+            kv_handle=reply.kv_handle,
+            generated_tokens=prefill.leg_generated,
+        )
+        try:
+            stream = await link.start(
+                start,
+                blocks_needed(self._kv_tokens(reply), link.capacity.block_size),
+                keep_token_ids=prefill.generated is not None,
+            )
+        except BackendUnreachable as exc:
+            return await host.report(rm.DecodeNotSent(str(exc)))
+        await host.report(rm.DecodeStartQueued())  # (prefill's token goes out now)
+        while not (stream.accepted or stream.rejection or stream.failure):
+            await stream.wait_update()
+        if stream.accepted:
+            host.figures.handoff_s = time.perf_counter() - sent_at
+            if not self._streaming:
+                self._streaming = True
+                host.router.metrics.streams_active.inc()
+            await host.report(rm.DecodeAccepted())
+            return await self._stream_tokens(stream)
+        if stream.failure is not None:
+            reason = stream.failure_reason or "link_lost"
+            return await host.report(rm.DecodeFailed(stream.failure, migration_label(reason)))
+        rejection = stream.rejection
+        assert rejection is not None
+        return await host.report(
+            rm.DecodeRejected(
+                rejection.message,
+                retryable=rejection_is_retryable(rejection),
+                # shutting down, or its pull failed: another; NO_ROOM: a fresh report
+                exclude=rejection.reason != RejectReason.NO_ROOM,
+                layout_mismatch=rejection.reason == RejectReason.LAYOUT_MISMATCH,
+            )
+        )
+
+    async def _stream_tokens(self, stream: DecodeRun) -> Wait | None:
+        """Deliver decode's tokens as they come; under load, spaced (adaptive egress).
+
+        The spacing (``router.egress``, fed by the loop's load) holds a stream's
+        next send until its last send plus the spacing, so the tokens that come
+        meanwhile go out in one event.  A finish or a failure is never held.  The
+        machine hears of the first batch and of the end, not of each token.
+        """
+        host = self._host
+        router = host.router
+        buffer = stream.buffer
+        egress = router.egress
+        machine = host.machine
+        last_sent_at: float | None = None
+        while True:
+            spacing = egress.spacing_s
+            held_until: float | None = None
+            if spacing and not buffer.finished and stream.failure is None:
+                deadline = send_deadline(last_sent_at, spacing, trio.current_time())
+                if deadline is not None:
+                    await stream.hold_until(deadline, router.hold_timer)
+                    held_until = deadline
+            # read before the take: every token pushed before a failure goes out first
+            failure = stream.failure
+            delta = buffer.take()
+            if delta is not None:
+                final = delta.finish_reason is not None
+                if final and delta.usage is None:
+                    raise ShellFailure(NO_COUNTS)
+                if delta.num_tokens and machine.lifecycle.state is State.DECODE_CONFIRMING:
+                    await host.report(rm.DecodeTokens())  # prefill may free the KV now
+                await host.deliver(
+                    delta.text, delta.num_tokens, delta.finish_reason, delta.usage, final=final
+                )
+                if final:
+                    decode = self.instance()
+                    if decode is not None:
+                        router.instances.instance_served(decode)
+                    return await host.report(rm.DecodeTokens(final=True))
+                if spacing:
+                    # spaced from the schedule, not from when the send returned: the
+                    # send's own time and a late wake-up would add to every gap
+                    last_sent_at = held_until if held_until is not None else trio.current_time()
+            if failure is not None:
+                return await self._failed(stream, failure)
+            await stream.wait_update()
+
+    async def _failed(self, stream: DecodeRun, failure: str) -> Wait | None:
+        """Decode holds nothing of it any more: it failed there, or the link aborted it."""
+        host = self._host
+        if stream.cut_off:
+            return await host.report(rm.DecodeFailed(CUT_OFF_MESSAGE, cut_off=True))
+        reason = stream.failure_reason
+        decode = self.instance()
+        if decode is not None and reason not in _LINK_FAILURES:
+            # a lost link is out of rotation until it reconnects: one loss fails all its
+            # streams at once, and is not that many failures in a row
+            host.router.instances.instance_failed(decode, trio.current_time())
+        migratable = reason in MIGRATION_REASONS and stream.token_ids is not None
+        generated = self._prefill.generated
+        if migratable and generated is not None and host.machine.lifecycle.state is State.DECODING:
+            # every token it pushed went out: a continuation starts after them
+            assert stream.token_ids is not None
+            generated += stream.token_ids
+            self.stop_counting()  # until another decode accepts it
+        event = rm.DecodeFailed(failure, migration_label(reason), migratable=migratable)
+        return await host.report(event)
+
+    def abort(self) -> None:
+        """End the request on its decode, if it still runs there."""
+        if self.link is not None:
+            self.link.abort(self._prefill.wire_id)
+
+    def stop_counting(self) -> None:
+        """The request streams from no decode (now): out of the active streams' count."""
+        if self._streaming:
+            self._streaming = False
+            self._host.router.metrics.streams_active.dec()
+
+    def instance(self) -> Instance | None:
+        """The decode instance the request runs on, if it is still known."""
+        link = self.link
+        return None if link is None else self._host.router.instances.get(link.instance_id)
+
+
+def migration_label(reason: str) -> str:
+    """A stream's failure reason as a MIGRATION_REASONS label."""
+    return reason if reason in MIGRATION_REASONS else "decode_failed"
