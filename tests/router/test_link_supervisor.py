@@ -3,7 +3,9 @@ woken by what ends there (no polling): a stream finishing, its lease coming back
 
 from __future__ import annotations
 
+import attrs
 import httpx
+import pytest
 import trio
 import trio.testing
 
@@ -48,3 +50,25 @@ async def test_a_deregistered_decode_keeps_its_link_until_its_stream_ends_then_g
         stats = router.links.statistics()
         assert stats.links == 1  # prefill's
         await wait_until_idle(cluster)
+
+
+async def test_the_instance_table_and_the_links_report_frozen_snapshots() -> None:
+    async with running_cluster() as cluster:
+        router = cluster.router_app.router
+        assert router is not None
+        table = router.instances.statistics()
+        links = router.links.statistics()
+        assert (table.instances, table.prefill_usable, table.decode_usable) == (2, 1, 1)
+        assert (table.suspended, table.draining, table.active_prefills, table.leases_out) == (
+            0,
+            0,
+            0,
+            0,
+        )
+        assert (links.links, links.connected, links.reconnects, links.hangs) == (2, 2, 0, 0)
+        (decode,) = [i for i in router.instances.values() if i.serves_decode]
+        router.instances.instance_failed(decode, trio.current_time())
+        assert router.instances.statistics().suspended == 1
+        assert table.suspended == 0  # a snapshot: what it said then
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            table.suspended = 1  # type: ignore[misc]
