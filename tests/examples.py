@@ -16,8 +16,10 @@ from hypothesis import settings
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "dev")
 _FULL = PROFILE == "ci"
 
-settings.register_profile("ci", max_examples=100)
-settings.register_profile("dev", max_examples=20)
+# no deadline: hypothesis's default (200 ms an example) is a timing threshold, and a shared
+# two-core machine misses it now and then (a scheduling property failed on it at 270 ms)
+settings.register_profile("ci", max_examples=100, deadline=None)
+settings.register_profile("dev", max_examples=20, deadline=None)
 
 
 def examples(full: int) -> int:
