@@ -126,7 +126,7 @@ class EngineRegistration(msgspec.Struct, frozen=True, kw_only=True):
 
 
 AnyRegistration = Registration | EngineRegistration
-_AnyRegistrationT = TypeVar("_AnyRegistrationT", Registration, EngineRegistration)
+_AnyRegistrationT = TypeVar("_AnyRegistrationT", bound=AnyRegistration)
 
 
 class _Kind(msgspec.Struct):
@@ -194,7 +194,7 @@ def check_engine_registration(registration: EngineRegistration) -> None:
     """Refuse what the types alone do not: another version, a URL that is not a base
     URL, a bootstrap port where it cannot be or none where SGLang's prefill needs one."""
     _check_version(registration.version)
-    _check_url(registration.url)
+    check_base_url(registration.url)
     if registration.kind == "sglang":
         if registration.role != "decode" and not registration.bootstrap_port:
             raise RegistrationError("an SGLang prefill registered without its bootstrap port")
@@ -214,7 +214,7 @@ def check_registration(registration: Registration) -> None:
     """Refuse what the types alone do not: another version, a URL that is not http(s)
     with a host and a valid port, a layout with sizes that cannot be."""
     _check_version(registration.version)
-    _check_url(registration.url)
+    check_base_url(registration.url)
     if registration.transfer_port and not registration.transfer_host:
         raise RegistrationError("a transfer port without a transfer host")
     layout = registration.layout
@@ -225,7 +225,9 @@ def check_registration(registration: Registration) -> None:
         raise RegistrationError("the KV layout's names are too long")
 
 
-def _check_url(url: str) -> None:
+def check_base_url(url: str) -> None:
+    """Refuse a URL that is not an http(s) base URL: a host, a valid port, no user, query
+    or fragment."""
     if not url.startswith(("http://", "https://")):
         raise RegistrationError(f"url {url!r} is not an http(s) URL")
     try:

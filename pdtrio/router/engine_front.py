@@ -28,7 +28,7 @@ from pdtrio.config import InstanceConfig, PdtrioConfig
 from pdtrio.protocol.registration import EngineRegistration
 from pdtrio.protocol.scheduling import Candidate, Scheduler
 from pdtrio.protocol.vllm_pd import EngineLoad, parse_engine_metrics
-from pdtrio.security import resolve_secret
+from pdtrio.security import ENGINE_API_KEY_ENV, resolve_secret
 
 if TYPE_CHECKING:
     from pdtrio.discovery.registry import DiscoveryState
@@ -39,8 +39,6 @@ log = logging.getLogger("pdtrio.router.engines")
 _SCRAPE_INTERVAL_S = 1.0
 _MAX_BACKOFF_S = 30.0
 _KV_SCALE = 1000  # KV usage as "free blocks" for the scheduler: thousandths left
-# the API key of the engines found in etcd, over [security] engine_api_key(_file)
-ENGINE_API_KEY_ENV = "PDTRIO_ENGINE_API_KEY"
 
 
 @attrs.define(eq=False)
