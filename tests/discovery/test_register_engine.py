@@ -22,7 +22,13 @@ import msgspec
 import pytest
 import trio
 
-from pdtrio.config import DiscoveryConfig, PdtrioConfig, RouterConfig, SecurityConfig
+from pdtrio.config import (
+    DiscoveryConfig,
+    InstanceKind,
+    PdtrioConfig,
+    RouterConfig,
+    SecurityConfig,
+)
 from pdtrio.discovery.etcd import EtcdClient
 from pdtrio.discovery.register_engine import main as register_main
 from pdtrio.discovery.registry import DiscoveryState, EtcdRegistry
@@ -40,6 +46,7 @@ from pdtrio.router.app import RouterApp
 from pdtrio.testing.etcd import EtcdServer
 from tests.cluster import serve_app, wait_for_answer
 from tests.discovery.test_registry import Recorder, registration
+from tests.router.fake_sglang import FakeSglang
 from tests.router.fake_vllm import MODEL, FakeVllm, fake_engines
 
 PREFIX = "/pdtrio-engines/instances/"
@@ -216,6 +223,7 @@ async def registered(
     role: str,
     tmp_path: Path,
     *extra: str,
+    kind: str = "vllm",
     environ: dict[str, str] | None = None,
 ) -> AsyncIterator[Registrar]:
     log_path = tmp_path / f"register-{fake.name}.log"
@@ -227,7 +235,7 @@ async def registered(
                 "pdtrio",
                 "register",
                 "--kind",
-                "vllm",
+                kind,
                 "--role",
                 role,
                 "--url",
@@ -261,11 +269,13 @@ async def registered(
 
 
 @asynccontextmanager
-async def engine_router(etcd: EtcdServer, **security: Any) -> AsyncIterator[str]:
+async def engine_router(
+    etcd: EtcdServer, kind: InstanceKind = "vllm", **security: Any
+) -> AsyncIterator[str]:
     config = PdtrioConfig(
         router=RouterConfig(drain_s=1.0, connect_timeout_s=2.0),
         discovery=DiscoveryConfig(
-            etcd_endpoints=(etcd.endpoint,), prefix=PREFIX, lease_ttl_s=2, kind="vllm"
+            etcd_endpoints=(etcd.endpoint,), prefix=PREFIX, lease_ttl_s=2, kind=kind
         ),
         security=SecurityConfig(**security),
     )
@@ -384,4 +394,33 @@ async def test_with_a_worker_secret_only_signed_engines_are_used(
             assert answer["status"] == "unavailable"  # no decode it may use
             entry = decode_entry((await in_etcd(etcd))["p0"])
             assert entry.signature and not isinstance(entry, Registration)
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.slow
+async def test_an_sglang_pair_found_in_etcd_takes_the_registered_bootstrap_port(
+    etcd: EtcdServer, tmp_path: Path
+) -> None:
+    rooms: dict[Any, Any] = {}
+    prefill = FakeSglang("p0", {}, rooms=rooms, bootstrap_port=8998)
+    decode = FakeSglang("d0", {}, rooms=rooms)
+    async with trio.open_nursery() as nursery:
+        for fake in (prefill, decode):
+            fake.url = await serve_app(fake, nursery)
+        async with (
+            engine_router(etcd, kind="sglang") as url,
+            registered(
+                etcd, prefill, "prefill", tmp_path, "--bootstrap-port", "8998", kind="sglang"
+            ),
+            registered(etcd, decode, "decode", tmp_path, kind="sglang"),
+        ):
+            await until_engines(url, {"p0": "prefill", "d0": "decode"}, "both up")
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                response = await http.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": "one two", "max_tokens": 2}
+                )
+            assert response.status_code == 200, response.text
+            [prefill_leg] = prefill.legs()
+            [decode_leg] = decode.legs()
+            assert prefill_leg["bootstrap_port"] == decode_leg["bootstrap_port"] == 8998
         nursery.cancel_scope.cancel()
