@@ -31,6 +31,8 @@ PDTRIO_ETCD_ENDPOINTS):
                          embedded cluster); every key: docs/configuration.md
   PDTRIO_ETCD_ENDPOINTS  etcd client URLs, comma-separated: find workers (router) or
                          register (worker) there (default: none)
+  PDTRIO_ENGINE_API_KEY  the --api-key of the vLLM or SGLang engines found in etcd:
+                         sent to them (router), used to read /v1/models (register)
   PDTRIO_LOG_LEVEL       DEBUG, INFO, WARNING, ERROR or CRITICAL; request content is
                          only logged at DEBUG (default: INFO)
   PDTRIO_LOG_FORMAT      text, or json for log collectors (default: text)
