@@ -1,18 +1,21 @@
-"""Command line: ``pdtrio worker ...`` (the router runs under hypercorn)."""
+"""Command line: ``pdtrio worker ...``, ``pdtrio register ...`` (the router runs under
+hypercorn)."""
 
 from __future__ import annotations
 
 import sys
 
 USAGE = """\
-usage: pdtrio [-h] {worker} ...
-       python -m pdtrio [-h] {worker} ...
+usage: pdtrio [-h] {worker,register} ...
+       python -m pdtrio [-h] {worker,register} ...
 
 pdtrio: prefill/decode disaggregated LLM serving on Trio.
 
 commands:
   worker        run one worker (prefill, decode or both); `pdtrio worker --help`
                 lists every option with its environment variable and default
+  register      register a vLLM or SGLang engine in etcd while its /health answers,
+                for routers with etcd discovery; `pdtrio register --help`
 
 options:
   -h, --help    show this help and exit
@@ -28,6 +31,8 @@ PDTRIO_ETCD_ENDPOINTS):
                          embedded cluster); every key: docs/configuration.md
   PDTRIO_ETCD_ENDPOINTS  etcd client URLs, comma-separated: find workers (router) or
                          register (worker) there (default: none)
+  PDTRIO_ENGINE_API_KEY  the --api-key of the vLLM or SGLang engines found in etcd:
+                         sent to them (router), used to read /v1/models (register)
   PDTRIO_LOG_LEVEL       DEBUG, INFO, WARNING, ERROR or CRITICAL; request content is
                          only logged at DEBUG (default: INFO)
   PDTRIO_LOG_FORMAT      text, or json for log collectors (default: text)
@@ -46,7 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         from pdtrio.worker.main import main as worker_main
 
         return worker_main(argv[1:])
-    print(f"pdtrio: unknown command {argv[0]!r} (commands: worker; see --help)", file=sys.stderr)
+    if argv[0] == "register":
+        from pdtrio.discovery.register_engine import main as register_main
+
+        return register_main(argv[1:])
+    print(
+        f"pdtrio: unknown command {argv[0]!r} (commands: worker, register; see --help)",
+        file=sys.stderr,
+    )
     return 2
 
 

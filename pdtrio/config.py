@@ -163,6 +163,10 @@ class DiscoveryConfig:
     etcd_ca_file: str = ""
     etcd_cert_file: str = ""
     etcd_key_file: str = ""
+    # the router's: what it finds under the prefix, pdtrio workers or the vLLM or SGLang
+    # engines `pdtrio register` registers (a prefill's KV is read by a decode of its own
+    # kind, so one router fronts one kind; entries of another are ignored)
+    kind: InstanceKind = "pdtrio"
 
     @property
     def uses_etcd(self) -> bool:
@@ -210,6 +214,11 @@ class WorkerConfig:
     max_authenticated_connections: int = attrs.field(default=512, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
+        if self.discovery.kind != "pdtrio":
+            raise ValueError(
+                "discovery.kind is the router's (what it finds in etcd): a pdtrio worker "
+                "registers as a pdtrio worker"
+            )
         if self.host in WILDCARD_HOSTS and self.advertise_host in ("", *WILDCARD_HOSTS):
             raise ValueError(
                 f"host {self.host!r} listens on every interface, so it cannot be dialed: "
@@ -353,6 +362,10 @@ class SecurityConfig:
     # the CA that signed the workers' certificates: the router then dials them over TLS
     # (https and wss); empty: plain HTTP
     worker_tls_ca_file: str = ""
+    # the bearer token the router sends to the vLLM or SGLang engines it finds in etcd
+    # (PDTRIO_ENGINE_API_KEY, or a file, over the value; etcd never holds it); "": none
+    engine_api_key: str = attrs.field(default="", repr=False)
+    engine_api_key_file: str = ""
 
 
 @final
@@ -379,17 +392,19 @@ class PdtrioConfig:
                 f"[[instances]] mixes kinds that cannot pair ({listed}): a prefill's KV is "
                 "read only by a decode of its own kind, so one router fronts one kind"
             )
-        if kinds and kinds[0] in ENGINE_KINDS:
+        if kinds and self.discovery.uses_etcd and kinds[0] != self.discovery.kind:
+            raise ValueError(
+                f"[[instances]] lists {_KIND_NAMES[kinds[0]]} instances but [discovery] kind "
+                f"is {self.discovery.kind!r}: the listed instances and those in etcd pair with "
+                f'each other, so they are of one kind (set kind = "{kinds[0]}")'
+            )
+        if kinds and kinds[0] in ENGINE_KINDS and not self.discovery.uses_etcd:
+            # (with etcd the missing role may register later: /health says until then)
             name = _KIND_NAMES[kinds[0]]
             if not any(i.role in ("prefill", "both") for i in self.instances):
                 raise ValueError(f"[[instances]] lists no {name} prefill (role prefill or both)")
             if not any(i.role in ("decode", "both") for i in self.instances):
                 raise ValueError(f"[[instances]] lists no {name} decode (role decode or both)")
-            if self.discovery.uses_etcd:
-                raise ValueError(
-                    f"{name} instances are listed in [[instances]]; etcd discovery is for "
-                    "pdtrio workers"
-                )
 
     @property
     def uses_embedded_cluster(self) -> bool:
@@ -398,7 +413,10 @@ class PdtrioConfig:
     @property
     def engine_kind(self) -> InstanceKind | None:
         """The engine kind the router fronts (vLLM, SGLang), or None: pdtrio workers."""
-        kind = self.instances[0].kind if self.instances else "pdtrio"
+        if self.instances:
+            kind = self.instances[0].kind
+        else:
+            kind = self.discovery.kind if self.discovery.uses_etcd else "pdtrio"
         return kind if kind in ENGINE_KINDS else None
 
 

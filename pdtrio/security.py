@@ -23,6 +23,8 @@ from pdtrio.config import ConfigError
 WORKER_SECRET_ENV: Final = "PDTRIO_WORKER_SECRET"
 API_KEYS_ENV: Final = "PDTRIO_API_KEYS"
 METRICS_TOKEN_ENV: Final = "PDTRIO_METRICS_TOKEN"
+# the API key of vLLM or SGLang engines registered in etcd (`pdtrio register`, the router)
+ENGINE_API_KEY_ENV: Final = "PDTRIO_ENGINE_API_KEY"
 
 
 def _digest(secret: str | bytes) -> bytes:

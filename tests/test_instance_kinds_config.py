@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from pdtrio.config import ConfigError, config_from_dict
+from pdtrio.config import ConfigError, WorkerConfig, config_from_dict
 
 
 def _pool(*instances: dict[str, Any]) -> dict[str, Any]:
@@ -89,14 +89,35 @@ def test_an_engine_entry_missing_what_it_needs_is_refused(
     assert words in str(caught.value)
 
 
-def test_engines_are_listed_not_found_in_etcd() -> None:
-    with pytest.raises(ConfigError, match="etcd discovery is for pdtrio workers"):
+def test_listed_engines_and_etcd_are_of_one_kind() -> None:
+    etcd = {"etcd_endpoints": ["http://127.0.0.1:2379"]}
+    with pytest.raises(ConfigError, match="kind is 'pdtrio'.*set kind = \"vllm\""):
         config_from_dict(
-            {
-                **_pool({"role": "both", "url": "http://a", "kind": "vllm"}),
-                "discovery": {"etcd_endpoints": ["http://127.0.0.1:2379"]},
-            }
+            {**_pool({"role": "both", "url": "http://a", "kind": "vllm"}), "discovery": etcd}
         )
+    # a listed vLLM prefill and vLLM decodes that register in etcd
+    config = config_from_dict(
+        {
+            **_pool({"role": "prefill", "url": "http://a", "kind": "vllm"}),
+            "discovery": {**etcd, "kind": "vllm"},
+        }
+    )
+    assert config.engine_kind == "vllm"
+
+
+def test_etcd_discovery_of_engines_fronts_them() -> None:
+    config = config_from_dict(
+        {"discovery": {"etcd_endpoints": ["http://127.0.0.1:2379"], "kind": "sglang"}}
+    )
+    assert config.engine_kind == "sglang" and not config.uses_embedded_cluster
+    assert (
+        config_from_dict({"discovery": {"etcd_endpoints": ["http://e:2379"]}}).engine_kind is None
+    )
+
+
+def test_a_worker_registers_as_a_pdtrio_worker() -> None:
+    with pytest.raises(ConfigError, match="discovery.kind is the router's"):
+        config_from_dict({"discovery": {"kind": "vllm"}}, WorkerConfig)
 
 
 def test_an_sglang_pair_is_an_engine_pool() -> None:

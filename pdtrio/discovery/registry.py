@@ -30,14 +30,17 @@ from pdtrio.discovery.etcd import (
 )
 from pdtrio.peer_auth import WorkerAuth
 from pdtrio.protocol.registration import (
+    KIND_NAMES,
     REJECTED_INTERNAL,
+    REJECTED_KIND,
     REJECTED_ROUTER_URL,
     REJECTED_WRONG_KEY,
     ROUTER_HEADER,
+    EngineRegistration,
     Registration,
     RegistrationError,
     check_registration,
-    decode_registration,
+    decode_entry,
     instance_id_from_key,
     verify_registration,
 )
@@ -78,6 +81,16 @@ class RegistryListener(Protocol):
     def registration_rejected(self, key: str, reason: str) -> None:
         """Count one refused entry (once per change of the key) by ``reason``, a
         ``REJECTED_*`` of :mod:`pdtrio.protocol.registration`."""
+
+
+class EngineListener(Protocol):
+    """Who learns the engines (vLLM, SGLang) registered in etcd: the router's engine pool."""
+
+    def engine_registered(self, registration: EngineRegistration) -> None:
+        """An engine appeared or changed."""
+
+    def engine_deregistered(self, instance_id: str) -> None:
+        """An engine left: no new legs on it."""
 
 
 @final
@@ -210,6 +223,9 @@ class EtcdRegistry:
 
     With a ``signing_key`` (derived from the deployment's worker secret) only entries
     signed with it are used; every other entry is ignored and reported, never fatal.
+    Only entries of ``config.kind`` are used: pdtrio workers go to ``listener``,
+    engines (``kind`` vllm or sglang) to ``engines``; the listener hears of every
+    ignored entry either way.
     """
 
     def __init__(
@@ -219,10 +235,14 @@ class EtcdRegistry:
         state: DiscoveryState,
         *,
         signing_key: bytes | None = None,
+        engines: EngineListener | None = None,
     ) -> None:
+        if config.kind != "pdtrio" and engines is None:
+            raise ValueError(f"discovering {config.kind} engines needs an engine listener")
         self._config = config
         self._prefix = config.prefix
         self._listener = listener
+        self._engines = engines
         self.state = state
         self._signing_key = signing_key
         self._known: set[str] = set()  # instance ids the listener was told about
@@ -328,7 +348,7 @@ class EtcdRegistry:
             if instance_id is not None:
                 present.add(instance_id)
         for gone in self._known - present:
-            self._listener.instance_deregistered(gone)
+            self._deregistered(gone)
         for key in set(self._rejected) - {kv.key for kv in kvs}:
             self._forget(key)
         self._known = present
@@ -345,7 +365,7 @@ class EtcdRegistry:
                 instance_id = instance_id_from_key(self._prefix, event.key)
                 if instance_id is not None and instance_id in self._known:
                     self._known.discard(instance_id)
-                    self._listener.instance_deregistered(instance_id)
+                    self._deregistered(instance_id)
             self._revision = max(self._revision, event.mod_revision)
         self.state.in_touch(self._revision)
 
@@ -365,7 +385,7 @@ class EtcdRegistry:
         if instance_id is None:
             return None
         try:
-            registration = decode_registration(value)
+            registration = decode_entry(value)
             if registration.instance_id != instance_id:
                 raise RegistrationError(
                     f"registered under {instance_id!r} but says it is {registration.instance_id!r}",
@@ -373,15 +393,35 @@ class EtcdRegistry:
                 )
             if self._signing_key is not None:
                 verify_registration(registration, key, self._signing_key)
+            kind = "pdtrio" if isinstance(registration, Registration) else registration.kind
+            if kind != self._config.kind:
+                # a prefill's KV is read only by a decode of its own kind
+                raise RegistrationError(
+                    f"the registration of a {KIND_NAMES[kind]}; this router fronts "
+                    f"{KIND_NAMES[self._config.kind]}s ([discovery] kind = "
+                    f'"{self._config.kind}")',
+                    REJECTED_KIND,
+                )
         except RegistrationError as exc:
             self._reject(key, revision, exc.reason, str(exc))
             if instance_id in self._known:  # it was usable before: it is gone now
                 self._known.discard(instance_id)
-                self._listener.instance_deregistered(instance_id)
+                self._deregistered(instance_id)
             return None
         self._forget(key)
-        self._listener.instance_registered(registration)
+        if isinstance(registration, Registration):
+            self._listener.instance_registered(registration)
+        else:
+            assert self._engines is not None  # (the constructor's check: kind is an engine's)
+            self._engines.engine_registered(registration)
         return instance_id
+
+    def _deregistered(self, instance_id: str) -> None:
+        """Tell whoever learnt it (every instance known is of the configured kind)."""
+        if self._engines is not None and self._config.kind != "pdtrio":
+            self._engines.engine_deregistered(instance_id)
+        else:
+            self._listener.instance_deregistered(instance_id)
 
     def _reject(self, key: str, revision: int, reason: str, message: str) -> None:
         """Ignore the entry; warn and count once per change of it."""

@@ -18,7 +18,7 @@ import trio
 from pdtrio.config import DiscoveryConfig
 from pdtrio.discovery.etcd import EtcdAuthFailed, EtcdClient, EtcdError, EtcdLeaseLost, etcd_client
 from pdtrio.protocol.registration import (
-    Registration,
+    AnyRegistration,
     encode_registration,
     registration_key,
     sign_registration,
@@ -32,16 +32,20 @@ _DEREGISTER_TIMEOUT_S = 2.0
 
 async def keep_registered(
     config: DiscoveryConfig,
-    registration: Registration,
+    registration: AnyRegistration,
     stop: trio.Event,
     *,
     signing_key: bytes | None = None,
+    logger: logging.Logger = log,
 ) -> None:
     """Stay registered until ``stop`` is set (or cancelled), then deregister.
 
     ``signing_key`` (``pdtrio.security.derive_key(secret, "registration")``): the
     registration is signed with it; None: unsigned (a deployment without a secret).
+    ``registration``: a worker's, or an engine's (``pdtrio register``, logging as
+    ``logger``).
     """
+    log = logger
     key = registration_key(config.prefix, registration.instance_id)
     if signing_key is not None:
         registration = sign_registration(registration, key, signing_key)
@@ -69,7 +73,7 @@ async def keep_registered(
                     wait_s = 0.0
                 except EtcdAuthFailed as exc:
                     if not out_of_reach:
-                        log.error("etcd refuses this worker's credentials, still serving: %s", exc)
+                        log.error("etcd refuses the credentials given, still serving: %s", exc)
                         out_of_reach = True
                     wait_s = min(1.0, ttl_s / 3)
                 except EtcdError as exc:
@@ -82,10 +86,12 @@ async def keep_registered(
         finally:
             if lease is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(_DEREGISTER_TIMEOUT_S):
-                    await _deregister(client, key, lease, ttl_s)
+                    await _deregister(client, key, lease, ttl_s, log)
 
 
-async def _deregister(client: EtcdClient, key: str, lease: int, ttl_s: int) -> None:
+async def _deregister(
+    client: EtcdClient, key: str, lease: int, ttl_s: int, log: logging.Logger
+) -> None:
     try:
         await client.revoke_lease(lease)  # deletes the key with it
     except EtcdError as exc:

@@ -2,6 +2,11 @@
 
 A registration is JSON, so an operator can read it with ``etcdctl get``; it
 names only advertised addresses: what a router or a decode instance dials.
+An entry is a pdtrio worker's :class:`Registration` (no ``kind``, as every
+worker writes it, or ``"kind": "pdtrio"``), or an :class:`EngineRegistration`
+(``"kind": "vllm"`` or ``"sglang"``): an engine that ``pdtrio register``
+registers beside it.  An engine's API key is never in an entry: the router has
+it from its own configuration.
 
 Anyone who can write to etcd can write an entry, so reading one is bounded
 (size, arrays and objects, hence nesting) and total: whatever the bytes, the result is a
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, TypeVar
 from urllib.parse import urlsplit
 
 import msgspec
@@ -40,6 +45,7 @@ REJECTED_BAD_SIGNATURE: Final = "bad_signature"
 REJECTED_WRONG_KEY: Final = "wrong_key"  # registered under another instance's key
 REJECTED_ROUTER_URL: Final = "router_url"  # its URL is a router (this one or another)
 REJECTED_INTERNAL: Final = "internal"  # the router failed handling it (a bug: logged)
+REJECTED_KIND: Final = "kind"  # of a kind the router does not front ([discovery] kind)
 REJECTION_REASONS: Final = (
     REJECTED_MALFORMED,
     REJECTED_INVALID,
@@ -48,6 +54,7 @@ REJECTION_REASONS: Final = (
     REJECTED_WRONG_KEY,
     REJECTED_ROUTER_URL,
     REJECTED_INTERNAL,
+    REJECTED_KIND,
 )
 
 # the header a pdtrio router puts on its answers to /pd/* (a worker's paths): a
@@ -94,16 +101,64 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True):
     signature: Signature = ""
 
 
+EngineKind = Literal["vllm", "sglang"]
+# what an entry's "kind" says, as the operator calls it
+KIND_NAMES: Final = {"pdtrio": "pdtrio worker", "vllm": "vLLM engine", "sglang": "SGLang engine"}
+
+
+class EngineRegistration(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine (vLLM, SGLang) registered by ``pdtrio register`` running beside it.
+
+    No KV layout: engines pair by kind. No API key: the router's configuration has
+    it (``[security] engine_api_key``), so whoever reads etcd never learns it.
+    """
+
+    instance_id: Name
+    kind: EngineKind
+    role: Literal["prefill", "decode", "both"]
+    url: Url  # the engine's HTTP base URL (its OpenAI server)
+    model: Name  # the served model name clients ask for
+    # an SGLang prefill's --disaggregation-bootstrap-port; 0: none (vLLM, a decode)
+    bootstrap_port: Port = 0
+    version: int = REGISTRATION_VERSION
+    # hex HMAC-SHA256 (sign_registration); empty: unsigned
+    signature: Signature = ""
+
+
+AnyRegistration = Registration | EngineRegistration
+_AnyRegistrationT = TypeVar("_AnyRegistrationT", bound=AnyRegistration)
+
+
+class _Kind(msgspec.Struct):
+    """An entry's kind alone (absent: a pdtrio worker's, as every worker writes it)."""
+
+    kind: str = "pdtrio"
+
+
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Registration)
+_engine_decoder = msgspec.json.Decoder(EngineRegistration)
+_kind_decoder = msgspec.json.Decoder(_Kind)
 
 
-def encode_registration(registration: Registration) -> bytes:
+def encode_registration(registration: AnyRegistration) -> bytes:
     return _encoder.encode(registration)
 
 
 def decode_registration(data: bytes) -> Registration:
-    """The registration an entry holds; RegistrationError for anything else, whatever it is."""
+    """The pdtrio worker's registration an entry holds; RegistrationError for anything
+    else, whatever it is."""
+    entry = decode_entry(data)
+    if not isinstance(entry, Registration):
+        raise RegistrationError(
+            f"the registration of a {KIND_NAMES[entry.kind]}, not a pdtrio worker", REJECTED_KIND
+        )
+    return entry
+
+
+def decode_entry(data: bytes) -> AnyRegistration:
+    """The registration an entry holds, a worker's or an engine's (by its ``kind``);
+    RegistrationError for anything else, whatever it is."""
     if len(data) > MAX_REGISTRATION_BYTES:
         raise RegistrationError(
             f"the entry is {len(data)} bytes, more than {MAX_REGISTRATION_BYTES}",
@@ -111,25 +166,68 @@ def decode_registration(data: bytes) -> Registration:
         )
     _check_nesting(data)
     try:
-        registration = _decoder.decode(data)
+        kind = _kind_decoder.decode(data).kind
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        kind = "pdtrio"  # (not an object with a string kind: the full decode says why)
+    registration: AnyRegistration
+    try:
+        if kind == "pdtrio":
+            registration = _decoder.decode(data)
+        elif kind in ("vllm", "sglang"):
+            registration = _engine_decoder.decode(data)
+        else:
+            raise RegistrationError(
+                f"an entry of kind {kind[:40]!r} (known: pdtrio, vllm, sglang)", REJECTED_INVALID
+            )
     except msgspec.ValidationError as exc:
         raise RegistrationError(f"not a usable registration: {exc}", REJECTED_INVALID) from None
     except (msgspec.DecodeError, RecursionError) as exc:
         raise RegistrationError(f"not a registration: {exc}", REJECTED_MALFORMED) from None
-    check_registration(registration)
+    if isinstance(registration, Registration):
+        check_registration(registration)
+    else:
+        check_engine_registration(registration)
     return registration
+
+
+def check_engine_registration(registration: EngineRegistration) -> None:
+    """Refuse what the types alone do not: another version, a URL that is not a base
+    URL, a bootstrap port where it cannot be or none where SGLang's prefill needs one."""
+    _check_version(registration.version)
+    check_base_url(registration.url)
+    if registration.kind == "sglang":
+        if registration.role != "decode" and not registration.bootstrap_port:
+            raise RegistrationError("an SGLang prefill registered without its bootstrap port")
+    elif registration.bootstrap_port:
+        raise RegistrationError("a bootstrap port is SGLang's, not vLLM's")
+
+
+def _check_version(version: int) -> None:
+    if version != REGISTRATION_VERSION:
+        raise RegistrationError(
+            f"registration version {version}, this router reads {REGISTRATION_VERSION}",
+            REJECTED_MALFORMED,
+        )
 
 
 def check_registration(registration: Registration) -> None:
     """Refuse what the types alone do not: another version, a URL that is not http(s)
     with a host and a valid port, a layout with sizes that cannot be."""
-    if registration.version != REGISTRATION_VERSION:
-        raise RegistrationError(
-            f"registration version {registration.version}, this router reads "
-            f"{REGISTRATION_VERSION}",
-            REJECTED_MALFORMED,
-        )
-    url = registration.url
+    _check_version(registration.version)
+    check_base_url(registration.url)
+    if registration.transfer_port and not registration.transfer_host:
+        raise RegistrationError("a transfer port without a transfer host")
+    layout = registration.layout
+    sizes = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
+    if min(sizes) <= 0 or max(sizes) > 1 << 20:
+        raise RegistrationError(f"the KV layout's sizes are not usable: {layout.describe()}")
+    if max(len(layout.model_fingerprint), len(layout.dtype), len(layout.parallel)) > 256:
+        raise RegistrationError("the KV layout's names are too long")
+
+
+def check_base_url(url: str) -> None:
+    """Refuse a URL that is not an http(s) base URL: a host, a valid port, no user, query
+    or fragment."""
     if not url.startswith(("http://", "https://")):
         raise RegistrationError(f"url {url!r} is not an http(s) URL")
     try:
@@ -141,14 +239,6 @@ def check_registration(registration: Registration) -> None:
         raise RegistrationError(f"url {url!r} is not a base URL (host[:port], no user or query)")
     if port == 0:
         raise RegistrationError(f"url {url!r} has port 0")
-    if registration.transfer_port and not registration.transfer_host:
-        raise RegistrationError("a transfer port without a transfer host")
-    layout = registration.layout
-    sizes = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
-    if min(sizes) <= 0 or max(sizes) > 1 << 20:
-        raise RegistrationError(f"the KV layout's sizes are not usable: {layout.describe()}")
-    if max(len(layout.model_fingerprint), len(layout.dtype), len(layout.parallel)) > 256:
-        raise RegistrationError("the KV layout's names are too long")
 
 
 def _check_nesting(data: bytes) -> None:
@@ -179,7 +269,7 @@ def instance_id_from_key(prefix: str, key: str) -> str | None:
 # --- signatures -----------------------------------------------------------------------
 
 
-def _signature(registration: Registration, key: str, signing_key: bytes) -> str:
+def _signature(registration: AnyRegistration, key: str, signing_key: bytes) -> str:
     """The HMAC over the registration without its signature, bound to its etcd key."""
     unsigned = msgspec.structs.replace(registration, signature="")
     message = b"".join(
@@ -193,7 +283,9 @@ def _signature(registration: Registration, key: str, signing_key: bytes) -> str:
     return hmac.new(signing_key, message, hashlib.sha256).hexdigest()
 
 
-def sign_registration(registration: Registration, key: str, signing_key: bytes) -> Registration:
+def sign_registration(
+    registration: _AnyRegistrationT, key: str, signing_key: bytes
+) -> _AnyRegistrationT:
     """The registration, signed for storing under ``key`` (``signing_key``:
     ``pdtrio.security.derive_key(secret, "registration")``)."""
     return msgspec.structs.replace(
@@ -201,7 +293,7 @@ def sign_registration(registration: Registration, key: str, signing_key: bytes) 
     )
 
 
-def verify_registration(registration: Registration, key: str, signing_key: bytes) -> None:
+def verify_registration(registration: AnyRegistration, key: str, signing_key: bytes) -> None:
     """Raise RegistrationError unless the registration is signed with ``signing_key`` for
     ``key``."""
     if not registration.signature:

@@ -143,7 +143,9 @@ class Router:
 
     def health(self) -> dict[str, Any]:
         if self.engines is not None:
-            return self.engines.health(len(self.requests))
+            return self.engines.health(
+                len(self.requests), self.discovery, self.links.ignored_registrations
+            )
 
         prefill, decode = self.instances.health_counts()
         report: dict[str, Any] = {
@@ -191,6 +193,8 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
             nursery.start_soon(router.requests.hang_up_stalled_clients)
             if router.engines is not None:
                 await nursery.start(router.engines.run)
+                if config.discovery.uses_etcd:
+                    await nursery.start(_etcd_registry(router).run)
             elif config.uses_embedded_cluster:
                 await _start_embedded(router, nursery)
             else:
@@ -207,25 +211,30 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
                         )
                     )
                 if config.discovery.uses_etcd:
-                    if router.registration_signing_key is None:
-                        log.warning(
-                            "registrations in etcd are not authenticated: no worker secret "
-                            "is set, so whoever can write to etcd can register an instance"
-                        )
-                    registries.append(
-                        EtcdRegistry(
-                            config.discovery,
-                            router.links,
-                            router.discovery,
-                            signing_key=router.registration_signing_key,
-                        )
-                    )
+                    registries.append(_etcd_registry(router))
                 for registry in registries:
                     await nursery.start(registry.run)
             try:
                 yield router
             finally:
                 nursery.cancel_scope.cancel()
+
+
+def _etcd_registry(router: Router) -> EtcdRegistry:
+    """What etcd has: pdtrio workers' registrations to the links, engines' (``[discovery]
+    kind``) to the engine pool."""
+    if router.registration_signing_key is None:
+        log.warning(
+            "registrations in etcd are not authenticated: no worker secret "
+            "is set, so whoever can write to etcd can register an instance"
+        )
+    return EtcdRegistry(
+        router.config.discovery,
+        router.links,
+        router.discovery,
+        signing_key=router.registration_signing_key,
+        engines=router.engines,
+    )
 
 
 async def _start_embedded(router: Router, nursery: trio.Nursery) -> None:

@@ -1,6 +1,8 @@
 """The router in front of engines (vLLM) instead of pdtrio workers: the pool.
 
-An engine is known by its ``[[instances]]`` entry (``kind = "vllm"``): its
+An engine is known by its ``[[instances]]`` entry (``kind = "vllm"``), or by
+its registration in etcd (``pdtrio register`` beside it; ``[discovery] kind``),
+learnt and forgotten as the registry reports: its
 model and context length come from its ``/v1/models``, its health from
 ``/health`` and its load from ``/metrics`` (waiting and running requests, KV
 cache usage), scraped once per ``_SCRAPE_INTERVAL_S`` however many requests
@@ -15,16 +17,21 @@ The request itself is ``pdtrio.router.vllm_backend``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import Any, final
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, final
 
 import attrs
 import httpx
 import trio
 
 from pdtrio.config import InstanceConfig, PdtrioConfig
+from pdtrio.protocol.registration import EngineRegistration
 from pdtrio.protocol.scheduling import Candidate, Scheduler
 from pdtrio.protocol.vllm_pd import EngineLoad, parse_engine_metrics
+from pdtrio.security import ENGINE_API_KEY_ENV, resolve_secret
+
+if TYPE_CHECKING:
+    from pdtrio.discovery.registry import DiscoveryState
 
 log = logging.getLogger("pdtrio.router.engines")
 
@@ -45,10 +52,12 @@ class EngineInstance:
     suspended_until: float = 0.0
     failures_in_a_row: int = 0
     last_error: str = ""
+    # its name in etcd ("": listed in [[instances]], known by its URL)
+    registered_as: str = ""
 
     @property
     def instance_id(self) -> str:
-        return self.config.url
+        return self.registered_as or self.config.url
 
     @property
     def url(self) -> str:
@@ -94,7 +103,15 @@ class EnginePool:
         self.config = config
         self.kind = config.engine_kind
         self.http = http
+        # by instance id: a listed one's URL, a registered one's name in etcd
         self.instances = {i.url: EngineInstance(i) for i in config.instances}
+        security = config.security
+        self._registered_api_key = resolve_secret(
+            security.engine_api_key,
+            security.engine_api_key_file,
+            env_name=ENGINE_API_KEY_ENV,
+            what="engine API key",
+        )
         self._schedulers = {
             "prefill": Scheduler(config.router.prefill_policy),
             "decode": Scheduler(config.router.decode_policy),
@@ -118,7 +135,14 @@ class EnginePool:
                 )
         return lengths
 
-    def health(self, active_requests: int) -> dict[str, Any]:
+    def health(
+        self,
+        active_requests: int,
+        discovery: DiscoveryState | None = None,
+        ignored: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """``/health``: the counts, each engine, and (``discovery``) where they come from
+        with the registrations ``ignored`` (key: why)."""
         prefill = sum(1 for i in self.instances.values() if i.serves_prefill and i.usable)
         decode = sum(1 for i in self.instances.values() if i.serves_decode and i.usable)
         report: dict[str, Any] = {
@@ -128,6 +152,7 @@ class EnginePool:
             "active_requests": active_requests,
             "engines": [
                 {
+                    **({"instance": i.registered_as} if i.registered_as else {}),
                     "url": i.config.url,
                     "kind": i.config.kind,
                     "role": i.config.role,
@@ -147,9 +172,15 @@ class EnginePool:
                 for i in self.instances.values()
             ],
         }
+        if discovery is not None and discovery.source == "etcd":
+            report["discovery"] = discovery.report()
+        if ignored:
+            report["ignored"] = [{"key": key, "reason": why} for key, why in ignored.items()]
         return report
 
     def describe(self) -> str:
+        if not self.instances:
+            return "none yet (waiting for registrations in etcd)"
         return ", ".join(
             f"{i.config.kind} {i.config.role} {i.config.url}"
             + ("" if i.usable else f" (not up: {i.last_error or 'no answer yet'})")
@@ -208,6 +239,42 @@ class EnginePool:
             ):
                 yield instance
 
+    # --- what etcd says (pdtrio.discovery.registry.EngineListener) -----------------------
+
+    def engine_registered(self, registration: EngineRegistration) -> None:
+        """Learn (or update) an engine ``pdtrio register`` registered; it takes legs once
+        its first scrape found it up."""
+        config = InstanceConfig(
+            role=registration.role,
+            url=registration.url,
+            kind=registration.kind,
+            model=registration.model,
+            api_key=self._registered_api_key,
+            bootstrap_port=registration.bootstrap_port,
+        )
+        known = self.instances.get(registration.instance_id)
+        if known is not None and known.config == config:
+            return  # (listed again after etcd came back)
+        instance = EngineInstance(config, registered_as=registration.instance_id)
+        self.instances[registration.instance_id] = instance
+        log.info(
+            "engine %s %s: %s %s at %s, model %s",
+            registration.instance_id,
+            "changed" if known is not None else "registered",
+            registration.kind,
+            registration.role,
+            registration.url,
+            registration.model,
+        )
+        if self.nursery is not None:
+            self.nursery.start_soon(self._scrape, instance)
+
+    def engine_deregistered(self, instance_id: str) -> None:
+        """Forget it: no new legs; the legs on it run to their end."""
+        instance = self.instances.pop(instance_id, None)
+        if instance is not None:
+            log.info("engine %s deregistered (%s)", instance_id, instance.config.url)
+
     # --- health and load -------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -222,7 +289,7 @@ class EnginePool:
 
     async def _scrape_all(self) -> None:
         async with trio.open_nursery() as nursery:
-            for instance in self.instances.values():
+            for instance in list(self.instances.values()):
                 nursery.start_soon(self._scrape, instance)
 
     async def _scrape(self, instance: EngineInstance) -> None:
