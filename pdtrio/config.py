@@ -81,6 +81,11 @@ class EngineConfig:
     # a longer prompt is prefilled this many tokens a step: an abort (its client left) or
     # the running decodes wait one chunk, not the whole prompt
     prefill_chunk_tokens: int = attrs.field(default=128, validator=_positive)
+    # reuse the KV of full blocks of earlier prompts (pdtrio.engine.prefix_cache): a prompt
+    # that begins as an earlier one did computes only the rest
+    prefix_cache: bool = False
+    # at most this many blocks cached at once; 0: as many as the KV cache has room for
+    prefix_cache_max_blocks: int = attrs.field(default=0, validator=_non_negative)
     # the budget of a request without max_tokens (capped by the context); decode reserves it
     default_max_tokens: int = attrs.field(default=2048, validator=_positive)
     device: str = "cpu"

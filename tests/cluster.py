@@ -72,6 +72,7 @@ def synthetic_worker(
     engine_config = EngineConfig(
         kind="synthetic",
         num_kv_blocks=engine_overrides.get("num_kv_blocks", 4096),
+        prefix_cache=engine_overrides.get("prefix_cache", False),
         synthetic=synthetic,
     )
     config = WorkerConfig(
@@ -88,6 +89,7 @@ def synthetic_worker(
         num_blocks=engine_config.num_kv_blocks,
         block_size=engine_config.block_size,
         default_max_tokens=engine_config.default_max_tokens,
+        prefix_cache=engine_config.prefix_cache,
     )
     return Worker(config, engine)
 

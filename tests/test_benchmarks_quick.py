@@ -271,6 +271,30 @@ def _engine(printed: str, report: Any) -> None:
     assert floor["bfloat16"]["weights_bytes"] * 2 == floor["float32"]["weights_bytes"]
 
 
+def _multi_turn(printed: str, report: Any) -> None:
+    assert "TTFT p50 off" in printed and "on/off p50" in printed
+    assert report["benchmark"] == "multi_turn" and report["quick"] is True
+    plan = report["plan"]
+    cases = {case["engine"]: case for case in report["cases"]}
+    assert set(cases) == {"synthetic", "tiny-random"}
+    for name, case in cases.items():
+        turns = case["turns"]
+        assert [row["turn"] for row in turns] == list(range(1, plan["turns"] + 1))
+        for row in turns:
+            for mode in ("off", "on"):
+                assert row[mode]["requests"] == plan["conversations"], (name, row)
+                assert row[mode]["ttft_p99_ms"] >= row[mode]["ttft_p50_ms"] > 0, (name, row)
+            # the prompts grow, the same in both modes; without the cache nothing is cached
+            assert row["on"]["prompt_tokens_mean"] == row["off"]["prompt_tokens_mean"]
+            assert row["off"]["cached_fraction"] == 0, (name, row)
+        # from the second turn, the last turn's prompt (and the system prompt) is found
+        assert all(row["on"]["cached_fraction"] > 0.5 for row in turns[1:]), (name, turns)
+        # what usage said was cached is what the prefill worker's /metrics counted
+        assert case["usage_cached_tokens"]["off"] == case["metrics_hit_tokens"]["off"] == 0
+        assert case["usage_cached_tokens"]["on"] == case["metrics_hit_tokens"]["on"] > 0
+        assert case["goal"]["pass"] in (True, False)
+
+
 # --- the list -------------------------------------------------------------------------------
 
 
@@ -294,6 +318,7 @@ QUICK = [
     Quick("benchmarks.abandoned_prefill", _abandoned_prefill, 300),
     Quick("benchmarks.migration", _migration, 240),
     Quick("benchmarks.engine", _engine, 240),
+    Quick("benchmarks.multi_turn", _multi_turn, 240),
 ]
 # run --quick by a test of their own
 ELSEWHERE = {

@@ -7,7 +7,9 @@ Blocks belong to a request id.  ``prefill`` leaves the prompt's blocks owned
 by the request until ``free_request``; ``allocate_blocks`` + ``write_blocks``
 is how a decode instance receives them; ``start_decode`` runs the request on
 the blocks it owns, and frees them itself when the request finishes or is
-aborted.
+aborted.  With the prefix cache on, a prompt's first blocks may be cached blocks
+that other requests own too: freeing a request frees only what nobody else holds
+(``pdtrio.engine.prefix_cache``).
 
 ``kv_region`` is the cache's memory as one range that never moves, for
 transports that copy blocks without the engine (NIXL reads and writes it
@@ -59,6 +61,12 @@ class EngineStatistics:
     kv_blocks_total: int
     # requests waiting for a step (prefills queued, decodes past the batch limit)
     waiting_requests: int = 0
+    # the prefix cache (all 0 when it is off); kv_blocks_in_use counts what requests hold,
+    # so cached blocks nobody holds count as free: an allocation evicts them when it must
+    prefix_cache_hit_tokens: int = 0  # prompt tokens found cached, since start
+    prefix_cache_miss_tokens: int = 0  # prompt tokens looked up and not found
+    prefix_cache_evicted_blocks: int = 0  # since start
+    prefix_cache_blocks: int = 0  # blocks cached now, held by requests or not
 
 
 # Told after each engine step that computed something: its seconds, how many requests it

@@ -1,4 +1,5 @@
-"""Block bookkeeping shared by the engines: free blocks, and which request owns which.
+"""Block bookkeeping shared by the engines: free blocks, and which request owns which
+(and, through :mod:`pdtrio.engine.prefix_cache`, which blocks requests share).
 
 Torch-free: the synthetic engine uses it as it is, the torch engine over its
 paged cache's allocator.
@@ -6,10 +7,11 @@ paged cache's allocator.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import final
 
 from pdtrio.engine.api import NoRoom
+from pdtrio.engine.prefix_cache import PrefixCache, block_hashes
 from pdtrio.protocol.kv_layout import blocks_needed
 
 
@@ -61,12 +63,24 @@ class BlockAllocator:
 
 @final
 class BlockOwnership:
-    """The block table of every request that owns blocks, over one allocator."""
+    """The block table of every request that owns blocks, over one allocator.
 
-    def __init__(self, allocator: BlockAllocator, block_size: int) -> None:
+    A request holds a reference to each block of its table (``prefix_cache``): with
+    the cache enabled, a prompt's table may begin with cached blocks other requests
+    hold too, and releasing a request frees only what nobody else holds or caches.
+    """
+
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, prefix_cache: PrefixCache | None = None
+    ) -> None:
         self.allocator = allocator
         self.block_size = block_size
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache(allocator)
+        if self.prefix_cache.allocator is not allocator:
+            raise ValueError("the prefix cache must be over the same allocator")
         self._owned: dict[str, list[int]] = {}
+        # the block hashes of a prompt being prefilled, until cache_prompt caches its blocks
+        self._prompt_hashes: dict[str, list[bytes]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -74,7 +88,8 @@ class BlockOwnership:
 
     @property
     def num_used(self) -> int:
-        return self.allocator.num_used
+        """Blocks some request holds (cached blocks nobody holds are free to reuse)."""
+        return self.prefix_cache.num_held
 
     def owned(self, request_id: str) -> list[int]:
         return self._owned.get(request_id, [])
@@ -84,14 +99,55 @@ class BlockOwnership:
         table = self._owned.get(request_id, [])
         missing = blocks_needed(num_tokens, self.block_size) - len(table)
         if missing > 0:
-            table = table + self.allocator.allocate(missing)
+            table = table + self.prefix_cache.allocate(missing)
         self._owned[request_id] = table
         return tuple(table)
 
+    def ensure_prompt(
+        self, request_id: str, prompt_token_ids: Sequence[int], root: bytes
+    ) -> tuple[tuple[int, ...], int]:
+        """A new request's table for its prompt, starting with the cached blocks of its
+        longest cached prefix: (the table, how many of the prompt's tokens are cached).
+
+        At least the prompt's last token is left to compute (its logits give the first
+        token), so a prompt cached whole recomputes its last block, into a block of its own.
+        All or nothing: NoRoom leaves the request without blocks.  A request that owns
+        blocks already just grows its table, as :meth:`ensure`, with nothing cached.
+        """
+        if self._owned.get(request_id):
+            return self.ensure(request_id, len(prompt_token_ids)), 0
+        cache = self.prefix_cache
+        hashes = block_hashes(prompt_token_ids, self.block_size, root) if cache.enabled else []
+        usable = (len(prompt_token_ids) - 1) // self.block_size
+        found = cache.match(hashes[:usable])
+        # held before allocating, so the allocation cannot evict them
+        cache.acquire(found)
+        self._owned[request_id] = list(found)
+        try:
+            table = self.ensure(request_id, len(prompt_token_ids))
+        except BaseException:
+            self._owned.pop(request_id, None)
+            cache.release(found)
+            raise
+        cached_tokens = len(found) * self.block_size
+        if cache.enabled:
+            cache.count_lookup(cached_tokens, len(prompt_token_ids))
+            self._prompt_hashes[request_id] = hashes
+        return table, cached_tokens
+
+    def cache_prompt(self, request_id: str) -> None:
+        """The request's prompt KV is computed: cache its full blocks for later prompts."""
+        hashes = self._prompt_hashes.pop(request_id, None)
+        if not hashes:
+            return
+        for block_id, block_hash in zip(self._owned.get(request_id, []), hashes, strict=False):
+            self.prefix_cache.insert(block_id, block_hash)
+
     def release(self, request_id: str) -> int:
-        """Free the request's blocks; returns how many. Idempotent."""
+        """Drop the request's references to its blocks; returns how many. Idempotent."""
+        self._prompt_hashes.pop(request_id, None)
         table = self._owned.pop(request_id, None)
         if not table:
             return 0
-        self.allocator.free(table)
+        self.prefix_cache.release(table)
         return len(table)

@@ -38,6 +38,7 @@ from pdtrio.engine.budget import (
     token_budget,
     tokens_left,
 )
+from pdtrio.engine.prefix_cache import PrefixCache, chain_root, layout_salt
 from pdtrio.engine.scheduler import SchedulerLimits, schedule
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
@@ -158,6 +159,8 @@ class SyntheticEngine:
         model_name: str = SYNTHETIC_MODEL_NAME,
         default_max_tokens: int = 2048,
         scheduler_limits: SchedulerLimits | None = None,
+        prefix_cache: bool = False,
+        prefix_cache_max_blocks: int = 0,
     ) -> None:
         self._config = config
         self._limits = scheduler_limits
@@ -165,7 +168,11 @@ class SyntheticEngine:
         self._left_out = 0  # requests the last scheduled step left waiting
         self._default_max_tokens = default_max_tokens
         self._model_name = model_name
-        self._blocks = BlockOwnership(BlockAllocator(num_blocks), block_size)
+        allocator = BlockAllocator(num_blocks)
+        cache = PrefixCache(
+            allocator, enabled=prefix_cache, max_cached_blocks=prefix_cache_max_blocks
+        )
+        self._blocks = BlockOwnership(allocator, block_size, cache)
         self._layout = KvLayout(
             model_fingerprint=f"synthetic-v1-vocab{config.vocab_size}",
             num_layers=1,
@@ -174,6 +181,7 @@ class SyntheticEngine:
             block_size=block_size,
             dtype="synthetic",
         )
+        self._chain_root = chain_root(layout_salt(self._layout))
         # the blocks' bytes in one buffer, so a transport can register it (see kv_region);
         # the ctypes view gives its address (and keeps the mapping from being closed)
         self._kv = kv_buffer(max(1, num_blocks * self._layout.block_nbytes))
@@ -198,11 +206,16 @@ class SyntheticEngine:
         return self._config.max_model_len
 
     def statistics(self) -> EngineStatistics:
+        cache = self._blocks.prefix_cache.statistics()
         return EngineStatistics(
             running_requests=len(self._running) + self._prefilling,
             kv_blocks_in_use=self._blocks.num_used,
             kv_blocks_total=self._blocks.num_blocks,
             waiting_requests=self._left_out,
+            prefix_cache_hit_tokens=cache.hit_tokens,
+            prefix_cache_miss_tokens=cache.miss_tokens,
+            prefix_cache_evicted_blocks=cache.evicted_blocks,
+            prefix_cache_blocks=cache.cached_blocks,
         )
 
     def observe_steps(self, observer: StepObserver) -> None:
@@ -244,13 +257,16 @@ class SyntheticEngine:
                 f"no token left to generate: {generated_tokens} of {budget} spent",
                 param="max_tokens",
             )
-        block_ids = self._blocks.ensure(request_id, len(prompt_token_ids))
+        block_ids, cached = self._blocks.ensure_prompt(
+            request_id, prompt_token_ids, self._chain_root
+        )
+        to_compute = len(prompt_token_ids) - cached
         self._prefilling += 1
         try:
             if self._limits is not None:
-                await self._scheduled_prefill(len(prompt_token_ids))
+                await self._scheduled_prefill(to_compute)
             elif self._config.prefill_s_per_token > 0:
-                await trio.sleep(self._config.prefill_s_per_token * len(prompt_token_ids))
+                await trio.sleep(self._config.prefill_s_per_token * to_compute)
             else:
                 await trio.lowlevel.checkpoint()
         except BaseException:
@@ -258,7 +274,12 @@ class SyntheticEngine:
             raise
         finally:
             self._prefilling -= 1
-        self._write_store(block_ids, expected_kv_bytes(prompt_token_ids, self._layout))
+        # the cached blocks hold their prefix's bytes already: only the rest is written
+        first_new = cached // self._layout.block_size
+        kv = expected_kv_bytes(prompt_token_ids, self._layout)
+        self._write_store(block_ids[first_new:], kv[first_new * self._layout.block_nbytes :])
+        self._blocks.cache_prompt(request_id)
+        cached_tokens = min(cached, own)  # of the prompt proper, as usage counts it
         seed = 0 if sampling.seed is None else sampling.seed
         # a continuation's tokens depend on the prompt proper and the position only: the
         # same as if the request had never moved
@@ -274,13 +295,13 @@ class SyntheticEngine:
         if finish is not None:
             self._blocks.release(request_id)
             block_ids = ()
-            usage = Usage(own, processor.num_generated, 0)
+            usage = Usage(own, processor.num_generated, cached_tokens)
         return PrefillResult(
             first_token_id=first,
             first_text=text,
             finish_reason=finish,
             block_ids=block_ids,
-            cached_tokens=0,
+            cached_tokens=cached_tokens,
             token_budget=budget,
             usage=usage,
         )

@@ -58,6 +58,8 @@ def build_engine(config: EngineConfig) -> Engine:
             block_size=config.block_size,
             model_name=config.served_model_name or SYNTHETIC_MODEL_NAME,
             default_max_tokens=config.default_max_tokens,
+            prefix_cache=config.prefix_cache,
+            prefix_cache_max_blocks=config.prefix_cache_max_blocks,
         )
     from pdtrio.engine.threads import prepare_process
 

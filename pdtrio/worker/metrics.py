@@ -127,6 +127,26 @@ class WorkerStateCollector(Collector):
             "Requests waiting for an engine step (prefills queued, decodes past the batch).",
             value=engine.waiting_requests,
         )
+        yield CounterMetricFamily(
+            "pdtrio_engine_prefix_cache_hit_tokens",
+            "Prompt tokens whose KV the prefix cache had (reused, not computed).",
+            value=engine.prefix_cache_hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "pdtrio_engine_prefix_cache_miss_tokens",
+            "Prompt tokens looked up in the prefix cache and computed.",
+            value=engine.prefix_cache_miss_tokens,
+        )
+        yield CounterMetricFamily(
+            "pdtrio_engine_prefix_cache_evicted_blocks",
+            "Cached KV blocks no request held, evicted to make room.",
+            value=engine.prefix_cache_evicted_blocks,
+        )
+        yield GaugeMetricFamily(
+            "pdtrio_engine_prefix_cache_blocks",
+            "KV blocks in the prefix cache (held by requests or reclaimable).",
+            value=engine.prefix_cache_blocks,
+        )
         yield GaugeMetricFamily(
             "pdtrio_worker_kv_leases",
             "Prefilled requests whose KV waits for decode to pull it.",

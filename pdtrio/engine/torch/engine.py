@@ -43,6 +43,7 @@ from pdtrio.engine.budget import (
     tokens_left,
 )
 from pdtrio.engine.detokenizer import IncrementalDetokenizer
+from pdtrio.engine.prefix_cache import PrefixCache, chain_root, layout_salt
 from pdtrio.engine.scheduler import SchedulerLimits, schedule
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.engine.tokenizer import Tokenizer
@@ -111,6 +112,8 @@ class _PrefillJob:
     computed: int = 0
     # a continuation's: the last ids of the prompt that are earlier output
     generated_tokens: int = 0
+    # prompt tokens found in the prefix cache (``computed`` starts there)
+    cached_tokens: int = 0
 
     def remaining(self) -> int:
         """Prompt tokens still to prefill."""
@@ -157,7 +160,15 @@ class TorchEngine:
         self._layout = self._cache.layout(loaded.fingerprint)
         self._lock = threading.Lock()
         # one free list: the cache's own allocator (its statistics stay true)
-        self._blocks = BlockOwnership(self._cache.allocator, config.block_size)  # under _lock
+        prefix_cache = PrefixCache(
+            self._cache.allocator,
+            enabled=config.prefix_cache,
+            max_cached_blocks=config.prefix_cache_max_blocks,
+        )
+        self._blocks = BlockOwnership(  # under _lock
+            self._cache.allocator, config.block_size, prefix_cache
+        )
+        self._chain_root = chain_root(layout_salt(self._layout))
         self._in_engine: set[str] = set()  # requests the engine thread may touch; under _lock
         self._inbox: queue.SimpleQueue[_PrefillJob | _DecodeSeq | _Abort | _Stop] = (
             queue.SimpleQueue()
@@ -202,11 +213,16 @@ class TorchEngine:
 
     def statistics(self) -> EngineStatistics:
         with self._lock:
+            cache = self._blocks.prefix_cache.statistics()
             return EngineStatistics(
                 running_requests=len(self._in_engine),
                 kv_blocks_in_use=self._blocks.num_used,
                 kv_blocks_total=self._blocks.num_blocks,
                 waiting_requests=self._waiting,
+                prefix_cache_hit_tokens=cache.hit_tokens,
+                prefix_cache_miss_tokens=cache.miss_tokens,
+                prefix_cache_evicted_blocks=cache.evicted_blocks,
+                prefix_cache_blocks=cache.cached_blocks,
             )
 
     def observe_steps(self, observer: StepObserver) -> None:
@@ -256,7 +272,9 @@ class TorchEngine:
                 param="max_tokens",
             )
         with self._lock:
-            table = list(self._blocks.ensure(request_id, len(prompt_token_ids)))
+            blocks, cached = self._blocks.ensure_prompt(
+                request_id, prompt_token_ids, self._chain_root
+            )
             self._in_engine.add(request_id)
         done = trio.Event()
         outcome: list[PrefillResult | BaseException] = []
@@ -271,9 +289,12 @@ class TorchEngine:
             prompt_token_ids,
             sampling,
             budget,
-            table,
+            list(blocks),
             lambda result: token.run_sync_soon(deliver, result),
+            # the cached prefix's KV is in its blocks: the steps compute the rest
+            computed=cached,
             generated_tokens=generated_tokens,
+            cached_tokens=cached,
         )
         self._inbox.put(job)
         try:
@@ -583,20 +604,22 @@ class TorchEngine:
             processor.replay(earlier)
         text, finish = processor.push(first)
         usage: Usage | None = None
+        cached_tokens = min(job.cached_tokens, own)  # of the prompt proper, as usage counts it
         with self._lock:
             self._in_engine.discard(job.request_id)
+            self._blocks.cache_prompt(job.request_id)
             table = tuple(self._blocks.owned(job.request_id))
             if finish is not None:
                 self._blocks.release(job.request_id)
                 table = ()
-                usage = Usage(own, processor.num_generated, 0)
+                usage = Usage(own, processor.num_generated, cached_tokens)
         job.deliver(
             PrefillResult(
                 first_token_id=first,
                 first_text=text,
                 finish_reason=finish,
                 block_ids=table,
-                cached_tokens=0,
+                cached_tokens=cached_tokens,
                 token_budget=job.budget,
                 usage=usage,
             )
