@@ -23,15 +23,28 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, final
+from typing import Protocol, final
 
 import attrs
 
 from pdtrio.engine.api import NoRoom
 from pdtrio.protocol.kv_layout import KvLayout
 
-if TYPE_CHECKING:
-    from pdtrio.engine.blocks import BlockAllocator
+
+class BlockSource(Protocol):
+    """What the cache needs of the engine's allocator (``pdtrio.engine.blocks``, which
+    imports this module: named here by what it does, not imported)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def num_free(self) -> int: ...
+
+    def allocate(self, n: int) -> list[int]: ...
+
+    def free(self, ids: Iterable[int]) -> None: ...
+
 
 _HASH_BYTES = 16
 
@@ -82,7 +95,7 @@ class PrefixCache:
     """
 
     def __init__(
-        self, allocator: BlockAllocator, *, enabled: bool = False, max_cached_blocks: int = 0
+        self, allocator: BlockSource, *, enabled: bool = False, max_cached_blocks: int = 0
     ) -> None:
         if max_cached_blocks < 0:
             raise ValueError(f"max_cached_blocks must be >= 0, got {max_cached_blocks}")
