@@ -512,7 +512,10 @@ class TorchEngine:
             banned = [self._banned(job.sampling, job.generated_tokens) for job in completing]
             banned += [self._banned(s.sampling, s.processor.num_generated) for s in step_decodes]
             histories: list[TokenHistory | None] | None = None
-            if any(p.penalizes for p in params):
+            # (a decode keeps a history exactly when it penalizes: no property call a row)
+            if any(s.history is not None for s in step_decodes) or any(
+                job.sampling.penalizes for job in completing
+            ):
                 histories = [_prefill_history(job) for job in completing]
                 histories += [s.history for s in step_decodes]
             try:
