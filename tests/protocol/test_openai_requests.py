@@ -157,7 +157,7 @@ def test_penalties_bias_min_p_and_stop_token_ids() -> None:
     request = chat(
         presence_penalty=0.5,
         frequency_penalty=-2,
-        repetition_penalty=1.3,
+        repetition_penalty=3.5,
         min_p=0.05,
         logit_bias={"7": 100, "3": -100, "12": 2.5},
         stop_token_ids=[9, 2, 9],
@@ -165,7 +165,7 @@ def test_penalties_bias_min_p_and_stop_token_ids() -> None:
     assert request.sampling == SamplingParams(
         presence_penalty=0.5,
         frequency_penalty=-2.0,
-        repetition_penalty=1.3,
+        repetition_penalty=3.5,
         min_p=0.05,
         logit_bias=((3, -100.0), (7, 100.0), (12, 2.5)),
         stop_token_ids=(2, 9),
@@ -187,7 +187,7 @@ def test_penalties_bias_min_p_and_stop_token_ids() -> None:
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"frequency_penalty": "1"}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
-        ({"repetition_penalty": 2.5}, "repetition_penalty"),
+        ({"repetition_penalty": -1}, "repetition_penalty"),
         ({"min_p": 1.5}, "min_p"),
         ({"min_p": -0.1}, "min_p"),
         ({"logit_bias": [1]}, "logit_bias"),

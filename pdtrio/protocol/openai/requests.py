@@ -586,10 +586,10 @@ def _sampling(
     repetition_penalty = _opt_number(obj, "repetition_penalty")
     if repetition_penalty is None:
         repetition_penalty = 1.0
-    elif not 0.0 < repetition_penalty <= 2.0:
+    elif not repetition_penalty > 0.0:  # vLLM's bound (OpenAI has no such field)
         raise bad_request(
             f"Invalid value for 'repetition_penalty': {repetition_penalty} must be greater "
-            "than 0 and at most 2.",
+            "than 0.",
             param="repetition_penalty",
         )
     min_p = _opt_number(obj, "min_p")
@@ -652,6 +652,7 @@ def _logit_bias(obj: dict[str, Any]) -> tuple[tuple[int, float], ...]:
             )
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise _type_error(f"logit_bias.{key}", "a number", value)
+        # OpenAI refuses a bias past 100 (vLLM clamps it): refused, naming the field
         if not -_BIAS_LIMIT <= value <= _BIAS_LIMIT:  # (json reads NaN and Infinity: refused)
             raise bad_request(
                 f"Invalid value for 'logit_bias.{key}': {value} is not between -100 and 100.",
