@@ -588,8 +588,7 @@ def _sampling(
         repetition_penalty = 1.0
     elif not repetition_penalty > 0.0:  # vLLM's bound (OpenAI has no such field)
         raise bad_request(
-            f"Invalid value for 'repetition_penalty': {repetition_penalty} must be greater "
-            "than 0.",
+            f"Invalid value for 'repetition_penalty': {repetition_penalty} must be greater than 0.",
             param="repetition_penalty",
         )
     min_p = _opt_number(obj, "min_p")
