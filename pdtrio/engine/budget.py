@@ -8,6 +8,7 @@ is spent and asks :func:`tokens_left`.
 from __future__ import annotations
 
 from pdtrio.engine.api import PromptRejected
+from pdtrio.protocol.sampling import SamplingParams
 
 
 def checked_token_ids(token_ids: tuple[int, ...], vocab_size: int) -> list[int]:
@@ -19,6 +20,18 @@ def checked_token_ids(token_ids: tuple[int, ...], vocab_size: int) -> list[int]:
                 param="prompt",
             )
     return list(token_ids)
+
+
+def check_logit_bias(sampling: SamplingParams, vocab_size: int) -> None:
+    """PromptRejected (a 400) when ``logit_bias`` names a token outside the vocabulary
+    (vLLM's rule; the ids are checked where the vocabulary is known)."""
+    for token_id, _ in sampling.logit_bias:
+        if not 0 <= token_id < vocab_size:
+            raise PromptRejected(
+                f"token id {token_id} in logit_bias is out of range for a vocabulary of "
+                f"{vocab_size}",
+                param="logit_bias",
+            )
 
 
 def check_prompt_length(prompt_tokens: int, max_model_len: int) -> None:

@@ -14,8 +14,9 @@ again and nothing is sent for it.
 The rules, in the order they are checked for each token:
 
 - EOS (any of ``eos_token_ids``) once ``min_tokens`` tokens came before it,
-  unless ``ignore_eos``: finish with ``"stop"``; EOS has no text.  An EOS the
-  sampler let through earlier (it masks EOS before ``min_tokens``) is an
+  unless ``ignore_eos``, or any of the request's ``stop_token_ids`` (even with
+  ``ignore_eos``, as vLLM): finish with ``"stop"``; the token has no text.  One
+  the sampler let through earlier (it masks them before ``min_tokens``) is an
   ordinary token.
 - A stop string that ends in the new text, once more than ``min_tokens``
   tokens have been generated (vLLM's rule: stop strings that complete earlier
@@ -139,12 +140,11 @@ class OutputProcessor:
     """
 
     __slots__ = (
-        "_eos_token_ids",
         "_finish_reason",
         "_hold_back",
-        "_ignore_eos",
         "_min_tokens",
         "_num_generated",
+        "_stop_token_ids",
         "_text",
         "_token_budget",
     )
@@ -164,8 +164,9 @@ class OutputProcessor:
             )
         self._text = text
         self._hold_back = StopStringHoldBack(sampling.stop)
-        self._eos_token_ids = eos_token_ids
-        self._ignore_eos = sampling.ignore_eos
+        # EOS (unless ignore_eos) and the request's stop_token_ids: one lookup a token
+        eos = frozenset() if sampling.ignore_eos else eos_token_ids
+        self._stop_token_ids = eos | frozenset(sampling.stop_token_ids)
         self._min_tokens = max(sampling.min_tokens, 0)
         self._token_budget = token_budget
         self._num_generated = tokens_generated
@@ -190,8 +191,9 @@ class OutputProcessor:
         self._num_generated += 1
         past_min = self._num_generated > self._min_tokens
 
-        if past_min and not self._ignore_eos and token_id in self._eos_token_ids:
-            # EOS itself is invisible; a trailing incomplete character is flushed
+        if past_min and token_id in self._stop_token_ids:
+            # EOS (or a stop token id) itself is invisible; a trailing incomplete character
+            # is flushed
             text, _ = self._hold_back.finish(self._text.flush())
             return self._finish(text, FINISH_STOP)
 

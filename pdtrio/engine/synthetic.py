@@ -33,6 +33,7 @@ from pdtrio.engine.api import (
 from pdtrio.engine.blocks import BlockAllocator, BlockOwnership
 from pdtrio.engine.budget import (
     check_continuation,
+    check_logit_bias,
     check_prompt_length,
     checked_token_ids,
     token_budget,
@@ -245,6 +246,7 @@ class SyntheticEngine:
         generated_tokens: int = 0,
     ) -> PrefillResult:
         own = check_continuation(len(prompt_token_ids), generated_tokens)
+        check_logit_bias(sampling, self._config.vocab_size)
         budget = token_budget(
             own,
             max_tokens,

@@ -11,6 +11,16 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
     The token budget is not here: prefill computes it once from the request's
     ``max_tokens`` and the model, and it travels beside these parameters.
     ``top_k`` <= 0 and ``top_p`` == 1.0 mean "off"; ``temperature`` == 0 means greedy.
+
+    The fields after ``ignore_eos`` came later: they have defaults (a peer that
+    sends the shorter array still decodes) and mean "off" at them, as vLLM's:
+    ``logit_bias`` is (token id, bias) pairs, ascending by id, added to the
+    logits; ``repetition_penalty`` divides (positive) or multiplies (negative)
+    the logits of every token in the prompt or the output so far;
+    ``frequency_penalty`` and ``presence_penalty`` subtract, per output token,
+    its count times the one and the other once; ``min_p`` drops the tokens less
+    likely than ``min_p`` times the likeliest (after temperature); a token of
+    ``stop_token_ids`` ends the request with "stop" and no text of its own.
     """
 
     temperature: float = 1.0
@@ -20,7 +30,27 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before sampling (a bias or a penalty)."""
+        return bool(self.logit_bias) or self.penalizes
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether the tokens already seen change the logits (the engine keeps them then)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

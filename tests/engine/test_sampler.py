@@ -217,6 +217,100 @@ def test_shapes_are_checked() -> None:
     assert sample(torch.zeros(0, 3), [], []) == []
 
 
+# ---------------------------------------------------------------------- bias, penalties, min-p
+
+
+def vllm_penalized(
+    row: list[float], params: SamplingParams, prompt: list[int], output: list[int]
+) -> list[float]:
+    """vLLM's logits processing, in plain Python: bias, repetition, frequency, presence."""
+    out = list(row)
+    for token_id, bias in params.logit_bias:
+        out[token_id] += bias
+    seen = set(prompt) | set(output)
+    for t in seen:
+        rp = params.repetition_penalty
+        out[t] = out[t] / rp if out[t] > 0 else out[t] * rp
+    for t in set(output):
+        out[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
+    return out
+
+
+penalty_params = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.8]),
+    seed=st.integers(0, 2**32),
+    presence_penalty=st.sampled_from([0.0, 1.5, -1.0]),
+    frequency_penalty=st.sampled_from([0.0, 0.7, -2.0]),
+    repetition_penalty=st.sampled_from([1.0, 1.3, 0.5]),
+    logit_bias=st.sampled_from([(), ((0, 5.0),), ((1, -100.0), (3, 2.0))]),
+)
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(
+    row=st.lists(st.floats(-5, 5, allow_nan=False, width=32), min_size=6, max_size=6),
+    params=penalty_params,
+    prompt=st.lists(st.integers(0, 5), max_size=5),
+    output=st.lists(st.integers(0, 5), max_size=5),
+)
+def test_bias_and_penalties_are_vllms(
+    row: list[float], params: SamplingParams, prompt: list[int], output: list[int]
+) -> None:
+    expected = vllm_penalized(row, params, prompt, output)
+    # the sampler's pick on the processed row is the plain sampler's on vLLM's row
+    got = sample(torch.tensor([row]), [params], [9], histories=[(prompt, output)])
+    plain = without_adjustments(params)
+    assert got == sample(torch.tensor([expected]), [plain], [9])
+
+
+def without_adjustments(params: SamplingParams) -> SamplingParams:
+    return msgspec.structs.replace(
+        params, logit_bias=(), presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0
+    )
+
+
+def test_penalties_push_repeated_tokens_down() -> None:
+    logits = torch.tensor([[3.0, 2.75, 0.0, -1.0]])
+    history = ([5, 0], [0])
+    assert sample(logits, [GREEDY], [0]) == [0]
+    for penalty in (
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, frequency_penalty=0.5),
+    ):
+        assert sample(logits, [penalty], [0], histories=[history]) == [1]
+    biased = SamplingParams(temperature=0.0, logit_bias=((3, 10.0),))
+    both = logits.expand(2, -1).contiguous()
+    assert sample(both, [biased, GREEDY], [0, 0]) == [3, 0]  # only its own row changes
+    assert both.tolist() == [[3.0, 2.75, 0.0, -1.0]] * 2  # the caller's logits are untouched
+
+
+def test_a_penalizing_row_without_history_is_an_error() -> None:
+    with pytest.raises(ValueError, match="history"):
+        sample(torch.zeros(1, 4), [SamplingParams(presence_penalty=1.0)], [0])
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest() -> None:
+    probs = [0.5, 0.3, 0.15, 0.05]
+    # at temperature 1, min_p 0.25 keeps the tokens with p >= 0.125
+    assert set(draw_many(probs, 400, min_p=0.25)) == {0, 1, 2}
+    assert set(draw_many(probs, 400, min_p=0.5)) == {0, 1}
+    assert set(draw_many(probs, 400, min_p=1.0)) == {0}
+    assert set(draw_many(probs, 400)) == {0, 1, 2, 3}
+    # temperature flattens first: at 2, p ~ sqrt(p), and 0.05 keeps sqrt(0.05/0.5) > 0.25
+    assert set(draw_many(probs, 400, min_p=0.25, temperature=2.0)) == {0, 1, 2, 3}
+
+
+def test_min_p_on_a_large_vocabulary_follows_the_definition() -> None:
+    logits = torch.randn(4, 5000, generator=torch.Generator().manual_seed(1)) * 3
+    for seed in range(20):
+        params = SamplingParams(seed=seed, min_p=0.1)
+        token = sample(logits[:1], [params], [3])[0]
+        row = logits[0]
+        assert row[token] >= row.max() + math.log(0.1)
+
+
 # ---------------------------------------------------------------------- large vocabularies
 
 

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import attrs
+import msgspec
 import pytest
 import trio
 
@@ -14,12 +15,25 @@ pytest.importorskip("torch")
 import trio.lowlevel
 
 from pdtrio.config import EngineConfig  # noqa: E402
-from pdtrio.engine.api import EngineError, EngineOutput, StepFailed  # noqa: E402
+from pdtrio.engine.api import EngineError, EngineOutput, PromptRejected, StepFailed  # noqa: E402
 from pdtrio.engine.torch.engine import TorchEngine  # noqa: E402
 from pdtrio.protocol.sampling import SamplingParams  # noqa: E402
 from pdtrio.protocol.wire import TextPrompt, TokenEntry, Usage  # noqa: E402
 
+replace_fields = msgspec.structs.replace
+
 TINY = EngineConfig(kind="torch", model="tiny-random", dtype="float64", num_kv_blocks=64)
+
+
+PENALIZED = SamplingParams(
+    seed=5,
+    repetition_penalty=1.3,
+    presence_penalty=0.5,
+    frequency_penalty=0.4,
+    logit_bias=((7, 3.0), (11, -2.0)),
+    min_p=0.02,
+    ignore_eos=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +96,7 @@ async def complete(
     [
         SamplingParams(temperature=0, ignore_eos=True),
         SamplingParams(seed=5, top_k=40, ignore_eos=True),
+        PENALIZED,
     ],
 )
 async def test_handed_over_equals_colocated_and_decode_counts_the_whole_budget(
@@ -94,6 +109,41 @@ async def test_handed_over_equals_colocated_and_decode_counts_the_whole_budget(
     _, finish, usage, tokens = colocated
     assert finish == "length" and len(tokens) == 9
     assert usage is not None and usage.completion_tokens == 9
+
+
+async def test_penalties_and_bias_change_the_tokens_as_asked(
+    engines: tuple[TorchEngine, TorchEngine],
+) -> None:
+    one, other = engines
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    _, _, _, plain = await complete(one, one, greedy, 12)
+    forced = replace_fields(greedy, logit_bias=((42, 100.0),))
+    assert (await complete(one, other, forced, 5))[3] == [42] * 5
+    # the strongest penalty on repeats: greedy then never takes a token twice in a row
+    # (tiny-random, greedy, repeats itself plainly)
+    assert any(a == b for a, b in zip(plain, plain[1:], strict=False))
+    repeated = replace_fields(greedy, frequency_penalty=2.0, presence_penalty=2.0)
+    _, _, _, penalized = await complete(one, other, repeated, 12)
+    assert penalized != plain
+    assert len(set(penalized)) > len(set(plain))
+
+
+async def test_stop_token_ids_stop_and_logit_bias_out_of_the_vocabulary_is_refused(
+    engines: tuple[TorchEngine, TorchEngine],
+) -> None:
+    one, other = engines
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    _, _, _, plain = await complete(one, one, greedy, 8)
+    stop_at = plain[3]
+    cut = replace_fields(greedy, stop_token_ids=(stop_at,))
+    text, finish, usage, tokens = await complete(one, other, cut, 8)
+    assert finish == "stop" and tokens == plain[: plain.index(stop_at) + 1]
+    assert usage is not None and usage.completion_tokens == len(tokens)
+    ids = await one.tokenize(TextPrompt("x"))
+    with pytest.raises(PromptRejected) as info:
+        await one.prefill("bad", ids, replace_fields(greedy, logit_bias=((10**6, 1.0),)), 4)
+    assert info.value.param == "logit_bias"
+    assert one.statistics().kv_blocks_in_use == 0
 
 
 async def test_a_stop_string_across_the_first_token_agrees_between_modes(
@@ -268,8 +318,9 @@ async def continue_from(
     [
         SamplingParams(temperature=0, ignore_eos=True),
         SamplingParams(seed=5, top_k=40, ignore_eos=True),
+        PENALIZED,
     ],
-    ids=["greedy", "seeded"],
+    ids=["greedy", "seeded", "penalized"],
 )
 async def test_a_continuation_goes_on_as_the_undisturbed_request(
     engines: tuple[TorchEngine, TorchEngine], sampling: SamplingParams, cut: int

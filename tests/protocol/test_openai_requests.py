@@ -153,6 +153,68 @@ def test_full_sampling() -> None:
     assert isinstance(request.sampling.temperature, float)
 
 
+def test_penalties_bias_min_p_and_stop_token_ids() -> None:
+    request = chat(
+        presence_penalty=0.5,
+        frequency_penalty=-2,
+        repetition_penalty=3.5,
+        min_p=0.05,
+        logit_bias={"7": 100, "3": -100, "12": 2.5},
+        stop_token_ids=[9, 2, 9],
+    )
+    assert request.sampling == SamplingParams(
+        presence_penalty=0.5,
+        frequency_penalty=-2.0,
+        repetition_penalty=3.5,
+        min_p=0.05,
+        logit_bias=((3, -100.0), (7, 100.0), (12, 2.5)),
+        stop_token_ids=(2, 9),
+    )
+    assert request.sampling.adjusts_logits and request.sampling.penalizes
+    for api in (chat, completion):
+        plain = api().sampling
+        assert not plain.adjusts_logits and not plain.penalizes
+        assert api(presence_penalty=0, logit_bias={}, stop_token_ids=[]).sampling == plain
+        assert api(logit_bias={"1": 1}).sampling.adjusts_logits
+        assert not api(logit_bias={"1": 1}).sampling.penalizes
+
+
+@pytest.mark.parametrize("api", ["chat", "completion"])
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": -1}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"logit_bias": [1]}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
+        ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": ["5"]}, "stop_token_ids.[0]"),
+    ],
+)
+def test_bad_penalties_bias_min_p_and_stop_token_ids(
+    api: str, fields: dict[str, Any], param: str
+) -> None:
+    error = chat_error(**fields) if api == "chat" else completion_error(**fields)
+    assert_bad(error, param)
+
+
+def test_logit_bias_nan_is_refused() -> None:
+    body = b'{"model": "%s", "prompt": "x", "logit_bias": {"5": NaN}}' % MODEL.encode()
+    with pytest.raises(OpenAIError) as info:
+        parse_completion_request(body, served_models={MODEL}, max_tokens_limit=LIMIT)
+    assert info.value.param == "logit_bias"
+
+
 def test_max_completion_tokens_takes_precedence() -> None:
     assert chat(max_tokens=100, max_completion_tokens=7).max_tokens == 7
     assert chat(max_completion_tokens=LIMIT).max_tokens == LIMIT
@@ -450,9 +512,6 @@ def test_non_finite_numbers_rejected() -> None:
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
         ({"response_format": "json"}, "response_format"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
-        ({"presence_penalty": -1}, "presence_penalty"),
-        ({"logit_bias": {"50256": -100}}, "logit_bias"),
     ],
 )
 def test_unsupported_chat_features(fields: dict[str, Any], param: str) -> None:
@@ -472,7 +531,6 @@ def test_unsupported_chat_features(fields: dict[str, Any], param: str) -> None:
         ({"best_of": "2"}, "best_of"),
         ({"suffix": "tail"}, "suffix"),
         ({"suffix": 1}, "suffix"),
-        ({"frequency_penalty": 1}, "frequency_penalty"),
     ],
 )
 def test_unsupported_completion_features(fields: dict[str, Any], param: str) -> None:
@@ -532,6 +590,9 @@ _FIELDS = [
     "frequency_penalty",
     "presence_penalty",
     "logit_bias",
+    "repetition_penalty",
+    "min_p",
+    "stop_token_ids",
     "logprobs",
     "top_logprobs",
     "tools",

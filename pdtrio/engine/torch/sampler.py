@@ -8,8 +8,10 @@ decode run on one instance or two, alone or in any batch, in any order.
 Unseeded requests take their uniforms from the ``generator`` the caller
 passes, or from the OS when there is none; there is no global random state.
 
-Per row: ban → temperature → top-k → top-p → inverse CDF over the kept
-tokens, sorted by logit (ties by id).  ``temperature`` below 1e-5 is greedy.
+Per row: ban → logit_bias → repetition, frequency, presence penalties
+(vLLM's order and meaning) → greedy's argmax, or temperature → min-p → top-k
+→ top-p → inverse CDF over the kept tokens, sorted by logit (ties by id).
+A row with no bias and no penalty costs nothing extra.  ``temperature`` below 1e-5 is greedy.
 With a large vocabulary a row is first tried on its top ``_HEAD_SIZE``
 logits, which decide the same draw without a full sort whenever the kept
 tokens (or the drawn one) lie strictly inside that head.
@@ -17,6 +19,7 @@ tokens (or the drawn one) lie strictly inside that head.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 
@@ -25,7 +28,10 @@ import torch
 
 from pdtrio.protocol.sampling import SamplingParams
 
-__all__ = ["sample", "seeded_uniform"]
+__all__ = ["TokenHistory", "sample", "seeded_uniform"]
+
+# A row's (prompt token ids, output token ids so far): what the penalties look at.
+TokenHistory = tuple[Sequence[int], Sequence[int]]
 
 _MASK64 = (1 << 64) - 1
 # Below this a temperature would overflow the scaled logits: treat as greedy (as vLLM does).
@@ -54,13 +60,16 @@ def sample(
     *,
     banned_token_ids: Sequence[frozenset[int] | None] | None = None,
     generator: torch.Generator | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
 ) -> list[int]:
     """One token id per row of ``logits`` ([B, V]).
 
     ``positions[i]`` is the sequence position of the token being sampled for
     row ``i`` (it keys the seeded draw).  ``banned_token_ids[i]`` are ids row
     ``i`` may not produce (EOS before ``min_tokens``).  ``generator`` feeds
-    the unseeded rows.  Raises ValueError if a row has no allowed token.
+    the unseeded rows.  ``histories[i]`` is row ``i``'s tokens so far, needed
+    where its params penalize (``SamplingParams.penalizes``).  Raises ValueError
+    if a row has no allowed token.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -87,6 +96,12 @@ def sample(
         if rows:
             x = x.clone()
             x[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+    adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if adjusted:
+        if x is logits:
+            x = x.clone()
+        for row in adjusted:
+            _adjust_row(x[row], params[row], None if histories is None else histories[row])
 
     best_ids = x.argmax(dim=-1)  # the first of equal maxima: the lowest id
     nothing_left = torch.isneginf(x.gather(1, best_ids.unsqueeze(1)).squeeze(1))
@@ -101,6 +116,11 @@ def sample(
     if len(sampled) < batch:
         x = x.index_select(0, torch.tensor(sampled, device=device))
     rows_params = [params[i] for i in sampled]
+    min_p = [j for j, p in enumerate(rows_params) if p.min_p > 0.0]
+    if min_p:
+        if x is logits:
+            x = x.clone()
+        _apply_min_p(x, rows_params, min_p)
     draw = _Draw(
         temperature=torch.tensor(
             [p.temperature for p in rows_params], dtype=torch.float64, device=device
@@ -132,6 +152,50 @@ def sample(
         assert picked is not None
         result[row] = picked
     return result
+
+
+def _adjust_row(row: torch.Tensor, params: SamplingParams, history: TokenHistory | None) -> None:
+    """logit_bias, then the penalties, in place on one row of logits (as vLLM's sampler)."""
+    vocab = row.shape[0]
+    device = row.device
+    if params.logit_bias:
+        pairs = [(t, b) for t, b in params.logit_bias if 0 <= t < vocab]
+        if pairs:
+            ids = torch.tensor([t for t, _ in pairs], device=device)
+            row[ids] += torch.tensor([b for _, b in pairs], dtype=row.dtype, device=device)
+    if not params.penalizes:
+        return
+    if history is None:
+        raise ValueError("a penalizing request needs its token history")
+    prompt_ids, output_ids = history
+    if params.repetition_penalty != 1.0:
+        seen = {t for t in prompt_ids if 0 <= t < vocab}
+        seen.update(t for t in output_ids if 0 <= t < vocab)
+        if seen:
+            ids = torch.tensor(sorted(seen), device=device)
+            values = row[ids]
+            penalty = params.repetition_penalty
+            row[ids] = torch.where(values > 0, values / penalty, values * penalty)
+    if output_ids and (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
+        outputs = torch.tensor([t for t in output_ids if 0 <= t < vocab], device=device)
+        counts = torch.bincount(outputs, minlength=vocab).to(row.dtype)
+        row -= params.frequency_penalty * counts
+        row -= params.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _apply_min_p(x: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[int]) -> None:
+    """Drop, in ``rows`` of ``x`` (modified in place), the tokens whose probability at the
+    row's temperature is below ``min_p`` times the likeliest one's: p_i < min_p * p_max
+    exactly when x_i < x_max + T * ln(min_p), so no softmax is needed."""
+    index = torch.tensor(rows, device=x.device)
+    sub = x.index_select(0, index).double()
+    threshold = torch.tensor(
+        [params[j].temperature * math.log(params[j].min_p) for j in rows],
+        dtype=torch.float64,
+        device=x.device,
+    ).unsqueeze(1)
+    cut = sub < sub.max(dim=-1, keepdim=True).values + threshold
+    x[index] = x.index_select(0, index).masked_fill(cut, float("-inf"))
 
 
 @attrs.frozen

@@ -32,6 +32,11 @@ _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
 # top_k larger than any vocabulary is "off" in effect; the bound keeps it packable.
 _TOP_K_MAX: Final = 2**31 - 1
+# token ids in logit_bias and stop_token_ids: more than any sampler step should walk
+MAX_LOGIT_BIAS: Final = 1024
+MAX_STOP_TOKEN_IDS: Final = 1024
+_BIAS_LIMIT: Final = 100.0  # OpenAI's: a bias is between -100 and 100
+_PENALTY_LIMIT: Final = 2.0  # presence and frequency penalties: between -2 and 2 (OpenAI's)
 
 
 @final
@@ -453,15 +458,6 @@ def _reject_unsupported(obj: dict[str, Any]) -> None:
             raise bad_request("n > 1 is not supported.", param="n")
         if n < 1:
             raise bad_request(f"Invalid value for 'n': {n} is less than 1.", param="n")
-    for key in ("frequency_penalty", "presence_penalty"):
-        penalty = _opt_number(obj, key)
-        if penalty is not None and penalty != 0.0:
-            raise bad_request(f"{key} is not supported (only 0 or null).", param=key)
-    logit_bias = obj.get("logit_bias")
-    if logit_bias is not None and logit_bias != {}:
-        if not isinstance(logit_bias, dict):
-            raise _type_error("logit_bias", "an object", logit_bias)
-        raise bad_request("logit_bias is not supported.", param="logit_bias")
     top_logprobs = _opt_int(obj, "top_logprobs")
     if top_logprobs is not None and top_logprobs != 0:
         raise bad_request("top_logprobs is not supported.", param="top_logprobs")
@@ -586,6 +582,23 @@ def _sampling(
             "Invalid value for 'seed': must fit in a signed 64-bit integer.", param="seed"
         )
 
+    penalties = {key: _penalty(obj, key) for key in ("presence_penalty", "frequency_penalty")}
+    repetition_penalty = _opt_number(obj, "repetition_penalty")
+    if repetition_penalty is None:
+        repetition_penalty = 1.0
+    elif not repetition_penalty > 0.0:  # vLLM's bound (OpenAI has no such field)
+        raise bad_request(
+            f"Invalid value for 'repetition_penalty': {repetition_penalty} must be greater than 0.",
+            param="repetition_penalty",
+        )
+    min_p = _opt_number(obj, "min_p")
+    if min_p is None:
+        min_p = 0.0
+    elif not 0.0 <= min_p <= 1.0:
+        raise bad_request(
+            f"Invalid value for 'min_p': {min_p} is not between 0 and 1.", param="min_p"
+        )
+
     sampling = SamplingParams(
         temperature=temperature,
         top_p=top_p,
@@ -594,8 +607,80 @@ def _sampling(
         min_tokens=min_tokens,
         stop=_stop(obj),
         ignore_eos=bool(_opt_bool(obj, "ignore_eos")),
+        logit_bias=_logit_bias(obj),
+        presence_penalty=penalties["presence_penalty"],
+        frequency_penalty=penalties["frequency_penalty"],
+        repetition_penalty=repetition_penalty,
+        min_p=min_p,
+        stop_token_ids=_stop_token_ids(obj),
     )
     return sampling, max_tokens
+
+
+def _penalty(obj: dict[str, Any], key: str) -> float:
+    penalty = _opt_number(obj, key)
+    if penalty is None:
+        return 0.0
+    if not -_PENALTY_LIMIT <= penalty <= _PENALTY_LIMIT:
+        raise bad_request(
+            f"Invalid value for '{key}': {penalty} is not between -2 and 2.", param=key
+        )
+    return penalty
+
+
+def _logit_bias(obj: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs by id; whether each id is in the vocabulary is the engine's
+    to say (it knows the vocabulary)."""
+    raw = obj.get("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise _type_error("logit_bias", "an object", raw)
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise bad_request(
+            f"Invalid 'logit_bias': at most {MAX_LOGIT_BIAS} token ids are allowed.",
+            param="logit_bias",
+        )
+    pairs: dict[int, float] = {}
+    for key, value in raw.items():
+        # keys are token ids written in decimal, as OpenAI's (JSON keys are strings)
+        if not (key.isascii() and key.isdigit()) or int(key) > _INT64_MAX:
+            raise bad_request(
+                f"Invalid key in 'logit_bias': {show_client_text(key)} is not a token id.",
+                param="logit_bias",
+            )
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _type_error(f"logit_bias.{key}", "a number", value)
+        # OpenAI refuses a bias past 100 (vLLM clamps it): refused, naming the field
+        if not -_BIAS_LIMIT <= value <= _BIAS_LIMIT:  # (json reads NaN and Infinity: refused)
+            raise bad_request(
+                f"Invalid value for 'logit_bias.{key}': {value} is not between -100 and 100.",
+                param="logit_bias",
+            )
+        pairs[int(key)] = float(value)
+    return tuple(sorted(pairs.items()))
+
+
+def _stop_token_ids(obj: dict[str, Any]) -> tuple[int, ...]:
+    raw = obj.get("stop_token_ids")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise _type_error("stop_token_ids", "an array of token ids", raw)
+    if len(raw) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(
+            f"Invalid 'stop_token_ids': at most {MAX_STOP_TOKEN_IDS} token ids are allowed.",
+            param="stop_token_ids",
+        )
+    for i, token in enumerate(raw):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise _type_error(f"stop_token_ids.[{i}]", "an integer token id", token)
+        if not 0 <= token <= _INT64_MAX:
+            raise bad_request(
+                f"Invalid value for 'stop_token_ids.[{i}]': {token} is not a valid token id.",
+                param="stop_token_ids",
+            )
+    return tuple(sorted(set(raw)))
 
 
 def _streaming(obj: dict[str, Any]) -> tuple[bool, bool, bool]:
