@@ -48,6 +48,7 @@ from pdtrio.logs import (
     parse_format,
     parse_level,
 )
+from pdtrio.protocol.openai import listed_models
 from pdtrio.protocol.registration import (
     EngineKind,
     EngineRegistration,
@@ -387,10 +388,12 @@ async def _served_model(http: httpx.AsyncClient, engine: EngineToRegister) -> st
     if response.status_code != 200:
         raise _NotServing(f"/v1/models answered {response.status_code}")
     try:
-        listed = response.json().get("data") or []
-        return str(listed[0]["id"])
-    except (ValueError, AttributeError, LookupError, TypeError) as exc:
-        raise _NotServing(f"/v1/models lists no model: {response.text[:200]!r}") from exc
+        listed = listed_models(response.json())
+    except ValueError as exc:
+        raise _NotServing(f"/v1/models: {exc}") from exc
+    if not listed:
+        raise _NotServing(f"/v1/models lists no model: {response.text[:200]!r}")
+    return listed[0][0]
 
 
 async def _model_once_up(http: httpx.AsyncClient, engine: EngineToRegister) -> str:

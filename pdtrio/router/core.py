@@ -147,7 +147,8 @@ class Router:
                 len(self.requests), self.discovery, self.links.ignored_registrations
             )
 
-        prefill, decode = self.instances.health_counts()
+        counts = self.instances.statistics()
+        prefill, decode = counts.prefill_usable, counts.decode_usable
         report: dict[str, Any] = {
             "status": "ok" if prefill and decode else "unavailable",
             "prefill_instances": prefill,

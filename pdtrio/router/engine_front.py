@@ -25,6 +25,7 @@ import httpx
 import trio
 
 from pdtrio.config import InstanceConfig, PdtrioConfig
+from pdtrio.protocol.openai import listed_models
 from pdtrio.protocol.registration import EngineRegistration
 from pdtrio.protocol.scheduling import Candidate, Scheduler
 from pdtrio.protocol.vllm_pd import EngineLoad, parse_engine_metrics
@@ -326,14 +327,13 @@ class EnginePool:
         response = await self.http.get(f"{instance.url}/v1/models", headers=instance.headers())
         if response.status_code != 200:
             raise _NotUp(f"/v1/models answered {response.status_code}")
-        listed = response.json().get("data") or []
+        listed = listed_models(response.json())  # (ValueError: not a models list)
         wanted = instance.config.model
-        entry = next((m for m in listed if not wanted or m.get("id") == wanted), None)
+        entry = next((m for m in listed if not wanted or m[0] == wanted), None)
         if entry is None:
-            names = ", ".join(str(m.get("id")) for m in listed) or "none"
+            names = ", ".join(model_id for model_id, _ in listed) or "none"
             raise _NotUp(f"it serves no model {wanted!r} (it serves {names})")
-        instance.max_model_len = int(entry.get("max_model_len") or 0)
-        instance.model = str(entry["id"])
+        instance.model, instance.max_model_len = entry
 
 
 class _NotUp(Exception):

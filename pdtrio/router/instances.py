@@ -432,8 +432,3 @@ class InstanceTable(Mapping[str, Instance]):
         if unpaired and role == "prefill":
             return "no prefill instance is available: " + "; ".join(unpaired)
         return f"no {role} instance is available"
-
-    def health_counts(self) -> tuple[int, int]:
-        """How many usable prefill and decode instances there are."""
-        stats = self.statistics()
-        return stats.prefill_usable, stats.decode_usable

@@ -786,3 +786,21 @@ def test_huge_chat_is_refused_with_its_message_count_before_the_messages_are_bui
     assert refused.value.param == "messages"
     assert "100001 messages" in refused.value.message
     assert "8192 tokens" in refused.value.message
+
+
+def test_another_servers_models_list_is_read_or_refused_as_a_value_error() -> None:
+    from pdtrio.protocol.openai import listed_models
+
+    body = {"data": [{"id": "a", "max_model_len": 2048}, {"id": "b", "object": "model"}]}
+    assert listed_models(body) == [("a", 2048), ("b", 0)]
+    assert listed_models({"object": "list", "data": []}) == []
+    for bad in (
+        [],
+        {"data": None},
+        {"data": ["a"]},
+        {"data": [{"object": "model"}]},
+        {"data": [{"id": "a", "max_model_len": "long"}]},
+        {"data": [{"id": "a", "max_model_len": True}]},
+    ):
+        with pytest.raises(ValueError):
+            listed_models(bad)

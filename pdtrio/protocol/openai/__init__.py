@@ -13,6 +13,7 @@ The names below are the surface the router and the workers use.
 from pdtrio.protocol.openai.bodies import (
     chat_completion_body,
     completion_body,
+    listed_models,
     models_list_body,
     usage_body,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "gateway_timeout",
     "is_json_content_type",
     "method_not_allowed",
+    "listed_models",
     "models_list_body",
     "not_found",
     "not_found_model",

@@ -19,6 +19,24 @@ def models_list_body(
     }
 
 
+def listed_models(payload: Any) -> list[tuple[str, int]]:
+    """What another server's ``/v1/models`` body lists: (id, max_model_len; 0 when not
+    said) per model, in its order.  ValueError: not a models list."""
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("not a models list: no 'data' array")
+    models = []
+    for entry in data:
+        model_id = entry.get("id") if isinstance(entry, dict) else None
+        if not isinstance(model_id, str) or not model_id:
+            raise ValueError(f"a listed model has no id: {str(entry)[:100]!r}")
+        length = entry.get("max_model_len") or 0
+        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+            raise ValueError(f"model {model_id!r}: max_model_len {length!r} is not a count")
+        models.append((model_id, length))
+    return models
+
+
 def usage_body(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
