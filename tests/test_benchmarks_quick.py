@@ -202,10 +202,11 @@ def _router_cost(printed: str, report: Any) -> None:
 def _kv_transfer(printed: str, report: Any) -> None:
     # every pull's bytes are checked by the benchmark itself
     assert "KV pull bandwidth, GB/s" in printed
+    assert "256 MiB: READ " in printed  # the goal, judged per size
     bandwidth = report["bandwidth"]
     assert [row["size_mib"] for row in bandwidth] == [1, 16, 64, 256]
     for row in bandwidth:
-        for name in ("nixl_read", "nixl_pull", "tcp_pull", "copy_cold", "copy_hot"):
+        for name in ("nixl_read", "nixl_pull", "tcp_pull", "copy_cold", "copy_hot", "kernel_copy"):
             assert row[f"{name}_gbps"] > 0, (name, row)
 
     # each setup moved its KV the way it says
