@@ -12,7 +12,7 @@ import trio
 
 pytest.importorskip("torch")
 
-from pdtrio.config import EngineConfig, WorkerConfig  # noqa: E402
+from pdtrio.config import EngineConfig, RouterConfig, WorkerConfig  # noqa: E402
 from pdtrio.engine.torch.engine import TorchEngine  # noqa: E402
 from pdtrio.worker.server import Worker  # noqa: E402
 from tests.cluster import (  # noqa: E402
@@ -28,6 +28,11 @@ NIXL = importlib.util.find_spec("nixl") is not None
 TINY = EngineConfig(
     kind="torch", model="tiny-random", dtype="float64", num_kv_blocks=512, max_batch_size=16
 )
+
+
+# These compare outputs, not liveness: a starved CI machine has held an in-process model's
+# step past the default 1.5 s link timeout, failing a request these tests are not about.
+ROUTER = RouterConfig(link_timeout_s=30.0)
 
 
 def tiny_worker(role: str, engine: EngineConfig = TINY, kv_transport: str = "auto") -> Worker:
@@ -88,7 +93,7 @@ async def test_disaggregated_equals_colocated_on_tiny_random(
     outputs = {}
     make = partial(tiny_worker, kv_transport=kv_transport)
     for roles in (("prefill", "decode"), ("both",)):
-        async with running_cluster(roles=roles, make_worker=make) as cluster:
+        async with running_cluster(roles=roles, make_worker=make, router=ROUTER) as cluster:
             replies = []
             for start in range(0, len(bodies), concurrency):
                 replies += await _complete_all(cluster, bodies[start : start + concurrency], 0.01)
@@ -106,7 +111,7 @@ async def test_stop_strings_and_min_tokens_agree_between_modes(kv_transport: str
     outputs = {}
     make = partial(tiny_worker, kv_transport=kv_transport)
     for roles in (("prefill", "decode"), ("both",)):
-        async with running_cluster(roles=roles, make_worker=make) as cluster:
+        async with running_cluster(roles=roles, make_worker=make, router=ROUTER) as cluster:
             async with client(cluster) as http:
                 whole = (await http.post("/v1/completions", json=base)).json()["choices"][0]
                 text = whole["text"]
@@ -135,7 +140,7 @@ async def test_stop_strings_and_min_tokens_agree_between_modes(kv_transport: str
 
 async def test_random_disconnects_leave_no_blocks_with_the_torch_engine() -> None:
     rng = random.Random(7)
-    async with running_cluster(make_worker=tiny_worker) as cluster:
+    async with running_cluster(make_worker=tiny_worker, router=ROUTER) as cluster:
         async with trio.open_nursery() as nursery:
             for _ in range(12):
                 body = json.dumps(
@@ -166,7 +171,7 @@ async def test_layout_mismatch_is_a_clear_error_naming_both_sides(kv_transport: 
     def make(role: str) -> Worker:
         return tiny_worker(role, TINY if role == "prefill" else other, kv_transport)
 
-    async with running_cluster(make_worker=make) as cluster:
+    async with running_cluster(make_worker=make, router=ROUTER) as cluster:
         async with client(cluster) as http:
             response = await http.post(
                 "/v1/completions", json={"model": "tiny-random", "prompt": "hello", "max_tokens": 5}
@@ -185,7 +190,7 @@ async def test_layout_mismatch_is_a_clear_error_naming_both_sides(kv_transport: 
 
 
 async def test_prompt_beyond_context_is_rejected_before_prefill_runs() -> None:
-    async with running_cluster(make_worker=tiny_worker) as cluster:
+    async with running_cluster(make_worker=tiny_worker, router=ROUTER) as cluster:
         async with client(cluster) as http:
             response = await http.post(
                 "/v1/completions", json={"model": "tiny-random", "prompt": "word " * 3000}
@@ -202,7 +207,9 @@ async def test_no_room_on_one_decode_goes_to_another() -> None:
     def make(role: str) -> Worker:
         return tiny_worker(role, next(configs))
 
-    async with running_cluster(roles=("prefill", "decode", "decode"), make_worker=make) as cluster:
+    async with running_cluster(
+        roles=("prefill", "decode", "decode"), make_worker=make, router=ROUTER
+    ) as cluster:
         async with client(cluster) as http:
             for _ in range(4):
                 response = await http.post(
