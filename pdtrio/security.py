@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import os
@@ -17,6 +18,8 @@ import ssl
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Final, final
+
+import httpx
 
 from pdtrio.config import ConfigError
 
@@ -389,6 +392,15 @@ class ApiKeys:
             if hmac.compare_digest(digest, known):
                 matched = known
         return None if matched is None else matched[:6].hex()
+
+
+@functools.cache
+def system_tls_context() -> ssl.SSLContext:
+    """The verifying context an httpx client builds for itself by default, built once for
+    the process: loading the CA bundle costs each new client about 50 ms here, which the
+    router's start, every etcd client and every test's client paid again.  A context is
+    safe to share between clients."""
+    return httpx.create_ssl_context()
 
 
 def client_tls_context(ca_file: str) -> ssl.SSLContext | None:

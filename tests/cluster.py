@@ -29,6 +29,7 @@ from pdtrio.config import (
 from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.protocol.flush import FlushConfig
 from pdtrio.router.app import RouterApp
+from pdtrio.security import system_tls_context
 from pdtrio.worker.server import Worker
 
 T = TypeVar("T")
@@ -255,6 +256,7 @@ def _describe(what: str | Callable[[], str] | None, condition: Callable[..., Any
 
 def client(cluster: Cluster, **kwargs: Any) -> httpx.AsyncClient:
     kwargs.setdefault("timeout", 30)
+    kwargs.setdefault("verify", system_tls_context())  # not a CA bundle loaded per client
     return httpx.AsyncClient(base_url=cluster.url, **kwargs)
 
 

@@ -25,6 +25,8 @@ import httpx
 import msgspec
 import trio
 
+from pdtrio.security import resolve_secret, system_tls_context
+
 if TYPE_CHECKING:
     from pdtrio.config import DiscoveryConfig
 
@@ -280,7 +282,7 @@ class EtcdClient:
         # a watch waits for events indefinitely; only connecting and sending are bounded
         self._watch_timeout = httpx.Timeout(timeout_s, read=None)
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s), trust_env=False, verify=tls or True
+            timeout=httpx.Timeout(timeout_s), trust_env=False, verify=tls or system_tls_context()
         )
         self._username = username
         self._password = password
@@ -553,8 +555,6 @@ def _http_error(endpoint: str, status: int, body: bytes) -> EtcdError:
 
 def resolve_etcd_password(value: str, file: str, environ: Mapping[str, str] | None = None) -> str:
     """etcd's password: ``PDTRIO_ETCD_PASSWORD``, else the file, else the configured value."""
-    from pdtrio.security import resolve_secret
-
     return resolve_secret(
         value, file, env_name=ETCD_PASSWORD_ENV, what="etcd password", environ=environ
     )

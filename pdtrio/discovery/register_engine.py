@@ -62,6 +62,7 @@ from pdtrio.security import (
     derive_key,
     resolve_secret,
     resolve_worker_secret,
+    system_tls_context,
 )
 
 log = logging.getLogger("pdtrio.register")
@@ -459,7 +460,10 @@ async def _stop_on_signal(cancel_scope: trio.CancelScope) -> None:
 
 async def serve(engine: EngineToRegister) -> None:
     """Until SIGTERM or SIGINT."""
-    async with httpx.AsyncClient(trust_env=False) as http, trio.open_nursery() as nursery:
+    async with (
+        httpx.AsyncClient(trust_env=False, verify=system_tls_context()) as http,
+        trio.open_nursery() as nursery,
+    ):
         nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
         await keep_engine_registered(http, engine)
 

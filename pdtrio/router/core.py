@@ -41,6 +41,7 @@ from pdtrio.security import (
     derive_key,
     new_worker_secret,
     resolve_worker_secret,
+    system_tls_context,
 )
 
 __all__ = ["Instance", "Router", "RouterStartFailed", "open_router"]
@@ -186,7 +187,9 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     # workers behind TLS: verified against the configured CA
     tls = client_tls_context(config.security.worker_tls_ca_file)
-    async with httpx.AsyncClient(limits=limits, timeout=None, verify=tls or True) as http:
+    async with httpx.AsyncClient(
+        limits=limits, timeout=None, verify=tls or system_tls_context()
+    ) as http:
         async with trio.open_nursery() as nursery:
             router = Router(config, nursery, http)
             await nursery.start(run_egress_control, router.egress)

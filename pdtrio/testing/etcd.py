@@ -25,6 +25,7 @@ import attrs
 import httpx
 import trio
 
+from pdtrio.security import system_tls_context
 from pdtrio.testing.processes import LOOPBACK, free_port
 
 __all__ = [
@@ -125,7 +126,7 @@ class EtcdServer:
         self._stderr: IO[bytes] | None = None
 
     def _client(self, timeout: float) -> httpx.AsyncClient:
-        verify: ssl.SSLContext | bool = self.tls.client_context() if self.tls else True
+        verify = self.tls.client_context() if self.tls else system_tls_context()
         return httpx.AsyncClient(timeout=timeout, trust_env=False, verify=verify)
 
     async def enable_auth(self, password: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import trio
 import trustme
 
 from pdtrio.config import ConfigError, SecurityConfig, WorkerConfig
-from pdtrio.security import client_tls_context, server_tls_context
+from pdtrio.security import client_tls_context, server_tls_context, system_tls_context
 from tests.cluster import client, running_cluster, synthetic_worker, wait_until_idle
 
 SECRET = "tls-test-secret"
@@ -101,3 +102,15 @@ def test_tls_files_are_checked_at_start(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="CA file"):
         client_tls_context(str(tmp_path / "missing-ca.pem"))
     assert WorkerConfig(tls_cert_file="x").tls_cert_file == "x"
+
+
+def test_the_shared_default_context_verifies_as_httpx_own_does() -> None:
+    """One context for every client that trusts the default CAs, built once: sharing it
+    must not weaken what each client checks."""
+    shared = system_tls_context()
+    assert system_tls_context() is shared
+    own = httpx.create_ssl_context()
+    assert shared.verify_mode == own.verify_mode == ssl.CERT_REQUIRED
+    assert shared.check_hostname and own.check_hostname
+    assert shared.minimum_version == own.minimum_version
+    assert len(shared.get_ca_certs()) == len(own.get_ca_certs()) > 0
