@@ -267,10 +267,15 @@ class NixlKvTransport:
             peer = self._peers.get(key)
             if peer is not None and not peer.session.ended.is_set():
                 return peer
-            nursery = self._nursery
-            if nursery is None:
+            if self._nursery is None:
                 raise KvTransferError("the NIXL transport is not running")
             peer = await self._meet(handle)
+            # read again: the transport may have stopped while we met prefill, and its
+            # closed nursery takes no task (the peer's socket and metadata would leak)
+            nursery = self._nursery
+            if nursery is None:
+                await self._drop(peer)
+                raise KvTransferError("the NIXL transport stopped while meeting prefill")
             self._peers[key] = peer
             nursery.start_soon(self._keep, key, peer)
             return peer
@@ -347,19 +352,28 @@ class NixlKvTransport:
         finally:
             if self._peers.get(key) is peer:
                 del self._peers[key]
-            agent = self.agent
-            if peer.loaded_agent and agent is not None and agent.agent is not None:
-                with trio.CancelScope(shield=True):
-                    try:
-                        await agent.call(remove_remote_agent, agent.agent, peer.loaded_agent)
-                    except Exception as exc:
-                        log.warning("NIXL kept %s: %s", peer.loaded_agent, describe_error(exc))
+            await self._drop_metadata(peer)
             if not stopping:
                 log.info(
                     "NIXL session with prefill %s over, its metadata dropped: %s",
                     peer.label,
                     peer.session.end_reason,
                 )
+
+    async def _drop(self, peer: _Peer) -> None:
+        """A peer met but never kept: its session's socket closed, its metadata dropped."""
+        peer.session.end("the NIXL transport stopped")
+        await trio.aclose_forcefully(peer.session.stream)
+        await self._drop_metadata(peer)
+
+    async def _drop_metadata(self, peer: _Peer) -> None:
+        agent = self.agent
+        if peer.loaded_agent and agent is not None and agent.agent is not None:
+            with trio.CancelScope(shield=True):
+                try:
+                    await agent.call(remove_remote_agent, agent.agent, peer.loaded_agent)
+                except Exception as exc:
+                    log.warning("NIXL kept %s: %s", peer.loaded_agent, describe_error(exc))
 
     async def _read(
         self, peer: _Peer, handle: KvHandle, dest_block_ids: tuple[int, ...], lease_ends: float

@@ -248,3 +248,49 @@ async def test_a_prefill_that_goes_away_is_forgotten_and_met_anew_when_it_is_bac
         assert agents[0] != agents[1]
         assert transport.info()["pulls"] == {"nixl": 2, "tcp": 0}
         nursery.cancel_scope.cancel()
+
+
+async def test_a_transport_stopped_while_it_meets_prefill_keeps_no_socket_of_that_meeting() -> None:
+    decode = synthetic()
+    transport = nixl(decode)
+    real_meet = transport._meet
+    met, stopped = trio.Event(), trio.Event()
+    peers = []
+
+    async def meet_then_wait(handle: KvHandle) -> object:
+        peer = await real_meet(handle)
+        peers.append(peer)
+        met.set()
+        await stopped.wait()  # the transport stops here, mid-meeting
+        return peer
+
+    transport._meet = meet_then_wait  # type: ignore[method-assign]
+    prefill = synthetic()
+    source = LeasedBlocks(prefill)
+    async with trio.open_nursery() as nursery:
+        endpoint = await nursery.start(nixl(prefill).run, source, LOOPBACK, 0)
+        handle, _ = await leased_request(source, "r", 8, endpoint)
+        failures: list[BaseException] = []
+
+        async def pull() -> None:
+            dest = decode.allocate_blocks("r", 8)
+            try:
+                await transport.pull(handle, decode, dest)
+            except KvTransferError as exc:
+                failures.append(exc)
+            finally:
+                decode.free_request("r")
+
+        async with trio.open_nursery() as decode_nursery:
+            await decode_nursery.start(transport.run, None, LOOPBACK, 0)
+            nursery.start_soon(pull)
+            await met.wait()
+            decode_nursery.cancel_scope.cancel()
+        stopped.set()
+        await wait_for_stats(lambda: bool(failures))
+        assert "stopped while meeting prefill" in str(failures[0])
+        (peer,) = peers
+        assert peer.session.ended.is_set()
+        assert peer.session.stream.socket.fileno() == -1  # closed, not leaked
+        assert not transport.info()["peers"]
+        nursery.cancel_scope.cancel()
