@@ -105,6 +105,10 @@ _TRANSITIONS: Final[dict[tuple[State, Event], State]] = {
     (State.DECODING, Event.DECODE_ENDED): State.DONE,
     (State.DECODING, Event.DECODE_LOST): State.NEW,
     (State.PREFILLED, Event.KV_GIVEN_UP): State.NEW,
+    # a prefill running beside its decode (SGLang's bootstrap protocol) failed once decode
+    # held nothing of it: it freed its blocks, or the request was the client's fault
+    (State.PREFILLED, Event.PREFILL_LOST): State.NEW,
+    (State.PREFILLED, Event.PREFILL_FAILED): State.DONE,
 }
 # cleanup may come at any moment, and more than once
 for _state in State:

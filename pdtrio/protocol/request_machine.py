@@ -15,6 +15,16 @@ table does not list for the current phase is a bug in the shell
 with no command (a stale timer, a late answer), so nothing follows the end.
 
 Commands are backend-neutral: they name instances, never links or sockets.
+Two kinds of backend: one whose prefill samples the first token (pdtrio's
+workers: the client gets it as soon as the decode start is out, and a decode
+that fails before its own first token is replaced while prefill holds the
+KV), and one whose decode generates every token from the request again
+(``first_token_from_prefill=False``: vLLM's KV connector, SGLang's bootstrap
+protocol): the response starts with decode's first batch, and a decode that
+fails before it sends the request again from a new prefill, prefill's KV
+freed (it is not known to be pullable twice).  SGLang's prefill runs beside
+its decode: its failure may be reported while decode starts.
+
 Deadlines are explicit: :class:`WaitUntil` arms one, :class:`DeadlinePassed`
 reports it; :meth:`RequestMachine.next_deadline` is the earliest armed, which
 is all the shell's timer needs.  Tokens streaming from decode do not pass
@@ -198,10 +208,14 @@ class DecodeAccepted:
 @final
 @attrs.frozen
 class DecodeRejected:
+    """``failure``: the instance refused the request as the client's own (a 4xx):
+    the answer passed on, nothing retried."""
+
     message: str
     retryable: bool
     exclude: bool = True  # retried elsewhere (False: NO_ROOM, a stale report: any may)
     layout_mismatch: bool = False
+    failure: WorkerFailure | None = None
 
 
 @final
@@ -432,8 +446,20 @@ class MachineError(RuntimeError):
 class RequestMachine:
     """Where one request stands, and what it does next."""
 
-    def __init__(self, limits: Limits, *, streaming: bool, keep_tokens: bool) -> None:
+    def __init__(
+        self,
+        limits: Limits,
+        *,
+        streaming: bool,
+        keep_tokens: bool,
+        first_token_from_prefill: bool = True,
+    ) -> None:
+        if keep_tokens and not first_token_from_prefill:
+            # a continuation is prefill's to sample: a decode that regenerates from the
+            # request cannot go on from the tokens delivered
+            raise ValueError("a request whose decode regenerates every token cannot migrate")
         self.limits = limits
+        self.first_token_from_prefill = first_token_from_prefill
         self.streaming = streaming
         self.keep_tokens = keep_tokens  # token ids are kept: a lost decode may migrate
         self.phase = Phase.NEW
@@ -528,8 +554,8 @@ class RequestMachine:
 
     def _place_decode(self, now: float, out: list[Command]) -> list[Command]:
         self.phase = Phase.PLACING_DECODE
-        assert self._lease_ends_at is not None
-        self._arm(Deadline.KV_LEASE, self._lease_ends_at - self.limits.lease_margin_s, out)
+        if self._lease_ends_at is not None:  # (None: an engine's, no lease known)
+            self._arm(Deadline.KV_LEASE, self._lease_ends_at - self.limits.lease_margin_s, out)
         out.append(
             PlaceDecode(
                 MappingProxyType(dict(self._tried)),
@@ -621,6 +647,12 @@ class RequestMachine:
     def _on_prefilled(self, event: Prefilled, now: float) -> list[Command]:
         self._prefill_answered()
         out: list[Command] = []
+        if not self.first_token_from_prefill:
+            # decode generates every token; prefill's KV, if it kept any, waits for it
+            # (None: no lease known, or none kept: decode gets the plain request)
+            self.lifecycle.handle(Kv.PREFILLED)
+            self._lease_ends_at = event.lease_ends_at
+            return self._place_decode(now, out)
         # a new leg's prefill sampled a token of its own (a migration's may be the last)
         self._first_token_emitted = False
         if event.lease_ends_at is None:
@@ -646,6 +678,8 @@ class RequestMachine:
 
     def _on_decode_start_queued(self, event: DecodeStartQueued, now: float) -> list[Command]:
         self.phase = Phase.DECODE_STARTING
+        if not self.first_token_from_prefill:
+            return []  # the response starts with decode's first batch
         # the first token goes out once decode room is claimed and the start is sent
         return self._first_token([], final=False)
 
@@ -674,6 +708,8 @@ class RequestMachine:
         out: list[Command] = []
         self.lifecycle.handle(Kv.DECODE_NOT_STARTED)
         self._last_reason = event.message
+        if event.failure is not None:
+            return self._fail(event.failure)  # the client's own error: passed on
         if event.retryable:
             if event.exclude:
                 assert self.decode_instance is not None
@@ -692,11 +728,14 @@ class RequestMachine:
 
     def _failed_early(self, event: DecodeFailed, now: float) -> list[Command]:
         """Decode failed before its first token: prefill still holds the KV, so another
-        decode pulls it again, if one is connected before the lease ends."""
+        decode pulls it again, if one is connected before the lease ends.  (A decode that
+        regenerates every token: the request goes again from a new prefill.)"""
         self.lifecycle.handle(Kv.DECODE_ENDED)
         assert self.decode_instance is not None
         self._tried[self.decode_instance] = self._decode_connection
         self._last_reason = event.message
+        if not self.first_token_from_prefill:
+            return self._again_from_prefill()
         self._early = event
         self._awaiting_for_migration = False
         assert self._lease_ends_at is not None
@@ -704,8 +743,47 @@ class RequestMachine:
         until = min(now + self.limits.decode_reconnect_wait_s, lease_left)
         return self._await_decode(until, self._tried, any_layout=False)
 
+    def _again_from_prefill(self) -> list[Command]:
+        """Decode failed before its first token, and it regenerates every token: prefill's
+        KV is freed and the request sent again from a new prefill (to another decode: the
+        ones it failed on stay excluded)."""
+        out: list[Command] = []
+        assert self.prefill_instance is not None
+        out.append(ReleasePrefill(self.prefill_instance))
+        self.lifecycle.handle(Kv.KV_GIVEN_UP)
+        self._prefill_tried = set()
+        self._prefill_failure = None
+        return self._send_prefill(out)
+
+    def _on_prefill_failed_beside_decode(
+        self, event: PrefillNotSent | PrefillLost | PrefillFailed, now: float
+    ) -> list[Command]:
+        """A prefill running beside its decode (SGLang's) failed: before decode's first
+        token, decode waits for KV that will not come (it is aborted) and another prefill
+        takes the request, as after a prefill's own failure; after it, decode had the KV."""
+        if self.first_token_from_prefill:
+            raise MachineError(f"{type(event).__name__} cannot happen while decode runs")
+        if self.lifecycle.state is State.DECODING:
+            return []  # decode pulled the KV: prefill's late word changes nothing
+        out: list[Command] = []
+        assert self.decode_instance is not None
+        out.append(AbortDecode(self.decode_instance))
+        self.lifecycle.handle(Kv.DECODE_ENDED)
+        if isinstance(event, PrefillFailed) and event.failure.status < 500:
+            self.lifecycle.handle(Kv.PREFILL_FAILED)  # the request's own: not retried
+            return out + self._fail(event.failure)
+        self.lifecycle.handle(Kv.PREFILL_LOST)
+        if isinstance(event, PrefillFailed):
+            self._prefill_failure = event.failure
+        elif isinstance(event, PrefillLost):
+            self._prefill_failure = Failure(
+                Reason.SERVICE_UNAVAILABLE, f"prefill instance failed: {event.message}"
+            )
+        return self._send_prefill(out)
+
     def _on_decode_tokens(self, event: DecodeTokens, now: float) -> list[Command]:
         out: list[Command] = []
+        self._any_token_emitted = True  # (an engine's: the response starts with them)
         if self.lifecycle.state is State.DECODE_CONFIRMING:
             # decode is alive: prefill may free the KV it kept until now
             self.lifecycle.handle(Kv.FIRST_DECODE_TOKEN)
@@ -824,6 +902,10 @@ _ENTRIES: dict[tuple[Phase, type], Callable[..., list[Command]]] = {
     (Phase.DECODING, DecodeFailed): _M._on_decode_failed,
     (Phase.AWAITING_DECODE, DecodeConnected): _M._on_decode_connected,
 }
+# a prefill running beside its decode (the bootstrap protocol) may fail while decode starts
+for _phase in (Phase.DECODE_STARTING, Phase.DECODING):
+    for _event in (PrefillNotSent, PrefillLost, PrefillFailed):
+        _ENTRIES[(_phase, _event)] = _M._on_prefill_failed_beside_decode
 # what may cut any request short, whatever it waits on
 for _phase in Phase:
     if _phase in (Phase.NEW, Phase.DONE):

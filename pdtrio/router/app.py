@@ -302,21 +302,21 @@ async def _front_engines(
     send: Send,
     hang_up_client: Callable[[], bool],
 ) -> None:
-    """The request on the vLLM or SGLang instances the router fronts."""
-    from pdtrio.router.vllm_backend import VllmRequest, new_request_id
+    """The request on the vLLM or SGLang instances the router fronts: the same pipeline,
+    with the engines' HTTP legs."""
+    from pdtrio.router.engine_legs import EngineLegs
+    from pdtrio.router.pipeline import RequestPipeline
 
     kind: Literal["chat", "completion"] = "chat" if chat else "completion"
     assert router.engines is not None  # (the caller's test)
-    await VllmRequest(
+    await RequestPipeline(
         router,
-        router.engines,
         request,
-        json.loads(body),
         kind,
-        new_request_id(kind),
         receive,
         send,
         hang_up_client,
+        make_legs=EngineLegs(router.engines, json.loads(body), kind),
     ).run()
 
 

@@ -11,7 +11,8 @@ requests this router has out on it.  An instance failing with a 5xx or
 unreachable is out of rotation for a while (doubling, capped), as pdtrio
 workers are; a 4xx is the client's and never counts against it.
 
-The request itself is ``pdtrio.router.vllm_backend``.
+A request on them runs through the shared pipeline with the engines' HTTP legs
+(``pdtrio.router.engine_legs``).
 """
 
 from __future__ import annotations

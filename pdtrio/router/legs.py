@@ -10,14 +10,19 @@ happened to the machine through the shell (:meth:`LegHost.report`) and does
 what the answer says next; neither decides anything the machine decides.
 
 The instances are reached through the backend seam (``pdtrio.router.backend``);
-placement is the instance table's (``pdtrio.router.instances``).
+placement is the instance table's (``pdtrio.router.instances``).  The shell
+runs any pair of legs with the shape of :class:`PrefillSide` and
+:class:`DecodeSide`: these, on pdtrio's workers, or an engine's
+(``pdtrio.router.engine_legs``, vLLM and SGLang over HTTP); the token stream to
+the client (:func:`stream_tokens`: egress spacing, the machine's first and last
+batch) is the same for every backend.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Protocol, final
 
 import attrs
@@ -69,11 +74,12 @@ class RunDecode:
 
     Placing disarms the KV lease's deadline; had that timer fired meanwhile (the room
     came free as the lease ran out), the rest of the wait would be cut by a deadline
-    no longer armed, so it runs under a timer of its own.
+    no longer armed, so it runs under a timer of its own.  ``link``: the worker link
+    placed on (None: an engine's decode leg, which keeps what it placed on itself).
     """
 
-    link: WorkerLink
     sent_at: float  # (perf_counter) when the start went out: the handoff's time counts from it
+    link: WorkerLink | None = None
 
 
 Wait = rm.SendPrefill | rm.PlaceDecode | rm.WaitForDecode | RunDecode
@@ -118,6 +124,50 @@ class LegHost(Protocol):
         ...
 
 
+class PrefillSide(Protocol):
+    """What the shell does with a request's prefill leg, whatever the backend."""
+
+    @property
+    def instance_id(self) -> str | None:
+        """The prefill instance called last (the access line's), if any."""
+        ...
+
+    async def send(self, command: rm.SendPrefill) -> Wait | None: ...
+
+    def release(self) -> None:
+        """Free what prefill holds of the request (its KV, or its running call)."""
+
+    def drop_lease(self) -> None:
+        """The request holds prefill's KV no more."""
+
+    def no_instance_reason(self) -> str:
+        """Why no prefill instance takes the request (the machine's ``explain_no_prefill``)."""
+        ...
+
+
+class DecodeSide(Protocol):
+    """What the shell does with a request's decode leg, whatever the backend."""
+
+    @property
+    def instance_id(self) -> str | None:
+        """The decode instance the request was started on (the access line's), if any."""
+        ...
+
+    def reserve_place(self) -> bool: ...
+
+    def unreserve(self) -> None: ...
+
+    async def place(self, command: rm.PlaceDecode) -> Wait | None: ...
+
+    async def run(self, wait: RunDecode) -> Wait | None: ...
+
+    async def wait_for_link(self, command: rm.WaitForDecode) -> Wait | None: ...
+
+    def abort(self) -> None: ...
+
+    def stop_counting(self) -> None: ...
+
+
 @final
 class PrefillLeg:
     """The request's prefill calls: the first, its retries, a migration's continuation.
@@ -143,6 +193,14 @@ class PrefillLeg:
         self.generated: list[int] | None = [] if keep_tokens else None
         self.leg_generated = 0
         self._started = 0.0
+
+    @property
+    def instance_id(self) -> str | None:
+        return None if self.instance is None else self.instance.instance_id
+
+    def no_instance_reason(self) -> str:
+        host = self._host
+        return host.router.instances.no_instance_reason(host.request.model)
 
     async def send(self, command: rm.SendPrefill) -> Wait | None:
         host = self._host
@@ -296,6 +354,10 @@ class DecodeLeg:
         self._queue_place_reserved = False  # holds a place in the router's decode queue
         self._streaming = False  # counted in the router's active streams
 
+    @property
+    def instance_id(self) -> str | None:
+        return None if self.link is None else self.link.instance_id
+
     # --- the router's decode queue ----------------------------------------------------
 
     def reserve_place(self) -> bool:
@@ -356,7 +418,7 @@ class DecodeLeg:
         # no checkpoint from the pick to the promise inside start: the room is ours
         self.link = link
         await host.report(rm.DecodeStartSent(instance.instance_id, (link, link.connects)))
-        return RunDecode(link, sent_at)
+        return RunDecode(sent_at, link)
 
     async def _with_room(
         self,
@@ -425,7 +487,7 @@ class DecodeLeg:
         reply = prefill.reply
         assert reply is not None and reply.kv_handle is not None
         link, sent_at = wait.link, wait.sent_at
-        assert link.capacity is not None  # (what decode_with_room picks)
+        assert link is not None and link.capacity is not None  # (what decode_with_room picks)
         start = DecodeStart(
             request_id=prefill.wire_id,
             prompt_token_ids=reply.prompt_token_ids,
@@ -454,7 +516,7 @@ class DecodeLeg:
                 self._streaming = True
                 host.router.metrics.streams_active.inc()
             await host.report(rm.DecodeAccepted())
-            return await self._stream_tokens(stream)
+            return await stream_tokens(host, stream, self._served, self._failed)
         if stream.failure is not None:
             reason = stream.failure_reason or "link_lost"
             return await host.report(rm.DecodeFailed(stream.failure, migration_label(reason)))
@@ -470,52 +532,10 @@ class DecodeLeg:
             )
         )
 
-    async def _stream_tokens(self, stream: DecodeRun) -> Wait | None:
-        """Deliver decode's tokens as they come; under load, spaced (adaptive egress).
-
-        The spacing (``router.egress``, fed by the loop's load) holds a stream's
-        next send until its last send plus the spacing, so the tokens that come
-        meanwhile go out in one event.  A finish or a failure is never held.  The
-        machine hears of the first batch and of the end, not of each token.
-        """
-        host = self._host
-        router = host.router
-        buffer = stream.buffer
-        egress = router.egress
-        machine = host.machine
-        last_sent_at: float | None = None
-        while True:
-            spacing = egress.spacing_s
-            held_until: float | None = None
-            if spacing and not buffer.finished and stream.failure is None:
-                deadline = send_deadline(last_sent_at, spacing, trio.current_time())
-                if deadline is not None:
-                    await stream.hold_until(deadline, router.hold_timer)
-                    held_until = deadline
-            # read before the take: every token pushed before a failure goes out first
-            failure = stream.failure
-            delta = buffer.take()
-            if delta is not None:
-                final = delta.finish_reason is not None
-                if final and delta.usage is None:
-                    raise ShellFailure(NO_COUNTS)
-                if delta.num_tokens and machine.lifecycle.state is State.DECODE_CONFIRMING:
-                    await host.report(rm.DecodeTokens())  # prefill may free the KV now
-                await host.deliver(
-                    delta.text, delta.num_tokens, delta.finish_reason, delta.usage, final=final
-                )
-                if final:
-                    decode = self.instance()
-                    if decode is not None:
-                        router.instances.instance_served(decode)
-                    return await host.report(rm.DecodeTokens(final=True))
-                if spacing:
-                    # spaced from the schedule, not from when the send returned: the
-                    # send's own time and a late wake-up would add to every gap
-                    last_sent_at = held_until if held_until is not None else trio.current_time()
-            if failure is not None:
-                return await self._failed(stream, failure)
-            await stream.wait_update()
+    def _served(self) -> None:
+        decode = self.instance()
+        if decode is not None:
+            self._host.router.instances.instance_served(decode)
 
     async def _failed(self, stream: DecodeRun, failure: str) -> Wait | None:
         """Decode holds nothing of it any more: it failed there, or the link aborted it."""
@@ -553,6 +573,58 @@ class DecodeLeg:
         """The decode instance the request runs on, if it is still known."""
         link = self.link
         return None if link is None else self._host.router.instances.get(link.instance_id)
+
+
+async def stream_tokens(
+    host: LegHost,
+    stream: DecodeRun,
+    served: Callable[[], None],
+    failed: Callable[[DecodeRun, str], Awaitable[Wait | None]],
+) -> Wait | None:
+    """Deliver decode's tokens as they come; under load, spaced (adaptive egress).
+
+    The spacing (``router.egress``, fed by the loop's load) holds a stream's
+    next send until its last send plus the spacing, so the tokens that come
+    meanwhile go out in one event.  A finish or a failure is never held.  The
+    machine hears of the first batch and of the end, not of each token.
+    ``served``: the stream finished well (its instance served it); ``failed``:
+    it failed (what to report), every token pushed before the failure out first.
+    """
+    router = host.router
+    buffer = stream.buffer
+    egress = router.egress
+    machine = host.machine
+    last_sent_at: float | None = None
+    while True:
+        spacing = egress.spacing_s
+        held_until: float | None = None
+        if spacing and not buffer.finished and stream.failure is None:
+            deadline = send_deadline(last_sent_at, spacing, trio.current_time())
+            if deadline is not None:
+                await stream.hold_until(deadline, router.hold_timer)
+                held_until = deadline
+        # read before the take: every token pushed before a failure goes out first
+        failure = stream.failure
+        delta = buffer.take()
+        if delta is not None:
+            final = delta.finish_reason is not None
+            if final and delta.usage is None:
+                raise ShellFailure(NO_COUNTS)
+            if delta.num_tokens and machine.lifecycle.state is State.DECODE_CONFIRMING:
+                await host.report(rm.DecodeTokens())  # prefill may free the KV now
+            await host.deliver(
+                delta.text, delta.num_tokens, delta.finish_reason, delta.usage, final=final
+            )
+            if final:
+                served()
+                return await host.report(rm.DecodeTokens(final=True))
+            if spacing:
+                # spaced from the schedule, not from when the send returned: the
+                # send's own time and a late wake-up would add to every gap
+                last_sent_at = held_until if held_until is not None else trio.current_time()
+        if failure is not None:
+            return await failed(stream, failure)
+        await stream.wait_update()
 
 
 def migration_label(reason: str) -> str:

@@ -9,7 +9,9 @@ as events, does what the machine answers, and holds no request logic.
 
 The commands that reach an instance are carried out by the request's legs
 (``pdtrio.router.legs``: its prefill calls and its decode run), which reach
-the instances through the backend seam (``pdtrio.router.backend``); placement
+the instances through the backend seam (``pdtrio.router.backend``): pdtrio's
+workers by default, or the engines' HTTP legs a ``make_legs`` builds
+(``pdtrio.router.engine_legs``: vLLM, SGLang); placement
 is the instance table's (``pdtrio.router.instances``); a failure's status is
 the one table's (``pdtrio.protocol.errors``).
 
@@ -51,7 +53,16 @@ from pdtrio.protocol.sse import StreamShaper
 from pdtrio.protocol.wire import Usage
 from pdtrio.router.client_response import ClientResponse
 from pdtrio.router.core import Router
-from pdtrio.router.legs import DecodeLeg, PrefillLeg, RunDecode, ShellFailure, Wait
+from pdtrio.router.legs import (
+    DecodeLeg,
+    DecodeSide,
+    LegHost,
+    PrefillLeg,
+    PrefillSide,
+    RunDecode,
+    ShellFailure,
+    Wait,
+)
 from pdtrio.router.metrics import Outcome
 
 log = logging.getLogger("pdtrio.router.pipeline")
@@ -65,6 +76,8 @@ _ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _LEASE_MARGIN_S = 1.0
 _OUTCOMES = {ending: Outcome[ending.name] for ending in rm.Ending}
 _STRANDED = rm.Failure(Reason.INTERNAL, "the router lost track of the request")
+MakeLegs = Callable[[LegHost], tuple[PrefillSide, DecodeSide, bool]]
+"""A backend's legs for a request, and whether its prefill samples the first token."""
 
 
 @final
@@ -77,12 +90,29 @@ class RequestPipeline:
         receive: Receive,
         send: Send,
         hang_up: Callable[[], bool] = lambda: False,
+        make_legs: MakeLegs | None = None,
     ) -> None:
         self.router = router
         self.request = request
         self.kind = kind
         self._receive = receive
         config = router.config.router
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        self.request_id = f"{prefix}{_PROCESS_ID}{next(_request_numbers):x}"
+        # what /metrics and the access line say of it, recorded as it goes
+        self.figures = router.metrics.figures(request.model)
+        # the request on the instances: its prefill calls and its decode run
+        self.prefill: PrefillSide
+        self.decode: DecodeSide
+        if make_legs is None:
+            prefill = PrefillLeg(self, keep_tokens=config.migration_limit > 0)
+            self.prefill, self.decode = (
+                prefill,
+                DecodeLeg(self, prefill, lease_margin_s=_LEASE_MARGIN_S),
+            )
+            first_token_from_prefill = True
+        else:
+            self.prefill, self.decode, first_token_from_prefill = make_legs(self)
         self.machine = rm.RequestMachine(
             rm.Limits(
                 request_timeout_s=config.request_timeout_s,
@@ -92,11 +122,10 @@ class RequestPipeline:
                 lease_margin_s=_LEASE_MARGIN_S,
             ),
             streaming=request.stream,
-            keep_tokens=config.migration_limit > 0,
+            keep_tokens=config.migration_limit > 0 and first_token_from_prefill,
+            first_token_from_prefill=first_token_from_prefill,
         )
         self._ending_with_error = False  # the machine ended it: what is sent now is the error
-        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        self.request_id = f"{prefix}{_PROCESS_ID}{next(_request_numbers):x}"
         self.created = int(time.time())
         self.shaper: StreamShaper | None = None
         if request.stream:
@@ -118,11 +147,6 @@ class RequestPipeline:
             hang_up=hang_up,
             draining=lambda: router.requests.draining,
         )
-        # what /metrics and the access line say of it, recorded as it goes
-        self.figures = router.metrics.figures(request.model)
-        # the request on the instances: its prefill calls and its decode run
-        self.prefill = PrefillLeg(self, keep_tokens=config.migration_limit > 0)
-        self.decode = DecodeLeg(self, self.prefill, lease_margin_s=_LEASE_MARGIN_S)
         self._error: OpenAIError | None = None  # what the client is told, after the nursery
         self._recorded = False
         self._scope: trio.CancelScope | None = None
@@ -202,7 +226,8 @@ class RequestPipeline:
             elif kind is rm.AbortDecode:
                 self.decode.abort()
             elif kind is rm.Migrate:
-                assert isinstance(command, rm.Migrate)
+                # (only pdtrio's legs migrate: a regenerating engine's machine never asks)
+                assert isinstance(command, rm.Migrate) and isinstance(self.prefill, PrefillLeg)
                 self.prefill.migrate(command)
             elif kind is rm.EmitFirstToken or kind is rm.Finish:
                 self._emits.append(command)  # type: ignore[arg-type]
@@ -306,6 +331,8 @@ class RequestPipeline:
 
     async def _emit_first_token(self, final: bool) -> None:
         """Prefill's token (``final``: the whole answer)."""
+        # (only a backend whose prefill samples the first token is asked for it)
+        assert isinstance(self.prefill, PrefillLeg)
         reply = self.prefill.reply
         assert reply is not None
         generated = self.prefill.generated
@@ -337,7 +364,7 @@ class RequestPipeline:
             )
         message = failure.message
         if failure.explain_no_prefill:
-            message = self.router.instances.no_instance_reason(self.request.model)
+            message = self.prefill.no_instance_reason()
         return error_for(failure.reason, message, param=failure.param)
 
     async def _send_error(self) -> None:
@@ -358,8 +385,8 @@ class RequestPipeline:
             return
         self._recorded = True
         status = None if end.failure is None else self._error_of(end.failure).status
-        prefill = self.prefill.instance
-        decode = self.decode.link
+        prefill = self.prefill.instance_id
+        decode = self.decode.instance_id
         figures = self.figures
         usage = self.response.usage
         if usage is not None:
@@ -371,6 +398,6 @@ class RequestPipeline:
             status=status,
             figures=figures,
             request_id=self.request_id,
-            prefill="-" if prefill is None else prefill.instance_id,
-            decode="-" if decode is None else decode.instance_id,
+            prefill="-" if prefill is None else prefill,
+            decode="-" if decode is None else decode,
         )

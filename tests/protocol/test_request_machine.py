@@ -2,6 +2,8 @@
 
 Every run is checked against an independent model of what the instances hold
 (said from what each event and command means, not from the machine's table):
+for both kinds of backend (a prefill that samples the first token, and an
+engine's decode that regenerates every token, its prefill maybe beside it),
 it always ends; cleanup owes nothing at the end; no command follows the end;
 the client's response ends well-formed exactly once (or not at all, for a
 client gone or a stream torn mid-write).
@@ -87,6 +89,8 @@ class Held:
     decode: set[str] = attrs.Factory(set)  # instances that may run it
     sending_prefill: str | None = None  # the instance the prefill call is out to
     sending_decode: str | None = None
+    # an engine's: Prefilled(None) says no lease is known, not that prefill kept nothing
+    regenerates: bool = False
 
     def event(self, event: Event) -> None:
         if isinstance(event, PrefillSent):
@@ -96,7 +100,7 @@ class Held:
             # it never saw it, or dropped it, or freed what it had
             assert self.sending_prefill is not None
             self.prefill.discard(self.sending_prefill)
-        elif isinstance(event, Prefilled) and event.lease_ends_at is None:
+        elif isinstance(event, Prefilled) and event.lease_ends_at is None and not self.regenerates:
             assert self.sending_prefill is not None
             self.prefill.discard(self.sending_prefill)  # generation ended there: no KV kept
         elif isinstance(event, DecodeStartSent):
@@ -119,6 +123,14 @@ class Held:
 # --- the driver --------------------------------------------------------------------
 
 _FAILURE = Failure(Reason.BAD_KV_HANDLE, "bad handle")
+
+
+_PREFILL_BESIDE_FAILURES: list[Event] = [
+    PrefillNotSent(),
+    PrefillLost("bootstrap lost"),
+    PrefillFailed(WorkerFailure(500, "server_error", "boom")),
+    PrefillFailed(WorkerFailure(400, "invalid_request_error", "bad prompt")),
+]
 
 
 def _events_for(
@@ -172,6 +184,10 @@ def _events_for(
             DecodeFailed("link lost", "link_lost", migratable=True),
         ]
         rare += [DecodeRejected("mismatch", retryable=False, layout_mismatch=True)]
+        if not machine.first_token_from_prefill:
+            four = WorkerFailure(400, "invalid_request_error", "decode says no")
+            rare += [DecodeRejected("decode says no", retryable=False, failure=four)]
+            rare += _PREFILL_BESIDE_FAILURES  # (SGLang's prefill runs beside its decode)
     elif phase is Phase.DECODING:
         on += [
             DecodeTokens(),
@@ -179,6 +195,8 @@ def _events_for(
             DecodeFailed("worker error", "decode_failed", migratable=rng.random() < 0.5),
         ]
         rare += [DecodeTokens(final=True), DecodeFailed("cut off", "cut_off", cut_off=True)]
+        if not machine.first_token_from_prefill:
+            rare += _PREFILL_BESIDE_FAILURES
     elif phase is Phase.AWAITING_DECODE:
         on += [DecodeConnected()]
     return on, rare
@@ -191,9 +209,21 @@ class Run:
     ended: End | None = None
 
 
-def _drive(rng: random.Random, *, streaming: bool, keep_tokens: bool, steps: int = 60) -> Run:
-    machine = RequestMachine(LIMITS, streaming=streaming, keep_tokens=keep_tokens)
-    held = Held()
+def _drive(
+    rng: random.Random,
+    *,
+    streaming: bool,
+    keep_tokens: bool,
+    regenerates: bool = False,
+    steps: int = 60,
+) -> Run:
+    machine = RequestMachine(
+        LIMITS,
+        streaming=streaming,
+        keep_tokens=keep_tokens and not regenerates,
+        first_token_from_prefill=not regenerates,
+    )
+    held = Held(regenerates=regenerates)
     run = Run()
     now = 0.0
     for step in range(steps):
@@ -241,8 +271,11 @@ def _drive(rng: random.Random, *, streaming: bool, keep_tokens: bool, steps: int
     return run
 
 
-def _check_well_formed(run: Run, *, streaming: bool) -> None:
+def _check_well_formed(run: Run, *, streaming: bool, regenerates: bool = False) -> None:
     commands = run.commands
+    if regenerates:
+        # decode generates every token: prefill's is never sent, nothing migrates
+        assert not [c for c in commands if isinstance(c, EmitFirstToken | Migrate | WaitForDecode)]
     ends = [c for c in commands if isinstance(c, End)]
     assert len(ends) == 1 and commands[-1] is ends[0], commands
     end = ends[0]
@@ -254,6 +287,9 @@ def _check_well_formed(run: Run, *, streaming: bool) -> None:
         else [c for c in commands if isinstance(c, EmitFirstToken)]
     )
     headers_went_out = streaming and bool(emitted_before)
+    if regenerates:
+        # the response starts with decode's first batch (the run stops at the end)
+        headers_went_out = streaming and any(isinstance(e, DecodeTokens) for e in run.events)
     if end.ending is Ending.OK:
         assert endings and isinstance(endings[0], Finish), commands
         assert end.failure is None
@@ -318,11 +354,61 @@ def test_seeded_random_interleavings(streaming: bool, keep_tokens: bool) -> None
     assert expected_kinds <= kinds
 
 
+@pytest.mark.parametrize("streaming", [True, False])
+def test_seeded_random_interleavings_of_a_regenerating_engine(streaming: bool) -> None:
+    endings: set[Ending] = set()
+    kinds: set[type] = set()
+    again_from_prefill = beside_failed = 0
+    for seed in range(1500):
+        run = _drive(random.Random(seed), streaming=streaming, keep_tokens=False, regenerates=True)
+        _check_well_formed(run, streaming=streaming, regenerates=True)
+        assert run.ended is not None
+        endings.add(run.ended.ending)
+        kinds.update(type(c) for c in run.commands)
+        for i, event in enumerate(run.events[:-1]):
+            if isinstance(event, DecodeFailed | DecodeRejected) and isinstance(
+                run.events[i + 1], PrefillSent
+            ):
+                again_from_prefill += 1
+            if (
+                isinstance(event, PrefillNotSent | PrefillLost | PrefillFailed)
+                and i > 0
+                and not isinstance(run.events[i - 1], PrefillSent)
+            ):
+                beside_failed += 1
+    expected = set(Ending) if streaming else set(Ending) - {Ending.FAILED}
+    assert endings == expected
+    expected_kinds = {
+        WaitUntil,
+        SendPrefill,
+        PlaceDecode,
+        ReleasePrefill,
+        AbortDecode,
+        Finish,
+        RespondWithError,
+        End,
+    }
+    if streaming:
+        expected_kinds.add(StreamError)
+    assert expected_kinds <= kinds
+    # the runs walk a decode failing early and a prefill failing beside its decode
+    assert again_from_prefill and beside_failed
+
+
 @settings(max_examples=examples(300), deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), streaming=st.booleans(), keep_tokens=st.booleans())
-def test_hypothesis_interleavings(seed: int, streaming: bool, keep_tokens: bool) -> None:
-    run = _drive(random.Random(seed), streaming=streaming, keep_tokens=keep_tokens)
-    _check_well_formed(run, streaming=streaming)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    streaming=st.booleans(),
+    keep_tokens=st.booleans(),
+    regenerates=st.booleans(),
+)
+def test_hypothesis_interleavings(
+    seed: int, streaming: bool, keep_tokens: bool, regenerates: bool
+) -> None:
+    run = _drive(
+        random.Random(seed), streaming=streaming, keep_tokens=keep_tokens, regenerates=regenerates
+    )
+    _check_well_formed(run, streaming=streaming, regenerates=regenerates)
 
 
 def test_the_table_refuses_what_cannot_happen() -> None:
@@ -349,8 +435,14 @@ def _play(
     streaming: bool = True,
     keep_tokens: bool = True,
     limits: Limits = LIMITS,
+    regenerates: bool = False,
 ) -> tuple[RequestMachine, list[Command]]:
-    machine = RequestMachine(limits, streaming=streaming, keep_tokens=keep_tokens)
+    machine = RequestMachine(
+        limits,
+        streaming=streaming,
+        keep_tokens=keep_tokens and not regenerates,
+        first_token_from_prefill=not regenerates,
+    )
     out: list[Command] = []
     now = 0.0
     for event in events:
@@ -567,3 +659,74 @@ def test_a_migration_whose_prefill_finishes_the_answer_emits_that_last_token(
 
 def _connection(n: int) -> Hashable:
     return ("link", n)
+
+
+# --- an engine whose decode regenerates every token (vLLM's connector, SGLang) ---------
+
+ENGINE_HAPPY = [
+    Arrived(),
+    PrefillSent("p0"),
+    Prefilled(None),  # no lease known: the engine's own timer frees what no decode pulls
+    DecodeStartSent("d0", "d0"),
+    DecodeStartQueued(),
+    DecodeAccepted(),
+    DecodeTokens(),
+    DecodeTokens(final=True),
+]
+
+
+def test_an_engines_response_starts_with_decodes_first_batch() -> None:
+    machine, out = _play(ENGINE_HAPPY[:5], regenerates=True)
+    assert not [c for c in out if isinstance(c, EmitFirstToken)]
+    assert not machine.headers_sent  # nothing went out: a failure now is the response
+    assert Deadline.KV_LEASE not in machine._armed  # noqa: SLF001
+    out = machine.handle(DecodeAccepted(), 0.0) + machine.handle(DecodeTokens(), 0.0)
+    assert out == [ReleasePrefill("p0")]  # decode pulled the KV
+    assert machine.headers_sent
+    out = machine.handle(DecodeTokens(final=True), 0.0)
+    assert [type(c) for c in out] == [Finish, End]
+
+
+def test_an_engines_decode_failing_before_its_first_token_goes_again_from_a_new_prefill() -> None:
+    machine, out = _play([*ENGINE_HAPPY[:6], DecodeFailed("decode answered 500")], regenerates=True)
+    # prefill's KV is freed (no decode pulled it), and a new prefill is asked for
+    assert out[-2:] == [ReleasePrefill("p0"), SendPrefill(frozenset())]
+    out = machine.handle(PrefillSent("p0"), 1.0) + machine.handle(Prefilled(None), 1.0)
+    # the decode it failed on stays excluded
+    assert isinstance(out[-1], PlaceDecode) and dict(out[-1].exclude) == {"d0": "d0"}
+    out = machine.handle(DecodeUnavailable(Failure(Reason.SERVICE_UNAVAILABLE, "none")), 1.0)
+    assert _ending(out).ending is Ending.REJECTED
+
+
+def test_an_engines_4xx_from_decode_is_passed_on() -> None:
+    four = WorkerFailure(400, "BadRequestError", "decode says no")
+    _, out = _play(
+        [*ENGINE_HAPPY[:5], DecodeRejected("decode says no", retryable=False, failure=four)],
+        regenerates=True,
+    )
+    assert ReleasePrefill("p0") in out  # (its KV freed)
+    end = _ending(out)
+    assert end.ending is Ending.REJECTED and end.failure == four
+
+
+def test_a_prefill_beside_its_decode_failing_aborts_decode_and_another_prefill_takes_it() -> None:
+    machine, _ = _play(ENGINE_HAPPY[:6], regenerates=True)
+    out = machine.handle(PrefillFailed(WorkerFailure(500, "server_error", "boom")), 0.0)
+    assert out[0] == AbortDecode("d0")  # it waits for KV that will not come
+    assert out[-1] == SendPrefill(frozenset({"p0"}), retry=True)
+    # once decode produced a token, it had the KV: prefill's late failure changes nothing
+    machine, _ = _play([*ENGINE_HAPPY[:7]], regenerates=True)
+    assert machine.handle(PrefillLost("late"), 0.0) == []
+    # a 4xx is the request's own
+    bad = PrefillFailed(WorkerFailure(400, "invalid_request_error", "bad prompt"))
+    machine, _ = _play(ENGINE_HAPPY[:5], regenerates=True)
+    out = machine.handle(bad, 0.0)
+    assert out[0] == AbortDecode("d0") and _ending(out).failure == bad.failure
+
+
+def test_a_prefill_sampling_the_first_token_never_fails_beside_its_decode() -> None:
+    machine, _ = _play(HAPPY[:6])
+    with pytest.raises(MachineError, match="PrefillLost"):
+        machine.handle(PrefillLost("?"), 0.0)
+    with pytest.raises(ValueError, match="cannot migrate"):
+        RequestMachine(LIMITS, streaming=True, keep_tokens=True, first_token_from_prefill=False)

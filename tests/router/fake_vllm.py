@@ -39,6 +39,7 @@ class FakeVllm:
     fail_after_tokens: int | None = None
     null_kv_params: bool = False
     health_status: int = 200
+    token_padding: int = 0  # characters added to each streamed token's text (a big stream)
     # a decode leg waits for this before it answers (a slow decode), when set
     decode_gate: trio.Event | None = None
     decode_waiting: trio.Event = attrs.Factory(trio.Event)  # a decode leg is at the gate
@@ -243,7 +244,7 @@ class FakeVllm:
                 )
                 return
             finish = "length" if i == max_tokens - 1 else None
-            text = f" t{i}"
+            text = f" t{i}" + "." * self.token_padding
             choice = (
                 {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
             )

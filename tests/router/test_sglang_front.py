@@ -141,3 +141,19 @@ async def test_a_decode_failing_before_its_first_token_starts_both_legs_again() 
     rooms = [leg["bootstrap_room"] for leg in prefill.legs()]
     decode_legs = len(decodes[0].legs()) + len(decodes[1].legs())
     assert len(rooms) == len(set(rooms)) == decode_legs >= 3
+
+
+async def test_a_prefill_refusing_the_request_is_the_clients_error_and_closes_the_decode() -> None:
+    async with fronted(prefills=2) as (url, prefills, [decode]):
+        prefills[0].fail_status = prefills[1].fail_status = 400
+        async with httpx.AsyncClient(base_url=url) as client:
+            refused = await client.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": True},
+            )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["message"].endswith("says no")
+        with trio.fail_after(5):
+            await decode.decode_aborted.wait()  # it waited for KV that never came
+        # the client's own error: tried once, on one prefill
+        assert len(prefills[0].legs()) + len(prefills[1].legs()) == 1

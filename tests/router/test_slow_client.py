@@ -14,7 +14,9 @@ from tests.cluster import client, running_cluster, synthetic_worker, wait_for_st
 from tests.metrics import value
 
 
-async def _open_stalled_stream(url: str, max_tokens: int) -> trio.SocketStream:
+async def open_stalled_stream(
+    url: str, max_tokens: int, model: str = "synthetic"
+) -> trio.SocketStream:
     """POST a streaming request, then never read: a client frozen mid-stream."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
@@ -23,7 +25,7 @@ async def _open_stalled_stream(url: str, max_tokens: int) -> trio.SocketStream:
     await sock.connect((host, int(port)))
     stream = trio.SocketStream(sock)
     body = json.dumps(
-        {"model": "synthetic", "prompt": "firehose", "max_tokens": max_tokens, "stream": True}
+        {"model": model, "prompt": "firehose", "max_tokens": max_tokens, "stream": True}
     ).encode()
     await stream.send_all(
         f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
@@ -43,7 +45,7 @@ async def test_a_stalled_client_is_cut_off_without_stalling_its_link() -> None:
     )
     router = RouterConfig(stream_buffer_tokens=5000, max_tokens_limit=5_000_000)
     async with running_cluster(make_worker=make, router=router) as cluster:
-        stalled = await _open_stalled_stream(cluster.url, max_tokens=3_000_000)
+        stalled = await open_stalled_stream(cluster.url, max_tokens=3_000_000)
         async with stalled:
             # while the stalled stream backs up, another stream on the same link completes
             async with client(cluster) as http:
@@ -94,7 +96,7 @@ async def test_a_client_that_stops_reading_is_hung_up_on(router: RouterConfig) -
     # hypercorn's write waits on the frozen socket and ignores cancellation: the router
     # shuts the connection down, and the request ends
     async with running_cluster(router=router, decode_step_s=0.001) as cluster:
-        stalled = await _open_stalled_stream(cluster.url, max_tokens=8000)
+        stalled = await open_stalled_stream(cluster.url, max_tokens=8000)
         async with stalled:
             # liveness bounds: before, it waited for the client
             router = cluster.router_app.router
@@ -119,7 +121,7 @@ async def test_a_client_that_reads_slowly_but_steadily_is_not_hung_up_on() -> No
     # each write waits on the client for less than the timeout: the stream completes
     router = RouterConfig(client_write_timeout_s=1.0)
     async with running_cluster(router=router, decode_step_s=0.001) as cluster:
-        stalled = await _open_stalled_stream(cluster.url, max_tokens=3000)
+        stalled = await open_stalled_stream(cluster.url, max_tokens=3000)
         received = b""
         async with stalled:
             with trio.fail_after(60):

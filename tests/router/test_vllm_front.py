@@ -18,13 +18,15 @@ import trio
 
 from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig
 from pdtrio.router.app import RouterApp
-from tests.cluster import serve_app
+from tests.cluster import serve_app, wait_for_stats
+from tests.metrics import value
 from tests.router.fake_vllm import CACHED_TOKENS, MODEL, FakeVllm, fake_engines
+from tests.router.test_slow_client import open_stalled_stream
 
 
 @asynccontextmanager
 async def fronted(
-    prefills: int = 1, decodes: int = 1, api_key: str = ""
+    prefills: int = 1, decodes: int = 1, api_key: str = "", router: RouterConfig | None = None
 ) -> AsyncIterator[tuple[str, list[FakeVllm], list[FakeVllm], RouterApp]]:
     names = [f"p{i}" for i in range(prefills)] + [f"d{i}" for i in range(decodes)]
     async with trio.open_nursery() as nursery:
@@ -32,7 +34,9 @@ async def fronted(
             p = [engines[n] for n in names[:prefills]]
             d = [engines[n] for n in names[prefills:]]
             config = PdtrioConfig(
-                router=RouterConfig(instance_backoff_s=60.0),
+                # (no egress spacing: the tests read one event per engine event, which
+                # adaptive egress merges when this busy machine loads the loop)
+                router=router or RouterConfig(instance_backoff_s=60.0, egress_max_delay_s=0.0),
                 instances=tuple(
                     [
                         InstanceConfig(role="prefill", url=e.url, kind="vllm", api_key=api_key)
@@ -336,3 +340,57 @@ async def test_an_engine_not_up_is_not_routed_to_and_health_says_why() -> None:
     assert response.status_code == 503
     assert "no prefill instance is available" in response.json()["error"]["message"]
     assert not engines["p0"].received
+
+
+async def test_a_decode_answering_4xx_is_the_clients_error_and_suspends_nothing() -> None:
+    async with fronted() as (url, _, [decode], app):
+        decode.fail_status = 400
+        async with httpx.AsyncClient(base_url=url) as client:
+            response = await client.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "a b", "max_tokens": 2, "stream": True},
+            )
+        assert response.status_code == 400  # nothing went out before: the status says it
+        assert response.json()["error"]["message"] == "d0 says no"
+        pool = app.router.engines  # type: ignore[union-attr]
+        assert all(i.failures_in_a_row == 0 for i in pool.instances.values())
+
+
+async def test_the_request_deadline_ends_a_waiting_decode_and_frees_prefills_kv() -> None:
+    # the machine's deadline, as for pdtrio's workers; its cleanup frees the KV no decode
+    # pulled (the one-token decode leg)
+    async with fronted(router=RouterConfig(request_timeout_s=1.0)) as (
+        url,
+        [prefill],
+        [decode],
+        _,
+    ):
+        decode.decode_gate = trio.Event()
+        async with httpx.AsyncClient(base_url=url) as client:
+            response = await client.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "a b c", "max_tokens": 4}
+            )
+        assert response.status_code == 504, response.text
+        assert response.json()["error"]["code"] == "timeout"
+        with trio.fail_after(5):
+            await decode.decode_aborted.wait()
+        assert prefill.held
+        decode.decode_gate.set()
+        with trio.fail_after(5):
+            await prefill.wait_until(holding=False)
+
+
+async def test_a_client_that_stops_reading_is_hung_up_on_by_the_shared_stall_sweep() -> None:
+    router = RouterConfig(client_write_timeout_s=1.0)
+    async with fronted(router=router) as (url, _, [decode], app):
+        decode.token_padding = 8192  # a stream far bigger than the sockets' buffers
+        stalled = await open_stalled_stream(url, model=MODEL, max_tokens=2000)
+        async with stalled:
+            requests = app.router.requests  # type: ignore[union-attr]
+            await wait_for_stats(lambda: len(requests) > 0, 20)
+            await wait_for_stats(lambda: not len(requests), 20)
+            async with httpx.AsyncClient(base_url=url) as client:
+                metrics = (await client.get("/metrics")).text
+            assert value(metrics, "pdtrio_requests_total", outcome="failed", status="5xx") == 1
+            pool = app.router.engines  # type: ignore[union-attr]
+            assert all(i.in_flight == 0 for i in pool.instances.values())  # its legs ended

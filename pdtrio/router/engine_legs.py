@@ -1,0 +1,625 @@
+"""A request's two legs on vLLM or SGLang instances: the engine-HTTP backend of the legs.
+
+The request runs through the same machine (``pdtrio.protocol.request_machine``)
+and shell (``pdtrio.router.pipeline``) as on pdtrio's workers; only the legs
+differ.  The machine is built with ``first_token_from_prefill=False``: an
+engine's decode generates every token from the request again, so prefill's
+answer carries nothing for the client, the response starts with decode's
+first batch, and a decode failing before it sends the request again from a new
+prefill.  Everything else is the shared one: client writes and egress
+(:func:`pdtrio.router.legs.stream_tokens`), the stall sweep's hang-up, the
+deadlines, retries, cancellation, the drain, and cleanup (the machine's
+``ReleasePrefill`` here frees prefill's KV no decode pulled).
+
+vLLM (the KV connector protocol, ``pdtrio.protocol.vllm_pd``): prefill's leg
+is a one-token, unstreamed request keeping the KV for a remote decode; its
+answer's ``kv_transfer_params`` go whole to decode's leg, streamed back.  Prefill's
+blocks wait for a decode to pull them; a request that ends before one did (the
+client left, a deadline, a decode failing before its first token) would strand
+them until vLLM gives up on them (0.32's NIXL lease, 30 s by default; before it
+``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s), so the release sends a one-token
+decode leg in the background, which pulls them and so frees them on prefill.
+
+SGLang (the bootstrap protocol, ``pdtrio.protocol.sglang_pd``): both legs go at
+once with one room.  The prefill leg picks the instance and names the room
+(``Prefilled`` at once); its call goes out in the decode run, beside decode's
+stream: a prefill failing before decode's first token closes the decode leg
+(it would wait for KV that never comes), and the machine hears of it
+(``PrefillFailed``/``PrefillLost`` while decode starts) and tries another.
+
+A 4xx from an engine is the client's own: passed on, never counted against
+the instance.  A 5xx, an unreachable engine or a broken answer puts it out of
+rotation for a while (``EnginePool.failed``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncGenerator, Mapping
+from typing import TYPE_CHECKING, Any, Literal, cast, final
+
+import httpx
+import trio
+
+from pdtrio.protocol import request_machine as rm
+from pdtrio.protocol.errors import Reason
+from pdtrio.protocol.sglang_pd import ROOM_BITS, bootstrap_body, prefill_leg_body
+from pdtrio.protocol.stream_buffer import PushResult, StreamBuffer
+from pdtrio.protocol.vllm_pd import (
+    PATHS,
+    EngineAnswerError,
+    PrefillAnswer,
+    decode_body,
+    parse_decode_event,
+    parse_prefill_answer,
+    prefill_body,
+    release_body,
+)
+from pdtrio.protocol.wire import DecodeRejected, Usage
+from pdtrio.router.backend import DecodeRun
+from pdtrio.router.engine_front import EngineInstance, EnginePool
+from pdtrio.router.legs import (
+    DecodeSide,
+    LegHost,
+    PrefillSide,
+    RunDecode,
+    ShellFailure,
+    Wait,
+    stream_tokens,
+)
+from pdtrio.router.worker_link import CUT_OFF_MESSAGE
+
+if TYPE_CHECKING:
+    from pdtrio.router.worker_link import HoldTimer
+
+log = logging.getLogger("pdtrio.router.engines")
+
+# how long the background leg that frees an unpulled prefill's KV may take
+_RELEASE_TIMEOUT_S = 30.0
+# what an engine's transport failures raise (httpx's, and the OS's under it)
+_TRANSPORT_ERRORS = (httpx.HTTPError, OSError)
+# where a prefill running beside its decode may still fail the request
+_DECODE_PHASES = frozenset({rm.Phase.DECODE_STARTING, rm.Phase.DECODING})
+
+
+@final
+class EngineLegs:
+    """The pipeline's ``make_legs`` for a request on ``pool``'s engines: ``client_body``
+    is the client's request as it came (what pdtrio validated), the legs' fields set
+    on it."""
+
+    def __init__(
+        self,
+        pool: EnginePool,
+        client_body: Mapping[str, Any],
+        kind: Literal["chat", "completion"],
+    ) -> None:
+        self.pool = pool
+        self.client_body = client_body
+        self.kind = kind
+
+    def __call__(self, host: LegHost) -> tuple[PrefillSide, DecodeSide, bool]:
+        prefill = EnginePrefillLeg(host, self)
+        return prefill, EngineDecodeLeg(host, self, prefill), False
+
+
+def _why(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _answer_failure(
+    pool: EnginePool, instance: EngineInstance, leg: str, status: int, content: bytes
+) -> rm.WorkerFailure:
+    """An engine's non-200 answer, as the failure the machine passes on or retries: a 4xx
+    is the client's (the instance is fine), a 5xx the instance's (out of rotation)."""
+    message = _engine_message(content) or f"{leg} answered {status}"
+    if status < 500:
+        return rm.WorkerFailure(status, _engine_type(content), message)
+    pool.failed(instance, f"{leg} answered {status}: {message}")
+    return rm.WorkerFailure(status, "server_error", f"{leg} answered {status}: {message}")
+
+
+@final
+class EnginePrefillLeg:
+    """The request's prefill leg on an engine: vLLM's call, or SGLang's room (its call
+    goes out beside decode's, in :meth:`call_beside`)."""
+
+    def __init__(self, host: LegHost, legs: EngineLegs) -> None:
+        self._host = host
+        self._legs = legs
+        self._pool = legs.pool
+        self.instance: EngineInstance | None = None
+        self.answer: PrefillAnswer | None = None  # vLLM prefill's, once it answered
+        # vLLM: prefill's kv_transfer_params while its blocks wait for a decode to pull them
+        self.unpulled: Mapping[str, Any] | None = None
+        # SGLang: both legs' body (the room named), once the prefill instance is picked
+        self.bootstrap: dict[str, Any] | None = None
+        self.decode: EngineInstance | None = None  # the decode it was placed on, if any
+        self._last_failure = ""
+
+    @property
+    def instance_id(self) -> str | None:
+        return None if self.instance is None else self.instance.instance_id
+
+    def no_instance_reason(self) -> str:
+        why = f" (last: {self._last_failure})" if self._last_failure else ""
+        return f"no prefill instance is available{why}"
+
+    async def send(self, command: rm.SendPrefill) -> Wait | None:
+        host = self._host
+        pool = self._pool
+        instance = pool.pick("prefill", host.request.model, command.exclude)
+        if instance is None:
+            raise ShellFailure(rm.Failure(Reason.SERVICE_UNAVAILABLE, self.no_instance_reason()))
+        if command.retry:
+            host.router.metrics.retries.labels("prefill").inc()
+        self.instance = instance
+        self.answer = None
+        await host.report(rm.PrefillSent(instance.instance_id))
+        if pool.kind == "sglang":
+            self.bootstrap = bootstrap_body(
+                self._legs.client_body,
+                httpx.URL(instance.url).host,
+                instance.config.bootstrap_port,
+                secrets.randbits(ROOM_BITS),
+            )
+            # its call goes out with decode's (SGLang's prefill answers once decode fetched)
+            return await host.report(rm.Prefilled(None))
+        started = time.perf_counter()
+        answered = await self._call(instance, prefill_body(self._legs.client_body))
+        if not isinstance(answered, httpx.Response):
+            return await host.report(answered)
+        try:
+            answer = parse_prefill_answer(answered.json())
+        except (ValueError, EngineAnswerError) as exc:
+            why = f"prefill's answer: {exc}"
+            pool.failed(instance, why)
+            self._last_failure = why
+            return await host.report(rm.PrefillLost(why))
+        pool.served(instance)
+        host.figures.prefill_s = time.perf_counter() - started
+        host.figures.prompt_tokens = answer.prompt_tokens
+        if host.shaper is not None:
+            host.shaper.set_prompt_usage(answer.prompt_tokens, answer.cached_tokens)
+        self.answer = answer
+        self.unpulled = answer.kv_transfer_params
+        # (no lease known: vLLM's own timer frees what no decode pulls)
+        return await host.report(rm.Prefilled(None))
+
+    async def _call(
+        self, instance: EngineInstance, body: Mapping[str, Any]
+    ) -> httpx.Response | rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed:
+        """Post a prefill leg: its 200 answer, or what the machine hears instead."""
+        pool = self._pool
+        instance.in_flight += 1
+        try:
+            response = await pool.http.post(
+                instance.url + PATHS[self._legs.kind],
+                json=body,
+                headers=instance.headers(self._host.request_id),
+            )
+        except httpx.ConnectError as exc:
+            self._failed(instance, f"prefill unreachable: {_why(exc)}")
+            return rm.PrefillNotSent()  # it never saw it: another may take it
+        except _TRANSPORT_ERRORS as exc:
+            why = f"prefill lost: {_why(exc)}"
+            self._failed(instance, why)
+            return rm.PrefillLost(why)
+        finally:
+            instance.in_flight -= 1
+        if response.status_code != 200:
+            failure = _answer_failure(
+                pool, instance, "prefill", response.status_code, response.content
+            )
+            self._last_failure = f"{instance.instance_id}: {failure.message}"
+            return rm.PrefillFailed(failure)
+        return response
+
+    def _failed(self, instance: EngineInstance, why: str) -> None:
+        self._pool.failed(instance, why)
+        self._last_failure = f"{instance.instance_id}: {why}"
+
+    async def call_beside(self) -> rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed | None:
+        """SGLang: the prefill call, beside decode's stream (bounded by the prefill
+        timeout); what failed, if it did."""
+        instance, body = self.instance, self.bootstrap
+        assert instance is not None and body is not None
+        started = time.perf_counter()
+        with trio.move_on_after(self._host.router.config.router.prefill_timeout_s):
+            answered = await self._call(instance, prefill_leg_body(body))
+            if not isinstance(answered, httpx.Response):
+                return answered
+            self._pool.served(instance)
+            self._host.figures.prefill_s = time.perf_counter() - started
+            return None
+        why = "prefill did not answer in time"
+        self._failed(instance, why)
+        return rm.PrefillLost(why)
+
+    def release(self) -> None:
+        """Free prefill's blocks no decode pulled (vLLM): a one-token decode leg pulls them
+        in the background, which frees them on prefill now rather than at vLLM's timeout.
+        (SGLang's prefill call ends with the decode run that carries it.)"""
+        params = self.unpulled
+        self.unpulled = None
+        if params is None:
+            return
+        pool = self._pool
+        host = self._host
+        # the decode this request was going to (it may only be slow), else any
+        decode = self.decode
+        if decode is None or decode.failures_in_a_row:
+            decode = pool.pick("decode", host.request.model)
+        nursery = pool.nursery
+        if nursery is None or decode is None:
+            log.warning(
+                "request %s: no decode to pull its prefilled KV: prefill frees it at its timeout",
+                host.request_id,
+            )
+            return
+        body = release_body(self._legs.client_body, params)
+        try:
+            nursery.start_soon(self._pull_and_drop, decode, body)
+        except RuntimeError:  # the router is stopping: prefill frees the blocks at its timeout
+            log.warning(
+                "request %s: its prefilled KV is left to prefill's timeout", host.request_id
+            )
+
+    async def _pull_and_drop(self, decode: EngineInstance, body: dict[str, Any]) -> None:
+        request_id = self._host.request_id
+        started = time.perf_counter()
+        try:
+            with trio.fail_after(_RELEASE_TIMEOUT_S):
+                while True:
+                    try:
+                        response = await self._pool.http.post(
+                            decode.url + PATHS[self._legs.kind],
+                            json=body,
+                            headers=decode.headers(f"{request_id}-release"),
+                        )
+                        break
+                    except (httpx.ConnectError, httpx.RemoteProtocolError):
+                        # a decode restarting, a connection it dropped: again, until the
+                        # timeout (prefill frees the blocks itself after its own)
+                        await trio.sleep(0.5)
+        except (*_TRANSPORT_ERRORS, trio.TooSlowError) as exc:
+            log.warning(
+                "request %s: the leg freeing its prefilled KV failed (%s): prefill frees it "
+                "at its timeout",
+                request_id,
+                _why(exc),
+            )
+            return
+        log.info(
+            "request %s: ended before decode pulled its prefilled KV; decode %s pulled (and "
+            "dropped) it in %.0f ms (%d)",
+            request_id,
+            decode.instance_id,
+            (time.perf_counter() - started) * 1000,
+            response.status_code,
+        )
+
+    def drop_lease(self) -> None:
+        """Nothing of the router's is held for an engine's KV (no link to keep up)."""
+
+
+@final
+class EngineDecodeLeg:
+    """The request's decode leg on an engine: its placement and its stream."""
+
+    def __init__(self, host: LegHost, legs: EngineLegs, prefill: EnginePrefillLeg) -> None:
+        self._host = host
+        self._legs = legs
+        self._pool = legs.pool
+        self._prefill = prefill
+        self.instance: EngineInstance | None = None
+        self._scope: trio.CancelScope | None = None  # the decode leg's HTTP stream, while open
+        self._streaming = False  # counted in the router's active streams
+        # SGLang: what its prefill call, beside decode's, failed with (before decode's token)
+        self._prefill_failed: rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed | None = None
+        self._decoded = False  # decode produced a token: prefill's late failure is moot
+
+    @property
+    def instance_id(self) -> str | None:
+        return None if self.instance is None else self.instance.instance_id
+
+    def reserve_place(self) -> bool:
+        """Engines queue requests themselves: the router's decode queue is its workers'."""
+        return True
+
+    def unreserve(self) -> None:
+        """(Nothing reserved: see :meth:`reserve_place`.)"""
+
+    async def wait_for_link(self, command: rm.WaitForDecode) -> Wait | None:
+        """An engine is reached per request over HTTP: there is no connection to wait for."""
+        return await self._host.report(rm.DecodeConnected())
+
+    async def place(self, command: rm.PlaceDecode) -> Wait | None:
+        host = self._host
+        if command.retry:
+            host.router.metrics.retries.labels("decode").inc()
+        instance = self._pool.pick("decode", host.request.model, frozenset(command.exclude))
+        if instance is None:
+            why = f" (last: {command.last_reason})" if command.retry else ""
+            failure = rm.Failure(
+                Reason.SERVICE_UNAVAILABLE, f"no decode instance is available{why}"
+            )
+            return await host.report(rm.DecodeUnavailable(failure))
+        self.instance = self._prefill.decode = instance
+        await host.report(rm.DecodeStartSent(instance.instance_id, instance.instance_id))
+        return RunDecode(time.perf_counter())
+
+    def _body(self) -> dict[str, Any]:
+        prefill = self._prefill
+        if prefill.bootstrap is not None:
+            return decode_body(prefill.bootstrap, None)
+        return decode_body(self._legs.client_body, prefill.unpulled)
+
+    async def run(self, wait: RunDecode) -> Wait | None:
+        """Decode's leg (and SGLang's prefill call beside it), its stream to the client."""
+        host = self._host
+        await host.report(rm.DecodeStartQueued())
+        self._prefill_failed = None
+        self._decoded = False
+        outcome: Wait | None = None
+        async with trio.open_nursery() as legs:
+            with trio.CancelScope() as decode_scope:
+                self._scope = decode_scope
+                if self._prefill.bootstrap is not None:
+                    legs.start_soon(self._prefill_beside, decode_scope)
+                outcome = await self._decode(wait.sent_at)
+            self._scope = None
+            ended = host.machine.ended
+            if ended is None or ended.ending is not rm.Ending.OK:
+                # decode did not finish: a prefill beside it would wait for its decode
+                legs.cancel_scope.cancel()
+            # (it finished: SGLang's prefill answers once the transfer is done)
+        failed, self._prefill_failed = self._prefill_failed, None
+        if failed is not None and host.machine.phase in _DECODE_PHASES:
+            # (in another phase, decode's own failure was reported first: the machine
+            # is already trying again)
+            self._stop_counting()
+            return await host.report(failed)
+        return outcome
+
+    async def _prefill_beside(self, decode_scope: trio.CancelScope) -> None:
+        failed = await self._prefill.call_beside()
+        if failed is not None and not self._decoded and self._scope is decode_scope:
+            self._prefill_failed = failed
+            decode_scope.cancel()  # decode would wait for KV that never comes
+
+    async def _decode(self, sent_at: float) -> Wait | None:
+        host = self._host
+        pool = self._pool
+        instance = self.instance
+        assert instance is not None
+        instance.in_flight += 1
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                try:
+                    response = await stack.enter_async_context(
+                        pool.http.stream(
+                            "POST",
+                            instance.url + PATHS[self._legs.kind],
+                            json=self._body(),
+                            headers=instance.headers(host.request_id),
+                        )
+                    )
+                    content = b"" if response.status_code == 200 else await response.aread()
+                except _TRANSPORT_ERRORS as exc:
+                    # (the stream's own reads are the reader's: this is the leg failing)
+                    why = f"decode on {instance.instance_id} lost: {_why(exc)}"
+                    pool.failed(instance, why)
+                    return await host.report(rm.DecodeFailed(why))
+                if response.status_code != 200:
+                    failure = _answer_failure(
+                        pool, instance, "decode", response.status_code, content
+                    )
+                    if failure.status < 500:  # the client's own: passed on
+                        return await host.report(
+                            rm.DecodeRejected(failure.message, retryable=False, failure=failure)
+                        )
+                    return await host.report(rm.DecodeFailed(failure.message))
+                host.figures.handoff_s = time.perf_counter() - sent_at
+                if not self._streaming:
+                    self._streaming = True
+                    host.router.metrics.streams_active.inc()
+                await host.report(rm.DecodeAccepted())
+                stream = EngineStream(host.router.config.router.stream_buffer_tokens)
+                async with trio.open_nursery() as reader:
+                    reader.start_soon(self._read, response, stream)
+                    outcome = await stream_tokens(host, stream, self._served, self._failed)
+                    reader.cancel_scope.cancel()
+                return outcome
+        finally:
+            instance.in_flight -= 1
+
+    async def _read(self, response: httpx.Response, stream: EngineStream) -> None:
+        """Decode's server-sent events into the stream: text and token counts as they come,
+        the finish held until the counts that end the stream (its usage chunk).
+
+        Read to the end, past ``[DONE]`` or a failure: the response's byte iterators are
+        then exhausted, not left to the garbage collector.
+        """
+        kind = self._legs.kind
+        seen = 0
+        ending: tuple[str, int, str] | None = None
+        final_usage: Usage | None = None
+        failure: str | None = None
+        done = False
+        lines_of = cast(AsyncGenerator[str, None], response.aiter_lines())
+        try:
+            async with contextlib.aclosing(lines_of) as lines:
+                async for line in lines:
+                    if done or failure is not None or not line.startswith("data:"):
+                        continue
+                    try:
+                        chunk = parse_decode_event(line[5:].strip(), kind)
+                    except EngineAnswerError as exc:
+                        failure = f"decode's stream: {exc}"
+                        continue
+                    if chunk is None:  # [DONE]
+                        done = True
+                        continue
+                    if chunk.error is not None:
+                        failure = f"decode failed the request: {chunk.error}"
+                        continue
+                    if chunk.usage is not None:
+                        final_usage = chunk.usage
+                        continue
+                    if chunk.completion_tokens is not None:
+                        tokens = max(chunk.completion_tokens - seen, 0)
+                        seen = max(seen, chunk.completion_tokens)
+                    else:
+                        tokens = 1 if chunk.text else 0  # (an engine not counting as it goes)
+                        seen += tokens
+                    if ending is not None or not (tokens or chunk.text or chunk.finish_reason):
+                        continue
+                    if tokens or chunk.text:
+                        # decode has the KV: prefill freed its blocks
+                        self._decoded = True
+                        self._prefill.unpulled = None
+                    if chunk.finish_reason is not None:
+                        ending = (chunk.text, tokens, chunk.finish_reason)
+                        continue
+                    if not await stream.push(chunk.text, tokens, None, None):
+                        return  # cut off: closing the stream aborts the request in the engine
+        except _TRANSPORT_ERRORS as exc:
+            failure = f"decode lost: {_why(exc)}"
+        if failure is None and ending is None:
+            failure = "decode's stream ended before the answer did"
+        if failure is not None:
+            stream.fail(failure)
+            return
+        assert ending is not None
+        await stream.push(*ending, self._usage(final_usage, seen))
+
+    def _usage(self, final: Usage | None, completion_tokens: int) -> Usage:
+        """The request's counts: decode's, with prefill's cached tokens (vLLM: decode's
+        say what decode found; SGLang: decode's, prefill's answer may come after)."""
+        answer = self._prefill.answer
+        if final is None:
+            prompt = 0 if answer is None else answer.prompt_tokens
+            cached = 0 if answer is None else answer.cached_tokens
+            return Usage(prompt, completion_tokens, cached)
+        cached = final.cached_tokens if answer is None else answer.cached_tokens
+        return Usage(final.prompt_tokens, final.completion_tokens, cached)
+
+    def _served(self) -> None:
+        assert self.instance is not None
+        self._pool.served(self.instance)
+
+    async def _failed(self, stream: DecodeRun, failure: str) -> Wait | None:
+        host = self._host
+        if stream.cut_off:
+            return await host.report(rm.DecodeFailed(CUT_OFF_MESSAGE, cut_off=True))
+        assert self.instance is not None
+        self._pool.failed(self.instance, failure)
+        return await host.report(rm.DecodeFailed(failure))
+
+    def abort(self) -> None:
+        """End the request on decode: closing its stream aborts it in the engine."""
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def stop_counting(self) -> None:
+        self._stop_counting()
+
+    def _stop_counting(self) -> None:
+        if self._streaming:
+            self._streaming = False
+            self._host.router.metrics.streams_active.dec()
+
+
+@final
+class EngineStream:
+    """Decode's stream as the shared token path reads it (:class:`DecodeRun`).
+
+    The reader waits for each push to be taken while the client keeps up, so
+    every engine event goes out as its own; while the consumer holds its sends
+    (adaptive egress) pushes merge, up to ``max_pending_tokens``, past which the
+    client is too far behind and the stream is cut off, as a worker link does.
+    """
+
+    def __init__(self, max_pending_tokens: int) -> None:
+        self.buffer = StreamBuffer(max_pending_tokens=max_pending_tokens)
+        self.accepted = True  # (it exists once decode answered 200)
+        self.rejection: DecodeRejected | None = None
+        self.failure: str | None = None
+        self.failure_reason = "decode_failed"
+        self.cut_off = False
+        self.token_ids: list[int] | None = None  # (an engine's request never migrates)
+        self.holding = False
+        self._updated = False
+        self._lot = trio.lowlevel.ParkingLot()
+        self._taken = trio.Event()  # the consumer came back for more
+
+    def _notify(self) -> None:
+        self._updated = True
+        self._lot.unpark_all()
+
+    def fail(self, failure: str) -> None:
+        self.failure = failure
+        self._notify()
+
+    async def push(
+        self, text: str, num_tokens: int, finish_reason: str | None, usage: Usage | None
+    ) -> bool:
+        """Hand a delta to the consumer; False once the stream is cut off."""
+        if self.buffer.push(text, num_tokens, finish_reason, usage) is PushResult.OVERFLOW:
+            self.cut_off = True
+            self.fail(CUT_OFF_MESSAGE)
+            return False
+        self._notify()
+        while self.buffer.has_pending and not self.holding and finish_reason is None:
+            self._taken = trio.Event()
+            await self._taken.wait()
+        return True
+
+    async def wait_update(self) -> None:
+        self._taken.set()
+        if self._updated:
+            await trio.lowlevel.checkpoint()
+        else:
+            await self._lot.park()
+        self._updated = False
+
+    async def hold_until(self, deadline: float, timer: HoldTimer) -> None:
+        """Until ``deadline`` (a cancel scope's: the router's hold timer is the worker
+        links'), or a finish or a failure."""
+        self.holding = True
+        self._taken.set()
+        try:
+            with trio.move_on_at(deadline):
+                while not self.buffer.finished and self.failure is None:
+                    await self._lot.park()
+        finally:
+            self.holding = False
+
+
+def _engine_message(content: bytes) -> str:
+    """The message of an engine's OpenAI error body (vLLM's, or a plain string)."""
+    try:
+        body = json.loads(content)
+    except (ValueError, UnicodeDecodeError):
+        return content[:200].decode("utf-8", "replace").strip()
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        if isinstance(error, dict):
+            return str(error.get("message", ""))
+        return str(body.get("message", error))
+    return str(body)
+
+
+def _engine_type(content: bytes) -> str:
+    try:
+        body = json.loads(content)
+        error = body.get("error", body)
+        value = error.get("type")
+        return str(value) if value else "invalid_request_error"
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return "invalid_request_error"
