@@ -115,15 +115,19 @@ class ClientResponse:
                 {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS}
             )
         if final:
-            # the last event and [DONE] in one write
+            # the last event and [DONE] in one write, shielded: a client that closes its
+            # connection once it has them has hypercorn close it inside this send and
+            # cancel the request's task, before the machine heard the stream end (a
+            # client that stops reading cannot hold it: the stall sweep hangs up on it)
             self._complete = True
-            await self._write(
-                {
-                    "type": "http.response.body",
-                    "body": chunk + self.shaper.done(),
-                    "more_body": False,
-                }
-            )
+            with trio.CancelScope(shield=True):
+                await self._write(
+                    {
+                        "type": "http.response.body",
+                        "body": chunk + self.shaper.done(),
+                        "more_body": False,
+                    }
+                )
         elif chunk:
             self.writing = True
             await self._write({"type": "http.response.body", "body": chunk, "more_body": True})
