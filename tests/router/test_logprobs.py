@@ -17,6 +17,7 @@ import trio
 
 from pdtrio.config import RouterConfig
 from tests.cluster import running_cluster, wait_until_idle
+from tests.router.test_adaptive_egress import _pin_spacing
 
 TOPOLOGIES = [("prefill", "decode"), ("both",)]
 CHAT = [{"role": "user", "content": "Tell me something"}]
@@ -173,6 +174,44 @@ async def test_logprobs_stay_with_their_tokens_when_decode_groups_them() -> None
     assert whole.choices[0].logprobs == one_whole.choices[0].logprobs
     assert whole.choices[0].finish_reason == "stop"  # (the stop string cut the text)
     assert len(whole.choices[0].logprobs.tokens) == whole.usage.completion_tokens
+
+
+async def test_logprobs_stay_with_their_tokens_when_egress_groups_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the router's egress holds a stream's sends: the tokens of several entries go out as
+    # one event, with theirs
+    answers = []
+    for spacing_s in (0.0, 0.05):
+        _pin_spacing(monkeypatch, spacing_s)
+        async with running_cluster(decode_step_s=0.005) as cluster:
+
+            def call() -> tuple[list[Any], int]:
+                with _openai(cluster.url) as api:
+                    chunks = list(
+                        api.completions.create(
+                            model="synthetic",
+                            prompt="Once",
+                            max_tokens=40,
+                            logprobs=1,
+                            stream=True,
+                        )
+                    )
+                events = [c.choices[0] for c in chunks if c.choices]
+                for event in events:
+                    assert event.logprobs is not None
+                    assert "".join(event.logprobs.tokens or []) == event.text
+                return [e.logprobs.model_dump() for e in events], len(events)
+
+            answers.append(await trio.to_thread.run_sync(call))
+            await wait_until_idle(cluster)
+    (each, _), (grouped, events) = answers
+    assert events < 20  # (40 tokens: they were grouped)
+
+    def joined(parts: list[dict[str, Any]]) -> dict[str, list[Any]]:
+        return {key: [v for part in parts for v in part[key]] for key in parts[0]}
+
+    assert joined(grouped) == joined(each)
 
 
 async def test_a_request_that_asks_no_logprobs_gets_none() -> None:
