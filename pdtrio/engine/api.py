@@ -33,7 +33,7 @@ import trio
 
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import Prompt, TokenEntry, Usage
+from pdtrio.protocol.wire import Prompt, TokenEntry, TokenLogprob, TokenLogprobs, Usage
 
 
 class EngineError(Exception):
@@ -85,6 +85,7 @@ class PrefillResult:
     cached_tokens: int
     token_budget: int  # the whole completion budget, the first token included
     usage: Usage | None  # set when finish_reason is
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 @final
@@ -135,8 +136,18 @@ class StepFailed:
     message: str
 
 
-# What an engine's ``run`` sends, in order: a step's outputs or the requests a step lost.
-EngineOutput = StepOutputs | StepFailed
+@final
+@attrs.frozen
+class StepLogprobs:
+    """The logprobs of a step's tokens, for the requests in it that asked for them: sent
+    just before the step's outputs (so a request that asked none costs nothing)."""
+
+    entries: list[TokenLogprobs]
+
+
+# What an engine's ``run`` sends, in order: a step's outputs (after their logprobs, if any
+# request asked) or the requests a step lost.
+EngineOutput = StepOutputs | StepLogprobs | StepFailed
 
 
 class Engine(Protocol):

@@ -1,7 +1,9 @@
 """The synthetic engine: no torch, deterministic tokens, counted KV blocks.
 
 Output is a pure function of (prompt token ids, seed, position), so a request
-gives the same text disaggregated or colocated.  KV blocks are real bytes
+gives the same text disaggregated or colocated; so are its logprobs
+(:func:`synthetic_logprob`: a made-up distribution in which the token produced
+is the likeliest).  KV blocks are real bytes
 derived from the prompt, so a handoff that moves the wrong bytes is caught.
 It runs as trio tasks (it does no real work) and is cheap enough to be the
 load generator of the router benchmarks.
@@ -26,6 +28,7 @@ from pdtrio.engine.api import (
     KvRegion,
     PrefillResult,
     PromptRejected,
+    StepLogprobs,
     StepObserver,
     StepOutputs,
     kv_buffer,
@@ -44,7 +47,16 @@ from pdtrio.engine.scheduler import SchedulerLimits, schedule
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import ChatPrompt, Prompt, TextPrompt, TokenEntry, Usage
+from pdtrio.protocol.wire import (
+    MAX_TOP_LOGPROBS,
+    ChatPrompt,
+    Prompt,
+    TextPrompt,
+    TokenEntry,
+    TokenLogprob,
+    TokenLogprobs,
+    Usage,
+)
 
 SYNTHETIC_MODEL_NAME = "synthetic"
 _FIRST_WORD_ID = 300  # ids below are bytes and specials
@@ -73,6 +85,34 @@ def synthetic_token(digest: int, seed: int, position: int, vocab_size: int) -> i
 
 def synthetic_text(token_id: int) -> str:
     return f" t{token_id}"
+
+
+def synthetic_logprob(
+    digest: int, seed: int, position: int, vocab_size: int, token_id: int, top: int
+) -> TokenLogprob:
+    """The logprob of ``token_id`` (the token made at ``position``) and the ``top``
+    likeliest: it has probability 0.5 to 0.75, and the others, made as it is with other
+    seeds, share what is left, each half the one before (so the mass stays below 1)."""
+    first = 0.5 + _mix(digest, seed, position, 1) % 1000 / 4000
+    top = max(0, min(top, MAX_TOP_LOGPROBS))
+    tokens = [token_id]
+    salt = 0
+    while len(tokens) < top and salt < 4 * MAX_TOP_LOGPROBS:
+        salt += 1
+        other = synthetic_token(digest, seed ^ _mix(salt), position, vocab_size)
+        if other not in tokens:
+            tokens.append(other)
+    logprobs = [math.log(first)]
+    mass = 1.0 - first
+    for _ in tokens[1:]:
+        mass /= 2
+        logprobs.append(math.log(mass))
+    return TokenLogprob(
+        synthetic_text(token_id),
+        logprobs[0],
+        tuple(synthetic_text(t) for t in tokens[:top]),
+        tuple(logprobs[:top]),
+    )
 
 
 def expected_kv_bytes(prompt_token_ids: list[int] | tuple[int, ...], layout: KvLayout) -> bytes:
@@ -133,6 +173,7 @@ class _Running:
     prompt_tokens: int
     cached_tokens: int
     processor: OutputProcessor
+    logprobs: int = -1  # the request's SamplingParams.logprobs
 
 
 @attrs.define(eq=False)
@@ -298,6 +339,16 @@ class SyntheticEngine:
             self._blocks.release(request_id)
             block_ids = ()
             usage = Usage(own, processor.num_generated, cached_tokens)
+        first_logprob = None
+        if sampling.wants_logprobs:
+            first_logprob = synthetic_logprob(
+                digest,
+                seed,
+                len(prompt_token_ids),
+                self._config.vocab_size,
+                first,
+                sampling.logprobs,
+            )
         return PrefillResult(
             first_token_id=first,
             first_text=text,
@@ -306,6 +357,7 @@ class SyntheticEngine:
             cached_tokens=cached_tokens,
             token_budget=budget,
             usage=usage,
+            first_logprob=first_logprob,
         )
 
     def free_request(self, request_id: str) -> None:
@@ -390,6 +442,7 @@ class SyntheticEngine:
             prompt_tokens=own,
             cached_tokens=cached_tokens,
             processor=processor,
+            logprobs=sampling.logprobs,
         )
         self._work_arrived.set()
 
@@ -406,8 +459,9 @@ class SyntheticEngine:
             if waiting in self._waiting:
                 self._waiting.remove(waiting)  # cancelled while it waited
 
-    def _step(self) -> tuple[StepOutputs, int]:
-        """One step's outputs, and how many sequences (prompts and decodes) it ran."""
+    def _step(self) -> tuple[StepOutputs, StepLogprobs | None, int]:
+        """One step's outputs, their logprobs (None: no request in it asked), and how many
+        sequences (prompts and decodes) it ran."""
         running = list(self._running.values())
         if self._limits is not None:
             plan = schedule(self._waiting, running, self._limits, lambda w: w.remaining)
@@ -422,6 +476,7 @@ class SyntheticEngine:
         else:
             batch = len(running)
         outputs: StepOutputs = []
+        logprobs: list[TokenLogprobs] = []
         vocab = self._config.vocab_size
         per_step = self._config.tokens_per_step
         finished: list[str] = []
@@ -436,6 +491,13 @@ class SyntheticEngine:
                 tokens.append(token)
                 text, finish = processor.push(token)
                 texts.append(text)
+            if state.logprobs >= 0:
+                start = state.position - len(tokens)
+                items = [
+                    synthetic_logprob(state.digest, state.seed, at, vocab, t, state.logprobs)
+                    for at, t in enumerate(tokens, start)
+                ]
+                logprobs.append(TokenLogprobs(state.request_id, items))
             usage: Usage | None = None
             if finish is not None:
                 usage = Usage(state.prompt_tokens, processor.num_generated, state.cached_tokens)
@@ -443,7 +505,7 @@ class SyntheticEngine:
             outputs.append(TokenEntry(state.request_id, tokens, "".join(texts), finish, usage))
         for request_id in finished:
             self.free_request(request_id)
-        return outputs, batch
+        return outputs, StepLogprobs(logprobs) if logprobs else None, batch
 
     async def run(
         self,
@@ -467,10 +529,12 @@ class SyntheticEngine:
                 else:
                     await trio.lowlevel.checkpoint()
                 started = time.perf_counter()
-                produced, batch = self._step()
+                produced, produced_logprobs, batch = self._step()
                 observer = self._step_observer
                 if observer is not None:
                     tokens = sum(len(entry.token_ids) for entry in produced)
                     observer(time.perf_counter() - started, batch, tokens)
+                if produced_logprobs is not None:
+                    await outputs.send(produced_logprobs)  # ahead of their tokens
                 if produced:
                     await outputs.send(produced)

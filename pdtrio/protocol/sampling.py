@@ -21,6 +21,9 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
     its count times the one and the other once; ``min_p`` drops the tokens less
     likely than ``min_p`` times the likeliest (after temperature); a token of
     ``stop_token_ids`` ends the request with "stop" and no text of its own.
+    ``logprobs`` >= 0 asks for each token's log-probability with that many of the
+    likeliest alternatives (chat's ``top_logprobs``, completions' ``logprobs``);
+    -1, the default, for none.
     """
 
     temperature: float = 1.0
@@ -36,6 +39,11 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int = -1
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs >= 0
 
     @property
     def greedy(self) -> bool:

@@ -7,15 +7,18 @@ per stream, so a content chunk costs one ``json.dumps`` of its text.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Final, Literal, final
 
 from pdtrio.protocol.openai.errors import OpenAIError
-from pdtrio.protocol.wire import Usage
+from pdtrio.protocol.openai.logprobs import chat_logprobs, completion_logprobs
+from pdtrio.protocol.wire import TokenLogprob, Usage
 
 DONE_EVENT: Final = b"data: [DONE]\n\n"
 
 _FINISH_JSON: Final = {"stop": '"stop"', "length": '"length"', "abort": '"abort"'}
 _dumps: Final = json.dumps
+_compact: Final = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def _finish_json(finish_reason: str) -> str:
@@ -30,9 +33,18 @@ class StreamShaper:
     Feed every text delta from the detokenizer to :meth:`delta`, empty ones
     included (their tokens count for usage), then end with :meth:`done` or
     :meth:`error`; each returns the bytes to write now.
+
+    ``top_logprobs`` (not None: the request asked for logprobs, with that many
+    alternatives) makes each delta take its tokens' logprobs: a chunk carries
+    those of every token since the chunk before it (a delta that sends nothing,
+    its text not complete yet, hands its own on to the next), so however deltas
+    are merged, the logprobs of a chunk are those of its tokens.
     """
 
     __slots__ = (
+        "_held_logprobs",
+        "_sent_chars",
+        "_top_logprobs",
         "_chat",
         "_closed",
         "_completion_tokens",
@@ -61,10 +73,14 @@ class StreamShaper:
         created: int,
         include_usage: bool,
         continuous_usage_stats: bool,
+        top_logprobs: int | None = None,
     ) -> None:
         if kind not in ("chat", "completion"):
             raise ValueError(f"unknown stream kind {kind!r}")
         self._chat = kind == "chat"
+        self._top_logprobs = top_logprobs
+        self._held_logprobs: list[TokenLogprob] = []
+        self._sent_chars = 0  # text sent so far (where a completion's text_offset starts)
         self._include_usage = include_usage
         self._continuous = include_usage and continuous_usage_stats
         self._prompt_tokens = 0
@@ -120,16 +136,24 @@ class StreamShaper:
     # --- events -------------------------------------------------------------------
 
     def delta(
-        self, text: str, num_tokens: int, finish_reason: str | None, usage: Usage | None = None
+        self,
+        text: str,
+        num_tokens: int,
+        finish_reason: str | None,
+        usage: Usage | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None,
     ) -> bytes:
         """The bytes to send for ``num_tokens`` more tokens decoding to ``text``.
 
         ``usage``, the engine's final count, comes with the finish and replaces
         the running count (which only serves ``continuous_usage_stats``).
+        ``logprobs``: those tokens' (a stream that asked for them).
 
         b"" when nothing is due: empty text and no finish (an incomplete UTF-8
         sequence, say).  ``finish_reason`` rides on this last chunk.
         """
+        if self._top_logprobs is not None:
+            return self._delta_with_logprobs(text, num_tokens, finish_reason, usage, logprobs)
         if self._closed:
             raise ValueError("delta() after the stream was closed")
         if self._finished:
@@ -178,6 +202,46 @@ class StreamShaper:
         return out.encode() + DONE_EVENT
 
     # --- internals -------------------------------------------------------------------
+
+    def _delta_with_logprobs(
+        self,
+        text: str,
+        num_tokens: int,
+        finish_reason: str | None,
+        usage: Usage | None,
+        logprobs: Sequence[TokenLogprob] | None,
+    ) -> bytes:
+        """``delta`` for a stream that asked for logprobs (not the hot path's templates)."""
+        if self._closed:
+            raise ValueError("delta() after the stream was closed")
+        if self._finished:
+            raise ValueError("delta() after a finish_reason was sent")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if logprobs:
+            self._held_logprobs += logprobs
+        if not text and finish_reason is None:
+            self._count(num_tokens, usage)
+            return b""
+        out = self._role_chunk() if not self._role_sent else ""
+        self._count(num_tokens, usage)
+        items, self._held_logprobs = self._held_logprobs, []
+        top = self._top_logprobs or 0
+        if self._chat:
+            shaped = chat_logprobs(items, top)
+            delta = '{"content":' + _dumps(text) + "}" if text or finish_reason is None else "{}"
+            choice = '[{"index":0,"delta":' + delta
+        else:
+            shaped = completion_logprobs(items, top, self._sent_chars)
+            choice = '[{"index":0,"text":' + _dumps(text)
+        self._sent_chars += len(text)
+        finish = "null"
+        if finish_reason is not None:
+            self._finished = True
+            finish = _finish_json(finish_reason)
+        body = choice + ',"logprobs":' + _compact(shaped) + ',"finish_reason":' + finish + "}]"
+        end = self._usage_end() if self._continuous else self._chunk_end
+        return (out + self._head + body + end).encode()
 
     def _count(self, num_tokens: int, usage: Usage | None) -> None:
         if usage is None:

@@ -50,6 +50,8 @@ class MessageKind(enum.IntEnum):
     PREFILL_FAILED = 10
     RELEASE = 11
     HEARTBEAT = 12
+    LOGPROBS = 13
+    PREFILLED_WITH_LOGPROB = 14
 
 
 class RejectReason(enum.StrEnum):
@@ -145,6 +147,40 @@ class TokenPrompt(_Positional, frozen=True, tag="tokens"):
 Prompt = ChatPrompt | TextPrompt | TokenPrompt
 
 
+# --- logprobs -------------------------------------------------------------------
+
+# the most alternatives a token's logprob may come with (vLLM's default max_logprobs)
+MAX_TOP_LOGPROBS: Final = 20
+
+
+class TokenLogprob(_Positional, frozen=True):
+    """One generated token's log-probability and the likeliest tokens at its position.
+
+    ``token`` is the token decoded on its own (what OpenAI's logprobs name it);
+    ``top_tokens`` and ``top_logprobs`` are the request's ``logprobs`` likeliest,
+    best first.  Log-probabilities of the model's raw distribution, before any
+    sampling parameter changes it (vLLM's default ``logprobs_mode``, ``raw_logprobs``).
+    """
+
+    token: str
+    logprob: float
+    top_tokens: Annotated[tuple[str, ...], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)] = ()
+    top_logprobs: Annotated[tuple[float, ...], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)] = ()
+
+
+class TokenLogprobs(_Positional, frozen=True, tag=int(MessageKind.LOGPROBS)):
+    """The logprobs of a request's next tokens, one item per token in order.
+
+    Sent only for a request that asked for them, ahead of the token frame that
+    carries those tokens (so the token entry, the hot path, carries nothing for
+    them): the router keeps them beside the request's stream and hands each
+    delta the items of its tokens.
+    """
+
+    request_id: str
+    items: Annotated[list[TokenLogprob], msgspec.Meta(max_length=MAX_TOKEN_IDS)]
+
+
 # --- router -> prefill ----------------------------------------------------------
 
 
@@ -175,12 +211,17 @@ class PrefillRequest(_Positional, frozen=True, tag=int(MessageKind.PREFILL)):
     generated_tokens: int = 0
 
 
-class PrefillReply(_Positional, frozen=True, tag=int(MessageKind.PREFILLED)):
+class PrefillReply(_Positional, frozen=True, tag=int(MessageKind.PREFILLED), omit_defaults=True):
     """The prompt is in the cache; here is the first token and where the KV lives.
 
     ``token_budget`` is the request's whole completion budget, the first token
     included.  ``kv_handle`` is None when generation already finished at the
     first token (prefill has then released the blocks itself, and ``usage`` is set).
+    ``first_logprob``: the first token's, when the request asked for logprobs.
+
+    Trailing fields at their defaults are left off the wire (``omit_defaults``): a
+    reply to a request that asked for no logprobs is the array a router from
+    before them decodes.
     """
 
     request_id: str
@@ -196,6 +237,25 @@ class PrefillReply(_Positional, frozen=True, tag=int(MessageKind.PREFILLED)):
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+class PrefillReplyWithLogprob(
+    PrefillReply, frozen=True, tag=int(MessageKind.PREFILLED_WITH_LOGPROB)
+):
+    """A :class:`PrefillReply` to a request that asked for logprobs: the first token's too.
+
+    A kind of its own, not a field of PrefillReply: msgspec writes every field of
+    a positional struct, and a router from before logprobs refuses a reply
+    longer than it knows (``forbid_unknown_fields``); it never asks for logprobs,
+    so it never gets one of these.
+    """
+
+    first_logprob: TokenLogprob | None = None
+
+
+def first_logprob(reply: PrefillReply) -> TokenLogprob | None:
+    """The first token's logprob a prefill reply carries (None: not asked for)."""
+    return reply.first_logprob if type(reply) is PrefillReplyWithLogprob else None
 
 
 class PrefillFailed(_Positional, frozen=True, tag=int(MessageKind.PREFILL_FAILED)):
@@ -353,8 +413,10 @@ FromWorker = (
     | TokenFrame
     | DecodeCapacity
     | PrefillReply
+    | PrefillReplyWithLogprob
     | PrefillFailed
     | Heartbeat
+    | TokenLogprobs
 )
 
 

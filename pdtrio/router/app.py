@@ -34,6 +34,7 @@ from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    bad_request,
     body_timeout,
     error_for,
     is_json_content_type,
@@ -262,6 +263,13 @@ class RouterApp:
             else:
                 request = parse()
             if router.engines is not None and not isinstance(request, OpenAIError):
+                if request.sampling.wants_logprobs:
+                    # the engine would compute them, but its stream is re-shaped here
+                    # without them: refused rather than answered without what was asked
+                    raise bad_request(
+                        "logprobs are not served in front of vLLM or SGLang engines yet.",
+                        param="logprobs",
+                    )
                 # an engine gets the client's own request (what pdtrio validated), its legs'
                 # fields set on it
                 await _front_engines(

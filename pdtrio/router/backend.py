@@ -18,7 +18,13 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from pdtrio.protocol.stream_buffer import StreamBuffer
-from pdtrio.protocol.wire import DecodeRejected, DecodeStart, PrefillFailed, PrefillReply
+from pdtrio.protocol.wire import (
+    DecodeRejected,
+    DecodeStart,
+    PrefillFailed,
+    PrefillReply,
+    TokenLogprob,
+)
 from pdtrio.protocol.wire import PrefillRequest as PrefillCall
 
 
@@ -44,6 +50,8 @@ class DecodeRun(Protocol):
     failure_reason: str  # a metric label: link_lost, link_timeout, decode_failed, ...
     cut_off: bool  # the backend ended it for a client too slow
     token_ids: list[int] | None  # every token id pushed, when kept (a migration needs them)
+    # the logprobs of tokens sent ahead of them and not delivered yet (None: not asked)
+    logprobs: list[TokenLogprob] | None
 
     async def wait_update(self) -> None:
         """Until something new arrived (an answer, tokens, a failure)."""

@@ -12,7 +12,7 @@ left, whether it was hung up on.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, final
 
 import trio
@@ -20,7 +20,7 @@ import trio
 from pdtrio.asgi import Message, Receive, Send, send_json
 from pdtrio.protocol.openai import OpenAIError, chat_completion_body, completion_body
 from pdtrio.protocol.sse import StreamShaper
-from pdtrio.protocol.wire import Usage
+from pdtrio.protocol.wire import TokenLogprob, Usage
 
 log = logging.getLogger("pdtrio.router.pipeline")
 
@@ -46,6 +46,7 @@ class ClientResponse:
         send: Send,
         hang_up: Callable[[], bool],
         draining: Callable[[], bool],
+        top_logprobs: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.kind = kind
@@ -72,6 +73,9 @@ class ClientResponse:
         self._text_parts: list[str] = []
         self._finish_reason: str | None = None
         self.usage: Usage | None = None
+        # the request asked for logprobs (with this many alternatives): gathered too
+        self._top_logprobs = top_logprobs
+        self._logprobs: list[TokenLogprob] | None = [] if top_logprobs is not None else None
 
     @property
     def torn(self) -> bool:
@@ -99,16 +103,20 @@ class ClientResponse:
         usage: Usage | None,
         *,
         final: bool = False,
+        logprobs: Sequence[TokenLogprob] | None = None,
     ) -> None:
-        """Send (or, not streaming, gather) a delta; ``final``: and end the response with it."""
+        """Send (or, not streaming, gather) a delta; ``final``: and end the response with it.
+        ``logprobs``: its tokens', when the request asked for them."""
         if self.shaper is None:
+            if logprobs and self._logprobs is not None:
+                self._logprobs += logprobs
             if text:
                 self._text_parts.append(text)
             if finish_reason is not None:
                 self._finish_reason = finish_reason
                 self.usage = usage
             return
-        chunk = self.shaper.delta(text, num_tokens, finish_reason, usage)
+        chunk = self.shaper.delta(text, num_tokens, finish_reason, usage, logprobs)
         if not self._headers_out:
             self._headers_out = True
             await self._send(
@@ -153,6 +161,8 @@ class ClientResponse:
             text="".join(self._text_parts),
             finish_reason=self._finish_reason,
             usage=usage,
+            logprobs=self._logprobs,
+            top_logprobs=self._top_logprobs or 0,
         )
         await send_json(self._send, 200, payload)
 

@@ -59,7 +59,7 @@ from pdtrio.protocol.vllm_pd import (
     prefill_body,
     release_body,
 )
-from pdtrio.protocol.wire import DecodeRejected, Usage
+from pdtrio.protocol.wire import DecodeRejected, TokenLogprob, Usage
 from pdtrio.router.backend import DecodeRun
 from pdtrio.router.engine_front import EngineInstance, EnginePool
 from pdtrio.router.legs import (
@@ -553,6 +553,8 @@ class EngineStream:
         self.failure_reason = "decode_failed"
         self.cut_off = False
         self.token_ids: list[int] | None = None  # (an engine's request never migrates)
+        # (logprobs in front of engines are refused at the router's door: a 400)
+        self.logprobs: list[TokenLogprob] | None = None
         self.holding = False
         self._updated = False
         self._lot = trio.lowlevel.ParkingLot()

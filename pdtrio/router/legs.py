@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, final
 
 import attrs
@@ -42,6 +42,7 @@ from pdtrio.protocol.wire import (
     PrefillReply,
     PrefillRequest,
     RejectReason,
+    TokenLogprob,
     TokenPrompt,
     Usage,
 )
@@ -119,8 +120,10 @@ class LegHost(Protocol):
         usage: Usage | None,
         *,
         final: bool = False,
+        logprobs: Sequence[TokenLogprob] | None = None,
     ) -> None:
-        """Count a delta as delivered and hand it to the client."""
+        """Count a delta as delivered and hand it to the client (``logprobs``: its
+        tokens', when the request asked for them)."""
         ...
 
 
@@ -236,7 +239,7 @@ class PrefillLeg:
                 answer.status, answer.error_type, answer.message, answer.param
             )
             return await host.report(rm.PrefillFailed(failure))
-        assert type(answer) is PrefillReply
+        assert isinstance(answer, PrefillReply)  # (or a reply with a logprob)
         instances.instance_served(instance)
         if answer.finish_reason is not None and answer.usage is None:
             raise ShellFailure(NO_COUNTS)
@@ -612,8 +615,16 @@ async def stream_tokens(
                 raise ShellFailure(NO_COUNTS)
             if delta.num_tokens and machine.lifecycle.state is State.DECODE_CONFIRMING:
                 await host.report(rm.DecodeTokens())  # prefill may free the KV now
+            logprobs = None
+            if stream.logprobs is not None:
+                logprobs = _logprobs_of(stream.logprobs, delta.num_tokens, host.request_id)
             await host.deliver(
-                delta.text, delta.num_tokens, delta.finish_reason, delta.usage, final=final
+                delta.text,
+                delta.num_tokens,
+                delta.finish_reason,
+                delta.usage,
+                final=final,
+                logprobs=logprobs,
             )
             if final:
                 served()
@@ -625,6 +636,23 @@ async def stream_tokens(
         if failure is not None:
             return await failed(stream, failure)
         await stream.wait_update()
+
+
+def _logprobs_of(
+    pending: list[TokenLogprob], num_tokens: int, request_id: str
+) -> list[TokenLogprob]:
+    """The logprobs of a delta's ``num_tokens`` tokens, taken from those decode sent
+    ahead of them (a worker from before logprobs sends none: the delta has fewer)."""
+    taken = pending[:num_tokens]
+    del pending[:num_tokens]
+    if len(taken) < num_tokens:
+        log.warning(
+            "request %s: decode sent logprobs for %d of %d tokens",
+            request_id,
+            len(taken),
+            num_tokens,
+        )
+    return taken
 
 
 def migration_label(reason: str) -> str:

@@ -35,7 +35,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, final
 
 import trio
@@ -50,7 +50,7 @@ from pdtrio.protocol.openai import (
     error_for,
 )
 from pdtrio.protocol.sse import StreamShaper
-from pdtrio.protocol.wire import Usage
+from pdtrio.protocol.wire import TokenLogprob, Usage, first_logprob
 from pdtrio.router.client_response import ClientResponse
 from pdtrio.router.core import Router
 from pdtrio.router.legs import (
@@ -128,6 +128,8 @@ class RequestPipeline:
         self._ending_with_error = False  # the machine ended it: what is sent now is the error
         self.created = int(time.time())
         self.shaper: StreamShaper | None = None
+        # the alternatives each token's logprob comes with; None: no logprobs asked
+        top_logprobs = request.sampling.logprobs if request.sampling.wants_logprobs else None
         if request.stream:
             self.shaper = StreamShaper(
                 kind=kind,
@@ -136,6 +138,7 @@ class RequestPipeline:
                 created=self.created,
                 include_usage=request.include_usage,
                 continuous_usage_stats=request.continuous_usage_stats,
+                top_logprobs=top_logprobs,
             )
         self.response = ClientResponse(
             request_id=self.request_id,
@@ -146,6 +149,7 @@ class RequestPipeline:
             send=send,
             hang_up=hang_up,
             draining=lambda: router.requests.draining,
+            top_logprobs=top_logprobs,
         )
         self._error: OpenAIError | None = None  # what the client is told, after the nursery
         self._recorded = False
@@ -338,7 +342,15 @@ class RequestPipeline:
         generated = self.prefill.generated
         if not final and generated is not None:
             generated.append(reply.first_token_id)
-        await self.deliver(reply.first_text, 1, reply.finish_reason, reply.usage, final=final)
+        logprob = first_logprob(reply)
+        await self.deliver(
+            reply.first_text,
+            1,
+            reply.finish_reason,
+            reply.usage,
+            final=final,
+            logprobs=None if logprob is None else (logprob,),
+        )
 
     async def deliver(
         self,
@@ -348,11 +360,14 @@ class RequestPipeline:
         usage: Usage | None,
         *,
         final: bool = False,
+        logprobs: Sequence[TokenLogprob] | None = None,
     ) -> None:
         """Count a delta as delivered and hand it to the response."""
         self.router.tokens_delivered += num_tokens
         self.figures.delivered(num_tokens)
-        await self.response.deliver(text, num_tokens, finish_reason, usage, final=final)
+        await self.response.deliver(
+            text, num_tokens, finish_reason, usage, final=final, logprobs=logprobs
+        )
 
     def _error_of(self, failure: rm.AnyFailure) -> OpenAIError:
         """The error the client sees for the machine's failure (the one table's status)."""

@@ -65,11 +65,14 @@ from pdtrio.protocol.wire import (
     Heartbeat,
     PrefillFailed,
     PrefillReply,
+    PrefillReplyWithLogprob,
     PrefillRequest,
     RejectReason,
     ReleaseRequest,
     TokenEntry,
     TokenFrame,
+    TokenLogprob,
+    TokenLogprobs,
     encode,
     encode_in_pieces,
     from_worker_batch_decoder,
@@ -158,6 +161,7 @@ class DecodeStream:
         "failure_reason",
         "cut_off",
         "token_ids",
+        "logprobs",
         "holding",
         "_holds",
         "_updated",
@@ -176,6 +180,9 @@ class DecodeStream:
         self.cut_off = False  # the link ended it: its client fell too far behind
         # every token id pushed, in order, when the router may migrate the request
         self.token_ids: list[int] | None = None
+        # the request asked for logprobs: those decode sent ahead of their tokens, until the
+        # consumer takes the tokens (the hot path never looks at them)
+        self.logprobs: list[TokenLogprob] | None = None
         # its consumer is spacing its sends (adaptive egress): only a finish wakes it
         self.holding = False
         self._holds = 0  # holds so far: tells the timer's stale wake-ups from the current one
@@ -524,20 +531,30 @@ class WorkerLink:
                         self.capacity = message
                         self._on_capacity()
                         continue
-                    if type(message) is PrefillReply or type(message) is PrefillFailed:
+                    if (
+                        type(message) is PrefillReply
+                        or type(message) is PrefillFailed
+                        or type(message) is PrefillReplyWithLogprob
+                    ):
+                        handle = message.kv_handle if isinstance(message, PrefillReply) else None
                         pending = self._prefills.pop(message.request_id, None)
                         if pending is not None:
-                            if type(message) is PrefillReply and message.kv_handle is not None:
+                            if handle is not None:
                                 # its lease's TTL counts from here, on our clock
-                                LEASES.received(message.kv_handle, trio.current_time())
+                                LEASES.received(handle, trio.current_time())
                             pending.settle(message)
-                        elif type(message) is PrefillReply and message.kv_handle is not None:
+                        elif handle is not None:
                             # its caller gave up (and sent a release, which may have crossed
                             # this reply): release again, harmless if it was
-                            self.release(message.request_id, message.kv_handle.access_token)
+                            self.release(message.request_id, handle.access_token)
                         continue
                     if type(message) is Heartbeat:
                         continue  # its arrival was all it had to say
+                    if type(message) is TokenLogprobs:
+                        stream = streams.get(message.request_id)
+                        if stream is not None and stream.logprobs is not None:
+                            stream.logprobs += message.items  # (its tokens follow)
+                        continue
                     self._settle(message.request_id)
                     stream = streams.get(message.request_id)
                     if stream is None:
@@ -730,6 +747,8 @@ class WorkerLink:
         stream = DecodeStream(start.request_id, self.max_pending_tokens)
         if keep_token_ids:
             stream.token_ids = []
+        if start.sampling.wants_logprobs:
+            stream.logprobs = []
         self._streams[start.request_id] = stream
         self._promised[start.request_id] = blocks
         try:

@@ -31,7 +31,7 @@ from typing import Final, final
 import trio
 
 from pdtrio.asgi import Send
-from pdtrio.engine.api import Engine, StepOutputs
+from pdtrio.engine.api import Engine, StepLogprobs, StepOutputs
 from pdtrio.protocol import wire
 from pdtrio.protocol.flush import FlushConfig, FlushNow, FlushPolicy, WaitUntil
 from pdtrio.protocol.wire import (
@@ -43,6 +43,8 @@ from pdtrio.protocol.wire import (
     PrefillFailed,
     PrefillReply,
     TokenFrame,
+    TokenLogprob,
+    TokenLogprobs,
 )
 from pdtrio.worker.fault_hooks import FaultHooks
 
@@ -51,9 +53,10 @@ DEFAULT_HEARTBEAT_S: Final = 0.5
 _HEARTBEAT: Final = Heartbeat()
 
 Control = DecodeAccepted | DecodeRejected | DecodeFailed | PrefillReply | PrefillFailed
-# What reaches the sender: a step's entries, a control message, or None: a write finished.
-Outgoing = StepOutputs | Control | None
-_Frame = TokenFrame | Control | DecodeCapacity | Heartbeat
+# What reaches the sender: a step's entries (after their logprobs, for requests that asked),
+# a control message, or None: a write finished.
+Outgoing = StepOutputs | StepLogprobs | Control | None
+_Frame = TokenFrame | TokenLogprobs | Control | DecodeCapacity | Heartbeat
 
 
 @final
@@ -95,6 +98,9 @@ class LinkSender:
         self._capacity_dirty = reports_capacity
         self._last_capacity: DecodeCapacity | None = None
         self._faults = faults
+        # logprobs of tokens not sent yet, per request: they go out just ahead of the
+        # first token frame after them (a request's, merged as its tokens are)
+        self._logprobs: dict[str, list[TokenLogprob]] = {}
         # a fault hook (testing only) may turn heartbeats off
         self._heartbeats = faults is None or not faults.heartbeats_off
 
@@ -148,8 +154,7 @@ class LinkSender:
                         await frames_send.send(report)
                 decision = policy.decide(trio.current_time(), in_flight=self._in_flight > 0)
                 if isinstance(decision, FlushNow):
-                    self._in_flight += 1
-                    await frames_send.send(TokenFrame(policy.take()))
+                    await self._send_tokens(frames_send, policy)
                     continue
                 deadline = decision.deadline if isinstance(decision, WaitUntil) else math.inf
                 # a frame in flight is proof of life; its write's poke re-arms the heartbeat
@@ -170,10 +175,14 @@ class LinkSender:
                 if isinstance(item, list):
                     policy.add(item, trio.current_time())
                     continue
+                if type(item) is StepLogprobs:
+                    held = self._logprobs
+                    for entry in item.entries:
+                        held.setdefault(entry.request_id, []).extend(entry.items)
+                    continue
                 # control messages keep their order relative to tokens
                 while policy.has_pending:
-                    self._in_flight += 1
-                    await frames_send.send(TokenFrame(policy.take()))
+                    await self._send_tokens(frames_send, policy)
                 # what an accept allocated is in the report ahead of it
                 report = self._capacity_report() if self._reports_capacity else None
                 if report is not None:
@@ -181,6 +190,18 @@ class LinkSender:
                     await frames_send.send(report)
                 self._in_flight += 1
                 await frames_send.send(item)
+
+    async def _send_tokens(
+        self, frames_send: trio.MemorySendChannel[_Frame], policy: FlushPolicy
+    ) -> None:
+        """The next token frame, after the logprobs of its tokens (and of any later)."""
+        if self._logprobs:
+            held, self._logprobs = self._logprobs, {}
+            for request_id, items in held.items():
+                self._in_flight += 1
+                await frames_send.send(TokenLogprobs(request_id, items))
+        self._in_flight += 1
+        await frames_send.send(TokenFrame(policy.take()))
 
     async def _run_writer(self, frames: trio.MemoryReceiveChannel[_Frame]) -> None:
         poke = self.outbox_send.clone()
@@ -203,7 +224,7 @@ class LinkSender:
             await self._send({"type": "websocket.send", "bytes": data})
             self._last_write = trio.current_time()
             for sent in batch:
-                if type(sent) is PrefillReply:
+                if isinstance(sent, PrefillReply):  # (a reply with a logprob too)
                     # written: the router holds its handle now (it releases it, or decode)
                     self._reply_written(sent.request_id)
             self._in_flight -= len(batch)

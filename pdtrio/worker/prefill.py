@@ -23,9 +23,11 @@ from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.wire import (
     DRAINING_ERROR_TYPE,
+    MAX_TOP_LOGPROBS,
     KvHandle,
     PrefillFailed,
     PrefillReply,
+    PrefillReplyWithLogprob,
     PrefillRequest,
     TokenPrompt,
     WireError,
@@ -210,6 +212,19 @@ class PrefillRole:
                 lease_ttl_s=lease_s,
                 access_token=access_token,
             )
+        if result.first_logprob is not None:
+            return PrefillReplyWithLogprob(
+                request_id=request_id,
+                prompt_token_ids=tuple(token_ids),
+                cached_tokens=result.cached_tokens,
+                first_token_id=result.first_token_id,
+                first_text=result.first_text,
+                finish_reason=result.finish_reason,
+                token_budget=result.token_budget,
+                kv_handle=handle,
+                usage=result.usage,
+                first_logprob=result.first_logprob,
+            )
         return PrefillReply(
             request_id=request_id,
             prompt_token_ids=tuple(token_ids),
@@ -240,6 +255,8 @@ def check_prefill_request(request: PrefillRequest) -> None:
         raise WireError(f"min_tokens {sampling.min_tokens} is negative")
     if any(not stop for stop in sampling.stop):
         raise WireError("a stop sequence is empty")
+    if not -1 <= sampling.logprobs <= MAX_TOP_LOGPROBS:
+        raise WireError(f"logprobs {sampling.logprobs} is not in -1..{MAX_TOP_LOGPROBS}")
     if request.max_tokens is not None and request.max_tokens < 1:
         raise WireError(f"max_tokens {request.max_tokens} is less than 1")
     if request.generated_tokens:

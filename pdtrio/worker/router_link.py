@@ -40,7 +40,14 @@ from typing import Final, Protocol, final
 import trio
 
 from pdtrio.asgi import Receive, Scope, Send
-from pdtrio.engine.api import Engine, EngineError, EngineOutput, StepFailed, StepOutputs
+from pdtrio.engine.api import (
+    Engine,
+    EngineError,
+    EngineOutput,
+    StepFailed,
+    StepLogprobs,
+    StepOutputs,
+)
 from pdtrio.memory import HeapTrimmer
 from pdtrio.protocol import wire
 from pdtrio.protocol.errors import Reason
@@ -375,6 +382,9 @@ class RouterLinkServer:
                 if isinstance(step, StepFailed):
                     await self._fail(step)
                     continue
+                if isinstance(step, StepLogprobs):
+                    await self._deliver_logprobs(step)
+                    continue
                 owner = self.owner
                 if len(self._links) == 1:
                     (link,) = self._links
@@ -404,6 +414,19 @@ class RouterLinkServer:
             await link.sender.outbox_send.send(entries)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the link is gone; its requests were aborted
+
+    async def _deliver_logprobs(self, step: StepLogprobs) -> None:
+        """Each request's logprobs to its link, ahead of the step's tokens."""
+        per_link: dict[RouterConnection, list[wire.TokenLogprobs]] = {}
+        for entry in step.entries:
+            target = self.owner.get(entry.request_id)
+            if target is not None:
+                per_link.setdefault(target, []).append(entry)
+        for target, entries in per_link.items():
+            try:
+                await target.sender.outbox_send.send(StepLogprobs(entries))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the link is gone; its requests were aborted
 
     async def _fail(self, failed: StepFailed) -> None:
         for request_id in failed.request_ids:

@@ -500,9 +500,6 @@ def test_non_finite_numbers_rejected() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"logprobs": True}, "logprobs"),
-        ({"logprobs": 1}, "logprobs"),
-        ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tools": "f"}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
@@ -521,11 +518,8 @@ def test_unsupported_chat_features(fields: dict[str, Any], param: str) -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"logprobs": 0}, "logprobs"),
-        ({"logprobs": 5}, "logprobs"),
-        ({"logprobs": True}, "logprobs"),
-        ({"logprobs": "x"}, "logprobs"),
         ({"echo": True}, "echo"),
+        ({"echo": True, "logprobs": 1}, "echo"),
         ({"echo": "yes"}, "echo"),
         ({"best_of": 2}, "best_of"),
         ({"best_of": "2"}, "best_of"),
@@ -534,6 +528,62 @@ def test_unsupported_chat_features(fields: dict[str, Any], param: str) -> None:
     ],
 )
 def test_unsupported_completion_features(fields: dict[str, Any], param: str) -> None:
+    assert_bad(completion_error(**fields), param)
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"logprobs": True}, 0),
+        ({"logprobs": True, "top_logprobs": 0}, 0),
+        ({"logprobs": True, "top_logprobs": 20}, 20),
+        ({"logprobs": False, "top_logprobs": 0}, -1),
+        ({"logprobs": False}, -1),
+        ({}, -1),
+    ],
+)
+def test_chat_logprobs_become_the_sampling_count(fields: dict[str, Any], expected: int) -> None:
+    sampling = chat(**fields).sampling
+    assert sampling.logprobs == expected
+    assert sampling.wants_logprobs is (expected >= 0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logprobs": 1}, "logprobs"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": True}, "top_logprobs"),
+    ],
+)
+def test_bad_chat_logprobs_are_a_400_naming_the_param(fields: dict[str, Any], param: str) -> None:
+    assert_bad(chat_error(**fields), param)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(0, 0), (5, 5), (20, 20), (None, -1), (False, -1)])
+def test_completion_logprobs_are_a_count(value: Any, expected: int) -> None:
+    assert completion(logprobs=value).sampling.logprobs == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": "x"}, "logprobs"),
+        ({"logprobs": 1.0}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+def test_bad_completion_logprobs_are_a_400_naming_the_param(
+    fields: dict[str, Any], param: str
+) -> None:
     assert_bad(completion_error(**fields), param)
 
 

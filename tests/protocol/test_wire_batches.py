@@ -16,6 +16,8 @@ from pdtrio.protocol.wire import (
     PrefillFailed,
     TokenEntry,
     TokenFrame,
+    TokenLogprob,
+    TokenLogprobs,
     Usage,
 )
 
@@ -26,6 +28,7 @@ _MESSAGES = [
     DecodeFailed("r-1", "boom"),
     PrefillFailed("r-2", 400, "bad prompt", "invalid_request_error"),
     TokenFrame([TokenEntry("r-1", [5, 6], " a b", "stop", Usage(3, 2, 0))]),
+    TokenLogprobs("r-1", [TokenLogprob(" a", -0.5, (" a", " b"), (-0.5, -2.0))]),
 ]
 
 

@@ -28,7 +28,8 @@ CASES = [
         "max_completion_tokens",
     ),
     (CHAT, {"model": "synthetic", "messages": MSG, "n": 2}, 400, "n"),
-    (CHAT, {"model": "synthetic", "messages": MSG, "logprobs": True}, 400, "logprobs"),
+    (CHAT, {"model": "synthetic", "messages": MSG, "logprobs": 1}, 400, "logprobs"),
+    (CHAT, {"model": "synthetic", "messages": MSG, "top_logprobs": 1}, 400, "top_logprobs"),
     (CHAT, {"model": "synthetic", "messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
     (
         CHAT,

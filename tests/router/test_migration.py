@@ -76,8 +76,11 @@ class FailsAStep:
             task_status.started()
             steps = 0
             async for step in receive:
+                if not isinstance(step, list):  # (a step's logprobs, or a failure)
+                    await outputs.send(step)
+                    continue
                 steps += 1
-                if steps == self._fail_at and not isinstance(step, StepFailed):
+                if steps == self._fail_at:
                     lost = tuple(entry.request_id for entry in step)
                     for request_id in lost:
                         self._engine.abort(request_id)
@@ -151,6 +154,8 @@ class Answer:
     usage: dict[str, Any] | None
     errors: list[dict[str, Any]]
     done: bool
+    # the chunks' logprobs entries, in order (a request that asked for them)
+    logprobs: list[dict[str, Any]] = attrs.field(factory=list)
 
 
 def _read(events: list[str]) -> Answer:
@@ -169,6 +174,8 @@ def _read(events: list[str]) -> Answer:
             delta = choice["delta"]
             answer.roles += "role" in delta
             answer.content += delta.get("content") or ""
+            if choice.get("logprobs"):
+                answer.logprobs += choice["logprobs"]["content"]
             if choice["finish_reason"] is not None:
                 answer.finish_reasons.append(choice["finish_reason"])
     return answer
@@ -467,6 +474,25 @@ async def test_a_decode_step_failing_mid_stream_is_continued_on_the_other() -> N
         for answer in answers:
             assert answer.errors == [] and answer.roles == 1 and len(answer.ids) == 1
             assert (answer.content, answer.usage) == (expected.content, expected.usage)
+        metrics = await _metrics(proxied.cluster)
+        assert by_labels(metrics, "pdtrio_migrations_total", "reason") == {("decode_failed",): 1}
+        await _holds_nothing(proxied.cluster)
+
+
+async def test_a_migrated_stream_keeps_one_logprob_per_token_the_same_as_undisturbed() -> None:
+    body = _chat(0, logprobs=True, top_logprobs=2)
+    (expected,) = await _undisturbed([body])
+    assert len(expected.logprobs) == MAX_TOKENS
+    async with (
+        proxied_cluster(first_fails_step=5) as proxied,
+        httpx.AsyncClient(base_url=proxied.cluster.url, timeout=LIVENESS_S) as http,
+    ):
+        with trio.fail_after(LIVENESS_S):
+            answers = [_read(await _stream(http, body)) for _ in range(2)]
+        for answer in answers:
+            assert answer.errors == [] and answer.content == expected.content
+            # the tokens decode had sent, not delivered, before it failed are not doubled
+            assert answer.logprobs == expected.logprobs
         metrics = await _metrics(proxied.cluster)
         assert by_labels(metrics, "pdtrio_migrations_total", "reason") == {("decode_failed",): 1}
         await _holds_nothing(proxied.cluster)

@@ -112,8 +112,6 @@ async def test_stop_token_ids_end_the_reply_before_that_token(
         ({"extra_body": {"stop_token_ids": "7"}}, "stop_token_ids"),
         # not served yet: refused, naming the feature
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 3, "logprobs": True}, "top_logprobs"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ],
@@ -146,7 +144,7 @@ async def test_a_logit_bias_outside_the_vocabulary_is_a_400_from_prefill(
     )
 
 
-async def test_completions_take_penalties_and_refuse_logprobs() -> None:
+async def test_completions_take_penalties_and_refuse_echo() -> None:
     async with running_cluster() as cluster:
 
         def call() -> tuple[str, openai.BadRequestError]:
@@ -156,7 +154,7 @@ async def test_completions_take_penalties_and_refuse_logprobs() -> None:
         text, error = await trio.to_thread.run_sync(call)
         await wait_until_idle(cluster)
     assert len(text.split()) == 5
-    assert isinstance(error.body, dict) and error.body.get("param") == "logprobs"
+    assert isinstance(error.body, dict) and error.body.get("param") == "echo"
 
 
 def _penalized_completion(api: openai.OpenAI) -> tuple[str, openai.BadRequestError]:
@@ -170,7 +168,8 @@ def _penalized_completion(api: openai.OpenAI) -> tuple[str, openai.BadRequestErr
         extra_body={"repetition_penalty": 1.2, "min_p": 0.1},
     )
     with pytest.raises(openai.BadRequestError) as info:
-        api.completions.create(model="synthetic", prompt="Once", logprobs=2)
+        # echo (the prompt back, with its logprobs) is not served
+        api.completions.create(model="synthetic", prompt="Once", logprobs=2, echo=True)
     return reply.choices[0].text, info.value
 
 

@@ -182,6 +182,27 @@ async def test_a_4xx_is_the_clients_and_suspends_nothing() -> None:
         assert all(i.failures_in_a_row == 0 for i in pool.instances.values())
 
 
+async def test_logprobs_in_front_of_engines_are_a_400_before_any_leg() -> None:
+    # the router re-shapes the engine's stream without them: refused, not dropped
+    async with fronted() as (url, [prefill], [decode], _):
+        async with httpx.AsyncClient(base_url=url) as client:
+            for path, body in (
+                ("/v1/completions", {"model": MODEL, "prompt": "a b", "logprobs": 1}),
+                (
+                    "/v1/chat/completions",
+                    {
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "logprobs": True,
+                    },
+                ),
+            ):
+                refused = await client.post(path, json=body)
+                assert refused.status_code == 400
+                assert refused.json()["error"]["param"] == "logprobs"
+        assert prefill.received == [] and decode.received == []
+
+
 async def test_a_prefill_failing_with_a_5xx_is_suspended_and_another_takes_it() -> None:
     async with fronted(prefills=2) as (url, prefills, [decode], app):
         prefills[0].fail_status = 500

@@ -584,3 +584,54 @@ async def test_a_big_bad_frame_is_dropped_and_its_memory_trimmed_and_the_link_go
             await ws.send_message(decode_start(good))
             stream = (await _tokens_until_finished(ws, {"good"}, []))["good"]
         assert stream[E_FINISH] == "length"
+
+
+LOGPROBS, PREFILLED_WITH_LOGPROB = 13, 14
+# sampling with its 14th field, logprobs (the alternatives asked for; -1: none)
+LOGPROB_SAMPLING = [1.0, 1.0, 0, None, 0, [], False, [], 0.0, 0.0, 1.0, 0.0, [], 2]
+
+
+async def test_logprobs_go_in_their_own_message_ahead_of_their_tokens_for_who_asked() -> None:
+    # a stall at the first token frame makes frames (and logprobs) queue and merge
+    stall = WorkerFaultsConfig(decode_stall_s=0.2)
+    async with running_pair(decode_step_s=0.001, faults=stall) as pair:
+        asked = await _prefill(pair.prefill_url, "asked", "hello", 12, LOGPROB_SAMPLING)
+        plain = await _prefill(pair.prefill_url, "plain", "hello", 12)
+        # the reply to who asked is its own kind: the first token's logprob after the rest
+        assert asked[0] == PREFILLED_WITH_LOGPROB and plain[0] == PREFILLED
+        assert len(plain) == 10  # (what a router from before logprobs reads)
+        token, logprob, top_tokens, top_logprobs = asked[10]
+        assert token == asked[R_TEXT] and top_tokens[0] == token and logprob == top_logprobs[0]
+        assert len(top_tokens) == len(top_logprobs) == 2
+        messages: list[list[Any]] = []
+        finished: set[str] = set()
+        async with trio_websocket.open_websocket_url(pair.ws_url + "?batch=1") as ws:
+            await ws.send_message(decode_start(asked, sampling=LOGPROB_SAMPLING))
+            await ws.send_message(decode_start(plain))
+            with trio.fail_after(30):
+                while finished != {"asked", "plain"}:
+                    data = await ws.get_message()
+                    assert isinstance(data, bytes)
+                    for message in _strict_unpack(data):
+                        messages.append(message)
+                        if message[0] == TOKENS:
+                            finished |= {e[E_ID] for e in message[1] if e[E_FINISH] is not None}
+    logprobs_sent: dict[str, int] = {}
+    tokens_sent: dict[str, int] = {}
+    for message in messages:
+        if message[0] == LOGPROBS:
+            request_id, items = message[1], message[2]
+            logprobs_sent[request_id] = logprobs_sent.get(request_id, 0) + len(items)
+            for token, _, top_tokens, _ in items:
+                assert top_tokens[0] == token  # (the synthetic engine's likeliest)
+        elif message[0] == TOKENS:
+            for entry in message[1]:
+                request_id = entry[E_ID]
+                tokens_sent[request_id] = tokens_sent.get(request_id, 0) + len(entry[E_TOKENS])
+                if request_id == "asked":
+                    # every token's logprob went out ahead of it
+                    assert logprobs_sent["asked"] >= tokens_sent["asked"]
+    assert tokens_sent == {"asked": 11, "plain": 11}
+    assert logprobs_sent == {"asked": 11}  # nothing at all for the request that asked none
+    # merged per request while frames queued: fewer messages than tokens
+    assert sum(m[0] == LOGPROBS for m in messages) < 11

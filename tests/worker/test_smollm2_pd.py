@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
+from typing import Any
 
 import attrs
 import openai
@@ -175,3 +177,56 @@ async def test_seed_and_penalties_through_the_openai_client_are_the_same_pd_and_
     greedy = pd[-1]
     # the penalties change what greedy decoding says
     assert pd[2] != greedy and pd[3] != greedy
+
+
+async def test_logprobs_on_smollm2_are_the_same_disaggregated_and_colocated(
+    loaded_engines: dict[str, TorchEngine],
+) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 5,
+    }
+    answers = {}
+    for roles in (("prefill", "decode"), ("both",)):
+
+        def make(role: str) -> Worker:
+            config = WorkerConfig(role=role, engine=SMOL, kv_transport="tcp")  # type: ignore[arg-type]
+            return Worker(config, loaded_engines[role])  # type: ignore[arg-type]
+
+        async with running_cluster(roles=roles, make_worker=make) as cluster:
+
+            def call(url: str = cluster.url) -> tuple[str, int, list[dict[str, Any]]]:
+                with openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0) as api:
+                    streamed = list(
+                        api.chat.completions.create(
+                            **body, stream=True, stream_options={"include_usage": True}
+                        )
+                    )
+                text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+                usage = streamed[-1].usage
+                assert usage is not None
+                entries = [
+                    entry.model_dump()
+                    for chunk in streamed
+                    if chunk.choices and chunk.choices[0].logprobs is not None
+                    for entry in chunk.choices[0].logprobs.content or []
+                ]
+                return text, usage.completion_tokens, entries
+
+            answers[roles] = await trio.to_thread.run_sync(call)
+            await wait_until_idle(cluster)
+    text, tokens, entries = answers[("both",)]
+    assert answers[("prefill", "decode")] == (text, tokens, entries)
+    # one entry per token, the end-of-text token too (it has no text of its own)
+    assert "Paris" in text and len(entries) == tokens
+    for entry in entries:
+        top = entry["top_logprobs"]
+        # temperature 0: the token produced is the model's likeliest
+        assert top[0]["token"] == entry["token"] and top[0]["logprob"] == entry["logprob"]
+        assert sum(math.exp(t["logprob"]) for t in top) <= 1.0 + 1e-5
+    paris = next(entry for entry in entries if "Paris" in entry["token"])
+    assert paris["logprob"] > math.log(0.5)  # it knows, and is sure of it

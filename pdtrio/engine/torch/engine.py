@@ -31,6 +31,7 @@ from pdtrio.engine.api import (
     PrefillResult,
     PromptRejected,
     StepFailed,
+    StepLogprobs,
     StepObserver,
     StepOutputs,
 )
@@ -51,11 +52,20 @@ from pdtrio.engine.tokenizer import Tokenizer
 from pdtrio.engine.torch.builtin import load_builtin
 from pdtrio.engine.torch.loaders import LoadedModel, load_gguf, load_hf_checkpoint
 from pdtrio.engine.torch.model import SeqInput, StepAbandoned
-from pdtrio.engine.torch.sampler import TokenHistory, sample
+from pdtrio.engine.torch.sampler import RowLogprobs, TokenHistory, logprobs_of, sample
 from pdtrio.engine.torch.threads import apply_num_threads
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import ChatPrompt, Prompt, TextPrompt, TokenEntry, Usage
+from pdtrio.protocol.wire import (
+    MAX_TOP_LOGPROBS,
+    ChatPrompt,
+    Prompt,
+    TextPrompt,
+    TokenEntry,
+    TokenLogprob,
+    TokenLogprobs,
+    Usage,
+)
 
 log = logging.getLogger("pdtrio.engine")
 
@@ -561,6 +571,13 @@ class TorchEngine:
                     if sampled_rows
                     else []
                 )
+                # only where a request asked: the others' step is unchanged
+                asking = [row for row, p in enumerate(params) if p.logprobs >= 0]
+                row_logprobs: dict[int, RowLogprobs] = {}
+                if asking:
+                    counts = [min(params[row].logprobs, MAX_TOP_LOGPROBS) for row in asking]
+                    found = logprobs_of(logits, asking, [tokens[row] for row in asking], counts)
+                    row_logprobs = dict(zip(asking, found, strict=True))
             except StepAbandoned:
                 continue  # the aborts are in ``carried``: taken at the top, blocks freed
             except (RuntimeError, ValueError) as exc:
@@ -582,10 +599,24 @@ class TorchEngine:
             if completing:
                 done = {job.request_id for job in completing}
                 prefills = [job for job in prefills if job.request_id not in done]
-            for job, first in zip(completing, tokens[: len(completing)], strict=True):
-                self._finish_prefill(job, first)
+            for row, (job, first) in enumerate(
+                zip(completing, tokens[: len(completing)], strict=True)
+            ):
+                found_logprobs = row_logprobs.get(row)
+                first_logprob = (
+                    None if found_logprobs is None else self._token_logprob(first, found_logprobs)
+                )
+                self._finish_prefill(job, first, first_logprob)
             entries: StepOutputs = []
-            for seq, token_id in zip(step_decodes, tokens[len(completing) :], strict=True):
+            step_logprobs: list[TokenLogprobs] = []
+            for row, (seq, token_id) in enumerate(
+                zip(step_decodes, tokens[len(completing) :], strict=True), len(completing)
+            ):
+                if row_logprobs:
+                    found_logprobs = row_logprobs.get(row)
+                    if found_logprobs is not None:
+                        item = self._token_logprob(token_id, found_logprobs)
+                        step_logprobs.append(TokenLogprobs(seq.request_id, [item]))
                 text, finish = seq.processor.push(token_id)
                 seq.last_token = token_id
                 seq.position += 1
@@ -602,6 +633,8 @@ class TorchEngine:
             if observer is not None:
                 batch = len(step_prefills) + len(step_decodes)
                 observer(time.perf_counter() - step_started, batch, batch)
+            if step_logprobs:
+                send_outputs(StepLogprobs(step_logprobs))  # ahead of their tokens
             if entries:
                 send_outputs(entries)
 
@@ -612,7 +645,21 @@ class TorchEngine:
             return eos | frozenset(sampling.stop_token_ids) if sampling.stop_token_ids else eos
         return None
 
-    def _finish_prefill(self, job: _PrefillJob, first: int) -> None:
+    def _token_logprob(self, token_id: int, found: RowLogprobs) -> TokenLogprob:
+        """A sampled token's logprobs, its tokens named as each decodes on its own (special
+        tokens included, as vLLM names them)."""
+        logprob, top_ids, top_logprobs = found
+        decode = self._tokenizer.decode
+        return TokenLogprob(
+            decode((token_id,), skip_special_tokens=False),
+            logprob,
+            tuple(decode((t,), skip_special_tokens=False) for t in top_ids),
+            tuple(top_logprobs),
+        )
+
+    def _finish_prefill(
+        self, job: _PrefillJob, first: int, first_logprob: TokenLogprob | None = None
+    ) -> None:
         own = len(job.prompt_token_ids) - job.generated_tokens
         processor = OutputProcessor(
             IncrementalDetokenizer(self._tokenizer, job.prompt_token_ids[:own]),
@@ -643,6 +690,7 @@ class TorchEngine:
                 cached_tokens=cached_tokens,
                 token_budget=job.budget,
                 usage=usage,
+                first_logprob=first_logprob,
             )
         )
 

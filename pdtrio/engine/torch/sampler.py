@@ -28,7 +28,7 @@ import torch
 
 from pdtrio.protocol.sampling import SamplingParams
 
-__all__ = ["TokenHistory", "sample", "seeded_uniform"]
+__all__ = ["RowLogprobs", "TokenHistory", "logprobs_of", "sample", "seeded_uniform"]
 
 # A row's (prompt token ids, output token ids so far): what the penalties look at.
 TokenHistory = tuple[Sequence[int], Sequence[int]]
@@ -152,6 +152,39 @@ def sample(
         assert picked is not None
         result[row] = picked
     return result
+
+
+# A row's logprobs: the sampled token's, and the ids and logprobs of its likeliest, best first.
+RowLogprobs = tuple[float, list[int], list[float]]
+
+
+def logprobs_of(
+    logits: torch.Tensor, rows: Sequence[int], token_ids: Sequence[int], counts: Sequence[int]
+) -> list[RowLogprobs]:
+    """For each of ``rows`` of ``logits`` ([B, V]), the log-probability of its sampled
+    token (``token_ids``, one per row listed) and its ``counts`` likeliest tokens.
+
+    From the raw logits, before any sampling parameter (ban, bias, penalty,
+    temperature, min-p, top-k, top-p) changes them: vLLM's default
+    (``logprobs_mode="raw_logprobs"``), which OpenAI's are too (they do not move
+    with temperature).  In float32, as vLLM computes them.
+    """
+    if not rows:
+        return []
+    device = logits.device
+    raw = logits.index_select(0, torch.tensor(list(rows), device=device)).float()
+    logprobs = torch.log_softmax(raw, dim=-1)
+    chosen = torch.tensor(list(token_ids), device=device).unsqueeze(1)
+    sampled: list[float] = logprobs.gather(1, chosen).squeeze(1).tolist()
+    most = min(max(counts), logprobs.shape[1])
+    top_values: list[list[float]] = [[] for _ in rows]
+    top_ids: list[list[int]] = [[] for _ in rows]
+    if most > 0:
+        values, ids = torch.topk(logprobs, most, dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    return [
+        (sampled[j], top_ids[j][:count], top_values[j][:count]) for j, count in enumerate(counts)
+    ]
 
 
 def _adjust_row(row: torch.Tensor, params: SamplingParams, history: TokenHistory | None) -> None:

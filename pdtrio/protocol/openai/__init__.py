@@ -5,6 +5,7 @@
 - :mod:`.errors` — :class:`OpenAIError` and its named constructors (each a reason of
   :data:`pdtrio.protocol.errors.ERRORS` with its message);
 - :mod:`.bodies` — the non-streamed response bodies;
+- :mod:`.logprobs` — the chat and completions shapes of token logprobs;
 - :mod:`.json_pieces` — the piecewise JSON parser big bodies go through.
 
 The names below are the surface the router and the workers use.
@@ -38,6 +39,7 @@ from pdtrio.protocol.openai.errors import (
     unauthorized,
     unsupported_media_type,
 )
+from pdtrio.protocol.openai.logprobs import chat_logprobs, completion_logprobs
 from pdtrio.protocol.openai.requests import (
     CHAT_ROLES,
     MAX_STOP_SEQUENCES,
@@ -57,7 +59,9 @@ __all__ = [
     "bad_request",
     "body_timeout",
     "chat_completion_body",
+    "chat_logprobs",
     "completion_body",
+    "completion_logprobs",
     "context_length_exceeded",
     "error_body",
     "error_for",

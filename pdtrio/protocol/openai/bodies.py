@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdtrio.protocol.wire import Usage
+from pdtrio.protocol.openai.logprobs import chat_logprobs, completion_logprobs
+from pdtrio.protocol.wire import TokenLogprob, Usage
 
 
 def models_list_body(
@@ -54,7 +55,10 @@ def chat_completion_body(
     text: str,
     finish_reason: str | None,
     usage: Usage,
+    logprobs: Sequence[TokenLogprob] | None = None,
+    top_logprobs: int = 0,
 ) -> dict[str, Any]:
+    """``logprobs``: every token's, when the request asked (``top_logprobs`` alternatives)."""
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -65,7 +69,7 @@ def chat_completion_body(
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": finish_reason,
-                "logprobs": None,
+                "logprobs": None if logprobs is None else chat_logprobs(logprobs, top_logprobs),
             }
         ],
         "usage": usage_body(usage),
@@ -80,7 +84,10 @@ def completion_body(
     text: str,
     finish_reason: str | None,
     usage: Usage,
+    logprobs: Sequence[TokenLogprob] | None = None,
+    top_logprobs: int = 0,
 ) -> dict[str, Any]:
+    """``logprobs``: every token's, when the request asked (``top_logprobs`` alternatives)."""
     return {
         "id": request_id,
         "object": "text_completion",
@@ -91,7 +98,9 @@ def completion_body(
                 "index": 0,
                 "text": text,
                 "finish_reason": finish_reason,
-                "logprobs": None,
+                "logprobs": (
+                    None if logprobs is None else completion_logprobs(logprobs, top_logprobs)
+                ),
             }
         ],
         "usage": usage_body(usage),

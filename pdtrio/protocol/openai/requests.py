@@ -24,7 +24,7 @@ from pdtrio.protocol.openai.errors import (
 )
 from pdtrio.protocol.openai.json_pieces import PIECEWISE_JSON_BYTES, CountedArray, load_piecewise
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import ChatPrompt, TextPrompt, TokenPrompt
+from pdtrio.protocol.wire import MAX_TOP_LOGPROBS, ChatPrompt, TextPrompt, TokenPrompt
 
 CHAT_ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES: Final = 4
@@ -86,10 +86,12 @@ def parse_chat_completion_request(
     context_length = None if context_lengths is None else context_lengths.get(model)
     prompt = ChatPrompt(_messages(obj, context_length))
     _reject_unsupported(obj)
-    _reject_truthy_flag(obj, "logprobs", "logprobs are not supported.")
+    logprobs = _chat_logprobs(obj)
     _reject_tools(obj)
     _reject_response_format(obj)
-    sampling, max_tokens = _sampling(obj, max_tokens_limit, allow_completion_alias=True)
+    sampling, max_tokens = _sampling(
+        obj, max_tokens_limit, allow_completion_alias=True, logprobs=logprobs
+    )
     stream, include_usage, continuous = _streaming(obj)
     return ChatCompletionRequest(
         model=model,
@@ -123,12 +125,15 @@ def parse_completion_request(
     context_length = None if context_lengths is None else context_lengths.get(model)
     prompt = _completion_prompt(obj, context_length)
     _reject_unsupported(obj)
-    # Legacy completions take logprobs as a count; any count asks for logprobs.
-    logprobs = obj.get("logprobs")
-    if logprobs is not None and logprobs is not False:
-        if isinstance(logprobs, bool) or not isinstance(logprobs, int):
-            raise _type_error("logprobs", "an integer", logprobs)
-        raise bad_request("logprobs are not supported.", param="logprobs")
+    top_logprobs = _opt_int(obj, "top_logprobs")
+    if top_logprobs is not None and top_logprobs != 0:
+        raise bad_request(
+            "top_logprobs is a chat completions parameter; completions take the count as "
+            "'logprobs'.",
+            param="top_logprobs",
+        )
+    logprobs = _completion_logprobs(obj)
+    # echo returns the prompt (and with logprobs, the prompt's logprobs): not served
     _reject_truthy_flag(obj, "echo", "echo is not supported.")
     best_of = _opt_int(obj, "best_of")
     if best_of is not None and best_of != 1:
@@ -138,7 +143,9 @@ def parse_completion_request(
         if not isinstance(suffix, str):
             raise _type_error("suffix", "a string", suffix)
         raise bad_request("suffix is not supported.", param="suffix")
-    sampling, max_tokens = _sampling(obj, max_tokens_limit, allow_completion_alias=False)
+    sampling, max_tokens = _sampling(
+        obj, max_tokens_limit, allow_completion_alias=False, logprobs=logprobs
+    )
     if (
         isinstance(prompt, TokenPrompt)
         and context_length is not None
@@ -458,9 +465,47 @@ def _reject_unsupported(obj: dict[str, Any]) -> None:
             raise bad_request("n > 1 is not supported.", param="n")
         if n < 1:
             raise bad_request(f"Invalid value for 'n': {n} is less than 1.", param="n")
-    top_logprobs = _opt_int(obj, "top_logprobs")
-    if top_logprobs is not None and top_logprobs != 0:
-        raise bad_request("top_logprobs is not supported.", param="top_logprobs")
+
+
+def _top_logprobs_count(value: int, param: str) -> int:
+    if value < 0:
+        raise bad_request(f"Invalid value for '{param}': {value} is less than 0.", param=param)
+    if value > MAX_TOP_LOGPROBS:
+        raise bad_request(
+            f"Invalid value for '{param}': {value} is greater than the maximum of "
+            f"{MAX_TOP_LOGPROBS}.",
+            param=param,
+        )
+    return value
+
+
+def _chat_logprobs(obj: dict[str, Any]) -> int:
+    """Chat's ``logprobs`` (a flag) and ``top_logprobs`` (0..20, only with it), as
+    ``SamplingParams.logprobs``: -1 when not asked."""
+    asked = _opt_bool(obj, "logprobs")
+    top = _opt_int(obj, "top_logprobs")
+    if top is not None:
+        _top_logprobs_count(top, "top_logprobs")
+        if top > 0 and not asked:
+            # vLLM's rule (and OpenAI's): alternatives come only with the token's own
+            raise bad_request(
+                "When using 'top_logprobs', 'logprobs' must be set to true.",
+                param="top_logprobs",
+            )
+    if not asked:
+        return -1
+    return top or 0
+
+
+def _completion_logprobs(obj: dict[str, Any]) -> int:
+    """Completions' ``logprobs``: a count of alternatives, 0..20 (OpenAI's limit is 5;
+    vLLM's default max_logprobs, 20, is served), -1 when not asked."""
+    value = obj.get("logprobs")
+    if value is None or value is False:  # (false: what some clients send for "off")
+        return -1
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error("logprobs", "an integer", value)
+    return _top_logprobs_count(value, "logprobs")
 
 
 def _reject_tools(obj: dict[str, Any]) -> None:
@@ -530,7 +575,7 @@ def _stop(obj: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _sampling(
-    obj: dict[str, Any], max_tokens_limit: int, *, allow_completion_alias: bool
+    obj: dict[str, Any], max_tokens_limit: int, *, allow_completion_alias: bool, logprobs: int
 ) -> tuple[SamplingParams, int | None]:
     """The sampling parameters and the client's max_tokens (None: not set)."""
     max_tokens = _token_limit(obj, "max_tokens", max_tokens_limit)
@@ -613,6 +658,7 @@ def _sampling(
         repetition_penalty=repetition_penalty,
         min_p=min_p,
         stop_token_ids=_stop_token_ids(obj),
+        logprobs=logprobs,
     )
     return sampling, max_tokens
 
