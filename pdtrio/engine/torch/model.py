@@ -96,7 +96,18 @@ def _attention(
     """``F.scaled_dot_product_attention``; on the CPU a bfloat16/float16 model attends in
     float32 (and gets its dtype back): torch's CPU flash attention in bfloat16 took four
     times as long as in float32 (a quarter of a SmolLM2 decode step against 5 %), and its
-    inputs here are gathered copies anyway, so widening them costs little."""
+    inputs here are gathered copies anyway, so widening them costs little.
+
+    Queries of a prompt (more than one a head) meet their key heads repeated per query
+    head: with ``enable_gqa`` torch's CPU attention takes its generic path (bmm, softmax,
+    masks), 28 ms a layer for a 256-token SmolLM2 prompt against 3.9 ms for its flash
+    kernel on the repeated heads (2 threads, AVX2 EPYC); a decode query keeps the flag,
+    which flash takes as it is."""
+    if enable_gqa and q.shape[-2] > 1 and q.shape[-3] != k.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+        enable_gqa = False
     dtype = q.dtype
     if q.device.type == "cpu" and dtype in _REDUCED:
         out = F.scaled_dot_product_attention(
@@ -127,16 +138,55 @@ def _slow_reduced_matmul(dtype: torch.dtype) -> bool:
     return not torch.ops.mkldnn._is_mkldnn_fp16_supported()
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [out, in] reordered once into oneDNN's layout for its matrix products, in
+    float32 (a reduced dtype is widened where this CPU lacks kernels for it); None where
+    oneDNN cannot take it (not a CPU tensor, no oneDNN in this torch, a reduced dtype on a
+    CPU that has fast kernels for it, where torch's own product is the fast one).
+
+    Measured on an AVX2 EPYC, 2 threads, SmolLM2-135M's 120 layer weights, float32, each
+    read once (rows = the tokens of a step): torch's F.linear (MKL) 46 / 96 / 152 / 611 ms
+    for 1 / 8 / 32 / 256 rows, oneDNN on packed weights 40 / 56 / 90 / 456 ms; its
+    [49152, 576] output layer 14.7 / 33 / 47 / 221 ms against 8.0 / 12.3 / 21.8 / 109 ms.
+    """
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    if weight.dtype in _REDUCED and not _slow_reduced_matmul(weight.dtype):
+        return None
+    if weight.dtype not in (torch.float32, *_REDUCED):
+        return None
+    try:
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.float(), None)
+    except RuntimeError:
+        return None  # a torch whose oneDNN refuses it: torch's own product then
+    return packed
+
+
+# Below this many rows a bfloat16/float16 product with a packed float32 weight still runs
+# on the reduced weight: it is bound by reading the weight, half the bytes (see _linear).
+_PACKED_ROWS_REDUCED = 4
+
+
 def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.linear``; a bfloat16/float16 product of many rows (a prefill) on a CPU without
-    fast kernels for that dtype is widened to float32 and rounded back.  Measured on an
-    AVX2 EPYC, 2 threads, [256, 576] x [576, 1536]: bfloat16 26 ms (17 GFLOPS), float32
-    3.4 ms (135 GFLOPS); widening the weight costs far less than the difference.  A few
-    rows (a decode step) stay in bfloat16: the product is bound by reading the weights,
-    which are half the bytes, and widening them each step would read them twice."""
+    """``F.linear``; through oneDNN where the weight was packed for it (``pack_weight``),
+    else torch's own product, where a bfloat16/float16 product of many rows (a prefill) on
+    a CPU without fast kernels for that dtype is widened to float32 and rounded back.
+
+    A reduced-dtype product of a few rows (a decode step at low concurrency) stays in its
+    dtype: it is bound by reading the weights, which are half the bytes.  Measured on an
+    AVX2 EPYC, 2 threads, SmolLM2-135M's layer weights: bfloat16 19 / 104 / 410 ms for 1 /
+    8 / 32 rows against packed float32 40 / 56 / 90 ms; [256, 576] x [576, 1536] bfloat16
+    26 ms, float32 3.4 ms."""
     dtype = x.dtype
+    if packed is not None and (dtype == torch.float32 or x.shape[0] >= _PACKED_ROWS_REDUCED):
+        wide_bias = None if bias is None else bias.float()
+        out = torch.ops.mkldnn._linear_pointwise(x.float(), packed, wide_bias, "none", [], "")
+        return out if dtype == torch.float32 else out.to(dtype)
     if (
         x.device.type == "cpu"
         and dtype in _REDUCED
@@ -167,6 +217,9 @@ class Attention(nn.Module):
     # set by fuse(), which CausalLM.build calls
     qkv_weight: torch.Tensor
     qkv_bias: torch.Tensor | None
+    # oneDNN's copies of qkv_weight and o_proj's weight, or None (see pack_weight)
+    qkv_packed: torch.Tensor | None = None
+    o_packed: torch.Tensor | None = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -183,6 +236,11 @@ class Attention(nn.Module):
         """One weight for q, k and v (their rows stacked): a step multiplies once, not three
         times.  The three projections' parameters become views into it (no second copy)."""
         self.qkv_weight, self.qkv_bias = _stack_linears((self.q_proj, self.k_proj, self.v_proj))
+        self.qkv_packed = pack_weight(self.qkv_weight)
+        self.o_packed = pack_weight(self.o_proj.weight)
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(x, self.o_proj.weight, packed=self.o_packed)
 
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -190,7 +248,8 @@ class Attention(nn.Module):
         """Rotated q [T, Hq, D], rotated k [T, Hkv, D] and v [T, Hkv, D]."""
         t = x.shape[0]
         heads = self.num_heads + 2 * self.num_kv_heads
-        qkv = _linear(x, self.qkv_weight, self.qkv_bias).view(t, heads, self.head_dim)
+        qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
+        qkv = qkv.view(t, heads, self.head_dim)
         rotated = self.num_heads + self.num_kv_heads
         qk = _apply_rope(qkv[:, :rotated], cos, sin)  # q and k in one go
         return qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, rotated:]
@@ -218,6 +277,9 @@ def _stack_linears(
 
 class MLP(nn.Module):
     gate_up_weight: torch.Tensor  # set by fuse()
+    # oneDNN's copies of gate_up_weight and down_proj's weight, or None (see pack_weight)
+    gate_up_packed: torch.Tensor | None = None
+    down_packed: torch.Tensor | None = None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -228,10 +290,12 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         """One weight for gate and up (see Attention.fuse)."""
         self.gate_up_weight, _ = _stack_linears((self.gate_proj, self.up_proj))
+        self.gate_up_packed = pack_weight(self.gate_up_weight)
+        self.down_packed = pack_weight(self.down_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return _linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = _linear(x, self.gate_up_weight, packed=self.gate_up_packed).chunk(2, dim=-1)
+        return _linear(F.silu(gate) * up, self.down_proj.weight, packed=self.down_packed)
 
 
 class DecoderLayer(nn.Module):
@@ -279,6 +343,8 @@ class _PagedPlan:
 @final
 class CausalLM(nn.Module):
     """The decoder plus its LM head; ``forward_paged`` is what the engine calls."""
+
+    lm_head_packed: torch.Tensor | None = None  # oneDNN's copy of the output layer (build)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -329,6 +395,7 @@ class CausalLM(nn.Module):
         for layer in model.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        model.lm_head_packed = pack_weight(model._lm_head_weight())
         model.eval()
         return model
 
@@ -340,14 +407,14 @@ class CausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    def _lm_head_weight(self) -> torch.Tensor:
+        if self.config.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.model.norm(hidden)
-        weight = (
-            self.model.embed_tokens.weight
-            if self.config.tie_word_embeddings
-            else self.lm_head.weight
-        )
-        return _linear(hidden, weight).float()
+        return _linear(hidden, self._lm_head_weight(), packed=self.lm_head_packed).float()
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.rope_inv_freq[None, :]
@@ -371,7 +438,7 @@ class CausalLM(nn.Module):
                 is_causal=True,
                 enable_gqa=True,
             )
-            h = h + _linear(out.transpose(0, 1).reshape(len(token_ids), -1), attn.o_proj.weight)
+            h = h + attn.output(out.transpose(0, 1).reshape(len(token_ids), -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self._logits(h)
 
@@ -547,7 +614,7 @@ class CausalLM(nn.Module):
                     mask = torch.ones(n, end, dtype=torch.bool, device=h.device).tril(start)
                     sout = _attention(sq, keys, values, attn_mask=mask, enable_gqa=True)
                 out[row0 : row0 + n] = sout.transpose(0, 1)
-            h = h + _linear(out.reshape(total, heads * head_dim), attn.o_proj.weight)
+            h = h + attn.output(out.reshape(total, heads * head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if should_stop is not None and should_stop():
                 raise StepAbandoned
