@@ -152,14 +152,14 @@ class StreamShaper:
         b"" when nothing is due: empty text and no finish (an incomplete UTF-8
         sequence, say).  ``finish_reason`` rides on this last chunk.
         """
-        if self._top_logprobs is not None:
-            return self._delta_with_logprobs(text, num_tokens, finish_reason, usage, logprobs)
         if self._closed:
             raise ValueError("delta() after the stream was closed")
         if self._finished:
             raise ValueError("delta() after a finish_reason was sent")
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if self._top_logprobs is not None:
+            return self._delta_with_logprobs(text, num_tokens, finish_reason, usage, logprobs)
         if not text and finish_reason is None:
             self._count(num_tokens, usage)
             return b""
@@ -211,13 +211,8 @@ class StreamShaper:
         usage: Usage | None,
         logprobs: Sequence[TokenLogprob] | None,
     ) -> bytes:
-        """``delta`` for a stream that asked for logprobs (not the hot path's templates)."""
-        if self._closed:
-            raise ValueError("delta() after the stream was closed")
-        if self._finished:
-            raise ValueError("delta() after a finish_reason was sent")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        """``delta`` for a stream that asked for logprobs (not the hot path's templates),
+        its arguments checked by ``delta``."""
         if logprobs:
             self._held_logprobs += logprobs
         if not text and finish_reason is None:

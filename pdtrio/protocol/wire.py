@@ -211,17 +211,13 @@ class PrefillRequest(_Positional, frozen=True, tag=int(MessageKind.PREFILL)):
     generated_tokens: int = 0
 
 
-class PrefillReply(_Positional, frozen=True, tag=int(MessageKind.PREFILLED), omit_defaults=True):
+class PrefillReply(_Positional, frozen=True, tag=int(MessageKind.PREFILLED)):
     """The prompt is in the cache; here is the first token and where the KV lives.
 
     ``token_budget`` is the request's whole completion budget, the first token
     included.  ``kv_handle`` is None when generation already finished at the
     first token (prefill has then released the blocks itself, and ``usage`` is set).
-    ``first_logprob``: the first token's, when the request asked for logprobs.
-
-    Trailing fields at their defaults are left off the wire (``omit_defaults``): a
-    reply to a request that asked for no logprobs is the array a router from
-    before them decodes.
+    The first token's logprob, when asked for, comes in a PrefillReplyWithLogprob.
     """
 
     request_id: str

@@ -212,30 +212,20 @@ class PrefillRole:
                 lease_ttl_s=lease_s,
                 access_token=access_token,
             )
-        if result.first_logprob is not None:
-            return PrefillReplyWithLogprob(
-                request_id=request_id,
-                prompt_token_ids=tuple(token_ids),
-                cached_tokens=result.cached_tokens,
-                first_token_id=result.first_token_id,
-                first_text=result.first_text,
-                finish_reason=result.finish_reason,
-                token_budget=result.token_budget,
-                kv_handle=handle,
-                usage=result.usage,
-                first_logprob=result.first_logprob,
-            )
-        return PrefillReply(
-            request_id=request_id,
-            prompt_token_ids=tuple(token_ids),
-            cached_tokens=result.cached_tokens,
-            first_token_id=result.first_token_id,
-            first_text=result.first_text,
-            finish_reason=result.finish_reason,
-            token_budget=result.token_budget,
-            kv_handle=handle,
-            usage=result.usage,
+        fields = (
+            request_id,
+            tuple(token_ids),
+            result.cached_tokens,
+            result.first_token_id,
+            result.first_text,
+            result.finish_reason,
+            result.token_budget,
+            handle,
+            result.usage,
         )
+        if result.first_logprob is not None:
+            return PrefillReplyWithLogprob(*fields, first_logprob=result.first_logprob)
+        return PrefillReply(*fields)
 
 
 def check_prefill_request(request: PrefillRequest) -> None:
