@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
+
+StructuredKind = Literal["json_object", "json_schema", "regex", "lark"]
+
+
+class StructuredOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A constraint on the text a request may produce, as the grammar library takes it.
+
+    ``kind`` says how to read ``spec``: ``json_object`` (any JSON object, no spec),
+    ``json_schema`` (a JSON Schema, as JSON text), ``regex``, or ``lark`` (a Lark
+    grammar, which may embed JSON schemas with ``%json``: how tools are forced).
+    The spec travels as text so that every layer passes it on unparsed.
+    """
+
+    kind: StructuredKind
+    spec: str = ""
 
 
 class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -23,7 +40,8 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
     ``stop_token_ids`` ends the request with "stop" and no text of its own.
     ``logprobs`` >= 0 asks for each token's log-probability with that many of the
     likeliest alternatives (chat's ``top_logprobs``, completions' ``logprobs``);
-    -1, the default, for none.
+    -1, the default, for none. ``structured``, when set, constrains the output to
+    a grammar (JSON mode, a JSON schema, a regex, a Lark grammar for tools).
     """
 
     temperature: float = 1.0
@@ -40,6 +58,7 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = -1
+    structured: StructuredOutput | None = None
 
     @property
     def wants_logprobs(self) -> bool:
