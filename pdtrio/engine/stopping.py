@@ -22,6 +22,8 @@ The rules, in the order they are checked for each token:
   tokens have been generated (vLLM's rule: stop strings that complete earlier
   are ordinary text): the output is cut right before its earliest start, and
   generation finishes with ``"stop"``.
+- The token that completes the request's grammar (structured output: nothing
+  but EOS may follow) finishes with ``"stop"``, its text sent.
 - The token that spends the last of the budget finishes with ``"length"``.
 
 Text that may still become the start of a stop string is held back until it
@@ -185,7 +187,9 @@ class OutputProcessor:
         """Feed a token generated, counted and sent elsewhere: its text is context only."""
         self._hold_back.push(self._text.push(token_id), match=False)
 
-    def push(self, token_id: int) -> tuple[str, str | None]:
+    def push(self, token_id: int, *, complete: bool = False) -> tuple[str, str | None]:
+        """``complete``: the request's grammar admits nothing after this token, so it is
+        the last one (finishing with "stop", as EOS would, but with its text)."""
         if self._finish_reason is not None:
             raise RuntimeError(f"request already finished ({self._finish_reason})")
         self._num_generated += 1
@@ -198,9 +202,9 @@ class OutputProcessor:
             return self._finish(text, FINISH_STOP)
 
         delta = self._text.push(token_id)
-        if tokens_left(self._token_budget, self._num_generated) <= 0:
+        if complete or tokens_left(self._token_budget, self._num_generated) <= 0:
             text, stopped = self._hold_back.finish(delta + self._text.flush(), match=past_min)
-            return self._finish(text, FINISH_STOP if stopped else FINISH_LENGTH)
+            return self._finish(text, FINISH_STOP if stopped or complete else FINISH_LENGTH)
         text, stopped = self._hold_back.push(delta, match=past_min)
         if stopped:
             return self._finish(text, FINISH_STOP)

@@ -288,6 +288,13 @@ class SyntheticEngine:
     ) -> PrefillResult:
         own = check_continuation(len(prompt_token_ids), generated_tokens)
         check_logit_bias(sampling, self._config.vocab_size)
+        if sampling.structured is not None:
+            # its tokens are made-up words with no text a grammar could read
+            raise PromptRejected(
+                "Structured output is not supported by the synthetic engine "
+                "(it has no real vocabulary); serve a model with the torch engine.",
+                param="response_format",
+            )
         budget = token_budget(
             own,
             max_tokens,

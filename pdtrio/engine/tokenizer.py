@@ -222,6 +222,12 @@ class Tokenizer:
         """Ids of special tokens: never shown when decoding with ``skip_special_tokens``."""
         return self._special_ids
 
+    def backend_json(self) -> str:
+        """The wrapped tokenizer as Hugging Face ``tokenizer.json`` text (what grammar
+        libraries read the vocabulary from)."""
+        text: str = self._tok.to_str()
+        return text
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry (byte-level form, e.g. ``"Ġthe"``); None if out of range."""
         return self._tok.id_to_token(token_id)

@@ -50,6 +50,7 @@ from pdtrio.engine.scheduler import SchedulerLimits, schedule
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.engine.tokenizer import Tokenizer
 from pdtrio.engine.torch.builtin import load_builtin
+from pdtrio.engine.torch.grammar import GrammarCompiler, TokenConstraint, apply_constraints
 from pdtrio.engine.torch.loaders import LoadedModel, load_gguf, load_hf_checkpoint
 from pdtrio.engine.torch.model import SeqInput, StepAbandoned
 from pdtrio.engine.torch.sampler import RowLogprobs, TokenHistory, logprobs_of, sample
@@ -125,6 +126,8 @@ class _PrefillJob:
     generated_tokens: int = 0
     # prompt tokens found in the prefix cache (``computed`` starts there)
     cached_tokens: int = 0
+    # structured output: the grammar the first token must obey
+    constraint: TokenConstraint | None = None
 
     def remaining(self) -> int:
         """Prompt tokens still to prefill."""
@@ -143,6 +146,8 @@ class _DecodeSeq:
     cached_tokens: int
     # (prompt ids, output ids so far): kept only for a request whose penalties need them
     history: tuple[list[int], list[int]] | None = None
+    # structured output: the grammar state after the tokens so far
+    constraint: TokenConstraint | None = None
 
 
 @attrs.frozen
@@ -189,6 +194,7 @@ class TorchEngine:
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(config.seed)
         self._tokenize_limiter = trio.CapacityLimiter(1)
+        self._grammars = GrammarCompiler(self._tokenizer, loaded.config.vocab_size)
         self._thread: threading.Thread | None = None  # the engine thread of the latest run
         self._step_observer: StepObserver | None = None
         self._waiting = 0  # requests the last step left waiting (set by the engine thread)
@@ -285,6 +291,7 @@ class TorchEngine:
                 f"no token left to generate: {generated_tokens} of {budget} spent",
                 param="max_tokens",
             )
+        constraint = await self._constraint(sampling, prompt_token_ids[own:])
         with self._lock:
             blocks, cached = self._blocks.ensure_prompt(
                 request_id, prompt_token_ids, self._chain_root
@@ -309,6 +316,7 @@ class TorchEngine:
             computed=cached,
             generated_tokens=generated_tokens,
             cached_tokens=cached,
+            constraint=constraint,
         )
         self._inbox.put(job)
         try:
@@ -372,6 +380,13 @@ class TorchEngine:
         vocab = self._loaded.config.vocab_size
         if not all(0 <= t < vocab for t in (*prompt_token_ids, first_token_id)):
             raise EngineError(f"request {request_id} has token ids out of the vocabulary")
+        try:
+            # the grammar's state is rebuilt from the tokens: nothing of it crosses the wire
+            constraint = await self._constraint(sampling, [*prompt_token_ids[own:], first_token_id])
+        except PromptRejected as exc:
+            raise EngineError(f"request {request_id}: {exc.message}") from exc
+        if constraint is not None and constraint.done:
+            raise EngineError(f"request {request_id}: its grammar was complete at prefill")
         processor = OutputProcessor(
             IncrementalDetokenizer(self._tokenizer, prompt_token_ids[:own]),
             sampling,
@@ -405,12 +420,22 @@ class TorchEngine:
                 if sampling.penalizes
                 else None
             ),
+            constraint=constraint,
         )
         self._inbox.put(seq)
         await trio.lowlevel.checkpoint()
 
     def abort(self, request_id: str) -> None:
         self.free_request(request_id)
+
+    async def _constraint(
+        self, sampling: SamplingParams, generated: list[int]
+    ) -> TokenConstraint | None:
+        """A constrained request's grammar state after ``generated``, built in a worker
+        thread (a first compile builds the grammar library's view of the vocabulary)."""
+        if sampling.structured is None:
+            return None
+        return await trio.to_thread.run_sync(self._grammars.start, sampling.structured, generated)
 
     # --- the engine thread ----------------------------------------------------------------
 
@@ -559,9 +584,15 @@ class TorchEngine:
                 logits = self._loaded.model.forward_paged(seqs, self._cache, should_stop)
                 if len(sampled_rows) != len(seqs):
                     logits = logits[sampled_rows]
+                constraints = [job.constraint for job in completing]
+                constraints += [s.constraint for s in step_decodes]
+                constrained = [row for row, c in enumerate(constraints) if c is not None]
+                allowed_logits = logits
+                if constrained:
+                    allowed_logits = self._constrain(logits, constrained, constraints, banned)
                 tokens = (
                     sample(
-                        logits,
+                        allowed_logits,
                         params,
                         positions,
                         banned_token_ids=banned,
@@ -599,6 +630,9 @@ class TorchEngine:
             if completing:
                 done = {job.request_id for job in completing}
                 prefills = [job for job in prefills if job.request_id not in done]
+            complete = (
+                self._advance(constraints, tokens, constrained) if constrained else frozenset()
+            )
             for row, (job, first) in enumerate(
                 zip(completing, tokens[: len(completing)], strict=True)
             ):
@@ -606,7 +640,7 @@ class TorchEngine:
                 first_logprob = (
                     None if found_logprobs is None else self._token_logprob(first, found_logprobs)
                 )
-                self._finish_prefill(job, first, first_logprob)
+                self._finish_prefill(job, first, first_logprob, complete=row in complete)
             entries: StepOutputs = []
             step_logprobs: list[TokenLogprobs] = []
             for row, (seq, token_id) in enumerate(
@@ -617,7 +651,7 @@ class TorchEngine:
                     if found_logprobs is not None:
                         item = self._token_logprob(token_id, found_logprobs)
                         step_logprobs.append(TokenLogprobs(seq.request_id, [item]))
-                text, finish = seq.processor.push(token_id)
+                text, finish = seq.processor.push(token_id, complete=row in complete)
                 seq.last_token = token_id
                 seq.position += 1
                 if seq.history is not None:
@@ -637,6 +671,49 @@ class TorchEngine:
                 send_outputs(StepLogprobs(step_logprobs))  # ahead of their tokens
             if entries:
                 send_outputs(entries)
+
+    def _constrain(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        constraints: list[TokenConstraint | None],
+        banned: list[frozenset[int] | None],
+    ) -> torch.Tensor:
+        """The step's logits with what each constrained row's grammar forbids at -inf.
+
+        A ban (EOS before ``min_tokens``) that would leave a row no token is
+        lifted for that row: the grammar decides when the output is complete.
+        """
+        row_constraints = [constraints[row] for row in rows]
+        masked = apply_constraints(
+            logits,
+            rows,
+            [c for c in row_constraints if c is not None],
+            self._grammars.bitmask_words,
+        )
+        for row in rows:
+            ban = banned[row]
+            if ban and not bool(_allows_other_than(masked[row], ban)):
+                banned[row] = None
+        return masked
+
+    def _advance(
+        self, constraints: list[TokenConstraint | None], tokens: list[int], rows: list[int]
+    ) -> frozenset[int]:
+        """Feed each constrained row its sampled token; the rows whose grammar is complete
+        now (their request ends with this token)."""
+        complete: set[int] = set()
+        for row in rows:
+            constraint = constraints[row]
+            assert constraint is not None
+            if not constraint.advance(tokens[row]):
+                # the mask allowed it, so this is the library's or our bug: end the request
+                # rather than sample on from a broken state
+                log.error("grammar refused its own sampled token: %s", constraint.error)
+                complete.add(row)
+            elif constraint.done:
+                complete.add(row)
+        return frozenset(complete)
 
     def _banned(self, sampling: SamplingParams, generated: int) -> frozenset[int] | None:
         if generated < sampling.min_tokens:
@@ -658,7 +735,12 @@ class TorchEngine:
         )
 
     def _finish_prefill(
-        self, job: _PrefillJob, first: int, first_logprob: TokenLogprob | None = None
+        self,
+        job: _PrefillJob,
+        first: int,
+        first_logprob: TokenLogprob | None = None,
+        *,
+        complete: bool = False,
     ) -> None:
         own = len(job.prompt_token_ids) - job.generated_tokens
         processor = OutputProcessor(
@@ -670,7 +752,7 @@ class TorchEngine:
         )
         for earlier in job.prompt_token_ids[own:]:
             processor.replay(earlier)
-        text, finish = processor.push(first)
+        text, finish = processor.push(first, complete=complete)
         usage: Usage | None = None
         cached_tokens = min(job.cached_tokens, own)  # of the prompt proper, as usage counts it
         with self._lock:
@@ -698,6 +780,15 @@ class TorchEngine:
         with self._lock:
             self._in_engine.discard(request_id)
             self._blocks.release(request_id)
+
+
+def _allows_other_than(row: torch.Tensor, banned: frozenset[int]) -> torch.Tensor:
+    """Whether a masked row of logits leaves some token outside ``banned``."""
+    allowed = torch.isfinite(row)
+    ids = [t for t in banned if 0 <= t < row.shape[0]]
+    if ids:
+        allowed[torch.tensor(ids, device=row.device)] = False
+    return allowed.any()
 
 
 def _prefill_history(job: _PrefillJob) -> TokenHistory | None:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any, Final, final
 
 from pdtrio.protocol.errors import ERRORS, Reason
+from pdtrio.protocol.openai.json_pieces import CountedArray
 
 JSON_MEDIA_TYPE: Final = "application/json"
 
@@ -191,3 +192,29 @@ def show_client_text(value: str) -> str:
     """A client string quoted for an error message, cut short."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def json_type_name(value: Any) -> str:
+    """A JSON value's type as an error message names it ("an integer", "null")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list | CountedArray):
+        return "an array"
+    return "an object"
+
+
+def invalid_type(param: str, expected: str, value: Any) -> OpenAIError:
+    """A 400 for a field of the wrong JSON type, in OpenAI's words."""
+    return bad_request(
+        f"Invalid type for '{param}': expected {expected}, but got {json_type_name(value)} instead.",
+        param=param,
+        code="invalid_type",
+    )
