@@ -296,6 +296,19 @@ def _multi_turn(printed: str, report: Any) -> None:
         assert case["goal"]["pass"] in (True, False)
 
 
+def _structured_output(printed: str, report: Any) -> None:
+    assert "schema tok/s" in printed and "plain TPOT ms" in printed
+    assert report["benchmark"] == "structured_output"
+    rows = {(row["topology"], row["concurrency"]) for row in report["rows"]}
+    assert rows == {("colocated", 1), ("pd", 1)}
+    for row in report["rows"]:
+        for kind in ("plain", "schema"):
+            assert row[kind]["failures"] == [], row
+            assert row[kind]["tokens_per_s"] > 0 and row[kind]["tpot_p50_ms"] > 0, row
+        # the schema's outputs (checked by the benchmark to parse) are about OSL long
+        assert row["schema"]["tokens_per_request"] > report["osl"] / 2, row
+
+
 # --- the list -------------------------------------------------------------------------------
 
 
@@ -320,6 +333,7 @@ QUICK = [
     Quick("benchmarks.migration", _migration, 240),
     Quick("benchmarks.engine", _engine, 240),
     Quick("benchmarks.multi_turn", _multi_turn, 240),
+    Quick("benchmarks.structured_output", _structured_output, 240),
 ]
 # run --quick by a test of their own
 ELSEWHERE = {

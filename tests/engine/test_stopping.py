@@ -86,6 +86,20 @@ def test_eos_on_the_last_allowed_token_is_stop() -> None:
     assert (reason, n, "".join(pieces)) == ("stop", 3, "ab")
 
 
+def test_a_complete_grammar_stops_with_its_last_token_shown() -> None:
+    proc = processor(SamplingParams(ignore_eos=True, min_tokens=5), max_new_tokens=3)
+    a, b = byte_ids("ab")
+    assert proc.push(a) == ("a", None)
+    # the grammar admits nothing more: "stop", and this token's text still goes out
+    assert proc.push(b, complete=True) == ("b", "stop")
+    assert proc.num_generated == 2
+
+
+def test_a_grammar_complete_on_the_last_budget_token_is_stop_not_length() -> None:
+    proc = processor(SamplingParams(), max_new_tokens=1)
+    assert proc.push(byte_ids("x")[0], complete=True) == ("x", "stop")
+
+
 def test_ignore_eos_keeps_going_until_length() -> None:
     ids = [*TINY.encode("a"), IM_END, *TINY.encode("b"), ENDOFTEXT, *TINY.encode("c")]
     pieces, reason, n = run(ids, max_new_tokens=5, ignore_eos=True)

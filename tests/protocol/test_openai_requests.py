@@ -506,8 +506,11 @@ def test_non_finite_numbers_rejected() -> None:
         ({"tool_choice": {"type": "function"}}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {}}},
+            "response_format.json_schema.name",
+        ),
         ({"response_format": "json"}, "response_format"),
     ],
 )
