@@ -7,8 +7,9 @@ each (``benchmarks.engine``'s servers).  Two loads, one after the other, at
 each concurrency: streaming ``/v1/completions`` of random token-id prompts
 (ISL ids), ``temperature`` 0, either plain (``ignore_eos``, OSL tokens) or
 with ``response_format`` a JSON schema whose every valid output is an array
-of OSL/2 one-digit integers (about 75 tokens against the plain load's 48; tokens/s and TPOT are per token, and
-the schema's requests end when the grammar is complete).  Per row: output
+of OSL/2 one-digit integers (about 75 tokens against the plain load's 48:
+tokens/s and TPOT are per token; the schema's requests end when the grammar
+is complete).  Per row: output
 tokens/s (over the measured requests' wall time) and TPOT p50; the ratio
 column is schema over plain, measured in the same run.  Every schema
 request's text is checked to parse and to have its OSL/2 items.
