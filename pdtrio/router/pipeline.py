@@ -150,6 +150,7 @@ class RequestPipeline:
             hang_up=hang_up,
             draining=lambda: router.requests.draining,
             top_logprobs=top_logprobs,
+            tool_names=_tool_names(request),
         )
         self._error: OpenAIError | None = None  # what the client is told, after the nursery
         self._recorded = False
@@ -416,3 +417,9 @@ class RequestPipeline:
             prefill="-" if prefill is None else prefill,
             decode="-" if decode is None else decode,
         )
+
+
+def _tool_names(request: ChatCompletionRequest | CompletionRequest) -> list[str] | None:
+    """The functions a chat request's answer may call (None: no tools shown)."""
+    tools = request.tools if isinstance(request, ChatCompletionRequest) else None
+    return None if tools is None else [function.name for function in tools.functions]
