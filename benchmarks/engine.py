@@ -85,35 +85,45 @@ def prompts(plan: Plan, count: int, seed: int) -> list[list[int]]:
 async def _load(
     url: str, model: str, plan: Plan, concurrency: int, prompt_list: list[list[int]]
 ) -> tuple[list[StreamResult], float, float]:
-    """Every prompt sent by ``concurrency`` clients back to back; the results in send order,
-    and when the first measured request was sent (the warm-up ones are the first
-    ``concurrency``) and when the last one finished."""
-    results: list[StreamResult | None] = [None] * len(prompt_list)
+    """Every prompt sent by ``concurrency`` clients back to back (see closed_loop)."""
+    bodies = [
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": plan.osl,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for prompt in prompt_list
+    ]
+    return await closed_loop(url, concurrency, bodies)
+
+
+async def closed_loop(
+    url: str, concurrency: int, bodies: list[dict[str, Any]]
+) -> tuple[list[StreamResult], float, float]:
+    """Every body streamed to ``/v1/completions`` by ``concurrency`` clients back to back;
+    the results in send order, and when the first measured request was sent (the
+    warm-up ones are the first ``concurrency``) and when the last one finished."""
+    results: list[StreamResult | None] = [None] * len(bodies)
     next_index = 0
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
 
     async def client(http: httpx.AsyncClient) -> None:
         nonlocal next_index
-        while next_index < len(prompt_list):
+        while next_index < len(bodies):
             index = next_index
             next_index += 1
-            body = {
-                "model": model,
-                "prompt": prompt_list[index],
-                "max_tokens": plan.osl,
-                "ignore_eos": True,
-                "temperature": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            results[index] = await stream_completion(http, body, f"{url}/v1/completions")
+            results[index] = await stream_completion(http, bodies[index], f"{url}/v1/completions")
 
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         async with trio.open_nursery() as nursery:
             for _ in range(concurrency):
                 nursery.start_soon(client, http)
     done = [r for r in results if r is not None]
-    assert len(done) == len(prompt_list)
+    assert len(done) == len(bodies)
     measured = done[concurrency:]
     first_send = min(r.started for r in measured)
     last_finish = max(r.finished or r.started for r in measured)

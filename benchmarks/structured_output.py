@@ -27,11 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
-from benchmarks.engine import SMOLLM2, pdtrio_servers
-from benchmarks.kit import StreamResult, aligned_table, percentile, stream_completion, write_json
+from benchmarks.engine import SMOLLM2, closed_loop, pdtrio_servers
+from benchmarks.kit import StreamResult, aligned_table, percentile, write_json
 
 ISL = 64
 OSL = 48
@@ -70,31 +69,6 @@ def _body(prompt: list[int], constrained: bool) -> dict[str, Any]:
     return body
 
 
-async def _load(
-    url: str, concurrency: int, prompts: list[list[int]], constrained: bool
-) -> tuple[list[StreamResult], float, float]:
-    results: list[StreamResult | None] = [None] * len(prompts)
-    next_index = 0
-
-    async def client(http: httpx.AsyncClient) -> None:
-        nonlocal next_index
-        while next_index < len(prompts):
-            index = next_index
-            next_index += 1
-            results[index] = await stream_completion(
-                http, _body(prompts[index], constrained), f"{url}/v1/completions"
-            )
-
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
-        async with trio.open_nursery() as nursery:
-            for _ in range(concurrency):
-                nursery.start_soon(client, http)
-    done = [r for r in results if r is not None]
-    measured = done[concurrency:]  # the first ``concurrency`` warm up
-    return done, min(r.started for r in measured), max(r.finished or 0.0 for r in measured)
-
-
 def _check(result: StreamResult, constrained: bool) -> str | None:
     if not result.ok:
         return f"{result.status} {(result.error or {}).get('message', '')}"
@@ -111,7 +85,8 @@ def _check(result: StreamResult, constrained: bool) -> str | None:
 def measure(url: str, concurrency: int, requests: int, constrained: bool) -> dict[str, Any]:
     rng = random.Random(25)
     prompts = [[rng.randint(100, 40000) for _ in range(ISL)] for _ in range(concurrency + requests)]
-    done, first, last = trio.run(_load, url, concurrency, prompts, constrained)
+    bodies = [_body(prompt, constrained) for prompt in prompts]
+    done, first, last = trio.run(closed_loop, url, concurrency, bodies)
     tokens, tpots, failures = 0, [], []
     for result in done[concurrency:]:
         failure = _check(result, constrained)

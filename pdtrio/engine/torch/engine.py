@@ -695,12 +695,9 @@ class TorchEngine:
         A ban (EOS before ``min_tokens``) that would leave a row no token is
         lifted for that row: the grammar decides when the output is complete.
         """
-        row_constraints = [constraints[row] for row in rows]
+        # ``rows`` are those with a constraint, in order: the constraints that are set
         masked = apply_constraints(
-            logits,
-            rows,
-            [c for c in row_constraints if c is not None],
-            self._grammars.bitmask_words,
+            logits, rows, [c for c in constraints if c is not None], self._grammars.bitmask_words
         )
         for row in rows:
             ban = banned[row]

@@ -257,7 +257,8 @@ def tool_call_grammar(functions: Sequence[ToolFunction], parallel: bool) -> str:
 def message_extras(message: dict[str, Any], role: str, where: str) -> str:
     """What a message carries besides its text, for the chat template, as JSON text
     ("" for none): an assistant's ``tool_calls`` (arguments as objects, as templates
-    take them), a tool result's ``tool_call_id``."""
+    take them), a tool result's ``tool_call_id`` (and ``name``). A plain message has
+    none: its prompt stays a plain ChatPrompt."""
     extras: dict[str, Any] = {}
     calls = message.get("tool_calls")
     if calls is not None and calls != []:
@@ -278,11 +279,12 @@ def message_extras(message: dict[str, Any], role: str, where: str) -> str:
                 param=f"{where}.tool_call_id",
             )
         extras["tool_call_id"] = call_id
-    name = message.get("name")
-    if name is not None:
-        if not isinstance(name, str):
-            raise invalid_type(f"{where}.name", "a string", name)
-        extras["name"] = name
+        # the function a result is of, in the older form some templates render
+        name = message.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise invalid_type(f"{where}.name", "a string", name)
+            extras["name"] = name
     return json.dumps(extras, ensure_ascii=False) if extras else ""
 
 
