@@ -11,15 +11,16 @@ left, whether it was hung up on.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, final
+from typing import Any, final
 
 import trio
 
 from pdtrio.asgi import Message, Receive, Send, send_json
+from pdtrio.protocol.answers import AnswerKind, Shaper
 from pdtrio.protocol.openai import OpenAIError, chat_completion_body, completion_body
-from pdtrio.protocol.sse import StreamShaper
 from pdtrio.protocol.wire import TokenLogprob, Usage
 
 log = logging.getLogger("pdtrio.router.pipeline")
@@ -39,20 +40,28 @@ class ClientResponse:
         self,
         *,
         request_id: str,
-        kind: Literal["chat", "completion"],
+        kind: AnswerKind,
         model: str,
         created: int,
-        shaper: StreamShaper | None,
+        shaper: Shaper | None,
         send: Send,
         hang_up: Callable[[], bool],
         draining: Callable[[], bool],
         top_logprobs: int | None = None,
+        body_of: Callable[..., dict[str, Any]] | None = None,
     ) -> None:
+        """``body_of``: the non-streamed body's builder (an
+        :meth:`~pdtrio.protocol.answers.AnswerShape.body`); by default chat's or
+        completions', by ``kind``."""
         self.request_id = request_id
         self.kind = kind
         self.model = model
         self.created = created
         self.shaper = shaper
+        if body_of is None:
+            builder = chat_completion_body if kind == "chat" else completion_body
+            body_of = functools.partial(builder, model=model)
+        self._body_of = body_of
         self._send_to_server = send
         # shuts the client's connection down (a client that stopped reading); True if done
         self._hang_up = hang_up
@@ -153,10 +162,8 @@ class ClientResponse:
             return
         usage = self.usage
         assert usage is not None  # the shell refuses a finish without it
-        builder = chat_completion_body if self.kind == "chat" else completion_body
-        payload = builder(
+        payload = self._body_of(
             request_id=self.request_id,
-            model=self.model,
             created=self.created,
             text="".join(self._text_parts),
             finish_reason=self._finish_reason,
