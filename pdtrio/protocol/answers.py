@@ -72,6 +72,13 @@ class AnswerShape:
     def endpoint(self) -> str:
         return ENDPOINTS[self.kind]
 
+    def client_param(self, param: str | None) -> str | None:
+        """A worker's error names the chat field it refused: the client is told its own
+        request's name for it (``text.format`` for ``response_format`` on /v1/responses)."""
+        if param is None:
+            return None
+        return _CLIENT_PARAMS[self.kind].get(param, param)
+
     def stream_shaper(self, request_id: str, created: int, top_logprobs: int | None) -> Shaper:
         request = self.request
         if isinstance(request, ResponsesRequest):
@@ -130,6 +137,18 @@ _ID_PREFIXES: Final[dict[AnswerKind, str]] = {
     "chat": "chatcmpl-",
     "completion": "cmpl-",
     "responses": "resp_",
+}
+
+
+# what the instances' errors name, as each endpoint's request calls it
+_CLIENT_PARAMS: Final[dict[AnswerKind, dict[str, str]]] = {
+    "chat": {},
+    "completion": {},
+    "responses": {
+        "response_format": "text.format",
+        "max_tokens": "max_output_tokens",
+        "messages": "input",
+    },
 }
 
 

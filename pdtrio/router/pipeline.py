@@ -89,7 +89,7 @@ class RequestPipeline:
         self.router = router
         # how the answer is named and shaped; what the instances run (a chat request
         # for /v1/responses)
-        shape = answer_shape(kind, request)
+        self.shape = shape = answer_shape(kind, request)
         self.request = request = shape.run
         self.kind = kind
         self.endpoint = shape.endpoint
@@ -365,12 +365,15 @@ class RequestPipeline:
             # a worker's 4xx is the client's own; another 5xx than 503: 502
             status = status_for_worker_failure(failure.status)
             return OpenAIError(
-                failure.message, status=status, type=failure.error_type, param=failure.param
+                failure.message,
+                status=status,
+                type=failure.error_type,
+                param=self.shape.client_param(failure.param),
             )
         message = failure.message
         if failure.explain_no_prefill:
             message = self.prefill.no_instance_reason()
-        return error_for(failure.reason, message, param=failure.param)
+        return error_for(failure.reason, message, param=self.shape.client_param(failure.param))
 
     async def _send_error(self) -> None:
         """The error the machine ended the request with, if any, as it can go out."""
