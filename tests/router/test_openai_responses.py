@@ -191,7 +191,8 @@ async def test_a_stream_is_typed_events_without_done() -> None:
                 "/v1/responses",
                 json={"model": "synthetic", "input": "hi", "max_output_tokens": 2, "stream": True},
             )
-        await wait_until_idle(cluster)
+            await wait_until_idle(cluster)
+            metrics = (await http.get("/metrics")).text
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     events = response.text.split("\n\n")
@@ -202,3 +203,7 @@ async def test_a_stream_is_typed_events_without_done() -> None:
         assert kind.startswith("event: ") and data.startswith("data: {")
         assert f'"type":"{kind[7:]}"' in data
     assert events[-2].startswith("event: response.incomplete\n")
+    # counted under its own endpoint
+    assert (
+        'pdtrio_requests_total{endpoint="/v1/responses",model="synthetic",outcome="ok"' in metrics
+    )
