@@ -291,9 +291,10 @@ class SyntheticEngine:
         if sampling.structured is not None:
             # its tokens are made-up words with no text a grammar could read
             raise PromptRejected(
-                "Structured output is not supported by the synthetic engine "
-                "(it has no real vocabulary); serve a model with the torch engine.",
-                param="response_format",
+                "Structured output (and a forced tool call) is not supported by the "
+                "synthetic engine (it has no real vocabulary); serve a model with the "
+                "torch engine.",
+                param="tools" if sampling.structured.kind == "tool_call" else "response_format",
             )
         budget = token_budget(
             own,

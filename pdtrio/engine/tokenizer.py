@@ -18,11 +18,13 @@ from typing import Any, NoReturn, final
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from pdtrio.engine.api import PromptRejected
+from pdtrio.engine.tool_prompt import messages_for_plain_template
 
 __all__ = ["Tokenizer", "tiny_tokenizer"]
 
@@ -71,6 +73,7 @@ class Tokenizer:
         "_special_ids",
         "_template",
         "_template_error",
+        "_template_knows_tools",
         "_tok",
         "_vocab_size",
     )
@@ -105,11 +108,17 @@ class Tokenizer:
         )
         self._template: jinja2.Template | None = None
         self._template_error: str | None = None
+        # whether the template renders tools and tool calls itself (else they are
+        # written into the messages for it: see tool_prompt)
+        self._template_knows_tools = False
         if chat_template is None:
             self._template_error = "this model has no chat template"
         else:
             try:
-                self._template = _chat_template_environment().from_string(chat_template)
+                environment = _chat_template_environment()
+                self._template = environment.from_string(chat_template)
+                variables = jinja2.meta.find_undeclared_variables(environment.parse(chat_template))
+                self._template_knows_tools = "tools" in variables and "tool_calls" in chat_template
             except jinja2.TemplateError as exc:
                 self._template_error = f"the model's chat template does not compile: {exc}"
 
@@ -250,18 +259,34 @@ class Tokenizer:
         messages: Sequence[tuple[str, str]],
         *,
         add_generation_prompt: bool = True,
+        tools_json: str = "",
+        message_extras: Sequence[str] = (),
     ) -> str:
         """Render ``(role, content)`` messages with the model's chat template.
+
+        ``tools_json`` (the tools, OpenAI's shape) and ``message_extras`` (per
+        message, JSON of its ``tool_calls`` or ``tool_call_id``; "" for none) go
+        to a template that renders tools; another gets them written into the
+        messages.
 
         Raises PromptRejected when the model has no template or the template
         refuses the conversation (``raise_exception``, undefined values, ...).
         """
         if self._template is None:
             raise PromptRejected(self._template_error or "no chat template", param="messages")
+        rendered: list[dict[str, Any]] = [
+            {"role": role, "content": content} for role, content in messages
+        ]
+        for message, extras in zip(rendered, message_extras, strict=False):
+            if extras:
+                message.update(json.loads(extras))
+        tools = json.loads(tools_json) if tools_json else None
+        if (tools or any(message_extras)) and not self._template_knows_tools:
+            rendered, tools = messages_for_plain_template(rendered, tools), None
         context: dict[str, Any] = {
-            "messages": [{"role": role, "content": content} for role, content in messages],
+            "messages": rendered,
             "add_generation_prompt": add_generation_prompt,
-            "tools": None,
+            "tools": tools,
             "documents": None,
         }
         if self._bos_token is not None:
@@ -281,9 +306,16 @@ class Tokenizer:
         messages: Sequence[tuple[str, str]],
         *,
         add_generation_prompt: bool = True,
+        tools_json: str = "",
+        message_extras: Sequence[str] = (),
     ) -> list[int]:
         """Token ids of the rendered chat; BOS is added only if the template did not."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools_json=tools_json,
+            message_extras=message_extras,
+        )
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
         return self._with_bos(ids)
 

@@ -8,12 +8,11 @@ endpoint it serves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Literal, Protocol, final
 
 import attrs
 
-from pdtrio.protocol.openai.bodies import chat_completion_body, completion_body
 from pdtrio.protocol.openai.errors import OpenAIError
 from pdtrio.protocol.openai.requests import ChatCompletionRequest, CompletionRequest
 from pdtrio.protocol.openai.responses import (
@@ -96,7 +95,13 @@ class AnswerShape:
             top_logprobs=top_logprobs,
         )
 
-    def body(
+    @property
+    def own_body(self) -> Callable[..., dict[str, Any]] | None:
+        """The endpoint's own non-streamed body builder; None for chat and completions,
+        whose bodies the client response builds (reading a chat answer's tool calls)."""
+        return self.responses_body if isinstance(self.request, ResponsesRequest) else None
+
+    def responses_body(
         self,
         *,
         request_id: str,
@@ -107,29 +112,18 @@ class AnswerShape:
         logprobs: Sequence[TokenLogprob] | None,
         top_logprobs: int,
     ) -> dict[str, Any]:
-        """The whole, non-streamed answer."""
+        """The whole, non-streamed ``Response`` (logprobs are not asked on this endpoint)."""
         request = self.request
-        if isinstance(request, ResponsesRequest):
-            item_status: MessageStatus = "incomplete" if finish_reason == "length" else "completed"
-            return response_object(
-                request,
-                response_id=request_id,
-                created_at=created,
-                status="completed",  # (incomplete after a length finish)
-                output=[message_item(message_id_for(request_id), text, item_status)],
-                usage=usage,
-                finish_reason=finish_reason,
-            )
-        builder = chat_completion_body if self.kind == "chat" else completion_body
-        return builder(
-            request_id=request_id,
-            model=request.model,
-            created=created,
-            text=text,
-            finish_reason=finish_reason,
+        assert isinstance(request, ResponsesRequest)
+        item_status: MessageStatus = "incomplete" if finish_reason == "length" else "completed"
+        return response_object(
+            request,
+            response_id=request_id,
+            created_at=created,
+            status="completed",  # (incomplete after a length finish)
+            output=[message_item(message_id_for(request_id), text, item_status)],
             usage=usage,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
+            finish_reason=finish_reason,
         )
 
 
@@ -138,7 +132,6 @@ _ID_PREFIXES: Final[dict[AnswerKind, str]] = {
     "completion": "cmpl-",
     "responses": "resp_",
 }
-
 
 # what the instances' errors name, as each endpoint's request calls it
 _CLIENT_PARAMS: Final[dict[AnswerKind, dict[str, str]]] = {

@@ -6,15 +6,17 @@ from typing import Literal
 
 import msgspec
 
-StructuredKind = Literal["json_object", "json_schema", "regex", "lark"]
+StructuredKind = Literal["json_object", "json_schema", "regex", "lark", "tool_call"]
 
 
 class StructuredOutput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """A constraint on the text a request may produce, as the grammar library takes it.
 
     ``kind`` says how to read ``spec``: ``json_object`` (any JSON object, no spec),
-    ``json_schema`` (a JSON Schema, as JSON text), ``regex``, or ``lark`` (a Lark
-    grammar, which may embed JSON schemas with ``%json``: how tools are forced).
+    ``json_schema`` (a JSON Schema, as JSON text), ``regex``, ``lark`` (a Lark
+    grammar, which may embed JSON schemas with ``%json``), or ``tool_call`` (a Lark
+    grammar built from the request's tools: how a call is forced; its errors are
+    the tools').
     The spec travels as text so that every layer passes it on unparsed.
     """
 

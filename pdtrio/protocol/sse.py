@@ -12,6 +12,7 @@ from typing import Final, Literal, final
 
 from pdtrio.protocol.openai.errors import OpenAIError
 from pdtrio.protocol.openai.logprobs import chat_logprobs, completion_logprobs
+from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.wire import TokenLogprob, Usage
 
 DONE_EVENT: Final = b"data: [DONE]\n\n"
@@ -185,6 +186,21 @@ class StreamShaper:
             body = self._empty_finish_open
         end = self._usage_end() if self._continuous else self._chunk_end
         return (out + self._head + body + _finish_json(finish_reason) + "}]" + end).encode()
+
+    def tool_calls(self, calls: Sequence[ToolCall]) -> bytes:
+        """A chunk with ``calls`` as ``delta.tool_calls``, each whole (its name and all
+        its arguments at once: a call is sent once its block is complete)."""
+        if self._closed or self._finished:
+            raise ValueError("tool_calls() after the stream ended")
+        out = self._role_chunk() if not self._role_sent else ""
+        deltas = [{"index": call.index, **call.to_body()} for call in calls]
+        body = (
+            '[{"index":0,"delta":{"tool_calls":'
+            + _compact(deltas)
+            + '},"logprobs":null,"finish_reason":null}]'
+        )
+        end = self._usage_end() if self._continuous else self._chunk_end
+        return (out + self._head + body + end).encode()
 
     def done(self) -> bytes:
         """End the stream normally: the usage chunk if asked for, then [DONE]."""

@@ -136,6 +136,21 @@ class ChatPrompt(_Positional, frozen=True, tag="chat"):
     messages: tuple[tuple[str, str], ...]
 
 
+class ChatPromptWithTools(ChatPrompt, frozen=True, tag="chat_tools"):
+    """Chat messages with tools to show the model and tool-call history.
+
+    ``tools_json``: the request's tools as the chat template takes them (OpenAI's
+    shape, JSON text; "" for none). ``message_extras``: per message, what it
+    carries besides its text (an assistant's ``tool_calls``, a result's
+    ``tool_call_id``) as JSON text, "" for nothing. A tag of its own: a plain
+    chat's bytes stay as they were, and a worker too old for tools refuses
+    these instead of dropping the tools.
+    """
+
+    tools_json: str
+    message_extras: tuple[str, ...]
+
+
 class TextPrompt(_Positional, frozen=True, tag="text"):
     text: str
 
@@ -144,7 +159,7 @@ class TokenPrompt(_Positional, frozen=True, tag="tokens"):
     token_ids: TokenIds
 
 
-Prompt = ChatPrompt | TextPrompt | TokenPrompt
+Prompt = ChatPrompt | ChatPromptWithTools | TextPrompt | TokenPrompt
 
 
 # --- logprobs -------------------------------------------------------------------
@@ -461,7 +476,7 @@ def prompt_is_long(prompt: Prompt) -> bool:
     """Whether :func:`encode_in_pieces` would cut ``prompt``'s text (else: just encode)."""
     if type(prompt) is TextPrompt:
         return len(prompt.text) >= PIECEWISE_TEXT_CHARS
-    if type(prompt) is ChatPrompt:
+    if isinstance(prompt, ChatPrompt):
         return any(len(text) >= PIECEWISE_TEXT_CHARS for _, text in prompt.messages)
     return False
 
@@ -490,8 +505,9 @@ def encode_in_pieces(request: PrefillRequest, piece_bytes: int) -> Iterator[byte
     prompt = request.prompt
     if type(prompt) is TextPrompt:
         prompt = TextPrompt(stand_in(prompt.text))
-    elif type(prompt) is ChatPrompt:
-        prompt = ChatPrompt(tuple((role, stand_in(text)) for role, text in prompt.messages))
+    elif isinstance(prompt, ChatPrompt):
+        messages = tuple((role, stand_in(text)) for role, text in prompt.messages)
+        prompt = msgspec.structs.replace(prompt, messages=messages)
     skeleton = encode(msgspec.structs.replace(request, prompt=prompt))
     del prompt
     start = 0

@@ -276,6 +276,13 @@ class RouterApp:
                         "logprobs are not served in front of vLLM or SGLang engines yet.",
                         param="logprobs",
                     )
+                if isinstance(request, ChatCompletionRequest) and request.tools is not None:
+                    # the engine would read its calls itself, and its stream is re-shaped
+                    # here from the text alone
+                    raise bad_request(
+                        "tools are not served in front of vLLM or SGLang engines yet.",
+                        param="tools",
+                    )
                 # an engine gets the client's own request (what pdtrio validated), its legs'
                 # fields set on it
                 await _front_engines(

@@ -11,7 +11,6 @@ left, whether it was hung up on.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, final
@@ -21,6 +20,8 @@ import trio
 from pdtrio.asgi import Message, Receive, Send, send_json
 from pdtrio.protocol.answers import AnswerKind, Shaper
 from pdtrio.protocol.openai import OpenAIError, chat_completion_body, completion_body
+from pdtrio.protocol.openai.tools import ToolCallParser, parse_tool_calls
+from pdtrio.protocol.sse import StreamShaper
 from pdtrio.protocol.wire import TokenLogprob, Usage
 
 log = logging.getLogger("pdtrio.router.pipeline")
@@ -48,19 +49,17 @@ class ClientResponse:
         hang_up: Callable[[], bool],
         draining: Callable[[], bool],
         top_logprobs: int | None = None,
+        tool_names: Sequence[str] | None = None,
         body_of: Callable[..., dict[str, Any]] | None = None,
     ) -> None:
-        """``body_of``: the non-streamed body's builder (an
-        :meth:`~pdtrio.protocol.answers.AnswerShape.body`); by default chat's or
-        completions', by ``kind``."""
+        """``body_of``: the non-streamed body's builder where the endpoint has its own
+        (:attr:`~pdtrio.protocol.answers.AnswerShape.own_body`); None: chat's or
+        completions', by ``kind`` (with the tool calls read out of a chat answer)."""
         self.request_id = request_id
         self.kind = kind
         self.model = model
         self.created = created
         self.shaper = shaper
-        if body_of is None:
-            builder = chat_completion_body if kind == "chat" else completion_body
-            body_of = functools.partial(builder, model=model)
         self._body_of = body_of
         self._send_to_server = send
         # shuts the client's connection down (a client that stopped reading); True if done
@@ -85,6 +84,11 @@ class ClientResponse:
         # the request asked for logprobs (with this many alternatives): gathered too
         self._top_logprobs = top_logprobs
         self._logprobs: list[TokenLogprob] | None = [] if top_logprobs is not None else None
+        # the request has tools: the answer's <tool_call> blocks are read into tool_calls
+        self._tool_names = tool_names
+        self._tool_parser = (
+            ToolCallParser(tool_names) if tool_names is not None and shaper is not None else None
+        )
 
     @property
     def torn(self) -> bool:
@@ -125,7 +129,10 @@ class ClientResponse:
                 self._finish_reason = finish_reason
                 self.usage = usage
             return
-        chunk = self.shaper.delta(text, num_tokens, finish_reason, usage, logprobs)
+        if self._tool_parser is None:
+            chunk = self.shaper.delta(text, num_tokens, finish_reason, usage, logprobs)
+        else:
+            chunk = self._tool_chunks(text, num_tokens, finish_reason, usage, logprobs)
         if not self._headers_out:
             self._headers_out = True
             await self._send(
@@ -150,6 +157,32 @@ class ClientResponse:
             await self._write({"type": "http.response.body", "body": chunk, "more_body": True})
             self.writing = False
 
+    def _tool_chunks(
+        self,
+        text: str,
+        num_tokens: int,
+        finish_reason: str | None,
+        usage: Usage | None,
+        logprobs: Sequence[TokenLogprob] | None,
+    ) -> bytes:
+        """``shaper.delta`` for a request with tools: its text less the calls, then the
+        calls, then the finish (``tool_calls`` once a call was made)."""
+        parser, shaper = self._tool_parser, self.shaper
+        # (tools are chat's: its shaper is the chat StreamShaper)
+        assert parser is not None and isinstance(shaper, StreamShaper)
+        content, calls = parser.feed(text)
+        if finish_reason is not None:
+            more, more_calls = parser.finish()
+            content, calls = content + more, calls + more_calls
+            if parser.called and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        if not calls:
+            return shaper.delta(content, num_tokens, finish_reason, usage, logprobs)
+        chunk = shaper.delta(content, num_tokens, None, None, logprobs) + shaper.tool_calls(calls)
+        if finish_reason is not None:
+            chunk += shaper.delta("", 0, finish_reason, usage)
+        return chunk
+
     async def finish(self) -> None:
         """End a successful response (streamed: ``[DONE]``; else the whole body)."""
         if self.shaper is not None and self.shaper.closed:
@@ -162,15 +195,48 @@ class ClientResponse:
             return
         usage = self.usage
         assert usage is not None  # the shell refuses a finish without it
-        payload = self._body_of(
-            request_id=self.request_id,
-            created=self.created,
-            text="".join(self._text_parts),
-            finish_reason=self._finish_reason,
-            usage=usage,
-            logprobs=self._logprobs,
-            top_logprobs=self._top_logprobs or 0,
-        )
+        if self._body_of is not None:  # an endpoint's own body (/v1/responses)
+            payload = self._body_of(
+                request_id=self.request_id,
+                created=self.created,
+                text="".join(self._text_parts),
+                finish_reason=self._finish_reason,
+                usage=usage,
+                logprobs=self._logprobs,
+                top_logprobs=self._top_logprobs or 0,
+            )
+            await send_json(self._send, 200, payload)
+            return
+        text = "".join(self._text_parts)
+        if self.kind == "chat":
+            calls = None
+            finish_reason = self._finish_reason
+            if self._tool_names is not None:
+                text, calls = parse_tool_calls(text, self._tool_names)
+                if calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            payload = chat_completion_body(
+                request_id=self.request_id,
+                model=self.model,
+                created=self.created,
+                text=text,
+                finish_reason=finish_reason,
+                usage=usage,
+                logprobs=self._logprobs,
+                top_logprobs=self._top_logprobs or 0,
+                tool_calls=calls,
+            )
+        else:
+            payload = completion_body(
+                request_id=self.request_id,
+                model=self.model,
+                created=self.created,
+                text=text,
+                finish_reason=self._finish_reason,
+                usage=usage,
+                logprobs=self._logprobs,
+                top_logprobs=self._top_logprobs or 0,
+            )
         await send_json(self._send, 200, payload)
 
     async def fail(self, error: OpenAIError, *, headers_sent: bool) -> None:

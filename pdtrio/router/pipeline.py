@@ -44,7 +44,12 @@ from pdtrio.asgi import Receive, Send
 from pdtrio.protocol import request_machine as rm
 from pdtrio.protocol.answers import AnswerKind, AnyRequest, Shaper, answer_shape
 from pdtrio.protocol.errors import Reason, status_for_worker_failure
-from pdtrio.protocol.openai import OpenAIError, error_for
+from pdtrio.protocol.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    error_for,
+)
 from pdtrio.protocol.wire import TokenLogprob, Usage, first_logprob
 from pdtrio.router.client_response import ClientResponse
 from pdtrio.router.core import Router
@@ -135,11 +140,12 @@ class RequestPipeline:
             model=request.model,
             created=self.created,
             shaper=self.shaper,
-            body_of=shape.body,
+            body_of=shape.own_body,
             send=send,
             hang_up=hang_up,
             draining=lambda: router.requests.draining,
             top_logprobs=top_logprobs,
+            tool_names=_tool_names(request),
         )
         self._error: OpenAIError | None = None  # what the client is told, after the nursery
         self._recorded = False
@@ -409,3 +415,9 @@ class RequestPipeline:
             prefill="-" if prefill is None else prefill,
             decode="-" if decode is None else decode,
         )
+
+
+def _tool_names(request: ChatCompletionRequest | CompletionRequest) -> list[str] | None:
+    """The functions a chat request's answer may call (None: no tools shown)."""
+    tools = request.tools if isinstance(request, ChatCompletionRequest) else None
+    return None if tools is None else [function.name for function in tools.functions]

@@ -355,7 +355,7 @@ def test_model_missing_wrong_type_and_unknown() -> None:
                 {"role": "user", "content": "ok"},
                 {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]},
             ],
-            "messages.[1].tool_calls",
+            "messages.[1].tool_calls.[0].function",
         ),
         (
             [{"role": "assistant", "content": "", "function_call": {"name": "f"}}],
@@ -500,9 +500,9 @@ def test_non_finite_numbers_rejected() -> None:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools.[0].type"),
         ({"tools": "f"}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
         ({"tool_choice": {"type": "function"}}, "tool_choice"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"function_call": "auto"}, "function_call"),

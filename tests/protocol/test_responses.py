@@ -176,7 +176,8 @@ def test_the_whole_body_parses_as_the_clients_response() -> None:
     shape = answer_shape("responses", request)
     assert shape.run is request.chat and shape.id_prefix == "resp_"
     for finish, status in (("stop", "completed"), ("length", "incomplete")):
-        body = shape.body(
+        assert shape.own_body is not None
+        body = shape.own_body(
             request_id="resp_1",
             created=10,
             text="hello",
@@ -282,5 +283,6 @@ def test_worker_errors_name_the_responses_fields() -> None:
     assert shape.client_param(None) is None
     chat = answer_shape("chat", _parse().chat)
     assert chat.client_param("response_format") == "response_format"
+    assert chat.own_body is None  # (the client response builds it, tool calls read back)
     with pytest.raises(ValueError):
         answer_shape("chat", _parse())

@@ -11,6 +11,7 @@ next step, so no token is computed that nobody will receive.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -60,6 +61,7 @@ from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.wire import (
     MAX_TOP_LOGPROBS,
     ChatPrompt,
+    ChatPromptWithTools,
     Prompt,
     TextPrompt,
     TokenEntry,
@@ -252,7 +254,16 @@ class TorchEngine:
     async def tokenize(self, prompt: Prompt) -> list[int]:
         tokenizer = self._tokenizer
         token_ids: list[int]
-        if isinstance(prompt, ChatPrompt):
+        if isinstance(prompt, ChatPromptWithTools):
+            encode = functools.partial(
+                tokenizer.encode_chat,
+                tools_json=prompt.tools_json,
+                message_extras=prompt.message_extras,
+            )
+            token_ids = await trio.to_thread.run_sync(
+                encode, list(prompt.messages), limiter=self._tokenize_limiter
+            )
+        elif isinstance(prompt, ChatPrompt):
             token_ids = await trio.to_thread.run_sync(
                 tokenizer.encode_chat, list(prompt.messages), limiter=self._tokenize_limiter
             )

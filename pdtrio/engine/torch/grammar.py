@@ -115,7 +115,7 @@ class GrammarCompiler:
         if generated and not matcher.consume_tokens(list(generated)):
             raise PromptRejected(
                 f"the output so far does not match the requested format: {matcher.get_error()}",
-                param=_PARAM,
+                param=_param(structured),
             )
         return TokenConstraint(matcher)
 
@@ -129,11 +129,14 @@ class GrammarCompiler:
             )
         error = llguidance.LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
         if error:
-            raise PromptRejected(f"Invalid {_describe(structured)}: {error}", param=_PARAM)
+            raise PromptRejected(
+                f"Invalid {_describe(structured)}: {error}", param=_param(structured)
+            )
         matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise PromptRejected(
-                f"Invalid {_describe(structured)}: {matcher.get_error()}", param=_PARAM
+                f"Invalid {_describe(structured)}: {matcher.get_error()}",
+                param=_param(structured),
             )
         return matcher
 
@@ -189,4 +192,9 @@ def _describe(structured: StructuredOutput) -> str:
         "json_schema": "JSON schema",
         "regex": "regex",
         "lark": "grammar",
+        "tool_call": "tools (a function's parameters are not a JSON schema the grammar takes)",
     }[structured.kind]
+
+
+def _param(structured: StructuredOutput) -> str:
+    return "tools" if structured.kind == "tool_call" else _PARAM

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdtrio.protocol.openai.logprobs import chat_logprobs, completion_logprobs
+from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.wire import TokenLogprob, Usage
 
 
@@ -57,8 +58,18 @@ def chat_completion_body(
     usage: Usage,
     logprobs: Sequence[TokenLogprob] | None = None,
     top_logprobs: int = 0,
+    tool_calls: Sequence[ToolCall] | None = None,
 ) -> dict[str, Any]:
-    """``logprobs``: every token's, when the request asked (``top_logprobs`` alternatives)."""
+    """``logprobs``: every token's, when the request asked (``top_logprobs`` alternatives).
+    ``tool_calls``: the calls read from the answer (then ``text`` is what is left, and
+    the content is null when nothing is, as OpenAI's)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {
+            "role": "assistant",
+            "content": text or None,
+            "tool_calls": [call.to_body() for call in tool_calls],
+        }
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -67,7 +78,7 @@ def chat_completion_body(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "finish_reason": finish_reason,
                 "logprobs": None if logprobs is None else chat_logprobs(logprobs, top_logprobs),
             }

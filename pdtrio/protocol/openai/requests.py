@@ -14,6 +14,7 @@ from collections.abc import Collection, Mapping
 from typing import Any, Final, final
 
 import attrs
+import msgspec
 
 from pdtrio.protocol.openai.errors import (
     OpenAIError,
@@ -26,8 +27,15 @@ from pdtrio.protocol.openai.errors import (
 )
 from pdtrio.protocol.openai.json_pieces import PIECEWISE_JSON_BYTES, CountedArray, load_piecewise
 from pdtrio.protocol.openai.structured import structured_output
+from pdtrio.protocol.openai.tools import ChatTools, message_extras, parse_chat_tools
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import MAX_TOP_LOGPROBS, ChatPrompt, TextPrompt, TokenPrompt
+from pdtrio.protocol.wire import (
+    MAX_TOP_LOGPROBS,
+    ChatPrompt,
+    ChatPromptWithTools,
+    TextPrompt,
+    TokenPrompt,
+)
 
 CHAT_ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_SEQUENCES: Final = 4
@@ -54,6 +62,8 @@ class ChatCompletionRequest:
     # Already ANDed with include_usage: True only when usage goes on every chunk.
     continuous_usage_stats: bool
     user: str | None
+    # None: no tools; else what the answer is read for (and forced to, with a grammar)
+    tools: ChatTools | None = None
 
 
 @final
@@ -87,24 +97,43 @@ def parse_chat_completion_request(
     obj = _load_object(body, None if longest is None else ("messages", longest))
     model = _model(obj, served_models)
     context_length = None if context_lengths is None else context_lengths.get(model)
-    prompt = ChatPrompt(_messages(obj, context_length))
+    messages = _messages(obj, context_length)
     _reject_unsupported(obj)
     logprobs = _chat_logprobs(obj)
-    _reject_tools(obj)
+    tools = parse_chat_tools(obj)
     sampling, max_tokens = _sampling(
         obj, max_tokens_limit, allow_completion_alias=True, logprobs=logprobs
     )
+    forced = None if tools is None else tools.structured()
+    if forced is not None:
+        if sampling.structured is not None:
+            raise bad_request(
+                "tool_choice 'required' or a named function cannot be combined with "
+                "response_format or another output constraint.",
+                param="tool_choice",
+            )
+        sampling = msgspec.structs.replace(sampling, structured=forced)
     stream, include_usage, continuous = _streaming(obj)
     return ChatCompletionRequest(
         model=model,
-        prompt=prompt,
+        prompt=_chat_prompt(messages, tools),
         sampling=sampling,
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
         continuous_usage_stats=continuous,
         user=_opt_str(obj, "user"),
+        tools=tools if tools is not None and tools.shown else None,
     )
+
+
+def _chat_prompt(messages: tuple[tuple[str, str, str], ...], tools: ChatTools | None) -> ChatPrompt:
+    """A plain ChatPrompt unless there are tools to show or a tool-call history."""
+    pairs = tuple((role, text) for role, text, _ in messages)
+    tools_json = "" if tools is None else tools.tools_json()
+    if not tools_json and not any(extras for _, _, extras in messages):
+        return ChatPrompt(pairs)
+    return ChatPromptWithTools(pairs, tools_json, tuple(extras for _, _, extras in messages))
 
 
 def parse_completion_request(
@@ -282,7 +311,8 @@ def _model(obj: dict[str, Any], served_models: Collection[str]) -> str:
     return model
 
 
-def _messages(obj: dict[str, Any], context_length: int | None) -> tuple[tuple[str, str], ...]:
+def _messages(obj: dict[str, Any], context_length: int | None) -> tuple[tuple[str, str, str], ...]:
+    """Each message's role, text and extras (JSON text, "" for none)."""
     raw = obj.get("messages")
     if raw is None:
         raise _missing("messages")
@@ -318,7 +348,7 @@ def _too_many_messages(count: int, context_length: int | None) -> OpenAIError:
     )
 
 
-def _message(message: Any, where: str) -> tuple[str, str]:
+def _message(message: Any, where: str) -> tuple[str, str, str]:
     if not isinstance(message, dict):
         raise _type_error(where, "an object", message)
     role = message.get("role")
@@ -333,22 +363,24 @@ def _message(message: Any, where: str) -> tuple[str, str]:
             param=f"{where}.role",
             code="invalid_value",
         )
-    tool_calls = message.get("tool_calls")
-    if tool_calls is not None and tool_calls != []:
-        raise bad_request("Tool calls are not supported.", param=f"{where}.tool_calls")
     if message.get("function_call") is not None:
-        raise bad_request("Function calls are not supported.", param=f"{where}.function_call")
+        raise bad_request(
+            "'function_call' (the deprecated form) is not supported; use 'tool_calls'.",
+            param=f"{where}.function_call",
+        )
+    extras = message_extras(message, role, where)
     content = message.get("content")
     where_content = f"{where}.content"
     if content is None:
         if role == "assistant":
-            return role, ""
+            return role, "", extras
         raise _missing(where_content)
     if isinstance(content, str):
-        return role, _check_text(content, where_content)
+        return role, _check_text(content, where_content), extras
     if not isinstance(content, list):
         raise _type_error(where_content, "a string or an array of content parts", content)
-    return role, "".join(_text_part(p, f"{where_content}.[{j}]") for j, p in enumerate(content))
+    text = "".join(_text_part(p, f"{where_content}.[{j}]") for j, p in enumerate(content))
+    return role, text, extras
 
 
 def _text_part(part: Any, where: str) -> str:
@@ -489,19 +521,6 @@ def _completion_logprobs(obj: dict[str, Any]) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _type_error("logprobs", "an integer", value)
     return _top_logprobs_count(value, "logprobs")
-
-
-def _reject_tools(obj: dict[str, Any]) -> None:
-    for key in ("tools", "functions"):
-        value = obj.get(key)
-        if value is not None and value != []:
-            if not isinstance(value, list):
-                raise _type_error(key, "an array", value)
-            raise bad_request(f"{key} are not supported.", param=key)
-    for key in ("tool_choice", "function_call"):
-        value = obj.get(key)
-        if value is not None and value != "none":
-            raise bad_request(f"{key} is not supported (only 'none' or null).", param=key)
 
 
 def _token_limit(obj: dict[str, Any], key: str, max_tokens_limit: int) -> int | None:

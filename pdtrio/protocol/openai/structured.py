@@ -24,13 +24,19 @@ from typing import Any, Final
 from pdtrio.protocol.openai.errors import bad_request, invalid_type, show_client_text
 from pdtrio.protocol.sampling import StructuredOutput
 
-__all__ = ["MAX_STRUCTURED_SPEC_BYTES", "response_format_output", "structured_output"]
+__all__ = [
+    "MAX_STRUCTURED_SPEC_BYTES",
+    "OPENAI_NAME",
+    "response_format_output",
+    "schema_text",
+    "structured_output",
+]
 
 # a schema or grammar larger than this is refused before any engine compiles it
 MAX_STRUCTURED_SPEC_BYTES: Final = 64 * 1024
 MAX_CHOICES: Final = 256
-# OpenAI's rule for response_format.json_schema.name
-_SCHEMA_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# OpenAI's rule for response_format.json_schema.name and a function's name
+OPENAI_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 # what a Rust regex (llguidance's) takes escaped: every metacharacter, nothing else
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 _GUIDED_KEYS: Final = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -116,7 +122,7 @@ def _json_schema_format(value: Any, where: str) -> StructuredOutput:
             param=where,
         )
     name = value.get("name")
-    if not isinstance(name, str) or _SCHEMA_NAME.fullmatch(name) is None:
+    if not isinstance(name, str) or OPENAI_NAME.fullmatch(name) is None:
         raise bad_request(
             f"Invalid '{where}.name': expected 1 to 64 letters, digits, '_' or '-'.",
             param=f"{where}.name",
@@ -128,7 +134,7 @@ def _json_schema_format(value: Any, where: str) -> StructuredOutput:
     if schema is None:
         # OpenAI makes the schema optional: then any JSON object will do
         return StructuredOutput("json_object")
-    return StructuredOutput("json_schema", _schema_text(schema, f"{where}.schema"))
+    return StructuredOutput("json_schema", schema_text(schema, f"{where}.schema"))
 
 
 def _guided(kind: str, value: Any, where: str) -> StructuredOutput:
@@ -141,7 +147,7 @@ def _guided(kind: str, value: Any, where: str) -> StructuredOutput:
                     f"Invalid '{where}': not a JSON schema (it does not parse as JSON: {exc}).",
                     param=where,
                 ) from exc
-        return StructuredOutput("json_schema", _schema_text(value, where))
+        return StructuredOutput("json_schema", schema_text(value, where))
     if kind == "choice":
         if not isinstance(value, list) or not value:
             raise invalid_type(where, "a non-empty array of strings", value)
@@ -159,7 +165,7 @@ def _guided(kind: str, value: Any, where: str) -> StructuredOutput:
     return StructuredOutput("regex" if kind == "regex" else "lark", _checked_size(value, where))
 
 
-def _schema_text(schema: Any, where: str) -> str:
+def schema_text(schema: Any, where: str) -> str:
     # a JSON Schema is an object (or true/false, which accept anything or nothing)
     if not isinstance(schema, dict):
         raise invalid_type(where, "a JSON Schema object", schema)
