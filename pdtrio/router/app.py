@@ -29,6 +29,7 @@ from pdtrio.asgi import (
 from pdtrio.config import PdtrioConfig
 from pdtrio.memory import HeapTrimmer, freeze_startup_objects, limit_heap_retention
 from pdtrio.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pdtrio.protocol.answers import AnswerKind, AnyRequest
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
@@ -47,6 +48,7 @@ from pdtrio.protocol.openai import (
     unauthorized,
     unsupported_media_type,
 )
+from pdtrio.protocol.openai.responses import ResponsesRequest, parse_responses_request
 from pdtrio.protocol.registration import ROUTER_HEADER
 from pdtrio.protocol.routes import RouteTable
 from pdtrio.router.core import Router
@@ -54,7 +56,13 @@ from pdtrio.router.metrics import Outcome
 
 log = logging.getLogger("pdtrio.router")
 
-_COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+# each completion path's request parser and the answer kind the pipeline shapes
+_PARSERS: Final[dict[str, tuple[Callable[..., AnyRequest], AnswerKind]]] = {
+    "/v1/chat/completions": (parse_chat_completion_request, "chat"),
+    "/v1/completions": (parse_completion_request, "completion"),
+    "/v1/responses": (parse_responses_request, "responses"),
+}
 
 TRIO_ONLY_MESSAGE = (
     "pdtrio runs on Trio, not asyncio: start it with `hypercorn -k trio pdtrio.app:app`"
@@ -66,6 +74,7 @@ ROUTES: Final = RouteTable(
     {
         "/v1/chat/completions": ("POST",),
         "/v1/completions": ("POST",),
+        "/v1/responses": ("POST",),
         "/v1/models": ("GET",),
         "/health": ("GET",),
         "/metrics": ("GET",),
@@ -187,9 +196,7 @@ class RouterApp:
             key_id = _client_key(router, path, scope)
             if path in _COMPLETION_PATHS:
                 with router.client_limits.admit(key_id):
-                    await self._completion(
-                        router, scope, receive, send, path == "/v1/chat/completions"
-                    )
+                    await self._completion(router, scope, receive, send, path)
             elif path == "/v1/models":
                 await send_json(
                     send, 200, models_list_body(router.models, created=int(time.time()))
@@ -211,7 +218,7 @@ class RouterApp:
             return
 
     async def _completion(
-        self, router: Router, scope: Scope, receive: Receive, send: Send, chat: bool
+        self, router: Router, scope: Scope, receive: Receive, send: Send, path: str
     ) -> None:
         from pdtrio.router.pipeline import RequestPipeline
 
@@ -235,26 +242,17 @@ class RouterApp:
             # it could only join the queue's tail after prefill: refused before it is even
             # parsed (the pipeline checks again, for a queue that fills meanwhile)
             raise queue_full()
-        parse: Callable[[], ChatCompletionRequest | CompletionRequest]
-        if chat:
-            parse = functools.partial(
-                parse_chat_completion_request,
-                body,
-                served_models=router.models,
-                max_tokens_limit=router.config.router.max_tokens_limit,
-                context_lengths=context_lengths(router),
-            )
-        else:
-            parse = functools.partial(
-                parse_completion_request,
-                body,
-                served_models=router.models,
-                max_tokens_limit=router.config.router.max_tokens_limit,
-                context_lengths=context_lengths(router),
-            )
+        parser, kind = _PARSERS[path]
+        parse: Callable[[], AnyRequest] = functools.partial(
+            parser,
+            body,
+            served_models=router.models,
+            max_tokens_limit=router.config.router.max_tokens_limit,
+            context_lengths=context_lengths(router),
+        )
         big = len(body) > OFF_LOOP_PARSE_BYTES
         try:
-            request: ChatCompletionRequest | CompletionRequest | OpenAIError
+            request: AnyRequest | OpenAIError
             if big:
                 with _prompt_gil_handoff():
                     request = await trio.to_thread.run_sync(
@@ -263,6 +261,14 @@ class RouterApp:
             else:
                 request = parse()
             if router.engines is not None and not isinstance(request, OpenAIError):
+                if kind == "responses":
+                    # the engines are given the client's own body, which is no chat one
+                    raise bad_request(
+                        "/v1/responses is not served in front of vLLM or SGLang engines yet; "
+                        "use /v1/chat/completions.",
+                        param="input",
+                    )
+                assert not isinstance(request, ResponsesRequest)
                 if request.sampling.wants_logprobs:
                     # the engine would compute them, but its stream is re-shaped here
                     # without them: refused rather than answered without what was asked
@@ -283,7 +289,7 @@ class RouterApp:
                     router,
                     request,
                     bytes(body),
-                    chat,
+                    kind == "chat",
                     receive,
                     send,
                     functools.partial(hang_up, scope),
@@ -295,7 +301,7 @@ class RouterApp:
             pipeline = RequestPipeline(
                 router,
                 request,
-                "chat" if chat else "completion",
+                kind,
                 receive,
                 send,
                 functools.partial(hang_up, scope),
@@ -356,8 +362,8 @@ def _client_key(router: Router, path: str, scope: Scope) -> str:
 
 
 def _parse_leaving_nothing(
-    parse: Callable[[], ChatCompletionRequest | CompletionRequest],
-) -> ChatCompletionRequest | CompletionRequest | OpenAIError:
+    parse: Callable[[], AnyRequest],
+) -> AnyRequest | OpenAIError:
     """On the parse thread: the request, or the error refusing it, holding no frame.
 
     A raised error's traceback (and the JSON error it replaced, with the whole

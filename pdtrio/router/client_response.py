@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, final
+from typing import Any, final
 
 import trio
 
 from pdtrio.asgi import Message, Receive, Send, send_json
+from pdtrio.protocol.answers import AnswerKind, Shaper
 from pdtrio.protocol.openai import OpenAIError, chat_completion_body, completion_body
 from pdtrio.protocol.openai.tools import ToolCallParser, parse_tool_calls
 from pdtrio.protocol.sse import StreamShaper
@@ -40,21 +41,26 @@ class ClientResponse:
         self,
         *,
         request_id: str,
-        kind: Literal["chat", "completion"],
+        kind: AnswerKind,
         model: str,
         created: int,
-        shaper: StreamShaper | None,
+        shaper: Shaper | None,
         send: Send,
         hang_up: Callable[[], bool],
         draining: Callable[[], bool],
         top_logprobs: int | None = None,
         tool_names: Sequence[str] | None = None,
+        body_of: Callable[..., dict[str, Any]] | None = None,
     ) -> None:
+        """``body_of``: the non-streamed body's builder where the endpoint has its own
+        (:attr:`~pdtrio.protocol.answers.AnswerShape.own_body`); None: chat's or
+        completions', by ``kind`` (with the tool calls read out of a chat answer)."""
         self.request_id = request_id
         self.kind = kind
         self.model = model
         self.created = created
         self.shaper = shaper
+        self._body_of = body_of
         self._send_to_server = send
         # shuts the client's connection down (a client that stopped reading); True if done
         self._hang_up = hang_up
@@ -162,7 +168,8 @@ class ClientResponse:
         """``shaper.delta`` for a request with tools: its text less the calls, then the
         calls, then the finish (``tool_calls`` once a call was made)."""
         parser, shaper = self._tool_parser, self.shaper
-        assert parser is not None and shaper is not None
+        # (tools are chat's: its shaper is the chat StreamShaper)
+        assert parser is not None and isinstance(shaper, StreamShaper)
         content, calls = parser.feed(text)
         if finish_reason is not None:
             more, more_calls = parser.finish()
@@ -188,6 +195,18 @@ class ClientResponse:
             return
         usage = self.usage
         assert usage is not None  # the shell refuses a finish without it
+        if self._body_of is not None:  # an endpoint's own body (/v1/responses)
+            payload = self._body_of(
+                request_id=self.request_id,
+                created=self.created,
+                text="".join(self._text_parts),
+                finish_reason=self._finish_reason,
+                usage=usage,
+                logprobs=self._logprobs,
+                top_logprobs=self._top_logprobs or 0,
+            )
+            await send_json(self._send, 200, payload)
+            return
         text = "".join(self._text_parts)
         if self.kind == "chat":
             calls = None

@@ -29,12 +29,12 @@ import attrs
 import trio
 
 from pdtrio.protocol import request_machine as rm
+from pdtrio.protocol.answers import Shaper
 from pdtrio.protocol.egress import send_deadline
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
 from pdtrio.protocol.lifecycle import State
 from pdtrio.protocol.openai import ChatCompletionRequest, CompletionRequest
-from pdtrio.protocol.sse import StreamShaper
 from pdtrio.protocol.wire import (
     DecodeStart,
     KvHandle,
@@ -106,7 +106,7 @@ class LegHost(Protocol):
     request_id: str
     figures: RequestFigures
     machine: rm.RequestMachine
-    shaper: StreamShaper | None
+    shaper: Shaper | None
 
     async def report(self, event: rm.Event) -> Wait | None:
         """Tell the machine ``event``, write what it emits; the wait it starts, if any."""

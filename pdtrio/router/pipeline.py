@@ -36,12 +36,13 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal, final
+from typing import final
 
 import trio
 
 from pdtrio.asgi import Receive, Send
 from pdtrio.protocol import request_machine as rm
+from pdtrio.protocol.answers import AnswerKind, AnyRequest, Shaper, answer_shape
 from pdtrio.protocol.errors import Reason, status_for_worker_failure
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
@@ -49,7 +50,6 @@ from pdtrio.protocol.openai import (
     OpenAIError,
     error_for,
 )
-from pdtrio.protocol.sse import StreamShaper
 from pdtrio.protocol.wire import TokenLogprob, Usage, first_logprob
 from pdtrio.router.client_response import ClientResponse
 from pdtrio.router.core import Router
@@ -71,7 +71,6 @@ log = logging.getLogger("pdtrio.router.pipeline")
 # and no system call per request (uuid4 reads the OS's randomness every time)
 _PROCESS_ID = secrets.token_hex(8)
 _request_numbers = itertools.count()
-_ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 # decode must pull the KV this long before prefill's lease frees it
 _LEASE_MARGIN_S = 1.0
 _OUTCOMES = {ending: Outcome[ending.name] for ending in rm.Ending}
@@ -85,20 +84,23 @@ class RequestPipeline:
     def __init__(
         self,
         router: Router,
-        request: ChatCompletionRequest | CompletionRequest,
-        kind: Literal["chat", "completion"],
+        request: AnyRequest,
+        kind: AnswerKind,
         receive: Receive,
         send: Send,
         hang_up: Callable[[], bool] = lambda: False,
         make_legs: MakeLegs | None = None,
     ) -> None:
         self.router = router
-        self.request = request
+        # how the answer is named and shaped; what the instances run (a chat request
+        # for /v1/responses)
+        self.shape = shape = answer_shape(kind, request)
+        self.request = request = shape.run
         self.kind = kind
+        self.endpoint = shape.endpoint
         self._receive = receive
         config = router.config.router
-        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        self.request_id = f"{prefix}{_PROCESS_ID}{next(_request_numbers):x}"
+        self.request_id = f"{shape.id_prefix}{_PROCESS_ID}{next(_request_numbers):x}"
         # what /metrics and the access line say of it, recorded as it goes
         self.figures = router.metrics.figures(request.model)
         # the request on the instances: its prefill calls and its decode run
@@ -127,25 +129,18 @@ class RequestPipeline:
         )
         self._ending_with_error = False  # the machine ended it: what is sent now is the error
         self.created = int(time.time())
-        self.shaper: StreamShaper | None = None
+        self.shaper: Shaper | None = None
         # the alternatives each token's logprob comes with; None: no logprobs asked
         top_logprobs = request.sampling.logprobs if request.sampling.wants_logprobs else None
         if request.stream:
-            self.shaper = StreamShaper(
-                kind=kind,
-                request_id=self.request_id,
-                model=request.model,
-                created=self.created,
-                include_usage=request.include_usage,
-                continuous_usage_stats=request.continuous_usage_stats,
-                top_logprobs=top_logprobs,
-            )
+            self.shaper = shape.stream_shaper(self.request_id, self.created, top_logprobs)
         self.response = ClientResponse(
             request_id=self.request_id,
             kind=kind,
             model=request.model,
             created=self.created,
             shaper=self.shaper,
+            body_of=shape.own_body,
             send=send,
             hang_up=hang_up,
             draining=lambda: router.requests.draining,
@@ -376,12 +371,15 @@ class RequestPipeline:
             # a worker's 4xx is the client's own; another 5xx than 503: 502
             status = status_for_worker_failure(failure.status)
             return OpenAIError(
-                failure.message, status=status, type=failure.error_type, param=failure.param
+                failure.message,
+                status=status,
+                type=failure.error_type,
+                param=self.shape.client_param(failure.param),
             )
         message = failure.message
         if failure.explain_no_prefill:
             message = self.prefill.no_instance_reason()
-        return error_for(failure.reason, message, param=failure.param)
+        return error_for(failure.reason, message, param=self.shape.client_param(failure.param))
 
     async def _send_error(self) -> None:
         """The error the machine ended the request with, if any, as it can go out."""
@@ -408,7 +406,7 @@ class RequestPipeline:
         if usage is not None:
             figures.completion_tokens = usage.completion_tokens
         self.router.metrics.request_ended(
-            endpoint=_ENDPOINTS[self.kind],
+            endpoint=self.endpoint,
             model=self.request.model,
             outcome=_OUTCOMES[end.ending],
             status=status,

@@ -56,6 +56,7 @@ from pdtrio.protocol.openai import (
     parse_completion_request,
 )
 from pdtrio.protocol.openai import requests as openai_requests
+from pdtrio.protocol.openai.responses import parse_responses_request
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.websocket_frames import ClientFrameReader, ReaderClosedError
 from pdtrio.protocol.wire import (
@@ -381,6 +382,75 @@ def test_openai_broken_bodies_only_raise_openai_error(
         request = _parse(body, chat, with_contexts)
     if request is not None:
         _check_accepted(request)
+
+
+_RESPONSES_KEYS = [
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "stream_options",
+    "text",
+    "metadata",
+    "store",
+    "tools",
+    "tool_choice",
+    "include",
+    "truncation",
+    "previous_response_id",
+]
+_input_items = st.fixed_dictionaries(
+    {},
+    optional={
+        "type": st.sampled_from(["message", "function_call"]) | json_leaves,
+        "role": st.sampled_from(["user", "system", "developer", "assistant", "tool"]),
+        "content": json_values
+        | _text
+        | st.lists(
+            st.fixed_dictionaries(
+                {"type": st.sampled_from(["input_text", "output_text", "input_image"])},
+                optional={"text": _text | json_leaves},
+            ),
+            max_size=3,
+        ),
+    },
+)
+_responses_bodies = st.fixed_dictionaries(
+    {"model": st.just(MODEL)},
+    optional={
+        **{key: json_values for key in _RESPONSES_KEYS},
+        "input": _text | st.lists(_input_items, max_size=4) | json_values,
+        "text": st.fixed_dictionaries(
+            {},
+            optional={
+                "format": st.fixed_dictionaries(
+                    {"type": st.sampled_from(["text", "json_object", "json_schema", "x"])},
+                    optional={"name": _text | json_leaves, "schema": json_values},
+                )
+            },
+        ),
+    },
+)
+
+
+@FUZZ
+@given(_responses_bodies | json_values)
+def test_responses_bodies_only_raise_openai_error(body: Any) -> None:
+    try:
+        request = parse_responses_request(
+            json.dumps(body).encode(),
+            served_models=CONTEXTS.keys(),
+            max_tokens_limit=LIMIT,
+            context_lengths=CONTEXTS,
+        )
+    except OpenAIError as error:
+        assert error.status in (400, 404)
+        json.dumps(error.to_body())
+        return
+    _check_accepted(request.chat)
+    assert request.chat.prompt.messages
 
 
 @_paths

@@ -203,6 +203,16 @@ async def test_logprobs_in_front_of_engines_are_a_400_before_any_leg() -> None:
         assert prefill.received == [] and decode.received == []
 
 
+async def test_responses_in_front_of_engines_are_a_400_before_any_leg() -> None:
+    # the engines are handed the client's own body, and a Responses body is no chat one
+    async with fronted() as (url, [prefill], [decode], _):
+        async with httpx.AsyncClient(base_url=url) as client:
+            refused = await client.post("/v1/responses", json={"model": MODEL, "input": "hi"})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "input"
+        assert prefill.received == [] and decode.received == []
+
+
 async def test_a_prefill_failing_with_a_5xx_is_suspended_and_another_takes_it() -> None:
     async with fronted(prefills=2) as (url, prefills, [decode], app):
         prefills[0].fail_status = 500

@@ -24,7 +24,13 @@ from typing import Any, Final
 from pdtrio.protocol.openai.errors import bad_request, invalid_type, show_client_text
 from pdtrio.protocol.sampling import StructuredOutput
 
-__all__ = ["MAX_STRUCTURED_SPEC_BYTES", "OPENAI_NAME", "schema_text", "structured_output"]
+__all__ = [
+    "MAX_STRUCTURED_SPEC_BYTES",
+    "OPENAI_NAME",
+    "response_format_output",
+    "schema_text",
+    "structured_output",
+]
 
 # a schema or grammar larger than this is refused before any engine compiles it
 MAX_STRUCTURED_SPEC_BYTES: Final = 64 * 1024
@@ -45,7 +51,7 @@ _STRUCTURED_OUTPUTS_KEYS: Final = {
 def structured_output(obj: dict[str, Any]) -> StructuredOutput | None:
     """The request's constraint, or None; raises ``OpenAIError`` (400) for a bad shape."""
     found: list[tuple[str, StructuredOutput]] = []
-    response_format = _response_format(obj.get("response_format"))
+    response_format = response_format_output(obj.get("response_format"))
     if response_format is not None:
         found.append(("response_format", response_format))
     for key in _GUIDED_KEYS:
@@ -75,33 +81,41 @@ def structured_output(obj: dict[str, Any]) -> StructuredOutput | None:
     return found[0][1] if found else None
 
 
-def _response_format(value: Any) -> StructuredOutput | None:
+def response_format_output(
+    value: Any, *, where: str = "response_format", json_schema_where: str | None = None
+) -> StructuredOutput | None:
+    """A chat ``response_format`` object's constraint, or None.
+
+    ``where`` names the object in errors, ``json_schema_where`` the object holding
+    ``name``/``schema``/``strict`` (default ``{where}.json_schema``): the Responses API
+    translates its flat ``text.format`` into this shape and has its own names told.
+    """
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise invalid_type("response_format", "an object", value)
+        raise invalid_type(where, "an object", value)
     kind = value.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
         return StructuredOutput("json_object")
     if kind == "json_schema":
-        return _json_schema_format(value.get("json_schema"))
+        return _json_schema_format(
+            value.get("json_schema"), json_schema_where or f"{where}.json_schema"
+        )
     if not isinstance(kind, str):
         raise bad_request(
-            "Missing or invalid 'response_format.type': expected 'text', 'json_object' or "
-            "'json_schema'.",
-            param="response_format.type",
+            f"Missing or invalid '{where}.type': expected 'text', 'json_object' or 'json_schema'.",
+            param=f"{where}.type",
         )
     raise bad_request(
-        f"response_format type {show_client_text(kind)} is not supported "
+        f"{where} type {show_client_text(kind)} is not supported "
         "(only 'text', 'json_object' and 'json_schema').",
-        param="response_format.type",
+        param=f"{where}.type",
     )
 
 
-def _json_schema_format(value: Any) -> StructuredOutput:
-    where = "response_format.json_schema"
+def _json_schema_format(value: Any, where: str) -> StructuredOutput:
     if not isinstance(value, dict):
         raise bad_request(
             f"Missing required parameter: '{where}' (an object with 'name' and 'schema').",

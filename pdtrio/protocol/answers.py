@@ -1,0 +1,153 @@
+"""What each endpoint's answer looks like: its id, its stream shaper, its whole body.
+
+Sans-IO.  The pipeline runs every endpoint's request the same way (a chat or a
+completion request on the instances); :func:`answer_shape` says, by endpoint
+kind, how its answer is named and shaped, so that no other code asks which
+endpoint it serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Final, Literal, Protocol, final
+
+import attrs
+
+from pdtrio.protocol.openai.errors import OpenAIError
+from pdtrio.protocol.openai.requests import ChatCompletionRequest, CompletionRequest
+from pdtrio.protocol.openai.responses import (
+    MessageStatus,
+    ResponsesRequest,
+    message_item,
+    response_object,
+)
+from pdtrio.protocol.responses_sse import ResponsesStreamShaper, message_id_for
+from pdtrio.protocol.sse import StreamShaper
+from pdtrio.protocol.wire import TokenLogprob, Usage
+
+AnswerKind = Literal["chat", "completion", "responses"]
+AnyRequest = ChatCompletionRequest | CompletionRequest | ResponsesRequest
+
+ENDPOINTS: Final[dict[AnswerKind, str]] = {
+    "chat": "/v1/chat/completions",
+    "completion": "/v1/completions",
+    "responses": "/v1/responses",
+}
+
+
+class Shaper(Protocol):
+    """A streamed answer's shaper (see :class:`~pdtrio.protocol.sse.StreamShaper`)."""
+
+    @property
+    def completion_tokens(self) -> int: ...
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def closed(self) -> bool: ...
+    def set_prompt_usage(self, prompt_tokens: int, cached_tokens: int) -> None: ...
+    def delta(
+        self,
+        text: str,
+        num_tokens: int,
+        finish_reason: str | None,
+        usage: Usage | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> bytes: ...
+    def done(self) -> bytes: ...
+    def error(self, error: OpenAIError) -> bytes: ...
+
+
+@final
+@attrs.frozen
+class AnswerShape:
+    """One request's answer: ``run`` is the request the instances serve."""
+
+    kind: AnswerKind
+    request: AnyRequest
+    run: ChatCompletionRequest | CompletionRequest
+    id_prefix: str
+
+    @property
+    def endpoint(self) -> str:
+        return ENDPOINTS[self.kind]
+
+    def client_param(self, param: str | None) -> str | None:
+        """A worker's error names the chat field it refused: the client is told its own
+        request's name for it (``text.format`` for ``response_format`` on /v1/responses)."""
+        if param is None:
+            return None
+        return _CLIENT_PARAMS[self.kind].get(param, param)
+
+    def stream_shaper(self, request_id: str, created: int, top_logprobs: int | None) -> Shaper:
+        request = self.request
+        if isinstance(request, ResponsesRequest):
+            return ResponsesStreamShaper(
+                request=request, response_id=request_id, created_at=created
+            )
+        assert self.kind != "responses"
+        return StreamShaper(
+            kind=self.kind,
+            request_id=request_id,
+            model=request.model,
+            created=created,
+            include_usage=request.include_usage,
+            continuous_usage_stats=request.continuous_usage_stats,
+            top_logprobs=top_logprobs,
+        )
+
+    @property
+    def own_body(self) -> Callable[..., dict[str, Any]] | None:
+        """The endpoint's own non-streamed body builder; None for chat and completions,
+        whose bodies the client response builds (reading a chat answer's tool calls)."""
+        return self.responses_body if isinstance(self.request, ResponsesRequest) else None
+
+    def responses_body(
+        self,
+        *,
+        request_id: str,
+        created: int,
+        text: str,
+        finish_reason: str | None,
+        usage: Usage,
+        logprobs: Sequence[TokenLogprob] | None,
+        top_logprobs: int,
+    ) -> dict[str, Any]:
+        """The whole, non-streamed ``Response`` (logprobs are not asked on this endpoint)."""
+        request = self.request
+        assert isinstance(request, ResponsesRequest)
+        item_status: MessageStatus = "incomplete" if finish_reason == "length" else "completed"
+        return response_object(
+            request,
+            response_id=request_id,
+            created_at=created,
+            status="completed",  # (incomplete after a length finish)
+            output=[message_item(message_id_for(request_id), text, item_status)],
+            usage=usage,
+            finish_reason=finish_reason,
+        )
+
+
+_ID_PREFIXES: Final[dict[AnswerKind, str]] = {
+    "chat": "chatcmpl-",
+    "completion": "cmpl-",
+    "responses": "resp_",
+}
+
+# what the instances' errors name, as each endpoint's request calls it
+_CLIENT_PARAMS: Final[dict[AnswerKind, dict[str, str]]] = {
+    "chat": {},
+    "completion": {},
+    "responses": {
+        "response_format": "text.format",
+        "max_tokens": "max_output_tokens",
+        "messages": "input",
+    },
+}
+
+
+def answer_shape(kind: AnswerKind, request: AnyRequest) -> AnswerShape:
+    """The answer of ``request`` at endpoint ``kind``."""
+    run = request.chat if isinstance(request, ResponsesRequest) else request
+    if (kind == "responses") != isinstance(request, ResponsesRequest):
+        raise ValueError(f"a {type(request).__name__} is not a {kind} request")
+    return AnswerShape(kind=kind, request=request, run=run, id_prefix=_ID_PREFIXES[kind])

@@ -1,0 +1,404 @@
+"""OpenAI's Responses API (``POST /v1/responses``), stateless: the request and its body.
+
+Sans-IO.  :func:`parse_responses_request` validates a body into a
+:class:`ResponsesRequest`: the chat request the pipeline runs (its ``input``
+and ``instructions`` as chat messages, ``max_output_tokens`` as max_tokens,
+``text.format`` through the chat path's ``response_format`` parser) and what
+the ``Response`` object echoes.  Nothing is stored: ``store`` is accepted and
+ignored, and what needs a stored response or conversation
+(``previous_response_id``, ``conversation``, ``background``, ``prompt``) is
+refused with a 400 naming it.  Tools are refused for now (naming ``tools``):
+:func:`_reject_tools` is the seam where they will be parsed.
+
+:func:`response_object` is the ``Response`` object, the non-streamed body and
+what the stream's ``response.*`` events carry (``pdtrio.protocol.responses_sse``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any, Final, Literal, final
+
+import attrs
+import msgspec
+
+from pdtrio.protocol.openai.errors import OpenAIError, bad_request, invalid_type, show_client_text
+from pdtrio.protocol.openai.requests import (
+    ChatCompletionRequest,
+    _check_text,
+    _load_object,
+    _missing,
+    _model,
+    _opt_bool,
+    _opt_int,
+    _opt_str,
+    _sampling,
+    _token_limit,
+    _too_many_messages,
+)
+from pdtrio.protocol.openai.structured import response_format_output
+from pdtrio.protocol.wire import ChatPrompt, Usage
+
+__all__ = [
+    "INPUT_ROLES",
+    "MessageStatus",
+    "ResponsesRequest",
+    "message_item",
+    "parse_responses_request",
+    "response_object",
+    "response_usage",
+]
+
+INPUT_ROLES: Final = frozenset({"user", "system", "developer", "assistant"})
+_TEXT_PART_TYPES: Final = frozenset({"input_text", "output_text"})
+# OpenAI's metadata limits
+_METADATA_KEYS: Final = 16
+_METADATA_KEY_CHARS: Final = 64
+_METADATA_VALUE_CHARS: Final = 512
+# what only a stored response, conversation or prompt could serve
+_STATEFUL: Final = {
+    "previous_response_id": "previous_response_id is not supported: no response is stored "
+    "(send the whole conversation in 'input').",
+    "conversation": "conversation is not supported: no conversation is stored "
+    "(send the whole conversation in 'input').",
+    "prompt": "prompt (a stored prompt template) is not supported.",
+}
+
+
+@final
+@attrs.frozen
+class ResponsesRequest:
+    """A ``/v1/responses`` request: ``chat`` is what runs, the rest what is echoed."""
+
+    chat: ChatCompletionRequest
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    # the client's text.format as given (echoed), {"type": "text"} when none
+    text_format: Mapping[str, Any]
+    metadata: Mapping[str, str]
+    store: bool
+    parallel_tool_calls: bool
+    tool_choice: str
+
+
+def parse_responses_request(
+    body: bytes | bytearray,
+    *,
+    served_models: Collection[str],
+    max_tokens_limit: int,
+    context_lengths: Mapping[str, int] | None = None,
+) -> ResponsesRequest:
+    """Validate a ``POST /v1/responses`` body; raises :class:`OpenAIError` (400 naming
+    the ``param``) for anything not served."""
+    obj = _load_object(body)
+    model = _model(obj, served_models)
+    for key, message in _STATEFUL.items():
+        if obj.get(key) is not None:
+            raise bad_request(message, param=key)
+    if _opt_bool(obj, "background"):
+        raise bad_request("background is not supported: no response is stored.", param="background")
+    tool_choice = _reject_tools(obj)
+    instructions = _opt_str(obj, "instructions")
+    messages = _input_messages(obj)
+    if instructions is not None:
+        messages = (("system", instructions), *messages)
+    context_length = None if context_lengths is None else context_lengths.get(model)
+    if context_length is not None and len(messages) >= context_length:
+        raise _too_many_messages(len(messages), context_length)
+    _reject_unserved(obj)
+    max_output_tokens = _token_limit(obj, "max_output_tokens", max_tokens_limit)
+    # the chat path's sampling checks, on the fields both APIs name alike
+    shared: dict[str, Any] = {key: obj[key] for key in ("temperature", "top_p") if key in obj}
+    sampling, _ = _sampling(shared, max_tokens_limit, allow_completion_alias=False, logprobs=-1)
+    text_format, structured = _text_format(obj)
+    stream = bool(_opt_bool(obj, "stream"))
+    options = obj.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise invalid_type("stream_options", "an object", options)
+    if options is not None and not stream:
+        raise bad_request(
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            param="stream_options",
+        )
+    store = _opt_bool(obj, "store")
+    parallel = _opt_bool(obj, "parallel_tool_calls")
+    chat = ChatCompletionRequest(
+        model=model,
+        prompt=ChatPrompt(messages),
+        sampling=msgspec.structs.replace(sampling, structured=structured),
+        max_tokens=max_output_tokens,
+        stream=stream,
+        # the stream's last event carries the usage (response.completed's response)
+        include_usage=False,
+        continuous_usage_stats=False,
+        user=_opt_str(obj, "user"),
+    )
+    return ResponsesRequest(
+        chat=chat,
+        instructions=instructions,
+        max_output_tokens=max_output_tokens,
+        temperature=None if "temperature" not in shared else sampling.temperature,
+        top_p=None if "top_p" not in shared else sampling.top_p,
+        text_format=text_format,
+        metadata=_metadata(obj),
+        store=True if store is None else store,
+        parallel_tool_calls=True if parallel is None else parallel,
+        tool_choice=tool_choice,
+    )
+
+
+# --- input ----------------------------------------------------------------------
+
+
+def _input_messages(obj: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    raw = obj.get("input")
+    if raw is None:
+        raise _missing("input")
+    if isinstance(raw, str):
+        return (("user", _check_text(raw, "input")),)
+    if not isinstance(raw, list):
+        raise invalid_type("input", "a string or an array of input items", raw)
+    if not raw:
+        raise bad_request(
+            "Invalid 'input': empty array. Expected an array with minimum length 1.",
+            param="input",
+            code="empty_array",
+        )
+    return tuple(_input_item(item, f"input.[{i}]") for i, item in enumerate(raw))
+
+
+def _input_item(item: Any, where: str) -> tuple[str, str]:
+    if not isinstance(item, dict):
+        raise invalid_type(where, "an object", item)
+    kind = item.get("type")
+    if kind is not None and kind != "message":
+        if not isinstance(kind, str):
+            raise invalid_type(f"{where}.type", "a string", kind)
+        # function_call, function_call_output, reasoning, item_reference, ...
+        raise bad_request(
+            f"Input items of type {show_client_text(kind)} are not supported; only "
+            "'message' items are.",
+            param=f"{where}.type",
+            code="unsupported_input",
+        )
+    role = item.get("role")
+    if role is None:
+        raise _missing(f"{where}.role")
+    if not isinstance(role, str):
+        raise invalid_type(f"{where}.role", "a string", role)
+    if role not in INPUT_ROLES:
+        supported = ", ".join(f"'{r}'" for r in sorted(INPUT_ROLES))
+        raise bad_request(
+            f"Invalid value: {show_client_text(role)}. Supported values are: {supported}.",
+            param=f"{where}.role",
+            code="invalid_value",
+        )
+    content = item.get("content")
+    where_content = f"{where}.content"
+    if content is None:
+        raise _missing(where_content)
+    if isinstance(content, str):
+        return role, _check_text(content, where_content)
+    if not isinstance(content, list):
+        raise invalid_type(where_content, "a string or an array of content parts", content)
+    return role, "".join(_content_part(p, f"{where_content}.[{j}]") for j, p in enumerate(content))
+
+
+def _content_part(part: Any, where: str) -> str:
+    if not isinstance(part, dict):
+        raise invalid_type(where, "an object", part)
+    kind = part.get("type")
+    if kind is None:
+        raise _missing(f"{where}.type")
+    if not isinstance(kind, str):
+        raise invalid_type(f"{where}.type", "a string", kind)
+    if kind not in _TEXT_PART_TYPES:
+        # input_image, input_file, input_audio, refusal
+        raise bad_request(
+            f"Content parts of type {show_client_text(kind)} are not supported; only "
+            "'input_text' and 'output_text' parts are.",
+            param=f"{where}.type",
+            code="unsupported_content",
+        )
+    text = part.get("text")
+    if text is None:
+        raise _missing(f"{where}.text")
+    if not isinstance(text, str):
+        raise invalid_type(f"{where}.text", "a string", text)
+    return _check_text(text, f"{where}.text")
+
+
+# --- the other fields --------------------------------------------------------------
+
+
+def _reject_tools(obj: dict[str, Any]) -> str:
+    """The tool_choice to echo.  The seam for tools: refused until they are served."""
+    tools = obj.get("tools")
+    if tools is not None and tools != []:
+        if not isinstance(tools, list):
+            raise invalid_type("tools", "an array", tools)
+        raise bad_request("tools are not supported yet.", param="tools")
+    choice = obj.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if choice not in ("auto", "none"):
+        # a tool named or required, with no tools to call
+        raise bad_request(
+            "tool_choice is not supported (only 'auto' or 'none': tools are not served yet).",
+            param="tools",
+        )
+    return str(choice)
+
+
+def _reject_unserved(obj: dict[str, Any]) -> None:
+    """Fields accepted only at the value that asks nothing this router does not do."""
+    include = obj.get("include")
+    if include is not None and include != []:
+        if not isinstance(include, list):
+            raise invalid_type("include", "an array", include)
+        raise bad_request("include is not supported.", param="include")
+    top_logprobs = _opt_int(obj, "top_logprobs")
+    if top_logprobs is not None and top_logprobs != 0:
+        raise bad_request("top_logprobs is not supported on /v1/responses.", param="top_logprobs")
+    truncation = obj.get("truncation")
+    if truncation is not None and truncation != "disabled":
+        raise bad_request(
+            "truncation is not supported (only 'disabled': a prompt too long is refused).",
+            param="truncation",
+        )
+
+
+def _text_format(obj: dict[str, Any]) -> tuple[Mapping[str, Any], Any]:
+    """(text.format to echo, the constraint): the flat Responses format translated into
+    the chat ``response_format`` shape and parsed by the chat path's parser."""
+    text = obj.get("text")
+    if text is None:
+        return {"type": "text"}, None
+    if not isinstance(text, dict):
+        raise invalid_type("text", "an object", text)
+    fmt = text.get("format")
+    if fmt is None:
+        return {"type": "text"}, None
+    if not isinstance(fmt, dict):
+        raise invalid_type("text.format", "an object", fmt)
+    translated: dict[str, Any] = {"type": fmt.get("type")}
+    if fmt.get("type") == "json_schema":
+        translated["json_schema"] = {
+            key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt
+        }
+    structured = response_format_output(
+        translated, where="text.format", json_schema_where="text.format"
+    )
+    return fmt, structured
+
+
+def _metadata(obj: dict[str, Any]) -> Mapping[str, str]:
+    raw = obj.get("metadata")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise invalid_type("metadata", "an object", raw)
+    if len(raw) > _METADATA_KEYS:
+        raise bad_request(
+            f"Invalid 'metadata': at most {_METADATA_KEYS} keys are allowed.", param="metadata"
+        )
+    for key, value in raw.items():
+        if len(key) > _METADATA_KEY_CHARS:
+            raise bad_request(
+                f"Invalid 'metadata': a key is longer than {_METADATA_KEY_CHARS} characters.",
+                param="metadata",
+            )
+        if not isinstance(value, str):
+            raise invalid_type(f"metadata.{key}", "a string", value)
+        if len(value) > _METADATA_VALUE_CHARS:
+            raise bad_request(
+                f"Invalid 'metadata.{key}': longer than {_METADATA_VALUE_CHARS} characters.",
+                param="metadata",
+            )
+        _check_text(key, "metadata")
+        _check_text(value, f"metadata.{key}")
+    return dict(raw)
+
+
+# --- the Response object ------------------------------------------------------------
+
+
+def response_usage(usage: Usage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+MessageStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+def message_item(message_id: str, text: str | None, status: MessageStatus) -> dict[str, Any]:
+    """The output message (``text`` None: its content not begun)."""
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+    return {
+        "type": "message",
+        "id": message_id,
+        "status": status,
+        "role": "assistant",
+        "content": content,
+    }
+
+
+ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
+
+
+def response_object(
+    request: ResponsesRequest,
+    *,
+    response_id: str,
+    created_at: int,
+    status: ResponseStatus,
+    output: list[dict[str, Any]],
+    usage: Usage | None,
+    finish_reason: str | None = None,
+    error: OpenAIError | None = None,
+) -> dict[str, Any]:
+    """The ``Response`` object; a ``length`` finish makes it ``incomplete``."""
+    if status == "completed" and finish_reason == "length":
+        status = "incomplete"
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "background": False,
+        "error": None if error is None else _response_error(error),
+        "incomplete_details": ({"reason": "max_output_tokens"} if status == "incomplete" else None),
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "max_tool_calls": None,
+        "metadata": dict(request.metadata),
+        "model": request.chat.model,
+        "output": output,
+        "parallel_tool_calls": request.parallel_tool_calls,
+        "previous_response_id": None,
+        "reasoning": None,
+        "service_tier": "default",
+        "store": request.store,
+        "temperature": request.temperature,
+        "text": {"format": dict(request.text_format)},
+        "tool_choice": request.tool_choice,
+        "tools": [],
+        "top_logprobs": 0,
+        "top_p": request.top_p,
+        "truncation": "disabled",
+        "usage": None if usage is None else response_usage(usage),
+        "user": request.chat.user,
+    }
+
+
+def _response_error(error: OpenAIError) -> dict[str, Any]:
+    # ResponseError's code is one of OpenAI's own (server_error, rate_limit_exceeded, ...)
+    code = "rate_limit_exceeded" if error.status == 429 else "server_error"
+    return {"code": code, "message": error.message}

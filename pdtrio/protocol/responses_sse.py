@@ -1,0 +1,254 @@
+"""The Responses API's streaming shape: text deltas in, typed server-sent events out.
+
+Sans-IO, with :class:`~pdtrio.protocol.sse.StreamShaper`'s interface (the
+pipeline feeds either alike).  Each event is ``event: <type>\\ndata: {...}\\n\\n``
+with a ``sequence_number``; the stream ends with ``response.completed`` (or
+``response.incomplete``, or ``error`` and ``response.failed``), never with
+``data: [DONE]``, as OpenAI's does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Final, final
+
+from pdtrio.protocol.openai.errors import OpenAIError
+from pdtrio.protocol.openai.responses import (
+    MessageStatus,
+    ResponsesRequest,
+    ResponseStatus,
+    message_item,
+    response_object,
+)
+from pdtrio.protocol.wire import TokenLogprob, Usage
+
+_dumps: Final = json.dumps
+_compact: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+def message_id_for(response_id: str) -> str:
+    """The id of a response's one output message."""
+    return "msg_" + response_id.removeprefix("resp_")
+
+
+@final
+class ResponsesStreamShaper:
+    """Shapes one streamed response of ``request`` (id ``response_id``).
+
+    Feed every text delta to :meth:`delta` (empty ones too: their tokens count),
+    then end with :meth:`done` or :meth:`error`; each returns the bytes to write now.
+    The opening events go out with the first call, the message's closing events
+    with the finish, the response's with :meth:`done`.
+    """
+
+    __slots__ = (
+        "_closed",
+        "_completion_tokens",
+        "_cached_tokens",
+        "_created_at",
+        "_delta_prefix",
+        "_finish_reason",
+        "_finished",
+        "_message_id",
+        "_opened",
+        "_prompt_tokens",
+        "_request",
+        "_response_id",
+        "_sequence",
+        "_text_parts",
+    )
+
+    def __init__(self, *, request: ResponsesRequest, response_id: str, created_at: int) -> None:
+        self._request = request
+        self._response_id = response_id
+        self._message_id = message_id_for(response_id)
+        self._created_at = created_at
+        self._sequence = 0
+        self._opened = False
+        self._finished = False
+        self._closed = False
+        self._finish_reason: str | None = None
+        self._text_parts: list[str] = []
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+        self._completion_tokens = 0
+        # the hot event's JSON before its delta (its sequence_number goes last)
+        self._delta_prefix = (
+            'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+            f'"item_id":{_dumps(self._message_id)},"output_index":0,"content_index":0,'
+            '"logprobs":[],"delta":'
+        )
+
+    # --- state ------------------------------------------------------------------
+
+    @property
+    def completion_tokens(self) -> int:
+        return self._completion_tokens
+
+    @property
+    def finished(self) -> bool:
+        """A finish_reason was seen."""
+        return self._finished
+
+    @property
+    def closed(self) -> bool:
+        """done() or error() was called; nothing more may be sent."""
+        return self._closed
+
+    def set_prompt_usage(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self._prompt_tokens = prompt_tokens
+        self._cached_tokens = cached_tokens
+
+    # --- events -------------------------------------------------------------------
+
+    def delta(
+        self,
+        text: str,
+        num_tokens: int,
+        finish_reason: str | None,
+        usage: Usage | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> bytes:
+        """The bytes for ``num_tokens`` more tokens decoding to ``text`` (``logprobs``
+        are not asked on this endpoint: ignored)."""
+        if self._closed:
+            raise ValueError("delta() after the stream was closed")
+        if self._finished:
+            raise ValueError("delta() after a finish_reason was sent")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        self._count(num_tokens, usage)
+        out = self._open()
+        if text:
+            self._text_parts.append(text)
+            out += self._delta_prefix + _dumps(text) + self._sequence_end()
+        if finish_reason is not None:
+            self._finished = True
+            self._finish_reason = finish_reason
+            out += self._close_message()
+        return out.encode()
+
+    def done(self) -> bytes:
+        """End the stream normally: ``response.completed`` (``response.incomplete`` when
+        the output ran out of tokens), the whole response with its usage."""
+        self._close()
+        out = self._open()
+        if not self._finished:
+            out += self._close_message()
+        # (response_object makes it incomplete after a length finish)
+        response = self._response("completed", self._output(self._item_status()))
+        return (out + self._event(f"response.{response['status']}", response=response)).encode()
+
+    def error(self, error: OpenAIError) -> bytes:
+        """End the stream with an ``error`` event, then ``response.failed``."""
+        self._close()
+        out = self._open()
+        out += self._event("error", code=error.code, message=error.message, param=error.param)
+        output = self._output("incomplete") if self._text_parts else []
+        response = self._response("failed", output, error=error)
+        return (out + self._event("response.failed", response=response)).encode()
+
+    # --- internals -------------------------------------------------------------------
+
+    def _open(self) -> str:
+        """The opening events, once: the response, its message, the message's text part."""
+        if self._opened:
+            return ""
+        self._opened = True
+        response = self._response("in_progress", [])
+        return (
+            self._event("response.created", response=response)
+            + self._event("response.in_progress", response=response)
+            + self._event(
+                "response.output_item.added",
+                output_index=0,
+                item=message_item(self._message_id, None, "in_progress"),
+            )
+            + self._event(
+                "response.content_part.added",
+                item_id=self._message_id,
+                output_index=0,
+                content_index=0,
+                part=_text_part(""),
+            )
+        )
+
+    def _close_message(self) -> str:
+        text = "".join(self._text_parts)
+        return (
+            self._event(
+                "response.output_text.done",
+                item_id=self._message_id,
+                output_index=0,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            )
+            + self._event(
+                "response.content_part.done",
+                item_id=self._message_id,
+                output_index=0,
+                content_index=0,
+                part=_text_part(text),
+            )
+            + self._event(
+                "response.output_item.done",
+                output_index=0,
+                item=message_item(self._message_id, text, self._item_status()),
+            )
+        )
+
+    def _item_status(self) -> MessageStatus:
+        return "incomplete" if self._finish_reason == "length" else "completed"
+
+    def _output(self, status: MessageStatus) -> list[dict[str, Any]]:
+        return [message_item(self._message_id, "".join(self._text_parts), status)]
+
+    def _response(
+        self,
+        status: ResponseStatus,
+        output: list[dict[str, Any]],
+        error: OpenAIError | None = None,
+    ) -> dict[str, Any]:
+        usage = None
+        if status != "in_progress":
+            usage = Usage(self._prompt_tokens, self._completion_tokens, self._cached_tokens)
+        return response_object(
+            self._request,
+            response_id=self._response_id,
+            created_at=self._created_at,
+            status=status,
+            output=output,
+            usage=usage,
+            finish_reason=self._finish_reason,
+            error=error,
+        )
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, **fields, "sequence_number": self._sequence}
+        self._sequence += 1
+        return f"event: {kind}\ndata: {_compact(data)}\n\n"
+
+    def _sequence_end(self) -> str:
+        end = f',"sequence_number":{self._sequence}}}\n\n'
+        self._sequence += 1
+        return end
+
+    def _count(self, num_tokens: int, usage: Usage | None) -> None:
+        if usage is None:
+            self._completion_tokens += num_tokens
+        else:
+            # decode's final count is authoritative (it covers tokens a stop string cut)
+            self._prompt_tokens = usage.prompt_tokens
+            self._completion_tokens = usage.completion_tokens
+            self._cached_tokens = usage.cached_tokens
+
+    def _close(self) -> None:
+        if self._closed:
+            raise ValueError("the stream is already closed")
+        self._closed = True
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
