@@ -9,11 +9,10 @@ endpoint it serves.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Final, Literal, Protocol, final
+from typing import Any, Final, Literal, final
 
 import attrs
 
-from pdtrio.protocol.openai.errors import OpenAIError
 from pdtrio.protocol.openai.requests import ChatCompletionRequest, CompletionRequest
 from pdtrio.protocol.openai.responses import (
     MessageStatus,
@@ -22,7 +21,7 @@ from pdtrio.protocol.openai.responses import (
     response_object,
 )
 from pdtrio.protocol.responses_sse import ResponsesStreamShaper, message_id_for
-from pdtrio.protocol.sse import StreamShaper
+from pdtrio.protocol.sse import BaseShaper, StreamShaper
 from pdtrio.protocol.wire import TokenLogprob, Usage
 
 AnswerKind = Literal["chat", "completion", "responses"]
@@ -35,26 +34,8 @@ ENDPOINTS: Final[dict[AnswerKind, str]] = {
 }
 
 
-class Shaper(Protocol):
-    """A streamed answer's shaper (see :class:`~pdtrio.protocol.sse.StreamShaper`)."""
-
-    @property
-    def completion_tokens(self) -> int: ...
-    @property
-    def finished(self) -> bool: ...
-    @property
-    def closed(self) -> bool: ...
-    def set_prompt_usage(self, prompt_tokens: int, cached_tokens: int) -> None: ...
-    def delta(
-        self,
-        text: str,
-        num_tokens: int,
-        finish_reason: str | None,
-        usage: Usage | None = None,
-        logprobs: Sequence[TokenLogprob] | None = None,
-    ) -> bytes: ...
-    def done(self) -> bytes: ...
-    def error(self, error: OpenAIError) -> bytes: ...
+# a streamed answer's shaper: chat's and completions' StreamShaper, or the Responses one
+Shaper = BaseShaper
 
 
 @final

@@ -21,6 +21,7 @@ from pdtrio.protocol.openai.responses import (
     message_item,
     response_object,
 )
+from pdtrio.protocol.sse import BaseShaper
 from pdtrio.protocol.wire import TokenLogprob, Usage
 
 _dumps: Final = json.dumps
@@ -33,7 +34,7 @@ def message_id_for(response_id: str) -> str:
 
 
 @final
-class ResponsesStreamShaper:
+class ResponsesStreamShaper(BaseShaper):
     """Shapes one streamed response of ``request`` (id ``response_id``).
 
     Feed every text delta to :meth:`delta` (empty ones too: their tokens count),
@@ -43,16 +44,11 @@ class ResponsesStreamShaper:
     """
 
     __slots__ = (
-        "_closed",
-        "_completion_tokens",
-        "_cached_tokens",
         "_created_at",
         "_delta_prefix",
         "_finish_reason",
-        "_finished",
         "_message_id",
         "_opened",
-        "_prompt_tokens",
         "_request",
         "_response_id",
         "_sequence",
@@ -60,45 +56,21 @@ class ResponsesStreamShaper:
     )
 
     def __init__(self, *, request: ResponsesRequest, response_id: str, created_at: int) -> None:
+        super().__init__()
         self._request = request
         self._response_id = response_id
         self._message_id = message_id_for(response_id)
         self._created_at = created_at
         self._sequence = 0
         self._opened = False
-        self._finished = False
-        self._closed = False
         self._finish_reason: str | None = None
         self._text_parts: list[str] = []
-        self._prompt_tokens = 0
-        self._cached_tokens = 0
-        self._completion_tokens = 0
         # the hot event's JSON before its delta (its sequence_number goes last)
         self._delta_prefix = (
             'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
             f'"item_id":{_dumps(self._message_id)},"output_index":0,"content_index":0,'
             '"logprobs":[],"delta":'
         )
-
-    # --- state ------------------------------------------------------------------
-
-    @property
-    def completion_tokens(self) -> int:
-        return self._completion_tokens
-
-    @property
-    def finished(self) -> bool:
-        """A finish_reason was seen."""
-        return self._finished
-
-    @property
-    def closed(self) -> bool:
-        """done() or error() was called; nothing more may be sent."""
-        return self._closed
-
-    def set_prompt_usage(self, prompt_tokens: int, cached_tokens: int) -> None:
-        self._prompt_tokens = prompt_tokens
-        self._cached_tokens = cached_tokens
 
     # --- events -------------------------------------------------------------------
 
@@ -112,12 +84,7 @@ class ResponsesStreamShaper:
     ) -> bytes:
         """The bytes for ``num_tokens`` more tokens decoding to ``text`` (``logprobs``
         are not asked on this endpoint: ignored)."""
-        if self._closed:
-            raise ValueError("delta() after the stream was closed")
-        if self._finished:
-            raise ValueError("delta() after a finish_reason was sent")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        self._check_delta(num_tokens)
         self._count(num_tokens, usage)
         out = self._open()
         if text:
@@ -234,20 +201,6 @@ class ResponsesStreamShaper:
         end = f',"sequence_number":{self._sequence}}}\n\n'
         self._sequence += 1
         return end
-
-    def _count(self, num_tokens: int, usage: Usage | None) -> None:
-        if usage is None:
-            self._completion_tokens += num_tokens
-        else:
-            # decode's final count is authoritative (it covers tokens a stop string cut)
-            self._prompt_tokens = usage.prompt_tokens
-            self._completion_tokens = usage.completion_tokens
-            self._cached_tokens = usage.cached_tokens
-
-    def _close(self) -> None:
-        if self._closed:
-            raise ValueError("the stream is already closed")
-        self._closed = True
 
 
 def _text_part(text: str) -> dict[str, Any]:

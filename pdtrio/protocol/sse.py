@@ -27,8 +27,82 @@ def _finish_json(finish_reason: str) -> str:
     return encoded if encoded is not None else _dumps(finish_reason)
 
 
+class BaseShaper:
+    """What every endpoint's stream shaper shares: its counts and how it may be fed.
+
+    A subclass shapes the bytes: :meth:`delta` for each text delta from the
+    detokenizer (empty ones included: their tokens count for usage), then
+    :meth:`done` or :meth:`error` once.  The pipeline feeds any shaper alike.
+    """
+
+    __slots__ = ("_cached_tokens", "_closed", "_completion_tokens", "_finished", "_prompt_tokens")
+
+    def __init__(self) -> None:
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+        self._completion_tokens = 0
+        self._finished = False
+        self._closed = False
+
+    @property
+    def completion_tokens(self) -> int:
+        return self._completion_tokens
+
+    @property
+    def finished(self) -> bool:
+        """A finish_reason was seen."""
+        return self._finished
+
+    @property
+    def closed(self) -> bool:
+        """done() or error() was called; nothing more may be sent."""
+        return self._closed
+
+    def set_prompt_usage(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self._prompt_tokens = prompt_tokens
+        self._cached_tokens = cached_tokens
+
+    def delta(
+        self,
+        text: str,
+        num_tokens: int,
+        finish_reason: str | None,
+        usage: Usage | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> bytes:
+        raise NotImplementedError
+
+    def done(self) -> bytes:
+        raise NotImplementedError
+
+    def error(self, error: OpenAIError) -> bytes:
+        raise NotImplementedError
+
+    def _check_delta(self, num_tokens: int) -> None:
+        if self._closed:
+            raise ValueError("delta() after the stream was closed")
+        if self._finished:
+            raise ValueError("delta() after a finish_reason was sent")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+
+    def _count(self, num_tokens: int, usage: Usage | None) -> None:
+        if usage is None:
+            self._completion_tokens += num_tokens
+        else:
+            # decode's final count is authoritative (it covers tokens a stop string cut)
+            self._prompt_tokens = usage.prompt_tokens
+            self._completion_tokens = usage.completion_tokens
+            self._cached_tokens = usage.cached_tokens
+
+    def _close(self) -> None:
+        if self._closed:
+            raise ValueError("the stream is already closed")
+        self._closed = True
+
+
 @final
-class StreamShaper:
+class StreamShaper(BaseShaper):
     """Shapes one streamed completion (``kind`` "chat" or "completion").
 
     Feed every text delta from the detokenizer to :meth:`delta`, empty ones
@@ -47,16 +121,11 @@ class StreamShaper:
         "_sent_chars",
         "_top_logprobs",
         "_chat",
-        "_closed",
-        "_completion_tokens",
         "_continuous",
-        "_cached_tokens",
         "_chunk_end",
         "_empty_finish_open",
-        "_finished",
         "_head",
         "_include_usage",
-        "_prompt_tokens",
         "_role_body",
         "_role_sent",
         "_text_open",
@@ -82,14 +151,10 @@ class StreamShaper:
         self._top_logprobs = top_logprobs
         self._held_logprobs: list[TokenLogprob] = []
         self._sent_chars = 0  # text sent so far (where a completion's text_offset starts)
+        super().__init__()
         self._include_usage = include_usage
         self._continuous = include_usage and continuous_usage_stats
-        self._prompt_tokens = 0
-        self._cached_tokens = 0
-        self._completion_tokens = 0
         self._role_sent = not self._chat  # completions have no role chunk
-        self._finished = False
-        self._closed = False
 
         obj = "chat.completion.chunk" if self._chat else "text_completion"
         self._head = (
@@ -114,26 +179,6 @@ class StreamShaper:
         self._text_prefix = self._head + self._text_open
         self._text_suffix = self._text_close + "null}]" + self._chunk_end
 
-    # --- state ------------------------------------------------------------------
-
-    @property
-    def completion_tokens(self) -> int:
-        return self._completion_tokens
-
-    @property
-    def finished(self) -> bool:
-        """A finish_reason was seen."""
-        return self._finished
-
-    @property
-    def closed(self) -> bool:
-        """done() or error() was called; nothing more may be sent."""
-        return self._closed
-
-    def set_prompt_usage(self, prompt_tokens: int, cached_tokens: int) -> None:
-        self._prompt_tokens = prompt_tokens
-        self._cached_tokens = cached_tokens
-
     # --- events -------------------------------------------------------------------
 
     def delta(
@@ -153,12 +198,7 @@ class StreamShaper:
         b"" when nothing is due: empty text and no finish (an incomplete UTF-8
         sequence, say).  ``finish_reason`` rides on this last chunk.
         """
-        if self._closed:
-            raise ValueError("delta() after the stream was closed")
-        if self._finished:
-            raise ValueError("delta() after a finish_reason was sent")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        self._check_delta(num_tokens)
         if self._top_logprobs is not None:
             return self._delta_with_logprobs(text, num_tokens, finish_reason, usage, logprobs)
         if not text and finish_reason is None:
@@ -253,20 +293,6 @@ class StreamShaper:
         body = choice + ',"logprobs":' + _compact(shaped) + ',"finish_reason":' + finish + "}]"
         end = self._usage_end() if self._continuous else self._chunk_end
         return (out + self._head + body + end).encode()
-
-    def _count(self, num_tokens: int, usage: Usage | None) -> None:
-        if usage is None:
-            self._completion_tokens += num_tokens
-        else:
-            # decode's final count is authoritative (it covers tokens a stop string cut)
-            self._prompt_tokens = usage.prompt_tokens
-            self._completion_tokens = usage.completion_tokens
-            self._cached_tokens = usage.cached_tokens
-
-    def _close(self) -> None:
-        if self._closed:
-            raise ValueError("the stream is already closed")
-        self._closed = True
 
     def _role_chunk(self) -> str:
         self._role_sent = True

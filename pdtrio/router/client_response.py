@@ -20,7 +20,7 @@ import trio
 from pdtrio.asgi import Message, Receive, Send, send_json
 from pdtrio.protocol.answers import AnswerKind, Shaper
 from pdtrio.protocol.openai import OpenAIError, chat_completion_body, completion_body
-from pdtrio.protocol.openai.tools import ToolCallParser, parse_tool_calls
+from pdtrio.protocol.openai.tools import ToolCallParser, parse_tool_calls, tool_finish_reason
 from pdtrio.protocol.sse import StreamShaper
 from pdtrio.protocol.wire import TokenLogprob, Usage
 
@@ -174,8 +174,7 @@ class ClientResponse:
         if finish_reason is not None:
             more, more_calls = parser.finish()
             content, calls = content + more, calls + more_calls
-            if parser.called and finish_reason == "stop":
-                finish_reason = "tool_calls"
+            finish_reason = parser.finish_reason(finish_reason)
         if not calls:
             return shaper.delta(content, num_tokens, finish_reason, usage, logprobs)
         chunk = shaper.delta(content, num_tokens, None, None, logprobs) + shaper.tool_calls(calls)
@@ -213,8 +212,8 @@ class ClientResponse:
             finish_reason = self._finish_reason
             if self._tool_names is not None:
                 text, calls = parse_tool_calls(text, self._tool_names)
-                if calls and finish_reason == "stop":
-                    finish_reason = "tool_calls"
+                if finish_reason is not None:
+                    finish_reason = tool_finish_reason(finish_reason, bool(calls))
             payload = chat_completion_body(
                 request_id=self.request_id,
                 model=self.model,

@@ -13,6 +13,7 @@ import concurrent.futures
 import importlib.util
 import json
 import random
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -74,6 +75,23 @@ def _make(engines: dict[str, TorchEngine]) -> Any:
         return Worker(WorkerConfig(role=role, engine=SMOL), engines[role])  # type: ignore[arg-type]
 
     return make
+
+
+async def answers_pd_and_colocated(
+    engines: dict[str, TorchEngine], calls: Callable[[openai.OpenAI], dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What ``calls`` got, disaggregated and then colocated (each cluster left idle)."""
+    answers = {}
+    for roles in TOPOLOGIES:
+        async with running_cluster(roles=roles, make_worker=_make(engines)) as cluster:
+
+            def call() -> dict[str, Any]:
+                with _openai(cluster.url) as api:
+                    return calls(api)
+
+            answers[roles] = await trio.to_thread.run_sync(call)
+            await wait_until_idle(cluster)
+    return answers[("prefill", "decode")], answers[("both",)]
 
 
 def _person_prompt(rng: random.Random) -> str:
@@ -173,17 +191,7 @@ def _greedy_calls(api: openai.OpenAI) -> dict[str, Any]:
 async def test_greedy_structured_output_is_the_same_disaggregated_and_colocated(
     engines: dict[str, TorchEngine],
 ) -> None:
-    answers = {}
-    for roles in TOPOLOGIES:
-        async with running_cluster(roles=roles, make_worker=_make(engines)) as cluster:
-
-            def call() -> dict[str, Any]:
-                with _openai(cluster.url) as api:
-                    return _greedy_calls(api)
-
-            answers[roles] = await trio.to_thread.run_sync(call)
-            await wait_until_idle(cluster)
-    pd, colocated = answers[("prefill", "decode")], answers[("both",)]
+    pd, colocated = await answers_pd_and_colocated(engines, _greedy_calls)
     assert pd == colocated
     # prefill's first token obeyed the grammar too: the text opens the object
     assert pd["person"].startswith("{")

@@ -32,9 +32,9 @@ import jsonschema  # noqa: E402
 from tests.cluster import running_cluster, wait_until_idle  # noqa: E402
 from tests.worker.test_structured_output import (  # noqa: E402
     MODEL,
-    TOPOLOGIES,
     _make,
     _openai,
+    answers_pd_and_colocated,
     engines,  # noqa: F401  (the module's engines, loaded once)
 )
 
@@ -197,17 +197,7 @@ def _greedy_calls(api: openai.OpenAI) -> dict[str, Any]:
 async def test_greedy_calls_are_the_same_disaggregated_and_colocated(
     engines: dict[str, Any],  # noqa: F811
 ) -> None:
-    answers = {}
-    for roles in TOPOLOGIES:
-        async with running_cluster(roles=roles, make_worker=_make(engines)) as cluster:
-
-            def call() -> dict[str, Any]:
-                with _openai(cluster.url) as api:
-                    return _greedy_calls(api)
-
-            answers[roles] = await trio.to_thread.run_sync(call)
-            await wait_until_idle(cluster)
-    pd, colocated = answers[("prefill", "decode")], answers[("both",)]
+    pd, colocated = await answers_pd_and_colocated(engines, _greedy_calls)
     assert pd == colocated
     _check_calls(pd["required"])
     assert pd["required_finish"] == "tool_calls"

@@ -38,6 +38,7 @@ from pdtrio.protocol.wire import (
 )
 
 CHAT_ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool"})
+_CHAT_PART_TYPES: Final = frozenset({"text"})
 MAX_STOP_SEQUENCES: Final = 4
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
@@ -351,18 +352,7 @@ def _too_many_messages(count: int, context_length: int | None) -> OpenAIError:
 def _message(message: Any, where: str) -> tuple[str, str, str]:
     if not isinstance(message, dict):
         raise _type_error(where, "an object", message)
-    role = message.get("role")
-    if role is None:
-        raise _missing(f"{where}.role")
-    if not isinstance(role, str):
-        raise _type_error(f"{where}.role", "a string", role)
-    if role not in CHAT_ROLES:
-        supported = ", ".join(f"'{r}'" for r in sorted(CHAT_ROLES))
-        raise bad_request(
-            f"Invalid value: {show_client_text(role)}. Supported values are: {supported}.",
-            param=f"{where}.role",
-            code="invalid_value",
-        )
+    role = message_role(message, where, CHAT_ROLES)
     if message.get("function_call") is not None:
         raise bad_request(
             "'function_call' (the deprecated form) is not supported; use 'tool_calls'.",
@@ -375,15 +365,37 @@ def _message(message: Any, where: str) -> tuple[str, str, str]:
         if role == "assistant":
             return role, "", extras
         raise _missing(where_content)
+    return role, message_text(content, where_content, _CHAT_PART_TYPES), extras
+
+
+def message_role(message: dict[str, Any], where: str, roles: Collection[str]) -> str:
+    """A message's ``role``, one of ``roles``."""
+    role = message.get("role")
+    if role is None:
+        raise _missing(f"{where}.role")
+    if not isinstance(role, str):
+        raise _type_error(f"{where}.role", "a string", role)
+    if role not in roles:
+        supported = ", ".join(f"'{r}'" for r in sorted(roles))
+        raise bad_request(
+            f"Invalid value: {show_client_text(role)}. Supported values are: {supported}.",
+            param=f"{where}.role",
+            code="invalid_value",
+        )
+    return role
+
+
+def message_text(content: Any, where: str, part_types: Collection[str]) -> str:
+    """A message's text: its ``content`` string, or its text parts (of ``part_types``)
+    joined."""
     if isinstance(content, str):
-        return role, _check_text(content, where_content), extras
+        return _check_text(content, where)
     if not isinstance(content, list):
-        raise _type_error(where_content, "a string or an array of content parts", content)
-    text = "".join(_text_part(p, f"{where_content}.[{j}]") for j, p in enumerate(content))
-    return role, text, extras
+        raise _type_error(where, "a string or an array of content parts", content)
+    return "".join(_text_part(p, f"{where}.[{j}]", part_types) for j, p in enumerate(content))
 
 
-def _text_part(part: Any, where: str) -> str:
+def _text_part(part: Any, where: str, part_types: Collection[str]) -> str:
     if not isinstance(part, dict):
         raise _type_error(where, "an object", part)
     kind = part.get("type")
@@ -391,9 +403,11 @@ def _text_part(part: Any, where: str) -> str:
         raise _missing(f"{where}.type")
     if not isinstance(kind, str):
         raise _type_error(f"{where}.type", "a string", kind)
-    if kind != "text":
+    if kind not in part_types:
+        served = " and ".join(f"'{t}'" for t in sorted(part_types))
         raise bad_request(
-            f"Content parts of type {show_client_text(kind)} are not supported; only 'text' parts are.",
+            f"Content parts of type {show_client_text(kind)} are not supported; only "
+            f"{served} parts are.",
             param=f"{where}.type",
             code="unsupported_content",
         )

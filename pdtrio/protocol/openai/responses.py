@@ -35,6 +35,8 @@ from pdtrio.protocol.openai.requests import (
     _sampling,
     _token_limit,
     _too_many_messages,
+    message_role,
+    message_text,
 )
 from pdtrio.protocol.openai.structured import response_format_output
 from pdtrio.protocol.wire import ChatPrompt, Usage
@@ -183,51 +185,12 @@ def _input_item(item: Any, where: str) -> tuple[str, str]:
             param=f"{where}.type",
             code="unsupported_input",
         )
-    role = item.get("role")
-    if role is None:
-        raise _missing(f"{where}.role")
-    if not isinstance(role, str):
-        raise invalid_type(f"{where}.role", "a string", role)
-    if role not in INPUT_ROLES:
-        supported = ", ".join(f"'{r}'" for r in sorted(INPUT_ROLES))
-        raise bad_request(
-            f"Invalid value: {show_client_text(role)}. Supported values are: {supported}.",
-            param=f"{where}.role",
-            code="invalid_value",
-        )
+    role = message_role(item, where, INPUT_ROLES)
     content = item.get("content")
     where_content = f"{where}.content"
     if content is None:
         raise _missing(where_content)
-    if isinstance(content, str):
-        return role, _check_text(content, where_content)
-    if not isinstance(content, list):
-        raise invalid_type(where_content, "a string or an array of content parts", content)
-    return role, "".join(_content_part(p, f"{where_content}.[{j}]") for j, p in enumerate(content))
-
-
-def _content_part(part: Any, where: str) -> str:
-    if not isinstance(part, dict):
-        raise invalid_type(where, "an object", part)
-    kind = part.get("type")
-    if kind is None:
-        raise _missing(f"{where}.type")
-    if not isinstance(kind, str):
-        raise invalid_type(f"{where}.type", "a string", kind)
-    if kind not in _TEXT_PART_TYPES:
-        # input_image, input_file, input_audio, refusal
-        raise bad_request(
-            f"Content parts of type {show_client_text(kind)} are not supported; only "
-            "'input_text' and 'output_text' parts are.",
-            param=f"{where}.type",
-            code="unsupported_content",
-        )
-    text = part.get("text")
-    if text is None:
-        raise _missing(f"{where}.text")
-    if not isinstance(text, str):
-        raise invalid_type(f"{where}.text", "a string", text)
-    return _check_text(text, f"{where}.text")
+    return role, message_text(content, where_content, _TEXT_PART_TYPES)
 
 
 # --- the other fields --------------------------------------------------------------

@@ -26,7 +26,7 @@ from pdtrio.protocol.sampling import StructuredOutput
 
 __all__ = [
     "MAX_STRUCTURED_SPEC_BYTES",
-    "OPENAI_NAME",
+    "openai_name",
     "response_format_output",
     "schema_text",
     "structured_output",
@@ -36,7 +36,7 @@ __all__ = [
 MAX_STRUCTURED_SPEC_BYTES: Final = 64 * 1024
 MAX_CHOICES: Final = 256
 # OpenAI's rule for response_format.json_schema.name and a function's name
-OPENAI_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_OPENAI_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 # what a Rust regex (llguidance's) takes escaped: every metacharacter, nothing else
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 _GUIDED_KEYS: Final = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -115,18 +115,24 @@ def response_format_output(
     )
 
 
+def openai_name(value: dict[str, Any], where: str) -> str:
+    """``value``'s ``name``, as OpenAI names a schema or a function."""
+    name = value.get("name")
+    if not isinstance(name, str) or _OPENAI_NAME.fullmatch(name) is None:
+        raise bad_request(
+            f"Invalid '{where}.name': expected 1 to 64 letters, digits, '_' or '-'.",
+            param=f"{where}.name",
+        )
+    return name
+
+
 def _json_schema_format(value: Any, where: str) -> StructuredOutput:
     if not isinstance(value, dict):
         raise bad_request(
             f"Missing required parameter: '{where}' (an object with 'name' and 'schema').",
             param=where,
         )
-    name = value.get("name")
-    if not isinstance(name, str) or OPENAI_NAME.fullmatch(name) is None:
-        raise bad_request(
-            f"Invalid '{where}.name': expected 1 to 64 letters, digits, '_' or '-'.",
-            param=f"{where}.name",
-        )
+    openai_name(value, where)
     strict = value.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise invalid_type(f"{where}.strict", "a boolean", strict)

@@ -26,7 +26,7 @@ import attrs
 from pdtrio.protocol.openai.errors import bad_request, invalid_type, show_client_text
 from pdtrio.protocol.openai.structured import (
     MAX_STRUCTURED_SPEC_BYTES,
-    OPENAI_NAME,
+    openai_name,
     schema_text,
 )
 from pdtrio.protocol.sampling import StructuredOutput
@@ -43,6 +43,7 @@ __all__ = [
     "message_extras",
     "parse_chat_tools",
     "parse_tool_calls",
+    "tool_finish_reason",
 ]
 
 TOOL_CALL_OPEN: Final = "<tool_call>"
@@ -171,12 +172,7 @@ def _tool(tool: Any, where: str) -> ToolFunction:
     function = tool.get("function")
     if not isinstance(function, dict):
         raise invalid_type(f"{where}.function", "an object", function)
-    name = function.get("name")
-    if not isinstance(name, str) or OPENAI_NAME.fullmatch(name) is None:
-        raise bad_request(
-            f"Invalid '{where}.function.name': expected 1 to 64 letters, digits, '_' or '-'.",
-            param=f"{where}.function.name",
-        )
+    name = openai_name(function, f"{where}.function")
     description = function.get("description")
     if description is not None and not isinstance(description, str):
         raise invalid_type(f"{where}.function.description", "a string", description)
@@ -364,6 +360,9 @@ class ToolCallParser:
     def called(self) -> bool:
         return self._calls > 0
 
+    def finish_reason(self, reason: str) -> str:
+        return tool_finish_reason(reason, self.called)
+
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buffer += text
         content: list[str] = []
@@ -458,3 +457,9 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str, list[ToolCal
     content, calls = parser.feed(text)
     more, more_calls = parser.finish()
     return content + more, calls + more_calls
+
+
+def tool_finish_reason(reason: str, called: bool) -> str:
+    """An answer's finish as OpenAI says it: ``tool_calls`` when it stopped after
+    calling (one cut by max_tokens keeps its ``length``)."""
+    return "tool_calls" if called and reason == "stop" else reason
