@@ -400,6 +400,22 @@ class DecodeStartChoices(DecodeStart, frozen=True, tag=int(MessageKind.START_CHO
 
     choices: Annotated[tuple[tuple[int, int], ...], msgspec.Meta(max_length=MAX_CHOICES)] = ()
 
+    @classmethod
+    def of(cls, start: DecodeStart, choices: tuple[tuple[int, int], ...]) -> DecodeStartChoices:
+        """``start`` running ``choices`` (not empty), the first of them standing first."""
+        return cls(
+            start.request_id,
+            start.prompt_token_ids,
+            choices[0][1],
+            start.sampling,
+            start.token_budget,
+            start.tokens_generated,
+            start.cached_tokens,
+            start.kv_handle,
+            start.generated_tokens,
+            choices,
+        )
+
 
 class DecodeAbort(_Positional, frozen=True, tag=int(MessageKind.ABORT)):
     request_id: str
