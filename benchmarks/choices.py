@@ -41,6 +41,7 @@ from pdtrio.testing import Processes, write_router_config
 
 ISL = 256
 OSL = 32
+QUICK_ISL = 64  # the tiny model's context is short
 SEED = 1234
 
 
@@ -104,13 +105,13 @@ async def _served_prefills(http: httpx.AsyncClient, prefill_url: str) -> int:
 
 
 async def _one_answer(
-    urls: tuple[str, str, str], model: str, prompt: list[int], n: int, fan_out: bool
+    urls: tuple[str, str, str], model: str, prompt: list[int], n: int, fan_out: bool, osl: int
 ) -> dict[str, Any]:
     router, prefill, decode = urls
     body = {
         "model": model,
         "prompt": prompt,
-        "max_tokens": OSL,
+        "max_tokens": osl,
         "ignore_eos": True,
         "temperature": 1.0,
         "stream": True,
@@ -159,7 +160,7 @@ async def _one_answer(
     }
 
 
-def run(model: str, n: int, rounds: int) -> dict[str, Any]:
+def run(model: str, n: int, rounds: int, isl: int, osl: int) -> dict[str, Any]:
     rng = random.Random(26)
     low, high = (0x20 + 3, 0x7E + 3) if model == TINY else (100, 40000)
     rows = []
@@ -168,9 +169,9 @@ def run(model: str, n: int, rounds: int) -> dict[str, Any]:
         for topology, urls in topologies.items():
             results: dict[str, list[dict[str, Any]]] = {"n choices": [], "n requests": []}
             for round_ in range(rounds + 1):  # the first round warms up
-                prompt = [rng.randint(low, high) for _ in range(ISL)]
-                together = trio.run(_one_answer, urls, model, prompt, n, False)
-                fanned = trio.run(_one_answer, urls, model, prompt, n, True)
+                prompt = [rng.randint(low, high) for _ in range(isl)]
+                together = trio.run(_one_answer, urls, model, prompt, n, False, osl)
+                fanned = trio.run(_one_answer, urls, model, prompt, n, True, osl)
                 if together["texts"] != fanned["texts"]:
                     mismatches += 1
                 if round_:
@@ -184,7 +185,7 @@ def run(model: str, n: int, rounds: int) -> dict[str, Any]:
                         "way": way,
                         "ttft_p50_ms": percentile([m["ttft_ms"] for m in measured], 50),
                         "last_token_p50_ms": last,
-                        "output_tokens_per_s": n * OSL / (last / 1e3),
+                        "output_tokens_per_s": n * osl / (last / 1e3),
                         "prefilled_tokens": max(m["prefilled_tokens"] for m in measured),
                         "peak_decode_blocks": max(m["peak_decode_blocks"] for m in measured),
                     }
@@ -194,8 +195,8 @@ def run(model: str, n: int, rounds: int) -> dict[str, Any]:
         "benchmark": "choices",
         "model": model,
         "n": n,
-        "isl": ISL,
-        "osl": OSL,
+        "isl": isl,
+        "osl": osl,
         "rounds": rounds,
         "rows": rows,
         "text_mismatches": mismatches,
@@ -241,8 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
-    model = TINY if args.quick else SMOLLM2
-    report = run(model, args.n, 1 if args.quick else args.rounds)
+    if args.quick:
+        report = run(TINY, args.n, 1, QUICK_ISL, OSL // 2)
+    else:
+        report = run(SMOLLM2, args.n, args.rounds, ISL, OSL)
     print_report(report)
     write_json(args.json, report)
     return 1 if report["text_mismatches"] else 0
