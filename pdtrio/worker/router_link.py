@@ -364,6 +364,11 @@ class RouterConnection:
             self._server.capacity_changed()  # allocated, or freed on the way out
         if ending is not None:
             await self.sender.send_control(ending)
+            if accepted:
+                # the router reads each choice from decode's accept on: each hears the end
+                for choice_id in choice_ids:
+                    assert isinstance(ending, DecodeFailed)
+                    await self.sender.send_control(DecodeFailed(choice_id, ending.message))
 
 
 def _choice_ids(start: DecodeStartChoices) -> tuple[str, ...]:
