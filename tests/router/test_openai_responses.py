@@ -140,7 +140,12 @@ BAD_REQUESTS: list[tuple[dict[str, Any], str]] = [
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    # a forced call needs a grammar, which the synthetic engine does not serve
+    (
+        {"tools": [{"type": "function", "name": "f", "parameters": {}}], "tool_choice": "required"},
+        "tools",
+    ),
+    ({"tools": [{"type": "web_search"}]}, "tools.[0].type"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
     (
@@ -149,7 +154,7 @@ BAD_REQUESTS: list[tuple[dict[str, Any], str]] = [
     ),
     (
         {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
-        "input.[0].type",
+        "input.[0].call_id",
     ),
     ({"input": [{"role": "tool", "content": "x"}]}, "input.[0].role"),
 ]
