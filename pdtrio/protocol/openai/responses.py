@@ -7,8 +7,16 @@ and ``instructions`` as chat messages, ``max_output_tokens`` as max_tokens,
 the ``Response`` object echoes.  Nothing is stored: ``store`` is accepted and
 ignored, and what needs a stored response or conversation
 (``previous_response_id``, ``conversation``, ``background``, ``prompt``) is
-refused with a 400 naming it.  Tools are refused for now (naming ``tools``):
-:func:`_reject_tools` is the seam where they will be parsed.
+refused with a 400 naming it.
+
+Function tools are chat's: the flat ``tools`` and ``tool_choice`` go through
+:func:`~pdtrio.protocol.openai.tools.parse_chat_tools` (``flat=True``), so the
+model is shown them by the same template and a forced call gets the same
+grammar; ``function_call`` and ``function_call_output`` input items become the
+assistant's ``tool_calls`` and ``tool`` messages of chat's history
+(:func:`~pdtrio.protocol.openai.tools.message_extras`).  The router reads the
+calls back out of the text as it does a chat answer's, and they go out as
+``function_call`` output items (:func:`function_call_item`).
 
 :func:`response_object` is the ``Response`` object, the non-streamed body and
 what the stream's ``response.*`` events carry (``pdtrio.protocol.responses_sse``).
