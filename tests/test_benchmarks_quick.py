@@ -309,6 +309,20 @@ def _structured_output(printed: str, report: Any) -> None:
         assert row["schema"]["tokens_per_request"] > report["osl"] / 2, row
 
 
+def _choices(printed: str, report: Any) -> None:
+    assert "same texts both ways: yes" in printed and "decode KV blocks (peak)" in printed
+    assert report["benchmark"] == "choices" and report["text_mismatches"] == 0
+    rows = {(row["topology"], row["way"]): row for row in report["rows"]}
+    assert set(rows) == {(t, w) for t in ("colocated", "pd") for w in ("n choices", "n requests")}
+    for topology in ("colocated", "pd"):
+        together, fanned = rows[topology, "n choices"], rows[topology, "n requests"]
+        # one prefill of the prompt, against n
+        assert fanned["prefilled_tokens"] == report["n"] * together["prefilled_tokens"] > 0
+        for row in (together, fanned):
+            assert row["last_token_p50_ms"] >= row["ttft_p50_ms"] > 0, row
+            assert row["peak_decode_blocks"] > 0, row
+
+
 # --- the list -------------------------------------------------------------------------------
 
 
@@ -334,6 +348,7 @@ QUICK = [
     Quick("benchmarks.engine", _engine, 240),
     Quick("benchmarks.multi_turn", _multi_turn, 240),
     Quick("benchmarks.structured_output", _structured_output, 240),
+    Quick("benchmarks.choices", _choices, 240),
 ]
 # run --quick by a test of their own
 ELSEWHERE = {

@@ -33,7 +33,14 @@ import trio
 
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import Prompt, TokenEntry, TokenLogprob, TokenLogprobs, Usage
+from pdtrio.protocol.wire import (
+    FirstToken,
+    Prompt,
+    TokenEntry,
+    TokenLogprob,
+    TokenLogprobs,
+    Usage,
+)
 
 
 class EngineError(Exception):
@@ -86,6 +93,9 @@ class PrefillResult:
     token_budget: int  # the whole completion budget, the first token included
     usage: Usage | None  # set when finish_reason is
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    # n > 1: the first tokens of choices 1.. (the fields above are choice 0's); block_ids
+    # is then empty only when every choice finished
+    choices: tuple[FirstToken, ...] = ()
 
 
 @final
@@ -206,6 +216,14 @@ class Engine(Protocol):
         """Reserve blocks for ``num_tokens`` of received KV. Raises NoRoom."""
         ...
 
+    def fork_blocks(
+        self, request_id: str, choice_id: str, shared_tokens: int, num_tokens: int
+    ) -> tuple[int, ...]:
+        """Blocks for another choice of ``request_id`` (n > 1), owned by ``choice_id``: the
+        request's full blocks of its first ``shared_tokens`` (shared, not copied), then
+        blocks of its own up to ``num_tokens``. Raises NoRoom (and takes nothing)."""
+        ...
+
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
         """The blocks' bytes, block after block, in the engine's KV layout."""
         ...
@@ -228,8 +246,16 @@ class Engine(Protocol):
         tokens_generated: int,
         cached_tokens: int,
         generated_tokens: int = 0,
+        choices: tuple[tuple[int, int], ...] = (),
     ) -> None:
         """Join the running batch on the blocks the request owns. Raises EngineError.
+
+        ``choices`` (n > 1): the (choice, first token id) pairs to run instead of one
+        sequence, each as ``wire.choice_request_id`` on the blocks ``fork_blocks`` gave it
+        (choice 0 on the request's own), with ``sampling.choice_sampling``; the partial
+        last prompt block is copied into each choice's own before it runs.  Each choice
+        is then a request of its own (its outputs, abort and free); when choice 0 is not
+        among them, the request's own blocks are freed once the others have their copies.
 
         ``first_token_id`` is the last of the ``tokens_generated`` tokens already
         spent from ``token_budget`` (its text went out from prefill).  For a

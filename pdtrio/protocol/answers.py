@@ -27,7 +27,7 @@ from pdtrio.protocol.responses_sse import (
     function_call_id_for,
     message_id_for,
 )
-from pdtrio.protocol.sse import BaseShaper, StreamShaper
+from pdtrio.protocol.sse import BaseShaper, ChoiceShapers, StreamShaper
 from pdtrio.protocol.wire import TokenLogprob, Usage
 
 AnswerKind = Literal["chat", "completion", "responses"]
@@ -72,15 +72,22 @@ class AnswerShape:
                 request=request, response_id=request_id, created_at=created
             )
         assert self.kind != "responses"
-        return StreamShaper(
-            kind=self.kind,
-            request_id=request_id,
-            model=request.model,
-            created=created,
-            include_usage=request.include_usage,
-            continuous_usage_stats=request.continuous_usage_stats,
-            top_logprobs=top_logprobs,
-        )
+        shapers = [
+            StreamShaper(
+                kind=self.kind,
+                request_id=request_id,
+                model=request.model,
+                created=created,
+                include_usage=request.include_usage,
+                continuous_usage_stats=request.continuous_usage_stats,
+                top_logprobs=top_logprobs,
+                index=index,
+            )
+            for index in range(request.sampling.n)
+        ]
+        if len(shapers) == 1:
+            return shapers[0]
+        return ChoiceShapers(shapers, include_usage=request.include_usage)
 
     @property
     def own_body(self) -> Callable[..., dict[str, Any]] | None:

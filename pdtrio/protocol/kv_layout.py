@@ -73,3 +73,13 @@ def layout_mismatch(prefill: KvLayout, decode: KvLayout) -> str | None:
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """How many blocks of ``block_size`` tokens hold ``num_tokens`` (a ceiling division)."""
     return -(-num_tokens // block_size)
+
+
+def choice_blocks_needed(
+    prompt_tokens: int, total_tokens: int, choices: int, block_size: int
+) -> int:
+    """Blocks for ``choices`` sequences of ``total_tokens`` each that share the first
+    ``prompt_tokens`` (their KV): the prompt's full blocks once, the rest per choice."""
+    own = blocks_needed(total_tokens, block_size)
+    shared = min(prompt_tokens // block_size, own)
+    return own + (choices - 1) * (own - shared)

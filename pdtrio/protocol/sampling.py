@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
+
+# the most sequences (choices) one request may ask for (``n``)
+MAX_CHOICES: Final = 16
 
 StructuredKind = Literal["json_object", "json_schema", "regex", "lark", "tool_call"]
 
@@ -44,6 +47,9 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
     likeliest alternatives (chat's ``top_logprobs``, completions' ``logprobs``);
     -1, the default, for none. ``structured``, when set, constrains the output to
     a grammar (JSON mode, a JSON schema, a regex, a Lark grammar for tools).
+    ``n`` > 1 asks for that many sequences (choices) from one prompt: one
+    prefill, the prompt's KV shared on decode; choice ``i`` samples with
+    :func:`choice_sampling`.
     """
 
     temperature: float = 1.0
@@ -61,6 +67,7 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = -1
     structured: StructuredOutput | None = None
+    n: int = 1
 
     @property
     def wants_logprobs(self) -> bool:
@@ -83,3 +90,12 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True, gc=False):
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
+    """Choice ``choice``'s parameters: a seeded request's choice ``i`` draws with
+    ``seed + i`` (so every choice of the answer is reproducible, on any topology);
+    an unseeded one's choices differ by their draws alone."""
+    if choice == 0 or sampling.seed is None:
+        return sampling
+    return msgspec.structs.replace(sampling, seed=sampling.seed + choice)

@@ -27,6 +27,15 @@ def _finish_json(finish_reason: str) -> str:
     return encoded if encoded is not None else _dumps(finish_reason)
 
 
+def usage_json(prompt: int, completion: int, cached: int) -> str:
+    """A stream's ``usage`` object, as JSON text."""
+    return (
+        f'{{"prompt_tokens":{prompt},"completion_tokens":{completion},'
+        f'"total_tokens":{prompt + completion},'
+        f'"prompt_tokens_details":{{"cached_tokens":{cached}}}}}'
+    )
+
+
 class BaseShaper:
     """What every endpoint's stream shaper shares: its counts and how it may be fed.
 
@@ -117,6 +126,7 @@ class StreamShaper(BaseShaper):
     """
 
     __slots__ = (
+        "_choice_open",
         "_held_logprobs",
         "_sent_chars",
         "_top_logprobs",
@@ -144,7 +154,10 @@ class StreamShaper(BaseShaper):
         include_usage: bool,
         continuous_usage_stats: bool,
         top_logprobs: int | None = None,
+        index: int = 0,
     ) -> None:
+        """``index``: the choice this shaper's chunks are of (a request with ``n`` > 1 has a
+        shaper per choice, under :class:`ChoiceShapers`)."""
         if kind not in ("chat", "completion"):
             raise ValueError(f"unknown stream kind {kind!r}")
         self._chat = kind == "chat"
@@ -161,16 +174,17 @@ class StreamShaper(BaseShaper):
             f'data: {{"id":{_dumps(request_id)},"object":"{obj}","created":{int(created)},'
             f'"model":{_dumps(model)},"choices":'
         )
+        self._choice_open = choice_open = f'[{{"index":{int(index)},'
         if self._chat:
-            self._text_open = '[{"index":0,"delta":{"content":'
+            self._text_open = choice_open + '"delta":{"content":'
             self._text_close = '},"logprobs":null,"finish_reason":'
-            self._empty_finish_open = '[{"index":0,"delta":{},"logprobs":null,"finish_reason":'
+            self._empty_finish_open = choice_open + '"delta":{},"logprobs":null,"finish_reason":'
         else:
-            self._text_open = '[{"index":0,"text":'
+            self._text_open = choice_open + '"text":'
             self._text_close = ',"logprobs":null,"finish_reason":'
-            self._empty_finish_open = '[{"index":0,"text":"","logprobs":null,"finish_reason":'
+            self._empty_finish_open = choice_open + '"text":"","logprobs":null,"finish_reason":'
         self._role_body = (
-            '[{"index":0,"delta":{"role":"assistant","content":""},'
+            choice_open + '"delta":{"role":"assistant","content":""},'
             '"logprobs":null,"finish_reason":null}]'
         )
         # What closes a chunk after its choices, when usage is not running.
@@ -235,7 +249,8 @@ class StreamShaper(BaseShaper):
         out = self._role_chunk() if not self._role_sent else ""
         deltas = [{"index": call.index, **call.to_body()} for call in calls]
         body = (
-            '[{"index":0,"delta":{"tool_calls":'
+            self._choice_open
+            + '"delta":{"tool_calls":'
             + _compact(deltas)
             + '},"logprobs":null,"finish_reason":null}]'
         )
@@ -247,8 +262,23 @@ class StreamShaper(BaseShaper):
         self._close()
         out = self._role_chunk() if not self._role_sent else ""
         if self._include_usage:
-            out += self._head + '[],"usage":' + self._usage_json() + "}\n\n"
+            out += self.usage_chunk(self._usage_json())
         return out.encode() + DONE_EVENT
+
+    def usage_chunk(self, usage_json: str) -> str:
+        """The chunk with no choices that carries the stream's usage."""
+        return self._head + '[],"usage":' + usage_json + "}\n\n"
+
+    def end_unsent(self) -> str:
+        """Close this choice's shaper under :class:`ChoiceShapers`, which ends the
+        stream: the role chunk if the choice never got one."""
+        self._close()
+        return self._role_chunk() if not self._role_sent else ""
+
+    @property
+    def usage_counts(self) -> tuple[int, int, int]:
+        """(prompt, completion, cached) tokens as counted so far."""
+        return self._prompt_tokens, self._completion_tokens, self._cached_tokens
 
     def error(self, error: OpenAIError) -> bytes:
         """End the stream with an error event, then [DONE]."""
@@ -281,10 +311,10 @@ class StreamShaper(BaseShaper):
         if self._chat:
             shaped = chat_logprobs(items, top)
             delta = '{"content":' + _dumps(text) + "}" if text or finish_reason is None else "{}"
-            choice = '[{"index":0,"delta":' + delta
+            choice = self._choice_open + '"delta":' + delta
         else:
             shaped = completion_logprobs(items, top, self._sent_chars)
-            choice = '[{"index":0,"text":' + _dumps(text)
+            choice = self._choice_open + '"text":' + _dumps(text)
         self._sent_chars += len(text)
         finish = "null"
         if finish_reason is not None:
@@ -300,13 +330,75 @@ class StreamShaper(BaseShaper):
         return self._head + self._role_body + end
 
     def _usage_json(self) -> str:
-        prompt = self._prompt_tokens
-        completion = self._completion_tokens
-        return (
-            f'{{"prompt_tokens":{prompt},"completion_tokens":{completion},'
-            f'"total_tokens":{prompt + completion},'
-            f'"prompt_tokens_details":{{"cached_tokens":{self._cached_tokens}}}}}'
-        )
+        return usage_json(self._prompt_tokens, self._completion_tokens, self._cached_tokens)
 
     def _usage_end(self) -> str:
         return ',"usage":' + self._usage_json() + "}\n\n"
+
+
+@final
+class ChoiceShapers(BaseShaper):
+    """Shapes the stream of a request with ``n`` > 1 choices: a :class:`StreamShaper` per
+    choice (its chunks carry its ``index``; its role chunk and finish are its own), one
+    usage chunk for the whole answer (the prompt once, every choice's completion
+    tokens) and one ``[DONE]``.
+
+    :meth:`delta` feeds choice 0; :meth:`choice` is the shaper of any choice.
+    ``continuous_usage_stats`` counts per choice: each chunk's usage is that of its
+    choice so far.
+    """
+
+    __slots__ = ("_choices", "_include_usage")
+
+    def __init__(self, choices: Sequence[StreamShaper], *, include_usage: bool) -> None:
+        super().__init__()
+        if len(choices) < 2:
+            raise ValueError("ChoiceShapers is for two choices or more")
+        self._choices = tuple(choices)
+        self._include_usage = include_usage
+
+    def choice(self, index: int) -> StreamShaper:
+        return self._choices[index]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(shaper.completion_tokens for shaper in self._choices)
+
+    @property
+    def finished(self) -> bool:
+        """Every choice has its finish_reason."""
+        return all(shaper.finished for shaper in self._choices)
+
+    def set_prompt_usage(self, prompt_tokens: int, cached_tokens: int) -> None:
+        super().set_prompt_usage(prompt_tokens, cached_tokens)
+        for shaper in self._choices:
+            shaper.set_prompt_usage(prompt_tokens, cached_tokens)
+
+    def delta(
+        self,
+        text: str,
+        num_tokens: int,
+        finish_reason: str | None,
+        usage: Usage | None = None,
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> bytes:
+        return self._choices[0].delta(text, num_tokens, finish_reason, usage, logprobs)
+
+    def done(self) -> bytes:
+        """End the stream: a role chunk for a choice that never had one, the usage chunk
+        if asked for, then [DONE]."""
+        self._close()
+        out = "".join(shaper.end_unsent() for shaper in self._choices)
+        if self._include_usage:
+            counts = [shaper.usage_counts for shaper in self._choices]
+            prompt, _, cached = counts[0]
+            completion = sum(count[1] for count in counts)
+            out += self._choices[0].usage_chunk(usage_json(prompt, completion, cached))
+        return out.encode() + DONE_EVENT
+
+    def error(self, error: OpenAIError) -> bytes:
+        """End the stream with an error event, then [DONE]."""
+        self._close()
+        out = "".join(shaper.end_unsent() for shaper in self._choices)
+        out += "data: " + _dumps(error.to_body()) + "\n\n"
+        return out.encode() + DONE_EVENT

@@ -26,7 +26,7 @@ import msgspec
 
 from pdtrio.protocol.errors import ERRORS, Reason
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.protocol.sampling import MAX_CHOICES, SamplingParams
 
 MSGPACK_CONTENT_TYPE = "application/msgpack"
 
@@ -52,6 +52,8 @@ class MessageKind(enum.IntEnum):
     HEARTBEAT = 12
     LOGPROBS = 13
     PREFILLED_WITH_LOGPROB = 14
+    PREFILLED_WITH_CHOICES = 15
+    START_CHOICES = 16
 
 
 class RejectReason(enum.StrEnum):
@@ -266,7 +268,40 @@ class PrefillReplyWithLogprob(
 
 def first_logprob(reply: PrefillReply) -> TokenLogprob | None:
     """The first token's logprob a prefill reply carries (None: not asked for)."""
-    return reply.first_logprob if type(reply) is PrefillReplyWithLogprob else None
+    return reply.first_logprob if isinstance(reply, PrefillReplyWithLogprob) else None
+
+
+def choice_request_id(request_id: str, choice: int) -> str:
+    """The id choice ``choice`` of a request runs under on decode (its token entries,
+    logprobs and failures name it): choice 0 keeps the request's own."""
+    return request_id if choice == 0 else f"{request_id}/{choice}"
+
+
+class FirstToken(_Positional, frozen=True):
+    """The first token of one more choice of a request with ``n`` > 1 (prefill samples
+    it from the same logits as choice 0's); ``usage`` is set with ``finish_reason``."""
+
+    choice: int
+    token_id: int
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    logprob: TokenLogprob | None = None
+
+
+class PrefillReplyWithChoices(
+    PrefillReplyWithLogprob, frozen=True, tag=int(MessageKind.PREFILLED_WITH_CHOICES)
+):
+    """A :class:`PrefillReply` to a request with ``n`` > 1: choice 0 in the reply's own
+    fields, choices 1.. in ``choices`` (in order).  ``kv_handle`` is None only when
+    every choice finished at its first token.  A kind of its own, as the logprob's."""
+
+    choices: Annotated[tuple[FirstToken, ...], msgspec.Meta(max_length=MAX_CHOICES)] = ()
+
+
+def reply_choices(reply: PrefillReply) -> tuple[FirstToken, ...]:
+    """The first tokens of choices 1.. a prefill reply carries (n = 1: none)."""
+    return reply.choices if type(reply) is PrefillReplyWithChoices else ()
 
 
 class PrefillFailed(_Positional, frozen=True, tag=int(MessageKind.PREFILL_FAILED)):
@@ -356,6 +391,32 @@ class DecodeStart(_Positional, frozen=True, tag=int(MessageKind.START)):
         return len(self.prompt_token_ids) - self.generated_tokens
 
 
+class DecodeStartChoices(DecodeStart, frozen=True, tag=int(MessageKind.START_CHOICES)):
+    """A :class:`DecodeStart` of a request with ``n`` > 1: the choices still to run, as
+    (choice, its first token id), those that did not finish at prefill.  Each runs as
+    :func:`choice_request_id` on the prompt's one KV (its full blocks shared, the
+    partial last one copied); ``first_token_id`` is the first choice's of them.  The
+    router aborts each choice by its own id."""
+
+    choices: Annotated[tuple[tuple[int, int], ...], msgspec.Meta(max_length=MAX_CHOICES)] = ()
+
+    @classmethod
+    def of(cls, start: DecodeStart, choices: tuple[tuple[int, int], ...]) -> DecodeStartChoices:
+        """``start`` running ``choices`` (not empty), the first of them standing first."""
+        return cls(
+            start.request_id,
+            start.prompt_token_ids,
+            choices[0][1],
+            start.sampling,
+            start.token_budget,
+            start.tokens_generated,
+            start.cached_tokens,
+            start.kv_handle,
+            start.generated_tokens,
+            choices,
+        )
+
+
 class DecodeAbort(_Positional, frozen=True, tag=int(MessageKind.ABORT)):
     request_id: str
 
@@ -416,7 +477,7 @@ class Heartbeat(_Positional, frozen=True, tag=int(MessageKind.HEARTBEAT)):
 
 
 # what travels on the worker link, each way
-ToWorker = DecodeStart | DecodeAbort | PrefillRequest | ReleaseRequest
+ToWorker = DecodeStart | DecodeStartChoices | DecodeAbort | PrefillRequest | ReleaseRequest
 FromWorker = (
     DecodeAccepted
     | DecodeRejected
@@ -425,6 +486,7 @@ FromWorker = (
     | DecodeCapacity
     | PrefillReply
     | PrefillReplyWithLogprob
+    | PrefillReplyWithChoices
     | PrefillFailed
     | Heartbeat
     | TokenLogprobs

@@ -283,6 +283,12 @@ class RouterApp:
                         "tools are not served in front of vLLM or SGLang engines yet.",
                         param="tools",
                     )
+                if request.sampling.n > 1:
+                    # the engine's legs carry one stream, shaped here as one choice
+                    raise bad_request(
+                        "n > 1 is not served in front of vLLM or SGLang engines yet.",
+                        param="n",
+                    )
                 # an engine gets the client's own request (what pdtrio validated), its legs'
                 # fields set on it
                 await _front_engines(

@@ -22,7 +22,7 @@ from pdtrio.protocol.answers import AnswerKind, Shaper
 from pdtrio.protocol.openai import OpenAIError, chat_completion_body, completion_body
 from pdtrio.protocol.openai.tools import ToolCallParser, parse_tool_calls, tool_finish_reason
 from pdtrio.protocol.responses_sse import ResponsesStreamShaper
-from pdtrio.protocol.sse import StreamShaper
+from pdtrio.protocol.sse import ChoiceShapers, StreamShaper
 from pdtrio.protocol.wire import TokenLogprob, Usage
 
 log = logging.getLogger("pdtrio.router.pipeline")
@@ -52,10 +52,12 @@ class ClientResponse:
         top_logprobs: int | None = None,
         tool_names: Sequence[str] | None = None,
         body_of: Callable[..., dict[str, Any]] | None = None,
+        choices: int = 1,
     ) -> None:
         """``body_of``: the non-streamed body's builder where the endpoint has its own
         (:attr:`~pdtrio.protocol.answers.AnswerShape.own_body`); None: chat's or
-        completions', by ``kind`` (with the tool calls read out of a chat answer)."""
+        completions', by ``kind`` (with the tool calls read out of a chat answer).
+        ``choices``: the request's ``n`` (streamed, ``shaper`` is then a ChoiceShapers)."""
         self.request_id = request_id
         self.kind = kind
         self.model = model
@@ -78,17 +80,20 @@ class ClientResponse:
         # the last body message is going out: a disconnect after it is hypercorn closing
         # the connection, not the client leaving
         self._complete = False
-        # not streaming: the answer, gathered
-        self._text_parts: list[str] = []
-        self._finish_reason: str | None = None
-        self.usage: Usage | None = None
         # the request asked for logprobs (with this many alternatives): gathered too
         self._top_logprobs = top_logprobs
-        self._logprobs: list[TokenLogprob] | None = [] if top_logprobs is not None else None
-        # the request has tools: the answer's <tool_call> blocks are read into tool_calls
+        # not streaming: each choice's answer, gathered
+        self._answers = (
+            [_Answer(top_logprobs is not None) for _ in range(choices)] if shaper is None else []
+        )
+        # streaming n > 1 choices: the shaper of each
+        self._choice_shapers = shaper if isinstance(shaper, ChoiceShapers) else None
+        # the request has tools: each choice's <tool_call> blocks are read into tool_calls
         self._tool_names = tool_names
-        self._tool_parser = (
-            ToolCallParser(tool_names) if tool_names is not None and shaper is not None else None
+        self._tool_parsers = (
+            [ToolCallParser(tool_names) for _ in range(choices)]
+            if tool_names is not None and shaper is not None
+            else None
         )
 
     @property
@@ -118,22 +123,22 @@ class ClientResponse:
         *,
         final: bool = False,
         logprobs: Sequence[TokenLogprob] | None = None,
+        choice: int = 0,
     ) -> None:
-        """Send (or, not streaming, gather) a delta; ``final``: and end the response with it.
-        ``logprobs``: its tokens', when the request asked for them."""
+        """Send (or, not streaming, gather) a delta of choice ``choice``; ``final``: and end
+        the response with it.  ``logprobs``: its tokens', when the request asked for them."""
         if self.shaper is None:
-            if logprobs and self._logprobs is not None:
-                self._logprobs += logprobs
-            if text:
-                self._text_parts.append(text)
-            if finish_reason is not None:
-                self._finish_reason = finish_reason
-                self.usage = usage
+            self._answers[choice].add(text, finish_reason, usage, logprobs)
             return
-        if self._tool_parser is None:
-            chunk = self.shaper.delta(text, num_tokens, finish_reason, usage, logprobs)
+        shaper: Shaper = (
+            self.shaper if self._choice_shapers is None else self._choice_shapers.choice(choice)
+        )
+        if self._tool_parsers is None:
+            chunk = shaper.delta(text, num_tokens, finish_reason, usage, logprobs)
         else:
-            chunk = self._tool_chunks(text, num_tokens, finish_reason, usage, logprobs)
+            chunk = self._tool_chunks(
+                shaper, self._tool_parsers[choice], text, num_tokens, finish_reason, usage, logprobs
+            )
         if not self._headers_out:
             self._headers_out = True
             await self._send(
@@ -158,8 +163,10 @@ class ClientResponse:
             await self._write({"type": "http.response.body", "body": chunk, "more_body": True})
             self.writing = False
 
+    @staticmethod
     def _tool_chunks(
-        self,
+        shaper: Shaper,
+        parser: ToolCallParser,
         text: str,
         num_tokens: int,
         finish_reason: str | None,
@@ -168,9 +175,8 @@ class ClientResponse:
     ) -> bytes:
         """``shaper.delta`` for a request with tools: its text less the calls, then the
         calls, then the finish (``tool_calls`` once a call was made)."""
-        parser, shaper = self._tool_parser, self.shaper
         # (a chat or a Responses stream: each shaper takes the calls)
-        assert parser is not None and isinstance(shaper, StreamShaper | ResponsesStreamShaper)
+        assert isinstance(shaper, StreamShaper | ResponsesStreamShaper)
         content, calls = parser.feed(text)
         if finish_reason is not None:
             more, more_calls = parser.finish()
@@ -195,49 +201,72 @@ class ClientResponse:
             return
         usage = self.usage
         assert usage is not None  # the shell refuses a finish without it
-        if self._body_of is not None:  # an endpoint's own body (/v1/responses)
+        if self._body_of is not None:  # an endpoint's own body (/v1/responses; one choice)
+            (answer,) = self._answers
             payload = self._body_of(
                 request_id=self.request_id,
                 created=self.created,
-                text="".join(self._text_parts),
-                finish_reason=self._finish_reason,
+                text=answer.text,
+                finish_reason=answer.finish_reason,
                 usage=usage,
-                logprobs=self._logprobs,
+                logprobs=answer.logprobs,
                 top_logprobs=self._top_logprobs or 0,
             )
             await send_json(self._send, 200, payload)
             return
-        text = "".join(self._text_parts)
+        bodies = [self._body(answer, usage) for answer in self._answers]
+        payload = bodies[0]
+        if len(bodies) > 1:
+            payload["choices"] = [
+                {**body["choices"][0], "index": index} for index, body in enumerate(bodies)
+            ]
+        await send_json(self._send, 200, payload)
+
+    def _body(self, answer: _Answer, usage: Usage) -> dict[str, Any]:
+        """The body of one choice's answer (with the whole request's ``usage``)."""
+        text = answer.text
         if self.kind == "chat":
             calls = None
-            finish_reason = self._finish_reason
+            finish_reason = answer.finish_reason
             if self._tool_names is not None:
                 text, calls = parse_tool_calls(text, self._tool_names)
                 if finish_reason is not None:
                     finish_reason = tool_finish_reason(finish_reason, bool(calls))
-            payload = chat_completion_body(
+            return chat_completion_body(
                 request_id=self.request_id,
                 model=self.model,
                 created=self.created,
                 text=text,
                 finish_reason=finish_reason,
                 usage=usage,
-                logprobs=self._logprobs,
+                logprobs=answer.logprobs,
                 top_logprobs=self._top_logprobs or 0,
                 tool_calls=calls,
             )
-        else:
-            payload = completion_body(
-                request_id=self.request_id,
-                model=self.model,
-                created=self.created,
-                text=text,
-                finish_reason=self._finish_reason,
-                usage=usage,
-                logprobs=self._logprobs,
-                top_logprobs=self._top_logprobs or 0,
-            )
-        await send_json(self._send, 200, payload)
+        return completion_body(
+            request_id=self.request_id,
+            model=self.model,
+            created=self.created,
+            text=text,
+            finish_reason=answer.finish_reason,
+            usage=usage,
+            logprobs=answer.logprobs,
+            top_logprobs=self._top_logprobs or 0,
+        )
+
+    @property
+    def usage(self) -> Usage | None:
+        """Not streaming, once every choice finished: the answer's counts (the prompt
+        once, every choice's completion tokens)."""
+        answers = self._answers
+        if not answers or any(answer.usage is None for answer in answers):
+            return None
+        first = answers[0].usage
+        assert first is not None
+        if len(answers) == 1:
+            return first
+        completion = sum(answer.usage.completion_tokens for answer in answers if answer.usage)
+        return Usage(first.prompt_tokens, completion, first.cached_tokens)
 
     async def fail(self, error: OpenAIError, *, headers_sent: bool) -> None:
         """End the response with ``error`` as it can still go out: an error event and
@@ -323,3 +352,35 @@ class ClientResponse:
                 "request %s: its client %s; its connection is not found", self.request_id, why
             )
         return not cut
+
+
+@final
+class _Answer:
+    """One choice's answer, gathered (not streaming)."""
+
+    __slots__ = ("_text_parts", "finish_reason", "logprobs", "usage")
+
+    def __init__(self, with_logprobs: bool) -> None:
+        self._text_parts: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self.logprobs: list[TokenLogprob] | None = [] if with_logprobs else None
+
+    def add(
+        self,
+        text: str,
+        finish_reason: str | None,
+        usage: Usage | None,
+        logprobs: Sequence[TokenLogprob] | None,
+    ) -> None:
+        if logprobs and self.logprobs is not None:
+            self.logprobs += logprobs
+        if text:
+            self._text_parts.append(text)
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+            self.usage = usage
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text_parts)

@@ -32,11 +32,12 @@ from pdtrio.protocol import request_machine as rm
 from pdtrio.protocol.answers import Shaper
 from pdtrio.protocol.egress import send_deadline
 from pdtrio.protocol.errors import Reason
-from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
+from pdtrio.protocol.kv_layout import KvLayout, choice_blocks_needed
 from pdtrio.protocol.lifecycle import State
 from pdtrio.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pdtrio.protocol.wire import (
     DecodeStart,
+    DecodeStartChoices,
     KvHandle,
     PrefillFailed,
     PrefillReply,
@@ -45,6 +46,8 @@ from pdtrio.protocol.wire import (
     TokenLogprob,
     TokenPrompt,
     Usage,
+    choice_request_id,
+    reply_choices,
 )
 from pdtrio.router.backend import BackendLost, BackendUnreachable, DecodeRun
 from pdtrio.router.capacity import QueueFull
@@ -53,6 +56,7 @@ from pdtrio.router.kv_leases import LEASES
 from pdtrio.router.metrics import MIGRATION_REASONS, RequestFigures
 from pdtrio.router.worker_link import (
     CUT_OFF_MESSAGE,
+    DecodeStream,
     WorkerLink,
     rejection_is_retryable,
     release_token,
@@ -121,9 +125,10 @@ class LegHost(Protocol):
         *,
         final: bool = False,
         logprobs: Sequence[TokenLogprob] | None = None,
+        choice: int = 0,
     ) -> None:
-        """Count a delta as delivered and hand it to the client (``logprobs``: its
-        tokens', when the request asked for them)."""
+        """Count a delta (of choice ``choice``) as delivered and hand it to the client
+        (``logprobs``: its tokens', when the request asked for them)."""
         ...
 
 
@@ -252,13 +257,33 @@ class PrefillLeg:
         self.reply = answer
         handle = answer.kv_handle
         if handle is None:
+            self._check_choices(answer, instance)
             return await host.report(rm.Prefilled(None))
         self._kv_access_token = handle.access_token  # what a release must show
         self._lease_holder = instance
         instance.lease_taken()  # its link stays until this request ends
+        self._check_choices(answer, instance)  # (its KV is released with the grant, if not)
         await self._check_kv_source(handle, instance)
         ends_at = LEASES.ends_at(handle, trio.current_time())
         return await host.report(rm.Prefilled(ends_at))
+
+    def _check_choices(self, answer: PrefillReply, instance: Instance) -> None:
+        """A reply has a first token for every choice asked for, and counts for those
+        that finished (a worker from before n > 1 answers one choice)."""
+        asked = self._host.request.sampling.n
+        choices = reply_choices(answer)
+        if len(choices) != asked - 1 or any(
+            first.choice != index for index, first in enumerate(choices, 1)
+        ):
+            raise ShellFailure(
+                rm.Failure(
+                    Reason.INTERNAL,
+                    f"prefill instance {instance.instance_id} answered {len(choices) + 1} "
+                    f"choices of the {asked} asked for",
+                )
+            )
+        if any(first.finish_reason is not None and first.usage is None for first in choices):
+            raise ShellFailure(NO_COUNTS)
 
     async def _check_kv_source(self, handle: KvHandle, instance: Instance) -> None:
         """Decode pulls only from where the prefill instance registered its KV port: a
@@ -354,6 +379,8 @@ class DecodeLeg:
         self._prefill = prefill
         self._lease_margin_s = lease_margin_s
         self.link: WorkerLink | None = None  # the decode link the request was started on
+        # n > 1: the ids the request's choices 1.. run under on that decode
+        self._choice_ids: list[str] = []
         self._queue_place_reserved = False  # holds a place in the router's decode queue
         self._streaming = False  # counted in the router's active streams
 
@@ -398,8 +425,22 @@ class DecodeLeg:
         return await self._host.report(rm.DecodeConnected())
 
     def _kv_tokens(self, reply: PrefillReply) -> int:
-        """The KV a prefilled request needs on decode: its prompt and its whole budget."""
-        return reply.prompt_tokens - self._prefill.leg_generated + reply.token_budget
+        """The KV a prefilled request needs on decode: its prompt and its whole budget (n > 1:
+        and each more choice's budget, with a block or two it cannot share, at most)."""
+        tokens = reply.prompt_tokens - self._prefill.leg_generated + reply.token_budget
+        more = len(_running_choices(reply)) - 1
+        if more > 0:
+            assert reply.kv_handle is not None
+            tokens += more * (reply.token_budget + 2 * reply.kv_handle.layout.block_size)
+        return tokens
+
+    def _blocks(self, reply: PrefillReply, block_size: int) -> int:
+        """The blocks decode allocates for the request (the full prompt blocks once)."""
+        choices = len(_running_choices(reply))
+        own_tokens = reply.prompt_tokens - self._prefill.leg_generated
+        return choice_blocks_needed(
+            reply.prompt_tokens, own_tokens + reply.token_budget, max(choices, 1), block_size
+        )
 
     async def place(self, command: rm.PlaceDecode) -> Wait | None:
         """Place the request on a decode with room (waiting for room if need be); the
@@ -502,10 +543,14 @@ class DecodeLeg:
             kv_handle=reply.kv_handle,
             generated_tokens=prefill.leg_generated,
         )
+        choices = _running_choices(reply)
+        if host.request.sampling.n > 1:
+            start = DecodeStartChoices.of(start, choices)
+        self._choice_ids = [choice_request_id(prefill.wire_id, c) for c, _ in choices if c]
         try:
             stream = await link.start(
                 start,
-                blocks_needed(self._kv_tokens(reply), link.capacity.block_size),
+                self._blocks(reply, link.capacity.block_size),
                 keep_token_ids=prefill.generated is not None,
             )
         except BackendUnreachable as exc:
@@ -519,6 +564,8 @@ class DecodeLeg:
                 self._streaming = True
                 host.router.metrics.streams_active.inc()
             await host.report(rm.DecodeAccepted())
+            if stream.choices is not None:
+                return await stream_choices(host, stream, self._served, self._failed)
             return await stream_tokens(host, stream, self._served, self._failed)
         if stream.failure is not None:
             reason = stream.failure_reason or "link_lost"
@@ -562,9 +609,11 @@ class DecodeLeg:
         return await host.report(event)
 
     def abort(self) -> None:
-        """End the request on its decode, if it still runs there."""
+        """End the request on its decode, if it still runs there (each of its choices)."""
         if self.link is not None:
             self.link.abort(self._prefill.wire_id)
+            for choice_id in self._choice_ids:
+                self.link.abort(choice_id)
 
     def stop_counting(self) -> None:
         """The request streams from no decode (now): out of the active streams' count."""
@@ -636,6 +685,63 @@ async def stream_tokens(
         if failure is not None:
             return await failed(stream, failure)
         await stream.wait_update()
+
+
+async def stream_choices(
+    host: LegHost,
+    stream: DecodeStream,
+    served: Callable[[], None],
+    failed: Callable[[DecodeRun, str], Awaitable[Wait | None]],
+) -> Wait | None:
+    """:func:`stream_tokens` for a request with ``n`` > 1: each choice's deltas as they
+    come, with its index; the response ends with the last choice's finish.  No egress
+    spacing (a choice's stream is not a client's): every wake-up sends what came.
+    A failure of any choice is the request's (``failed``: the machine aborts the rest).
+    """
+    assert stream.choices is not None
+    running = dict(sorted(stream.choices.items()))
+    machine = host.machine
+    while True:
+        for choice, run in list(running.items()):
+            # read before the take: every token pushed before a failure goes out first
+            failure = run.failure
+            delta = run.buffer.take()
+            if delta is not None:
+                finished = delta.finish_reason is not None
+                if finished and delta.usage is None:
+                    raise ShellFailure(NO_COUNTS)
+                if delta.num_tokens and machine.lifecycle.state is State.DECODE_CONFIRMING:
+                    await host.report(rm.DecodeTokens())  # prefill may free the KV now
+                logprobs = None
+                if run.logprobs is not None:
+                    logprobs = _logprobs_of(run.logprobs, delta.num_tokens, host.request_id)
+                if finished:
+                    del running[choice]
+                await host.deliver(
+                    delta.text,
+                    delta.num_tokens,
+                    delta.finish_reason,
+                    delta.usage,
+                    final=finished and not running,
+                    logprobs=logprobs,
+                    choice=choice,
+                )
+                if finished and not running:
+                    served()
+                    return await host.report(rm.DecodeTokens(final=True))
+            if failure is not None and choice in running:
+                return await failed(run, failure)
+        await stream.wait_choices_update()
+
+
+def _running_choices(reply: PrefillReply) -> tuple[tuple[int, int], ...]:
+    """The choices decode runs, as (choice, first token id): those prefill did not finish."""
+    choices = ((0, reply.first_token_id),) if reply.finish_reason is None else ()
+    return choices + tuple(
+        (first.choice, first.token_id)
+        for first in reply_choices(reply)
+        if first.finish_reason is None
+    )
 
 
 def _logprobs_of(

@@ -50,7 +50,7 @@ from pdtrio.protocol.openai import (
     OpenAIError,
     error_for,
 )
-from pdtrio.protocol.wire import TokenLogprob, Usage, first_logprob
+from pdtrio.protocol.wire import TokenLogprob, Usage, first_logprob, reply_choices
 from pdtrio.router.client_response import ClientResponse
 from pdtrio.router.core import Router
 from pdtrio.router.legs import (
@@ -106,8 +106,11 @@ class RequestPipeline:
         # the request on the instances: its prefill calls and its decode run
         self.prefill: PrefillSide
         self.decode: DecodeSide
+        # a stream that may migrate keeps its tokens (n > 1 does not migrate: a continuation
+        # would have to replay every choice's history)
+        migrates = config.migration_limit > 0 and request.sampling.n == 1
         if make_legs is None:
-            prefill = PrefillLeg(self, keep_tokens=config.migration_limit > 0)
+            prefill = PrefillLeg(self, keep_tokens=migrates)
             self.prefill, self.decode = (
                 prefill,
                 DecodeLeg(self, prefill, lease_margin_s=_LEASE_MARGIN_S),
@@ -124,7 +127,7 @@ class RequestPipeline:
                 lease_margin_s=_LEASE_MARGIN_S,
             ),
             streaming=request.stream,
-            keep_tokens=config.migration_limit > 0 and first_token_from_prefill,
+            keep_tokens=migrates and first_token_from_prefill,
             first_token_from_prefill=first_token_from_prefill,
         )
         self._ending_with_error = False  # the machine ended it: what is sent now is the error
@@ -146,6 +149,7 @@ class RequestPipeline:
             draining=lambda: router.requests.draining,
             top_logprobs=top_logprobs,
             tool_names=_tool_names(request),
+            choices=request.sampling.n,
         )
         self._error: OpenAIError | None = None  # what the client is told, after the nursery
         self._recorded = False
@@ -339,14 +343,25 @@ class RequestPipeline:
         if not final and generated is not None:
             generated.append(reply.first_token_id)
         logprob = first_logprob(reply)
+        more = reply_choices(reply)
         await self.deliver(
             reply.first_text,
             1,
             reply.finish_reason,
             reply.usage,
-            final=final,
+            final=final and not more,
             logprobs=None if logprob is None else (logprob,),
         )
+        for first in more:  # n > 1: the other choices' first tokens, the last one final
+            await self.deliver(
+                first.text,
+                1,
+                first.finish_reason,
+                first.usage,
+                final=final and first is more[-1],
+                logprobs=None if first.logprob is None else (first.logprob,),
+                choice=first.choice,
+            )
 
     async def deliver(
         self,
@@ -357,12 +372,13 @@ class RequestPipeline:
         *,
         final: bool = False,
         logprobs: Sequence[TokenLogprob] | None = None,
+        choice: int = 0,
     ) -> None:
-        """Count a delta as delivered and hand it to the response."""
+        """Count a delta (of choice ``choice``) as delivered and hand it to the response."""
         self.router.tokens_delivered += num_tokens
         self.figures.delivered(num_tokens)
         await self.response.deliver(
-            text, num_tokens, finish_reason, usage, final=final, logprobs=logprobs
+            text, num_tokens, finish_reason, usage, final=final, logprobs=logprobs, choice=choice
         )
 
     def _error_of(self, failure: rm.AnyFailure) -> OpenAIError:

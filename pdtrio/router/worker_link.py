@@ -62,9 +62,11 @@ from pdtrio.protocol.wire import (
     DecodeCapacity,
     DecodeRejected,
     DecodeStart,
+    DecodeStartChoices,
     Heartbeat,
     PrefillFailed,
     PrefillReply,
+    PrefillReplyWithChoices,
     PrefillReplyWithLogprob,
     PrefillRequest,
     RejectReason,
@@ -73,6 +75,7 @@ from pdtrio.protocol.wire import (
     TokenFrame,
     TokenLogprob,
     TokenLogprobs,
+    choice_request_id,
     encode,
     encode_in_pieces,
     from_worker_batch_decoder,
@@ -163,6 +166,7 @@ class DecodeStream:
         "token_ids",
         "logprobs",
         "holding",
+        "choices",
         "_holds",
         "_updated",
         "_lot",
@@ -185,6 +189,9 @@ class DecodeStream:
         self.logprobs: list[TokenLogprob] | None = None
         # its consumer is spacing its sends (adaptive egress): only a finish wakes it
         self.holding = False
+        # n > 1: the stream of each choice decode runs (choice 0's, when it runs, is this
+        # one); they share this one's waiter, and are the link's from decode's accept
+        self.choices: dict[int, DecodeStream] | None = None
         self._holds = 0  # holds so far: tells the timer's stale wake-ups from the current one
         self._updated = False
         self._lot = trio.lowlevel.ParkingLot()
@@ -202,6 +209,23 @@ class DecodeStream:
         else:
             await self._lot.park()
         self._updated = False
+
+    async def wait_choices_update(self) -> None:
+        """:meth:`wait_update` for every choice's stream (n > 1): until any got something."""
+        assert self.choices is not None
+        streams = (self, *self.choices.values())
+        if any(stream._updated for stream in streams):
+            await trio.lowlevel.checkpoint()
+        else:
+            await self._lot.park()
+        for stream in streams:
+            stream._updated = False
+
+    def add_choice(self, choice: int, stream: DecodeStream) -> None:
+        """Make ``stream`` choice ``choice``'s, woken as this one's waiter."""
+        assert self.choices is not None
+        stream._lot = self._lot
+        self.choices[choice] = stream
 
     async def hold_until(self, deadline: float, timer: HoldTimer) -> None:
         """Wait until about ``deadline`` (``timer`` wakes it); a finish or failure ends it early.
@@ -535,6 +559,7 @@ class WorkerLink:
                         type(message) is PrefillReply
                         or type(message) is PrefillFailed
                         or type(message) is PrefillReplyWithLogprob
+                        or type(message) is PrefillReplyWithChoices
                     ):
                         handle = message.kv_handle if isinstance(message, PrefillReply) else None
                         pending = self._prefills.pop(message.request_id, None)
@@ -563,6 +588,8 @@ class WorkerLink:
                         # no wake-up: the waiter learns it with the first tokens (one wake-up
                         # per request fewer); a rejection or failure wakes it at once
                         stream.accepted = True
+                        if stream.choices is not None:
+                            self._accept_choices(stream)
                         continue
                     if type(message) is DecodeRejected:
                         stream.rejection = message
@@ -573,6 +600,15 @@ class WorkerLink:
                         del streams[message.request_id]
                     stream.notify()
                     self._on_quieter()
+
+    def _accept_choices(self, stream: DecodeStream) -> None:
+        """Decode runs the request's choices: their entries reach their streams from now.
+        Without choice 0, the request's own id runs nothing more there."""
+        assert stream.choices is not None
+        for choice_stream in stream.choices.values():
+            self._streams[choice_stream.request_id] = choice_stream
+        if 0 not in stream.choices:
+            del self._streams[stream.request_id]
 
     def _dispatch_entries(self, entries: list[TokenEntry]) -> None:
         """Hand each entry to its stream; never waits (the hot path)."""
@@ -749,6 +785,18 @@ class WorkerLink:
             stream.token_ids = []
         if start.sampling.wants_logprobs:
             stream.logprobs = []
+        if type(start) is DecodeStartChoices:
+            stream.choices = {}
+            for choice, _ in start.choices:
+                if choice == 0:
+                    stream.choices[0] = stream
+                    continue
+                choice_stream = DecodeStream(
+                    choice_request_id(start.request_id, choice), self.max_pending_tokens
+                )
+                if start.sampling.wants_logprobs:
+                    choice_stream.logprobs = []
+                stream.add_choice(choice, choice_stream)
         self._streams[start.request_id] = stream
         self._promised[start.request_id] = blocks
         try:

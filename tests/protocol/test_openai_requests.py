@@ -24,7 +24,7 @@ from pdtrio.protocol.openai import (
     server_error,
     service_unavailable,
 )
-from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.protocol.sampling import MAX_CHOICES, SamplingParams
 from pdtrio.protocol.wire import ChatPrompt, TextPrompt, TokenPrompt, Usage
 from tests.examples import examples
 
@@ -483,10 +483,22 @@ def test_bad_fields_both_endpoints(fields: dict[str, Any], param: str) -> None:
         assert_bad(completion_error(**fields), param)
 
 
-def test_n_greater_than_one() -> None:
-    for error in (chat_error(n=2), completion_error(n=3)):
+def test_n_choices_up_to_the_maximum() -> None:
+    assert chat(n=2).sampling.n == 2
+    assert completion(n=MAX_CHOICES).sampling.n == MAX_CHOICES
+    assert chat(n=1).sampling == chat().sampling  # n = 1 is the plain request
+    for error in (chat_error(n=MAX_CHOICES + 1), completion_error(n=MAX_CHOICES + 1)):
         assert_bad(error, "n")
-        assert error.message == "n > 1 is not supported."
+        assert str(MAX_CHOICES) in error.message
+
+
+def test_best_of_only_as_n() -> None:
+    assert completion(n=3, best_of=3).sampling.n == 3
+    assert completion(best_of=1).sampling.n == 1
+    for fields in ({"best_of": 2}, {"n": 2, "best_of": 4}):
+        error = completion_error(**fields)
+        assert_bad(error, "best_of")
+        assert "vLLM" in error.message
 
 
 def test_non_finite_numbers_rejected() -> None:

@@ -27,7 +27,7 @@ CASES = [
         400,
         "max_completion_tokens",
     ),
-    (CHAT, {"model": "synthetic", "messages": MSG, "n": 2}, 400, "n"),
+    (CHAT, {"model": "synthetic", "messages": MSG, "n": 17}, 400, "n"),
     (CHAT, {"model": "synthetic", "messages": MSG, "logprobs": 1}, 400, "logprobs"),
     (CHAT, {"model": "synthetic", "messages": MSG, "top_logprobs": 1}, 400, "top_logprobs"),
     (CHAT, {"model": "synthetic", "messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),

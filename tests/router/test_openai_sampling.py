@@ -111,7 +111,7 @@ async def test_stop_token_ids_end_the_reply_before_that_token(
         ({"extra_body": {"min_p": 2}}, "min_p"),
         ({"extra_body": {"stop_token_ids": "7"}}, "stop_token_ids"),
         # not served yet: refused, naming the feature
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         # the synthetic engine's tokens have no text a grammar could force a call in
         (

@@ -28,7 +28,7 @@ from pdtrio.protocol.openai.errors import (
 from pdtrio.protocol.openai.json_pieces import PIECEWISE_JSON_BYTES, CountedArray, load_piecewise
 from pdtrio.protocol.openai.structured import structured_output
 from pdtrio.protocol.openai.tools import ChatTools, message_extras, parse_chat_tools
-from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.protocol.sampling import MAX_CHOICES, SamplingParams
 from pdtrio.protocol.wire import (
     MAX_TOP_LOGPROBS,
     ChatPrompt,
@@ -99,12 +99,12 @@ def parse_chat_completion_request(
     model = _model(obj, served_models)
     context_length = None if context_lengths is None else context_lengths.get(model)
     messages = _messages(obj, context_length)
-    _reject_unsupported(obj)
     logprobs = _chat_logprobs(obj)
     tools = parse_chat_tools(obj)
     sampling, max_tokens = _sampling(
         obj, max_tokens_limit, allow_completion_alias=True, logprobs=logprobs
     )
+    sampling = _choices(obj, sampling)
     forced = None if tools is None else tools.structured()
     if forced is not None:
         if sampling.structured is not None:
@@ -156,7 +156,6 @@ def parse_completion_request(
     model = _model(obj, served_models)
     context_length = None if context_lengths is None else context_lengths.get(model)
     prompt = _completion_prompt(obj, context_length)
-    _reject_unsupported(obj)
     top_logprobs = _opt_int(obj, "top_logprobs")
     if top_logprobs is not None and top_logprobs != 0:
         raise bad_request(
@@ -167,9 +166,6 @@ def parse_completion_request(
     logprobs = _completion_logprobs(obj)
     # echo returns the prompt (and with logprobs, the prompt's logprobs): not served
     _reject_truthy_flag(obj, "echo", "echo is not supported.")
-    best_of = _opt_int(obj, "best_of")
-    if best_of is not None and best_of != 1:
-        raise bad_request("best_of other than 1 is not supported.", param="best_of")
     suffix = obj.get("suffix")
     if suffix is not None and suffix != "":
         if not isinstance(suffix, str):
@@ -178,6 +174,16 @@ def parse_completion_request(
     sampling, max_tokens = _sampling(
         obj, max_tokens_limit, allow_completion_alias=False, logprobs=logprobs
     )
+    sampling = _choices(obj, sampling)
+    # best_of (rank best_of samples by their cumulative logprob, answer the n best): vLLM
+    # dropped it with its V1 engine; served only where it asks for nothing more than n
+    best_of = _opt_int(obj, "best_of")
+    if best_of is not None and best_of not in (1, sampling.n):
+        raise bad_request(
+            "best_of other than n is not supported (vLLM's V1 engine dropped it too): ask for "
+            "n choices with logprobs and rank them.",
+            param="best_of",
+        )
     if (
         isinstance(prompt, TokenPrompt)
         and context_length is not None
@@ -486,14 +492,19 @@ def _reject_truthy_flag(obj: dict[str, Any], key: str, message: str) -> None:
         raise bad_request(message, param=key)
 
 
-def _reject_unsupported(obj: dict[str, Any]) -> None:
-    """Fields both endpoints share that are accepted only at their no-op value."""
+def _choices(obj: dict[str, Any], sampling: SamplingParams) -> SamplingParams:
+    """``sampling`` with the request's ``n`` (how many choices; 1 to MAX_CHOICES)."""
     n = _opt_int(obj, "n")
-    if n is not None:
-        if n > 1:
-            raise bad_request("n > 1 is not supported.", param="n")
-        if n < 1:
-            raise bad_request(f"Invalid value for 'n': {n} is less than 1.", param="n")
+    if n is None or n == 1:
+        return sampling
+    if n < 1:
+        raise bad_request(f"Invalid value for 'n': {n} is less than 1.", param="n")
+    if n > MAX_CHOICES:
+        raise bad_request(
+            f"Invalid value for 'n': {n} is greater than the maximum of {MAX_CHOICES}.",
+            param="n",
+        )
+    return msgspec.structs.replace(sampling, n=n)
 
 
 def _top_logprobs_count(value: int, param: str) -> int:
