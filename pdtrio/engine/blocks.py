@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import final
 
-from pdtrio.engine.api import NoRoom
+from pdtrio.engine.api import EngineError, NoRoom
 from pdtrio.engine.prefix_cache import PrefixCache, block_hashes
 from pdtrio.protocol.kv_layout import blocks_needed
 
@@ -142,6 +142,28 @@ class BlockOwnership:
             return
         for block_id, block_hash in zip(self._owned.get(request_id, []), hashes, strict=False):
             self.prefix_cache.insert(block_id, block_hash)
+
+    def fork(
+        self, parent_id: str, child_id: str, shared_tokens: int, num_tokens: int
+    ) -> tuple[int, ...]:
+        """A table for ``child_id`` (another choice of ``parent_id``, n > 1): references to
+        the parent's full blocks of its first ``shared_tokens`` (the prompt's KV, never
+        written again), then fresh blocks of its own up to ``num_tokens``.
+
+        All or nothing: NoRoom leaves the child without blocks and the parent as it was;
+        EngineError if ``child_id`` owns blocks already (an id in use).
+        """
+        if self._owned.get(child_id):
+            raise EngineError(f"request {child_id} owns KV blocks already")
+        parent = self._owned.get(parent_id, [])
+        total = blocks_needed(num_tokens, self.block_size)
+        shared = parent[: min(shared_tokens // self.block_size, len(parent), total)]
+        # the parent holds the shared blocks, so the allocation cannot evict them
+        own = self.prefix_cache.allocate(total - len(shared))
+        self.prefix_cache.acquire(shared)
+        table = shared + own
+        self._owned[child_id] = table
+        return tuple(table)
 
     def release(self, request_id: str) -> int:
         """Drop the request's references to its blocks; returns how many. Idempotent."""

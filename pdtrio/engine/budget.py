@@ -7,8 +7,8 @@ is spent and asks :func:`tokens_left`.
 
 from __future__ import annotations
 
-from pdtrio.engine.api import PromptRejected
-from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.engine.api import EngineError, PromptRejected
+from pdtrio.protocol.sampling import MAX_CHOICES, SamplingParams
 
 
 def checked_token_ids(token_ids: tuple[int, ...], vocab_size: int) -> list[int]:
@@ -99,3 +99,34 @@ def check_continuation(prompt_tokens: int, generated_tokens: int) -> int:
             f"{generated_tokens} generated tokens in a prompt of {prompt_tokens}", param="prompt"
         )
     return prompt_tokens - generated_tokens
+
+
+def check_choices(n: int, generated_tokens: int) -> None:
+    """PromptRejected (a 400 naming ``n``) for a number of choices outside 1..MAX_CHOICES,
+    or for several choices of a continuation (a migrated stream is one sequence)."""
+    if not 1 <= n <= MAX_CHOICES:
+        raise PromptRejected(f"n must be within 1..{MAX_CHOICES}, not {n}", param="n")
+    if n > 1 and generated_tokens:
+        raise PromptRejected("a continuation runs one choice, not n > 1", param="n")
+
+
+def check_start_choices(
+    request_id: str,
+    sampling: SamplingParams,
+    generated_tokens: int,
+    choices: tuple[tuple[int, int], ...],
+) -> None:
+    """EngineError unless ``choices`` (a decode start's (choice, first token) pairs) are
+    distinct choices of the request's ``n`` > 1, of a request that is no continuation."""
+    if sampling.n <= 1 or generated_tokens:
+        raise EngineError(
+            f"request {request_id}: choices need n > 1 and no continuation "
+            f"(n = {sampling.n}, {generated_tokens} generated tokens)"
+        )
+    indexes = [choice for choice, _ in choices]
+    if not indexes or len(set(indexes)) != len(indexes):
+        raise EngineError(f"request {request_id}: choices {indexes} are empty or repeat")
+    if not all(0 <= choice < sampling.n for choice in indexes):
+        raise EngineError(
+            f"request {request_id}: choices {indexes} are not within 0..{sampling.n - 1}"
+        )

@@ -35,9 +35,11 @@ from pdtrio.engine.api import (
 )
 from pdtrio.engine.blocks import BlockAllocator, BlockOwnership
 from pdtrio.engine.budget import (
+    check_choices,
     check_continuation,
     check_logit_bias,
     check_prompt_length,
+    check_start_choices,
     checked_token_ids,
     token_budget,
     tokens_left,
@@ -46,16 +48,18 @@ from pdtrio.engine.prefix_cache import PrefixCache, chain_root, layout_salt
 from pdtrio.engine.scheduler import SchedulerLimits, schedule
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
-from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.protocol.sampling import SamplingParams, choice_sampling
 from pdtrio.protocol.wire import (
     MAX_TOP_LOGPROBS,
     ChatPrompt,
+    FirstToken,
     Prompt,
     TextPrompt,
     TokenEntry,
     TokenLogprob,
     TokenLogprobs,
     Usage,
+    choice_request_id,
 )
 
 SYNTHETIC_MODEL_NAME = "synthetic"
@@ -81,6 +85,16 @@ def prompt_digest(prompt_token_ids: list[int] | tuple[int, ...]) -> int:
 
 def synthetic_token(digest: int, seed: int, position: int, vocab_size: int) -> int:
     return _FIRST_WORD_ID + _mix(digest, seed, position) % max(1, vocab_size - _FIRST_WORD_ID)
+
+
+def choice_seed(sampling: SamplingParams, choice: int) -> int:
+    """The seed choice ``choice`` of a request draws with: ``choice_sampling``'s, and for an
+    unseeded request's choices past the first a salt of their own, so that they differ
+    (choice 0 is the request's single sequence, as with n = 1)."""
+    seed = choice_sampling(sampling, choice).seed
+    if seed is not None:
+        return seed
+    return 0 if choice == 0 else _mix(0xC401CE, choice)
 
 
 def synthetic_text(token_id: int) -> str:
@@ -288,6 +302,8 @@ class SyntheticEngine:
     ) -> PrefillResult:
         own = check_continuation(len(prompt_token_ids), generated_tokens)
         check_logit_bias(sampling, self._config.vocab_size)
+        if sampling.n != 1:
+            check_choices(sampling.n, generated_tokens)
         if sampling.structured is not None:
             # its tokens are made-up words with no text a grammar could read
             raise PromptRejected(
@@ -343,6 +359,10 @@ class SyntheticEngine:
             processor.replay(earlier)
         text, finish = processor.push(first)
         usage: Usage | None = None
+        if sampling.n > 1:
+            return self._prefill_choices(
+                request_id, prompt_token_ids, sampling, budget, block_ids, cached_tokens
+            )
         if finish is not None:
             self._blocks.release(request_id)
             block_ids = ()
@@ -368,6 +388,49 @@ class SyntheticEngine:
             first_logprob=first_logprob,
         )
 
+    def _prefill_choices(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        budget: int,
+        block_ids: tuple[int, ...],
+        cached_tokens: int,
+    ) -> PrefillResult:
+        """The first tokens of a prefill of n > 1 choices (no continuation has them): each
+        choice's own draw, stop rules and logprob; the blocks stay while any choice runs."""
+        own = len(prompt_token_ids)
+        digest = prompt_digest(prompt_token_ids)
+        vocab = self._config.vocab_size
+        firsts: list[FirstToken] = []
+        for choice in range(sampling.n):
+            seed = choice_seed(sampling, choice)
+            first = synthetic_token(digest, seed, own, vocab)
+            processor = OutputProcessor(
+                _TEXT, choice_sampling(sampling, choice), token_budget=budget, tokens_generated=0
+            )
+            text, finish = processor.push(first)
+            usage = None if finish is None else Usage(own, processor.num_generated, cached_tokens)
+            logprob = None
+            if sampling.wants_logprobs:
+                logprob = synthetic_logprob(digest, seed, own, vocab, first, sampling.logprobs)
+            firsts.append(FirstToken(choice, first, text, finish, usage, logprob))
+        if all(first.finish_reason is not None for first in firsts):
+            self._blocks.release(request_id)
+            block_ids = ()
+        head = firsts[0]
+        return PrefillResult(
+            first_token_id=head.token_id,
+            first_text=head.text,
+            finish_reason=head.finish_reason,
+            block_ids=block_ids,
+            cached_tokens=cached_tokens,
+            token_budget=budget,
+            usage=head.usage,
+            first_logprob=head.logprob,
+            choices=tuple(firsts[1:]),
+        )
+
     def free_request(self, request_id: str) -> None:
         self._running.pop(request_id, None)
         self._blocks.release(request_id)
@@ -376,6 +439,11 @@ class SyntheticEngine:
 
     def allocate_blocks(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
         return self._blocks.ensure(request_id, num_tokens)
+
+    def fork_blocks(
+        self, request_id: str, choice_id: str, shared_tokens: int, num_tokens: int
+    ) -> tuple[int, ...]:
+        return self._blocks.fork(request_id, choice_id, shared_tokens, num_tokens)
 
     def _write_store(self, block_ids: tuple[int, ...], data: bytes) -> None:
         size = self._layout.block_nbytes
@@ -416,6 +484,7 @@ class SyntheticEngine:
         tokens_generated: int,
         cached_tokens: int,
         generated_tokens: int = 0,
+        choices: tuple[tuple[int, int], ...] = (),
     ) -> None:
         await trio.lowlevel.checkpoint()
         if not 0 <= generated_tokens < len(prompt_token_ids):
@@ -428,6 +497,12 @@ class SyntheticEngine:
             )
         if not all(0 <= t < self._config.vocab_size for t in (*prompt_token_ids, first_token_id)):
             raise EngineError(f"request {request_id} has token ids out of the vocabulary")
+        if choices:
+            check_start_choices(request_id, sampling, generated_tokens, choices)
+            await self._start_choices(
+                request_id, prompt_token_ids, sampling, token_budget, cached_tokens, choices
+            )
+            return
         table = self._blocks.owned(request_id)
         prompt_blocks = blocks_needed(len(prompt_token_ids), self._layout.block_size)
         if len(table) < prompt_blocks:
@@ -452,6 +527,73 @@ class SyntheticEngine:
             processor=processor,
             logprobs=sampling.logprobs,
         )
+        self._work_arrived.set()
+
+    async def _start_choices(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        token_budget: int,
+        cached_tokens: int,
+        choices: tuple[tuple[int, int], ...],
+    ) -> None:
+        """start_decode's n > 1: each choice runs as a request of its own, on its forked
+        blocks, once its copy of the prompt's partial last block is made (and checked)."""
+        vocab = self._config.vocab_size
+        if not all(0 <= first < vocab for _, first in choices):
+            raise EngineError(f"request {request_id} has token ids out of the vocabulary")
+        block_size = self._layout.block_size
+        prompt_tokens = len(prompt_token_ids)
+        full = prompt_tokens // block_size
+        prompt_blocks = blocks_needed(prompt_tokens, block_size)
+        parent = self._blocks.owned(request_id)
+        if len(parent) < prompt_blocks:
+            raise EngineError(f"request {request_id} owns no KV for its prompt")
+        expected = expected_kv_bytes(prompt_token_ids, self._layout)
+        if await self.read_blocks(tuple(parent[:prompt_blocks])) != expected:
+            raise EngineError(f"KV blocks of {request_id} do not hold its prompt")
+        tables: list[list[int]] = []
+        for choice, _ in choices:
+            choice_id = choice_request_id(request_id, choice)
+            table = self._blocks.owned(choice_id)
+            if len(table) < prompt_blocks or table[:full] != parent[:full]:
+                raise EngineError(f"{choice_id} does not own its prompt's shared blocks")
+            tables.append(table)
+        size = self._layout.block_nbytes
+        if prompt_tokens % block_size:
+            partial = self._kv[parent[full] * size : (parent[full] + 1) * size]
+            for (choice, _), table in zip(choices, tables, strict=True):
+                if choice:
+                    self._write_store((table[full],), partial)
+        for table in tables:
+            if await self.read_blocks(tuple(table[:prompt_blocks])) != expected:
+                raise EngineError(
+                    f"the KV blocks of a choice of {request_id} do not hold its prompt"
+                )
+        digest = prompt_digest(prompt_token_ids)
+        for choice, first in choices:
+            processor = OutputProcessor(
+                _TEXT,
+                choice_sampling(sampling, choice),
+                token_budget=token_budget,
+                tokens_generated=1,
+            )
+            processor.replay(first)  # its text went out from prefill
+            choice_id = choice_request_id(request_id, choice)
+            self._running[choice_id] = _Running(
+                request_id=choice_id,
+                digest=digest,
+                seed=choice_seed(sampling, choice),
+                position=prompt_tokens + 1,
+                prompt_tokens=prompt_tokens,
+                cached_tokens=cached_tokens,
+                processor=processor,
+                logprobs=sampling.logprobs,
+            )
+        if all(choice != 0 for choice, _ in choices):
+            # choice 0 ended at prefill: the shared blocks stay, held by the others
+            self._blocks.release(request_id)
         self._work_arrived.set()
 
     def abort(self, request_id: str) -> None:

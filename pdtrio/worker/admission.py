@@ -15,11 +15,18 @@ from typing import final
 import attrs
 import trio
 
-from pdtrio.engine.api import Engine, NoRoom
+from pdtrio.engine.api import Engine, EngineError, NoRoom
 from pdtrio.engine.budget import tokens_left
 from pdtrio.kv.api import KvTransferError, KvTransport
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed, layout_mismatch
-from pdtrio.protocol.wire import DecodeStart, RejectReason, lease_deadline, with_lease_left
+from pdtrio.protocol.wire import (
+    DecodeStart,
+    DecodeStartChoices,
+    RejectReason,
+    choice_request_id,
+    lease_deadline,
+    with_lease_left,
+)
 from pdtrio.worker.leases import KvLeases
 
 
@@ -82,16 +89,22 @@ class DecodeAdmission:
         # a continuation's earlier output is in its prompt ids and spent from its budget
         total_tokens = start.own_prompt_tokens + start.token_budget
         accepted = False
+        forks: list[str] = []  # n > 1: the choices' ids that hold blocks
         try:
             if handle.instance_id == self._instance_id:
                 # prefill ran here: its blocks become the request's, no copy
                 if not self._leases.hand_over(request_id):
                     return Rejected(RejectReason.TRANSFER_FAILED, "the KV lease has expired")
                 engine.allocate_blocks(request_id, total_tokens)
+                if type(start) is DecodeStartChoices:
+                    self._fork(start, total_tokens, forks)
             else:
                 blocks = engine.allocate_blocks(request_id, total_tokens)
+                if type(start) is DecodeStartChoices:
+                    self._fork(start, total_tokens, forks)
                 # the transport counts the TTL from its call: what is left of it now
                 handle = with_lease_left(handle, lease_ends, trio.current_time())
+                # (the request's blocks: the choices share their full ones, filled with them)
                 await self._transport.pull(handle, engine, blocks[: len(handle.block_ids)])
             accepted = True
             return _ACCEPTED
@@ -99,9 +112,25 @@ class DecodeAdmission:
             return Rejected(RejectReason.NO_ROOM, f"decode has no KV room: {exc}")
         except KvTransferError as exc:
             return Rejected(RejectReason.TRANSFER_FAILED, str(exc))
+        except EngineError as exc:  # a fork's id in use
+            return Rejected(RejectReason.BAD_REQUEST, str(exc))
         finally:
             if not accepted:
+                for choice_id in forks:
+                    engine.free_request(choice_id)
                 engine.free_request(request_id)
+
+    def _fork(self, start: DecodeStartChoices, total_tokens: int, forks: list[str]) -> None:
+        """Blocks for every choice but 0 (which runs on the request's own): the prompt's
+        full blocks shared, the rest their own; ``forks`` names each that got them."""
+        engine = self._engine
+        for choice, _ in start.choices:
+            if choice:
+                choice_id = choice_request_id(start.request_id, choice)
+                engine.fork_blocks(
+                    start.request_id, choice_id, len(start.prompt_token_ids), total_tokens
+                )
+                forks.append(choice_id)
 
 
 def _malformed(start: DecodeStart) -> str | None:
@@ -126,4 +155,23 @@ def _malformed(start: DecodeStart) -> str | None:
         )
     if not 0 <= start.cached_tokens <= prompt_tokens:
         return f"cached_tokens {start.cached_tokens} is not within the prompt's {prompt_tokens}"
+    if type(start) is DecodeStartChoices:
+        return _malformed_choices(start)
+    return None
+
+
+def _malformed_choices(start: DecodeStartChoices) -> str | None:
+    """What is wrong with a start's choices (n > 1), if anything."""
+    n = start.sampling.n
+    if n <= 1:
+        return f"choices for a request of n = {n}"
+    if start.generated_tokens:
+        return "a continuation has one choice"
+    if not start.choices:
+        return "no choice to run"
+    indexes = [choice for choice, _ in start.choices]
+    if len(set(indexes)) != len(indexes) or not all(0 <= c < n for c in indexes):
+        return f"choices {indexes} are not distinct choices of 0..{n - 1}"
+    if not all(type(first) is int for _, first in start.choices):
+        return "a choice's first token id is not an integer"
     return None

@@ -21,12 +21,14 @@ import trio
 from pdtrio.engine.api import Engine, EngineError, NoRoom, PromptRejected
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.kv_layout import KvLayout
+from pdtrio.protocol.sampling import MAX_CHOICES
 from pdtrio.protocol.wire import (
     DRAINING_ERROR_TYPE,
     MAX_TOP_LOGPROBS,
     KvHandle,
     PrefillFailed,
     PrefillReply,
+    PrefillReplyWithChoices,
     PrefillReplyWithLogprob,
     PrefillRequest,
     TokenPrompt,
@@ -188,7 +190,8 @@ class PrefillRole:
             request_id, token_ids, request.sampling, request.max_tokens, request.generated_tokens
         )
         handle: KvHandle | None = None
-        if result.finish_reason is None:
+        # (n > 1: the blocks stay while any choice runs, choice 0 finished or not)
+        if result.finish_reason is None or result.block_ids:
             lease_s = self._lease_s
             access_token = new_access_token()
             self._leases.hold(
@@ -223,6 +226,10 @@ class PrefillRole:
             handle,
             result.usage,
         )
+        if result.choices:
+            return PrefillReplyWithChoices(
+                *fields, first_logprob=result.first_logprob, choices=result.choices
+            )
         if result.first_logprob is not None:
             return PrefillReplyWithLogprob(*fields, first_logprob=result.first_logprob)
         return PrefillReply(*fields)
@@ -249,6 +256,10 @@ def check_prefill_request(request: PrefillRequest) -> None:
         raise WireError(f"logprobs {sampling.logprobs} is not in -1..{MAX_TOP_LOGPROBS}")
     if request.max_tokens is not None and request.max_tokens < 1:
         raise WireError(f"max_tokens {request.max_tokens} is less than 1")
+    if not 1 <= sampling.n <= MAX_CHOICES:
+        raise WireError(f"n {sampling.n} is not in 1..{MAX_CHOICES}")
+    if sampling.n > 1 and request.generated_tokens:
+        raise WireError("a continuation (generated_tokens > 0) has one choice, not n > 1")
     if request.generated_tokens:
         prompt = request.prompt
         if not isinstance(prompt, TokenPrompt) or not (

@@ -58,6 +58,7 @@ from pdtrio.protocol.wire import (
     DecodeFailed,
     DecodeRejected,
     DecodeStart,
+    DecodeStartChoices,
     PrefillFailed,
     PrefillReply,
     PrefillRequest,
@@ -202,7 +203,8 @@ class RouterConnection:
                 )
             )
             return
-        if request_id in server.owner:
+        choice_ids = _choice_ids(message) if type(message) is DecodeStartChoices else ()
+        if request_id in server.owner or any(c in server.owner for c in choice_ids):
             message_text = f"request {request_id} is already running here"
             await self.sender.send_control(
                 DecodeRejected(request_id, RejectReason.BAD_REQUEST, message_text)
@@ -211,6 +213,11 @@ class RouterConnection:
         scope = trio.CancelScope()
         self.requests[request_id] = scope
         server.owner[request_id] = self
+        # n > 1: each other choice is a request of its own once started (its outputs come
+        # to this link; an abort of any while the start runs stops the start)
+        for choice_id in choice_ids:
+            self.requests[choice_id] = scope
+            server.owner[choice_id] = self
         # (its KV lease's TTL counts from its arrival)
         nursery.start_soon(self._start, message, scope, trio.current_time())
 
@@ -282,6 +289,9 @@ class RouterConnection:
         self, start: DecodeStart, scope: trio.CancelScope, received_at: float | None = None
     ) -> None:
         request_id = start.request_id
+        choices = start.choices if type(start) is DecodeStartChoices else ()
+        # the ids the start runs under besides the request's own (n > 1: choices 1..)
+        choice_ids = _choice_ids(start) if type(start) is DecodeStartChoices else ()
         accepted = started = False
         ending: Control | None = None
         try:
@@ -299,16 +309,29 @@ class RouterConnection:
                     accepted = True
                     await self.sender.send_control(DecodeAccepted(request_id))
                     try:
-                        await self._engine.start_decode(
-                            request_id,
-                            list(start.prompt_token_ids),
-                            start.first_token_id,
-                            start.sampling,
-                            start.token_budget,
-                            start.tokens_generated,
-                            start.cached_tokens,
-                            start.generated_tokens,
-                        )
+                        if choices:
+                            await self._engine.start_decode(
+                                request_id,
+                                list(start.prompt_token_ids),
+                                start.first_token_id,
+                                start.sampling,
+                                start.token_budget,
+                                start.tokens_generated,
+                                start.cached_tokens,
+                                start.generated_tokens,
+                                choices=choices,
+                            )
+                        else:
+                            await self._engine.start_decode(
+                                request_id,
+                                list(start.prompt_token_ids),
+                                start.first_token_id,
+                                start.sampling,
+                                start.token_budget,
+                                start.tokens_generated,
+                                start.cached_tokens,
+                                start.generated_tokens,
+                            )
                         started = True
                     except EngineError as exc:
                         log.error("decode of %s did not start: %s", request_id, exc)
@@ -316,17 +339,43 @@ class RouterConnection:
         finally:
             if not started:
                 if accepted:  # (admission frees what it took on any other way out)
+                    for choice_id in choice_ids:
+                        self._engine.free_request(choice_id)
                     self._engine.free_request(request_id)
+                for choice_id in choice_ids:
+                    self.forget(choice_id)
                 self.forget(request_id)
             elif scope.cancel_called:
                 # aborted just as it started: nothing was cancelled, so end it here
+                for choice_id in choice_ids:
+                    self._engine.abort(choice_id)
+                    self.forget(choice_id)
                 self._engine.abort(request_id)
                 self.forget(request_id)
-            elif request_id in self.requests:  # (not already finished)
-                self.requests[request_id] = None
+            else:
+                for choice_id in choice_ids:
+                    if choice_id in self.requests:  # (not already finished)
+                        self.requests[choice_id] = None
+                if choices and all(choice for choice, _ in choices):
+                    # choice 0 finished at prefill: nothing runs under the request's own id
+                    self.forget(request_id)
+                elif request_id in self.requests:  # (not already finished)
+                    self.requests[request_id] = None
             self._server.capacity_changed()  # allocated, or freed on the way out
         if ending is not None:
             await self.sender.send_control(ending)
+            if accepted:
+                # the router reads each choice from decode's accept on: each hears the end
+                for choice_id in choice_ids:
+                    assert isinstance(ending, DecodeFailed)
+                    await self.sender.send_control(DecodeFailed(choice_id, ending.message))
+
+
+def _choice_ids(start: DecodeStartChoices) -> tuple[str, ...]:
+    """The ids the choices of a start other than choice 0 run under."""
+    return tuple(
+        wire.choice_request_id(start.request_id, choice) for choice, _ in start.choices if choice
+    )
 
 
 # router links a worker keeps at once (each router process holds one)

@@ -9,6 +9,7 @@ seed, position), so seeded choice ``i`` must equal a single request with seed
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -16,6 +17,7 @@ import openai
 import pytest
 import trio
 
+from pdtrio.engine.api import EngineError
 from tests.cluster import (
     Cluster,
     client,
@@ -162,7 +164,7 @@ async def test_the_choices_share_the_prompts_kv_on_decode() -> None:
         async with client(cluster) as http:
             async with trio.open_nursery() as nursery:
                 body = {"model": "synthetic", "prompt": prompt, "max_tokens": 200, "n": n}
-                nursery.start_soon(http.post, "/v1/completions", None, None, body)  # type: ignore[arg-type]
+                nursery.start_soon(partial(http.post, "/v1/completions", json=body))
                 decode = cluster.workers[1]
                 await wait_for_stats(lambda: decode.engine.statistics().running_requests == n)
                 held = decode.engine.statistics().kv_blocks_in_use
@@ -206,4 +208,53 @@ async def test_a_worker_answering_one_choice_is_an_error_not_a_hang() -> None:
         )
         assert reply.status_code == 500
         assert "choices" in reply.json()["error"]["message"]
+        await wait_until_idle(cluster)
+
+
+async def _first_word(http: Any, seed: int) -> str:
+    reply = await http.post(
+        "/v1/completions",
+        json={"model": "synthetic", "prompt": "Once", "max_tokens": 1, "seed": seed},
+    )
+    return str(reply.json()["choices"][0]["text"])
+
+
+@pytest.mark.parametrize("roles", TOPOLOGIES, ids=["pd", "colocated"])
+async def test_choice_zero_ending_at_prefill_leaves_the_others_running(
+    roles: tuple[str, ...],
+) -> None:
+    async with running_cluster(roles=roles) as cluster, client(cluster) as http:
+        # a stop string that is choice 0's first word (seed 9) ends it at prefill
+        stop = await _first_word(http, 9)
+        assert stop != await _first_word(http, 10)
+        body = {"model": "synthetic", "prompt": "Once", "max_tokens": 5, "seed": 9, "n": 2}
+        reply = (await http.post("/v1/completions", json={**body, "stop": [stop]})).json()
+        first, second = reply["choices"]
+        assert (first["text"], first["finish_reason"]) == ("", "stop")
+        assert second["finish_reason"] in ("length", "stop") and second["text"]
+        assert reply["usage"]["completion_tokens"] == 1 + len(second["text"].split())
+        await wait_until_idle(cluster)
+
+
+async def test_decode_failing_to_start_the_choices_is_an_error_for_every_choice() -> None:
+    """Decode accepted, then could not start: with choice 0 ended at prefill, the
+    failure still reaches the running choices (each hears it by its own id)."""
+
+    def failing_decode(role: str) -> Any:
+        worker = synthetic_worker(role)
+        if role == "decode":
+
+            async def refuse(*args: Any, **kwargs: Any) -> None:
+                raise EngineError("a fault of the test")
+
+            worker.engine.start_decode = refuse  # type: ignore[method-assign]
+        return worker
+
+    async with running_cluster(make_worker=failing_decode) as cluster, client(cluster) as http:
+        stop = await _first_word(http, 9)
+        body = {"model": "synthetic", "prompt": "Once", "max_tokens": 5, "seed": 9, "n": 2}
+        with trio.fail_after(20):
+            reply = await http.post("/v1/completions", json={**body, "stop": [stop]})
+        assert reply.status_code >= 500
+        assert "did not start" in reply.json()["error"]["message"]
         await wait_until_idle(cluster)

@@ -38,9 +38,11 @@ from pdtrio.engine.api import (
 )
 from pdtrio.engine.blocks import BlockOwnership
 from pdtrio.engine.budget import (
+    check_choices,
     check_continuation,
     check_logit_bias,
     check_prompt_length,
+    check_start_choices,
     checked_token_ids,
     token_budget,
     tokens_left,
@@ -57,17 +59,19 @@ from pdtrio.engine.torch.model import SeqInput, StepAbandoned
 from pdtrio.engine.torch.sampler import RowLogprobs, TokenHistory, logprobs_of, sample
 from pdtrio.engine.torch.threads import apply_num_threads
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
-from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.protocol.sampling import SamplingParams, choice_sampling
 from pdtrio.protocol.wire import (
     MAX_TOP_LOGPROBS,
     ChatPrompt,
     ChatPromptWithTools,
+    FirstToken,
     Prompt,
     TextPrompt,
     TokenEntry,
     TokenLogprob,
     TokenLogprobs,
     Usage,
+    choice_request_id,
 )
 
 log = logging.getLogger("pdtrio.engine")
@@ -130,6 +134,9 @@ class _PrefillJob:
     cached_tokens: int = 0
     # structured output: the grammar the first token must obey
     constraint: TokenConstraint | None = None
+    # n > 1: each choice's sampling and grammar state (choice 0's are the two above)
+    choice_samplings: tuple[SamplingParams, ...] = ()
+    choice_constraints: tuple[TokenConstraint | None, ...] = ()
 
     def remaining(self) -> int:
         """Prompt tokens still to prefill."""
@@ -302,7 +309,16 @@ class TorchEngine:
                 f"no token left to generate: {generated_tokens} of {budget} spent",
                 param="max_tokens",
             )
+        if sampling.n != 1:
+            check_choices(sampling.n, generated_tokens)
         constraint = await self._constraint(sampling, prompt_token_ids[own:])
+        choice_samplings: tuple[SamplingParams, ...] = ()
+        choice_constraints: tuple[TokenConstraint | None, ...] = ()
+        if sampling.n > 1:
+            choice_samplings = tuple(choice_sampling(sampling, c) for c in range(sampling.n))
+            # each choice's own grammar state, from the same (empty) output so far
+            others = [await self._constraint(sampling, []) for _ in range(1, sampling.n)]
+            choice_constraints = (constraint, *others)
         with self._lock:
             blocks, cached = self._blocks.ensure_prompt(
                 request_id, prompt_token_ids, self._chain_root
@@ -328,6 +344,8 @@ class TorchEngine:
             generated_tokens=generated_tokens,
             cached_tokens=cached,
             constraint=constraint,
+            choice_samplings=choice_samplings,
+            choice_constraints=choice_constraints,
         )
         self._inbox.put(job)
         try:
@@ -355,6 +373,12 @@ class TorchEngine:
         with self._lock:
             return self._blocks.ensure(request_id, num_tokens)
 
+    def fork_blocks(
+        self, request_id: str, choice_id: str, shared_tokens: int, num_tokens: int
+    ) -> tuple[int, ...]:
+        with self._lock:
+            return self._blocks.fork(request_id, choice_id, shared_tokens, num_tokens)
+
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
         return await trio.to_thread.run_sync(self._cache.read_blocks, block_ids)
 
@@ -379,6 +403,7 @@ class TorchEngine:
         tokens_generated: int,
         cached_tokens: int,
         generated_tokens: int = 0,
+        choices: tuple[tuple[int, int], ...] = (),
     ) -> None:
         if not 0 <= generated_tokens < len(prompt_token_ids):
             raise EngineError(f"request {request_id}: {generated_tokens} generated tokens")
@@ -391,6 +416,12 @@ class TorchEngine:
         vocab = self._loaded.config.vocab_size
         if not all(0 <= t < vocab for t in (*prompt_token_ids, first_token_id)):
             raise EngineError(f"request {request_id} has token ids out of the vocabulary")
+        if choices:
+            check_start_choices(request_id, sampling, generated_tokens, choices)
+            await self._start_choices(
+                request_id, prompt_token_ids, sampling, token_budget, cached_tokens, choices
+            )
+            return
         try:
             # the grammar's state is rebuilt from the tokens: nothing of it crosses the wire
             constraint = await self._constraint(sampling, [*prompt_token_ids[own:], first_token_id])
@@ -434,6 +465,81 @@ class TorchEngine:
             constraint=constraint,
         )
         self._inbox.put(seq)
+        await trio.lowlevel.checkpoint()
+
+    async def _start_choices(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        token_budget: int,
+        cached_tokens: int,
+        choices: tuple[tuple[int, int], ...],
+    ) -> None:
+        """start_decode's n > 1: one sequence per choice, each a request of its own on its
+        forked blocks, after its copy of the prompt's partial last block."""
+        vocab = self._loaded.config.vocab_size
+        if not all(0 <= first < vocab for _, first in choices):
+            raise EngineError(f"request {request_id} has token ids out of the vocabulary")
+        prompt_tokens = len(prompt_token_ids)
+        block_size = self._blocks.block_size
+        seqs: list[_DecodeSeq] = []
+        for choice, first in choices:
+            own_sampling = choice_sampling(sampling, choice)
+            try:
+                constraint = await self._constraint(own_sampling, [first])
+            except PromptRejected as exc:
+                raise EngineError(f"request {request_id}: {exc.message}") from exc
+            if constraint is not None and constraint.done:
+                raise EngineError(f"request {request_id}: its grammar was complete at prefill")
+            processor = OutputProcessor(
+                IncrementalDetokenizer(self._tokenizer, prompt_token_ids),
+                own_sampling,
+                token_budget=token_budget,
+                tokens_generated=1,
+                eos_token_ids=self._tokenizer.eos_token_ids,
+            )
+            processor.replay(first)  # its text went out from prefill
+            seqs.append(
+                _DecodeSeq(
+                    request_id=choice_request_id(request_id, choice),
+                    sampling=own_sampling,
+                    block_table=[],
+                    processor=processor,
+                    last_token=first,
+                    position=prompt_tokens,
+                    prompt_tokens=prompt_tokens,
+                    cached_tokens=cached_tokens,
+                    history=(list(prompt_token_ids), [first]) if own_sampling.penalizes else None,
+                    constraint=constraint,
+                )
+            )
+        full = prompt_tokens // block_size
+        needed = blocks_needed(prompt_tokens + token_budget, block_size)
+        with self._lock:
+            parent = list(self._blocks.owned(request_id))
+            if len(parent) < needed:
+                raise EngineError(f"request {request_id} owns {len(parent)} blocks, needs {needed}")
+            for seq in seqs:
+                seq.block_table = list(self._blocks.owned(seq.request_id))
+                if len(seq.block_table) < needed or seq.block_table[:full] != parent[:full]:
+                    raise EngineError(
+                        f"{seq.request_id} does not own its prompt's shared blocks and its own"
+                    )
+        copies = [seq.block_table[full] for seq in seqs if seq.request_id != request_id]
+        if prompt_tokens % block_size and copies:
+            # each choice writes its next tokens into its own copy of the partial block
+            await trio.to_thread.run_sync(
+                self._cache.copy_blocks, [parent[full]] * len(copies), copies
+            )
+        with self._lock:
+            for seq in seqs:
+                self._in_engine.add(seq.request_id)
+            if all(seq.request_id != request_id for seq in seqs):
+                # choice 0 ended at prefill: the shared blocks stay, held by the others
+                self._blocks.release(request_id)
+        for seq in seqs:
+            self._inbox.put(seq)
         await trio.lowlevel.checkpoint()
 
     def abort(self, request_id: str) -> None:
@@ -561,6 +667,8 @@ class TorchEngine:
             # their rows among the step's logits; every decode's row is sampled
             completing: list[_PrefillJob] = []
             sampled_rows: list[int] = []
+            # n > 1: a completing prefill's row is sampled once per choice (None: all n = 1)
+            row_choices: list[int] | None = None
             for row, (job, take) in enumerate(step_prefills):
                 end = job.computed + take
                 seqs.append(
@@ -571,9 +679,20 @@ class TorchEngine:
                 if end == len(job.prompt_token_ids):
                     completing.append(job)
                     sampled_rows.append(row)
+                    if job.choice_samplings:
+                        row_choices = []
+            if row_choices is not None:
+                completing, sampled_rows, row_choices = _choice_rows(completing, sampled_rows)
             sampled_rows += range(len(seqs), len(seqs) + len(step_decodes))
             seqs += [SeqInput([s.last_token], s.position, s.block_table) for s in step_decodes]
-            params = [job.sampling for job in completing] + [s.sampling for s in step_decodes]
+            if row_choices is None:
+                params = [job.sampling for job in completing]
+            else:
+                params = [
+                    job.choice_samplings[c] if job.choice_samplings else job.sampling
+                    for job, c in zip(completing, row_choices, strict=True)
+                ]
+            params += [s.sampling for s in step_decodes]
             positions = [len(job.prompt_token_ids) for job in completing]
             positions += [s.position + 1 for s in step_decodes]
             banned = [self._banned(job.sampling, job.generated_tokens) for job in completing]
@@ -593,9 +712,16 @@ class TorchEngine:
                     else nobody_waits({job.request_id for job, _ in step_prefills})
                 )
                 logits = self._loaded.model.forward_paged(seqs, self._cache, should_stop)
-                if len(sampled_rows) != len(seqs):
+                # (choices repeat rows: then the count may match by chance)
+                if row_choices is not None or len(sampled_rows) != len(seqs):
                     logits = logits[sampled_rows]
-                constraints = [job.constraint for job in completing]
+                if row_choices is None:
+                    constraints = [job.constraint for job in completing]
+                else:
+                    constraints = [
+                        job.choice_constraints[c] if job.choice_constraints else job.constraint
+                        for job, c in zip(completing, row_choices, strict=True)
+                    ]
                 constraints += [s.constraint for s in step_decodes]
                 constrained = [row for row, c in enumerate(constraints) if c is not None]
                 allowed_logits = logits
@@ -644,14 +770,19 @@ class TorchEngine:
             complete = (
                 self._advance(constraints, tokens, constrained) if constrained else frozenset()
             )
-            for row, (job, first) in enumerate(
-                zip(completing, tokens[: len(completing)], strict=True)
-            ):
-                found_logprobs = row_logprobs.get(row)
-                first_logprob = (
-                    None if found_logprobs is None else self._token_logprob(first, found_logprobs)
-                )
-                self._finish_prefill(job, first, first_logprob, complete=row in complete)
+            if row_choices is None:
+                for row, (job, first) in enumerate(
+                    zip(completing, tokens[: len(completing)], strict=True)
+                ):
+                    found_logprobs = row_logprobs.get(row)
+                    first_logprob = (
+                        None
+                        if found_logprobs is None
+                        else self._token_logprob(first, found_logprobs)
+                    )
+                    self._finish_prefill(job, first, first_logprob, complete=row in complete)
+            else:
+                self._finish_prefills_with_choices(completing, tokens, row_logprobs, complete)
             entries: StepOutputs = []
             step_logprobs: list[TokenLogprobs] = []
             for row, (seq, token_id) in enumerate(
@@ -784,6 +915,71 @@ class TorchEngine:
             )
         )
 
+    def _finish_prefills_with_choices(
+        self,
+        completing: list[_PrefillJob],
+        tokens: list[int],
+        row_logprobs: dict[int, RowLogprobs],
+        complete: frozenset[int],
+    ) -> None:
+        """Finish a step's completing prefills when one of them has n > 1 choices, whose
+        rows (one per choice, in order) follow each other in ``completing``."""
+        draws: dict[_PrefillJob, list[tuple[int, TokenLogprob | None, bool]]] = {}
+        for row, job in enumerate(completing):
+            first = tokens[row]
+            found_logprobs = row_logprobs.get(row)
+            first_logprob = (
+                None if found_logprobs is None else self._token_logprob(first, found_logprobs)
+            )
+            draws.setdefault(job, []).append((first, first_logprob, row in complete))
+        for job, job_draws in draws.items():
+            if job.choice_samplings:
+                self._finish_prefill_choices(job, job_draws)
+            else:
+                first, first_logprob, is_complete = job_draws[0]
+                self._finish_prefill(job, first, first_logprob, complete=is_complete)
+
+    def _finish_prefill_choices(
+        self, job: _PrefillJob, draws: list[tuple[int, TokenLogprob | None, bool]]
+    ) -> None:
+        """Deliver a prefill of n > 1 choices: each choice's first token through its own
+        stop rules and text stream; the prompt's blocks stay while any choice runs."""
+        own = len(job.prompt_token_ids)  # (no continuation has choices)
+        cached_tokens = min(job.cached_tokens, own)
+        firsts: list[FirstToken] = []
+        for choice, (first, first_logprob, is_complete) in enumerate(draws):
+            processor = OutputProcessor(
+                IncrementalDetokenizer(self._tokenizer, job.prompt_token_ids),
+                job.choice_samplings[choice],
+                token_budget=job.budget,
+                tokens_generated=0,
+                eos_token_ids=self._tokenizer.eos_token_ids,
+            )
+            text, finish = processor.push(first, complete=is_complete)
+            usage = None if finish is None else Usage(own, processor.num_generated, cached_tokens)
+            firsts.append(FirstToken(choice, first, text, finish, usage, first_logprob))
+        with self._lock:
+            self._in_engine.discard(job.request_id)
+            self._blocks.cache_prompt(job.request_id)
+            table = tuple(self._blocks.owned(job.request_id))
+            if all(first.finish_reason is not None for first in firsts):
+                self._blocks.release(job.request_id)
+                table = ()
+        head = firsts[0]
+        job.deliver(
+            PrefillResult(
+                first_token_id=head.token_id,
+                first_text=head.text,
+                finish_reason=head.finish_reason,
+                block_ids=table,
+                cached_tokens=cached_tokens,
+                token_budget=job.budget,
+                usage=head.usage,
+                first_logprob=head.logprob,
+                choices=tuple(firsts[1:]),
+            )
+        )
+
     def _forget(self, request_id: str) -> None:
         with self._lock:
             self._in_engine.discard(request_id)
@@ -797,6 +993,22 @@ def _allows_other_than(row: torch.Tensor, banned: frozenset[int]) -> torch.Tenso
     if ids:
         allowed[torch.tensor(ids, device=row.device)] = False
     return allowed.any()
+
+
+def _choice_rows(
+    completing: list[_PrefillJob], rows: list[int]
+) -> tuple[list[_PrefillJob], list[int], list[int]]:
+    """The completing prefills, their logits' rows and choices, one entry per choice: a
+    job of n > 1 choices samples its last position's logits n times."""
+    jobs: list[_PrefillJob] = []
+    choice_rows: list[int] = []
+    choices: list[int] = []
+    for job, row in zip(completing, rows, strict=True):
+        for choice in range(len(job.choice_samplings) or 1):
+            jobs.append(job)
+            choice_rows.append(row)
+            choices.append(choice)
+    return jobs, choice_rows, choices
 
 
 def _prefill_history(job: _PrefillJob) -> TokenHistory | None:

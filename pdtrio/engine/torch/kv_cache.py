@@ -161,3 +161,15 @@ class PagedKvCache:
         staging.numpy()[:] = source
         blocks = staging.view(self.dtype).view(len(index), *self.kv.shape[1:])
         self.kv.index_copy_(0, index, blocks.to(self.device))
+
+    @torch.inference_mode()
+    def copy_blocks(self, sources: Sequence[int], destinations: Sequence[int]) -> None:
+        """Copy each source block's K and V, every layer, into the destination block of the
+        same index (a choice's own copy of a shared prompt's partial last block)."""
+        if len(sources) != len(destinations):
+            raise ValueError(f"{len(sources)} source blocks for {len(destinations)} destinations")
+        if not sources:
+            return
+        self.kv.index_copy_(
+            0, self._index(destinations), self.kv.index_select(0, self._index(sources))
+        )
