@@ -17,10 +17,16 @@ from pdtrio.protocol.openai.requests import ChatCompletionRequest, CompletionReq
 from pdtrio.protocol.openai.responses import (
     MessageStatus,
     ResponsesRequest,
+    function_call_item,
     message_item,
     response_object,
 )
-from pdtrio.protocol.responses_sse import ResponsesStreamShaper, message_id_for
+from pdtrio.protocol.openai.tools import ToolCall, parse_tool_calls
+from pdtrio.protocol.responses_sse import (
+    ResponsesStreamShaper,
+    function_call_id_for,
+    message_id_for,
+)
 from pdtrio.protocol.sse import BaseShaper, ChoiceShapers, StreamShaper
 from pdtrio.protocol.wire import TokenLogprob, Usage
 
@@ -100,16 +106,29 @@ class AnswerShape:
         logprobs: Sequence[TokenLogprob] | None,
         top_logprobs: int,
     ) -> dict[str, Any]:
-        """The whole, non-streamed ``Response`` (logprobs are not asked on this endpoint)."""
+        """The whole, non-streamed ``Response`` (logprobs are not asked on this endpoint):
+        its text as a message (none when the model only called), then its calls, read
+        out of the text as chat's are."""
         request = self.request
         assert isinstance(request, ResponsesRequest)
         item_status: MessageStatus = "incomplete" if finish_reason == "length" else "completed"
+        calls: list[ToolCall] = []
+        tools = request.chat.tools
+        if tools is not None:
+            text, calls = parse_tool_calls(text, [function.name for function in tools.functions])
+        output = (
+            []
+            if calls and not text
+            else [message_item(message_id_for(request_id), text, item_status)]
+        )
+        for call in calls:
+            output.append(function_call_item(function_call_id_for(request_id, len(output)), call))
         return response_object(
             request,
             response_id=request_id,
             created_at=created,
             status="completed",  # (incomplete after a length finish)
-            output=[message_item(message_id_for(request_id), text, item_status)],
+            output=output,
             usage=usage,
             finish_reason=finish_reason,
         )

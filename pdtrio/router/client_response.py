@@ -21,6 +21,7 @@ from pdtrio.asgi import Message, Receive, Send, send_json
 from pdtrio.protocol.answers import AnswerKind, Shaper
 from pdtrio.protocol.openai import OpenAIError, chat_completion_body, completion_body
 from pdtrio.protocol.openai.tools import ToolCallParser, parse_tool_calls, tool_finish_reason
+from pdtrio.protocol.responses_sse import ResponsesStreamShaper
 from pdtrio.protocol.sse import ChoiceShapers, StreamShaper
 from pdtrio.protocol.wire import TokenLogprob, Usage
 
@@ -174,8 +175,8 @@ class ClientResponse:
     ) -> bytes:
         """``shaper.delta`` for a request with tools: its text less the calls, then the
         calls, then the finish (``tool_calls`` once a call was made)."""
-        # (tools are chat's: its shaper is the chat StreamShaper)
-        assert isinstance(shaper, StreamShaper)
+        # (a chat or a Responses stream: each shaper takes the calls)
+        assert isinstance(shaper, StreamShaper | ResponsesStreamShaper)
         content, calls = parser.feed(text)
         if finish_reason is not None:
             more, more_calls = parser.finish()

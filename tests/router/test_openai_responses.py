@@ -140,7 +140,12 @@ BAD_REQUESTS: list[tuple[dict[str, Any], str]] = [
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    # a forced call needs a grammar, which the synthetic engine does not serve
+    (
+        {"tools": [{"type": "function", "name": "f", "parameters": {}}], "tool_choice": "required"},
+        "tools",
+    ),
+    ({"tools": [{"type": "web_search"}]}, "tools.[0].type"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
     (
@@ -149,7 +154,7 @@ BAD_REQUESTS: list[tuple[dict[str, Any], str]] = [
     ),
     (
         {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
-        "input.[0].type",
+        "input.[0].call_id",
     ),
     ({"input": [{"role": "tool", "content": "x"}]}, "input.[0].role"),
 ]
@@ -207,3 +212,90 @@ async def test_a_stream_is_typed_events_without_done() -> None:
     assert (
         'pdtrio_requests_total{endpoint="/v1/responses",model="synthetic",outcome="ok"' in metrics
     )
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+
+
+@pytest.mark.parametrize("roles", TOPOLOGIES, ids=["pd", "colocated"])
+async def test_tools_and_a_call_history_run_as_the_chat_request(roles: tuple[str, ...]) -> None:
+    """The synthetic engine never calls (its text is no <tool_call>), but what it says
+    is a function of the prompt: the tools and the earlier call and its output reach it
+    as the chat request's do."""
+    async with running_cluster(roles=roles) as cluster:
+
+        def call() -> tuple[Any, Any, list[Any], Any]:
+            with _openai(cluster.url) as api:
+                base: dict[str, Any] = {"model": "synthetic", "max_output_tokens": 5}
+                history: list[Any] = [
+                    {"role": "user", "content": "Weather in Oslo?"},
+                    {
+                        "type": "function_call",
+                        "call_id": "call_1",
+                        "name": "get_weather",
+                        "arguments": '{"city": "Oslo"}',
+                    },
+                    {"type": "function_call_output", "call_id": "call_1", "output": "snow"},
+                ]
+                response = api.responses.create(
+                    input=history, tools=[WEATHER_TOOL], parallel_tool_calls=False, **base
+                )
+                events = list(
+                    api.responses.create(input=history, tools=[WEATHER_TOOL], stream=True, **base)
+                )
+                chat = api.chat.completions.create(
+                    model="synthetic",
+                    max_tokens=5,
+                    tools=[
+                        {
+                            "type": "function",
+                            "function": {
+                                "name": "get_weather",
+                                "description": "The weather in a city",
+                                "parameters": WEATHER_TOOL["parameters"],
+                            },
+                        }
+                    ],
+                    messages=[
+                        {"role": "user", "content": "Weather in Oslo?"},
+                        {
+                            "role": "assistant",
+                            "content": None,
+                            "tool_calls": [
+                                {
+                                    "id": "call_1",
+                                    "type": "function",
+                                    "function": {
+                                        "name": "get_weather",
+                                        "arguments": '{"city": "Oslo"}',
+                                    },
+                                }
+                            ],
+                        },
+                        {
+                            "role": "tool",
+                            "tool_call_id": "call_1",
+                            "name": "get_weather",
+                            "content": "snow",
+                        },
+                    ],
+                )
+                plain = api.responses.create(input=history[:1], **base)
+                return response, chat, events, plain
+
+        response, chat, events, plain = await trio.to_thread.run_sync(call)
+        await wait_until_idle(cluster)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.input_tokens > plain.usage.input_tokens  # (tools and history shown)
+    assert [tool.name for tool in response.tools] == ["get_weather"]
+    assert response.tools[0].parameters == WEATHER_TOOL["parameters"]
+    assert response.tool_choice == "auto" and response.parallel_tool_calls is False
+    final = events[-1].response
+    assert final.output_text == response.output_text
+    assert [item.type for item in final.output] == ["message"]

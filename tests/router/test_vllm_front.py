@@ -206,10 +206,14 @@ async def test_logprobs_in_front_of_engines_are_a_400_before_any_leg() -> None:
 async def test_responses_in_front_of_engines_are_a_400_before_any_leg() -> None:
     # the engines are handed the client's own body, and a Responses body is no chat one
     async with fronted() as (url, [prefill], [decode], _):
+        tools = [{"type": "function", "name": "f"}]
         async with httpx.AsyncClient(base_url=url) as client:
-            refused = await client.post("/v1/responses", json={"model": MODEL, "input": "hi"})
-        assert refused.status_code == 400
-        assert refused.json()["error"]["param"] == "input"
+            for extra in ({}, {"tools": tools, "tool_choice": "required"}):
+                refused = await client.post(
+                    "/v1/responses", json={"model": MODEL, "input": "hi", **extra}
+                )
+                assert refused.status_code == 400
+                assert refused.json()["error"]["param"] == "input"
         assert prefill.received == [] and decode.received == []
 
 

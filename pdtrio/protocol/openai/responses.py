@@ -7,8 +7,16 @@ and ``instructions`` as chat messages, ``max_output_tokens`` as max_tokens,
 the ``Response`` object echoes.  Nothing is stored: ``store`` is accepted and
 ignored, and what needs a stored response or conversation
 (``previous_response_id``, ``conversation``, ``background``, ``prompt``) is
-refused with a 400 naming it.  Tools are refused for now (naming ``tools``):
-:func:`_reject_tools` is the seam where they will be parsed.
+refused with a 400 naming it.
+
+Function tools are chat's: the flat ``tools`` and ``tool_choice`` go through
+:func:`~pdtrio.protocol.openai.tools.parse_chat_tools` (``flat=True``), so the
+model is shown them by the same template and a forced call gets the same
+grammar; ``function_call`` and ``function_call_output`` input items become the
+assistant's ``tool_calls`` and ``tool`` messages of chat's history
+(:func:`~pdtrio.protocol.openai.tools.message_extras`).  The router reads the
+calls back out of the text as it does a chat answer's, and they go out as
+``function_call`` output items (:func:`function_call_item`).
 
 :func:`response_object` is the ``Response`` object, the non-streamed body and
 what the stream's ``response.*`` events carry (``pdtrio.protocol.responses_sse``).
@@ -25,6 +33,7 @@ import msgspec
 from pdtrio.protocol.openai.errors import OpenAIError, bad_request, invalid_type, show_client_text
 from pdtrio.protocol.openai.requests import (
     ChatCompletionRequest,
+    _chat_prompt,
     _check_text,
     _load_object,
     _missing,
@@ -39,12 +48,14 @@ from pdtrio.protocol.openai.requests import (
     message_text,
 )
 from pdtrio.protocol.openai.structured import response_format_output
-from pdtrio.protocol.wire import ChatPrompt, Usage
+from pdtrio.protocol.openai.tools import ChatTools, ToolCall, message_extras, parse_chat_tools
+from pdtrio.protocol.wire import Usage
 
 __all__ = [
     "INPUT_ROLES",
     "MessageStatus",
     "ResponsesRequest",
+    "function_call_item",
     "message_item",
     "parse_responses_request",
     "response_object",
@@ -53,6 +64,7 @@ __all__ = [
 
 INPUT_ROLES: Final = frozenset({"user", "system", "developer", "assistant"})
 _TEXT_PART_TYPES: Final = frozenset({"input_text", "output_text"})
+_OUTPUT_PART_TYPES: Final = frozenset({"input_text"})  # a function_call_output's parts
 # OpenAI's metadata limits
 _METADATA_KEYS: Final = 16
 _METADATA_KEY_CHARS: Final = 64
@@ -82,7 +94,9 @@ class ResponsesRequest:
     metadata: Mapping[str, str]
     store: bool
     parallel_tool_calls: bool
-    tool_choice: str
+    # the client's tool_choice ("auto" when none) and function tools, as OpenAI echoes them
+    tool_choice: str | Mapping[str, Any]
+    tools: tuple[Mapping[str, Any], ...] = ()
 
 
 def parse_responses_request(
@@ -101,11 +115,11 @@ def parse_responses_request(
             raise bad_request(message, param=key)
     if _opt_bool(obj, "background"):
         raise bad_request("background is not supported: no response is stored.", param="background")
-    tool_choice = _reject_tools(obj)
+    tools = parse_chat_tools(obj, flat=True)
     instructions = _opt_str(obj, "instructions")
     messages = _input_messages(obj)
     if instructions is not None:
-        messages = (("system", instructions), *messages)
+        messages = (("system", instructions, ""), *messages)
     context_length = None if context_lengths is None else context_lengths.get(model)
     if context_length is not None and len(messages) >= context_length:
         raise _too_many_messages(len(messages), context_length)
@@ -115,6 +129,15 @@ def parse_responses_request(
     shared: dict[str, Any] = {key: obj[key] for key in ("temperature", "top_p") if key in obj}
     sampling, _ = _sampling(shared, max_tokens_limit, allow_completion_alias=False, logprobs=-1)
     text_format, structured = _text_format(obj)
+    forced = None if tools is None else tools.structured()
+    if forced is not None:
+        if structured is not None:
+            raise bad_request(
+                "tool_choice 'required' or a named function cannot be combined with "
+                "text.format json_schema or json_object.",
+                param="tool_choice",
+            )
+        structured = forced
     stream = bool(_opt_bool(obj, "stream"))
     options = obj.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -128,7 +151,7 @@ def parse_responses_request(
     parallel = _opt_bool(obj, "parallel_tool_calls")
     chat = ChatCompletionRequest(
         model=model,
-        prompt=ChatPrompt(messages),
+        prompt=_chat_prompt(messages, tools),
         sampling=msgspec.structs.replace(sampling, structured=structured),
         max_tokens=max_output_tokens,
         stream=stream,
@@ -136,6 +159,7 @@ def parse_responses_request(
         include_usage=False,
         continuous_usage_stats=False,
         user=_opt_str(obj, "user"),
+        tools=tools if tools is not None and tools.shown else None,
     )
     return ResponsesRequest(
         chat=chat,
@@ -147,19 +171,22 @@ def parse_responses_request(
         metadata=_metadata(obj),
         store=True if store is None else store,
         parallel_tool_calls=True if parallel is None else parallel,
-        tool_choice=tool_choice,
+        tool_choice=_echoed_choice(obj.get("tool_choice")),
+        tools=_echoed_tools(obj, tools),
     )
 
 
 # --- input ----------------------------------------------------------------------
 
 
-def _input_messages(obj: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+def _input_messages(obj: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    """The input as chat messages: (role, text, extras), extras as the chat path's
+    :func:`~pdtrio.protocol.openai.tools.message_extras` writes them."""
     raw = obj.get("input")
     if raw is None:
         raise _missing("input")
     if isinstance(raw, str):
-        return (("user", _check_text(raw, "input")),)
+        return (("user", _check_text(raw, "input"), ""),)
     if not isinstance(raw, list):
         raise invalid_type("input", "a string or an array of input items", raw)
     if not raw:
@@ -168,51 +195,126 @@ def _input_messages(obj: dict[str, Any]) -> tuple[tuple[str, str], ...]:
             param="input",
             code="empty_array",
         )
-    return tuple(_input_item(item, f"input.[{i}]") for i, item in enumerate(raw))
+    return _ChatHistory().of(raw)
 
 
-def _input_item(item: Any, where: str) -> tuple[str, str]:
-    if not isinstance(item, dict):
-        raise invalid_type(where, "an object", item)
-    kind = item.get("type")
-    if kind is not None and kind != "message":
-        if not isinstance(kind, str):
-            raise invalid_type(f"{where}.type", "a string", kind)
-        # function_call, function_call_output, reasoning, item_reference, ...
-        raise bad_request(
-            f"Input items of type {show_client_text(kind)} are not supported; only "
-            "'message' items are.",
-            param=f"{where}.type",
-            code="unsupported_input",
+@final
+class _ChatHistory:
+    """Input items as the chat messages they stand for: a ``function_call`` is an
+    assistant's ``tool_calls`` entry (calls in a row, and the assistant text before
+    them, are one message, as chat has them), a ``function_call_output`` a ``tool``
+    message answering one of those calls."""
+
+    def __init__(self) -> None:
+        # each message as chat has it, with where it began (for message_extras' errors)
+        self._messages: list[tuple[dict[str, Any], str]] = []
+        self._call_names: dict[str, str] = {}  # call_id -> the function it called
+
+    def of(self, items: list[Any]) -> tuple[tuple[str, str, str], ...]:
+        for i, item in enumerate(items):
+            self._item(item, f"input.[{i}]")
+        return tuple(
+            (message["role"], message["content"], message_extras(message, message["role"], where))
+            for message, where in self._messages
         )
-    role = message_role(item, where, INPUT_ROLES)
-    content = item.get("content")
-    where_content = f"{where}.content"
-    if content is None:
-        raise _missing(where_content)
-    return role, message_text(content, where_content, _TEXT_PART_TYPES)
+
+    def _item(self, item: Any, where: str) -> None:
+        if not isinstance(item, dict):
+            raise invalid_type(where, "an object", item)
+        kind = item.get("type")
+        if kind == "function_call":
+            self._call(item, where)
+        elif kind == "function_call_output":
+            self._output(item, where)
+        elif kind is None or kind == "message":
+            role = message_role(item, where, INPUT_ROLES)
+            content = item.get("content")
+            where_content = f"{where}.content"
+            if content is None:
+                raise _missing(where_content)
+            text = message_text(content, where_content, _TEXT_PART_TYPES)
+            self._messages.append(({"role": role, "content": text}, where))
+        elif not isinstance(kind, str):
+            raise invalid_type(f"{where}.type", "a string", kind)
+        else:
+            # reasoning, item_reference, a hosted tool's call, ...
+            raise bad_request(
+                f"Input items of type {show_client_text(kind)} are not supported; only "
+                "'message', 'function_call' and 'function_call_output' items are.",
+                param=f"{where}.type",
+                code="unsupported_input",
+            )
+
+    def _call(self, item: dict[str, Any], where: str) -> None:
+        call_id = _item_str(item, "call_id", where)
+        name = _item_str(item, "name", where)
+        arguments = _item_str(item, "arguments", where)
+        self._call_names[call_id] = name
+        call = {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        last = self._messages[-1][0] if self._messages else None
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            self._messages.append(
+                ({"role": "assistant", "content": "", "tool_calls": [call]}, where)
+            )
+
+    def _output(self, item: dict[str, Any], where: str) -> None:
+        call_id = _item_str(item, "call_id", where)
+        name = self._call_names.get(call_id)
+        if name is None:
+            raise bad_request(
+                f"No function_call found in 'input' for the function_call_output's call_id "
+                f"{show_client_text(call_id)}.",
+                param=f"{where}.call_id",
+            )
+        output = item.get("output")
+        if output is None:
+            raise _missing(f"{where}.output")
+        text = message_text(output, f"{where}.output", _OUTPUT_PART_TYPES)
+        message = {"role": "tool", "content": text, "tool_call_id": call_id, "name": name}
+        self._messages.append((message, where))
+
+
+def _item_str(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if value is None:
+        raise _missing(f"{where}.{key}")
+    if not isinstance(value, str):
+        raise invalid_type(f"{where}.{key}", "a string", value)
+    return _check_text(value, f"{where}.{key}")
 
 
 # --- the other fields --------------------------------------------------------------
 
 
-def _reject_tools(obj: dict[str, Any]) -> str:
-    """The tool_choice to echo.  The seam for tools: refused until they are served."""
-    tools = obj.get("tools")
-    if tools is not None and tools != []:
-        if not isinstance(tools, list):
-            raise invalid_type("tools", "an array", tools)
-        raise bad_request("tools are not supported yet.", param="tools")
-    choice = obj.get("tool_choice")
+def _echoed_choice(choice: Any) -> str | Mapping[str, Any]:
+    """tool_choice as the Response echoes it (parse_chat_tools has checked it)."""
     if choice is None:
         return "auto"
-    if choice not in ("auto", "none"):
-        # a tool named or required, with no tools to call
-        raise bad_request(
-            "tool_choice is not supported (only 'auto' or 'none': tools are not served yet).",
-            param="tools",
-        )
+    if isinstance(choice, dict):
+        return {"type": "function", "name": choice["name"]}
     return str(choice)
+
+
+def _echoed_tools(obj: dict[str, Any], tools: ChatTools | None) -> tuple[dict[str, Any], ...]:
+    """The request's function tools as the Response echoes them (OpenAI's FunctionTool)."""
+    if tools is None:
+        return ()
+    return tuple(
+        {
+            "type": "function",
+            "name": function.name,
+            "description": function.description,
+            "parameters": raw.get("parameters"),
+            "strict": raw.get("strict"),
+        }
+        for function, raw in zip(tools.functions, obj["tools"], strict=True)
+    )
 
 
 def _reject_unserved(obj: dict[str, Any]) -> None:
@@ -313,6 +415,21 @@ def message_item(message_id: str, text: str | None, status: MessageStatus) -> di
     }
 
 
+def function_call_item(
+    item_id: str, call: ToolCall, *, arguments: str | None = None
+) -> dict[str, Any]:
+    """A call of the model's as an output item (``arguments``: what to say of them
+    instead of the whole, "" while they stream)."""
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if arguments is None else arguments,
+        "status": "completed" if arguments is None else "in_progress",
+    }
+
+
 ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
 
 
@@ -351,8 +468,12 @@ def response_object(
         "store": request.store,
         "temperature": request.temperature,
         "text": {"format": dict(request.text_format)},
-        "tool_choice": request.tool_choice,
-        "tools": [],
+        "tool_choice": (
+            request.tool_choice
+            if isinstance(request.tool_choice, str)
+            else dict(request.tool_choice)
+        ),
+        "tools": [dict(tool) for tool in request.tools],
         "top_logprobs": 0,
         "top_p": request.top_p,
         "truncation": "disabled",

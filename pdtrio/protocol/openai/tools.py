@@ -110,15 +110,20 @@ class ChatTools:
         return None
 
 
-def parse_chat_tools(obj: dict[str, Any]) -> ChatTools | None:
-    """The request's tools, or None when it has none; raises ``OpenAIError`` (400)."""
-    for legacy in ("functions", "function_call"):
-        if obj.get(legacy) is not None:
-            raise bad_request(
-                f"'{legacy}' (the deprecated function-calling form) is not supported; "
-                "use 'tools' and 'tool_choice'.",
-                param=legacy,
-            )
+def parse_chat_tools(obj: dict[str, Any], *, flat: bool = False) -> ChatTools | None:
+    """The request's tools, or None when it has none; raises ``OpenAIError`` (400).
+
+    ``flat``: the Responses API's shapes, a function's fields on the tool itself
+    (``tools.[i].name``) and a named ``tool_choice`` as ``{"type": "function",
+    "name": ...}``; else chat's, under ``function``."""
+    if not flat:
+        for legacy in ("functions", "function_call"):
+            if obj.get(legacy) is not None:
+                raise bad_request(
+                    f"'{legacy}' (the deprecated function-calling form) is not supported; "
+                    "use 'tools' and 'tool_choice'.",
+                    param=legacy,
+                )
     raw = obj.get("tools")
     choice = obj.get("tool_choice")
     parallel = obj.get("parallel_tool_calls")
@@ -141,15 +146,15 @@ def parse_chat_tools(obj: dict[str, Any]) -> ChatTools | None:
             param="tools",
             code="array_above_max_length",
         )
-    functions = tuple(_tool(tool, f"tools.[{i}]") for i, tool in enumerate(raw))
+    functions = tuple(_tool(tool, f"tools.[{i}]", flat) for i, tool in enumerate(raw))
     names = [f.name for f in functions]
     for i, name in enumerate(names):
         if name in names[:i]:
             raise bad_request(
                 f"Invalid 'tools': function name {show_client_text(name)} is given twice.",
-                param=f"tools.[{i}].function.name",
+                param=f"tools.[{i}].name" if flat else f"tools.[{i}].function.name",
             )
-    mode, forced = _tool_choice(choice, names)
+    mode, forced = _tool_choice(choice, names, flat)
     tools = ChatTools(functions, mode, forced, parallel is not False)
     structured = tools.structured()
     if structured is not None and len(structured.spec.encode()) > MAX_STRUCTURED_SPEC_BYTES:
@@ -160,34 +165,42 @@ def parse_chat_tools(obj: dict[str, Any]) -> ChatTools | None:
     return tools
 
 
-def _tool(tool: Any, where: str) -> ToolFunction:
+def _tool(tool: Any, where: str, flat: bool) -> ToolFunction:
     if not isinstance(tool, dict):
         raise invalid_type(where, "an object", tool)
     kind = tool.get("type")
     if kind != "function":
+        # (on /v1/responses: web_search, file_search, mcp, custom, ... are OpenAI's own)
         raise bad_request(
             f"Invalid value for '{where}.type': only 'function' tools are supported.",
             param=f"{where}.type",
         )
+    if flat:
+        return _function(tool, where)
     function = tool.get("function")
     if not isinstance(function, dict):
         raise invalid_type(f"{where}.function", "an object", function)
-    name = openai_name(function, f"{where}.function")
+    return _function(function, f"{where}.function")
+
+
+def _function(function: dict[str, Any], where: str) -> ToolFunction:
+    """A function's name, description and parameters, its fields at ``where``."""
+    name = openai_name(function, where)
     description = function.get("description")
     if description is not None and not isinstance(description, str):
-        raise invalid_type(f"{where}.function.description", "a string", description)
+        raise invalid_type(f"{where}.description", "a string", description)
     strict = function.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise invalid_type(f"{where}.function.strict", "a boolean", strict)
+        raise invalid_type(f"{where}.strict", "a boolean", strict)
     parameters = function.get("parameters")
     if parameters is None:
         parameters_json = _EMPTY_PARAMETERS
     else:
-        parameters_json = schema_text(parameters, f"{where}.function.parameters")
+        parameters_json = schema_text(parameters, f"{where}.parameters")
     return ToolFunction(name, description, parameters_json)
 
 
-def _tool_choice(choice: Any, names: Sequence[str]) -> tuple[ToolMode, str | None]:
+def _tool_choice(choice: Any, names: Sequence[str], flat: bool) -> tuple[ToolMode, str | None]:
     if choice is None or choice == "auto":
         return "auto", None
     if choice == "none":
@@ -203,22 +216,24 @@ def _tool_choice(choice: Any, names: Sequence[str]) -> tuple[ToolMode, str | Non
     if not isinstance(choice, dict):
         raise invalid_type("tool_choice", "a string or an object", choice)
     if choice.get("type") != "function":
+        # (on /v1/responses: allowed_tools, a hosted tool's type, custom, mcp, ...)
         raise bad_request(
             "Invalid value for 'tool_choice.type': only 'function' is supported.",
-            param="tool_choice.type",
+            param="tool_choice" if flat else "tool_choice.type",
         )
-    function = choice.get("function")
-    name = function.get("name") if isinstance(function, dict) else None
+    if flat:
+        name, name_param = choice.get("name"), "tool_choice.name"
+    else:
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        name_param = "tool_choice.function.name"
     if not isinstance(name, str):
-        raise bad_request(
-            "Missing required parameter: 'tool_choice.function.name'.",
-            param="tool_choice.function.name",
-        )
+        raise bad_request(f"Missing required parameter: '{name_param}'.", param=name_param)
     if name not in names:
         raise bad_request(
             f"Invalid value for 'tool_choice': function {show_client_text(name)} is not "
             "one of 'tools'.",
-            param="tool_choice.function.name",
+            param=name_param,
         )
     return "function", name
 
