@@ -43,6 +43,13 @@ def test_a_string_input_is_one_user_message_and_instructions_lead() -> None:
     assert chat.sampling.temperature == 0.2 and chat.sampling.top_p == 0.9
     assert chat.sampling.structured is None
     assert not chat.stream and not chat.include_usage
+    assert (request.temperature, request.top_p) == (0.2, 0.9)
+
+
+def test_unsent_temperature_and_top_p_echo_what_sampled() -> None:
+    # OpenAI's Response says 1.0 for either left out, not null
+    request = _parse()
+    assert (request.temperature, request.top_p) == (1.0, 1.0)
 
 
 def test_items_map_to_messages_in_both_forms() -> None:

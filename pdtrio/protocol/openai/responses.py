@@ -87,8 +87,8 @@ class ResponsesRequest:
     chat: ChatCompletionRequest
     instructions: str | None
     max_output_tokens: int | None
-    temperature: float | None
-    top_p: float | None
+    temperature: float
+    top_p: float
     # the client's text.format as given (echoed), {"type": "text"} when none
     text_format: Mapping[str, Any]
     metadata: Mapping[str, str]
@@ -165,8 +165,9 @@ def parse_responses_request(
         chat=chat,
         instructions=instructions,
         max_output_tokens=max_output_tokens,
-        temperature=None if "temperature" not in shared else sampling.temperature,
-        top_p=None if "top_p" not in shared else sampling.top_p,
+        # what sampled, sent or not (OpenAI's Response echoes 1.0 for either left out)
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
         text_format=text_format,
         metadata=_metadata(obj),
         store=True if store is None else store,
