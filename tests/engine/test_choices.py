@@ -12,6 +12,7 @@ import attrs
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 from pdtrio.config import SyntheticEngineConfig
 from pdtrio.engine.api import (
@@ -344,3 +345,77 @@ async def test_each_structured_choice_obeys_its_grammar(
     singles = [await answer_single(one, other, choice_sampling(sampling, c), 30) for c in range(3)]
     assert [answers[c] for c in range(3)] == [answer for answer, _ in singles]
     assert len({a.text for a in answers.values()}) > 1
+
+
+async def test_a_step_mixing_choices_and_single_prefills_samples_each_row_as_alone(
+    torch_pair: tuple[Engine, Engine],
+) -> None:
+    one, _ = torch_pair
+    fresh = torch_engine()
+    batches: list[int] = []
+    fresh.observe_steps(lambda seconds, batch, tokens: batches.append(batch))
+    ids = await one.tokenize(PROMPT)
+    other_ids = await one.tokenize(TextPrompt("another prompt, alone"))
+    results: dict[str, PrefillResult] = {}
+
+    async def prefill(request_id: str, token_ids: list[int], sampling: SamplingParams) -> None:
+        results[request_id] = await fresh.prefill(request_id, token_ids, sampling, 9)
+
+    send, _receive = trio.open_memory_channel[EngineOutput](64)
+    async with trio.open_nursery() as engine_nursery:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as prefills:
+                prefills.start_soon(prefill, "single", other_ids, choice_sampling(HOT, 7))
+                prefills.start_soon(prefill, "choices", ids, replace_fields(HOT, n=3))
+                prefills.start_soon(prefill, "greedy", ids, SamplingParams(temperature=0, n=2))
+                # queued before the engine thread starts: one step prefills them together
+                await trio.testing.wait_all_tasks_blocked()
+                await engine_nursery.start(fresh.run, send)
+        engine_nursery.cancel_scope.cancel()
+    assert batches[0] == 3
+    alone: dict[str, list[int]] = {}
+    async with running(one):
+        for c in range(3):
+            result = await one.prefill("alone", ids, choice_sampling(HOT, c), 9)
+            one.free_request("alone")
+            alone.setdefault("choices", []).append(result.first_token_id)
+        result = await one.prefill("alone", other_ids, choice_sampling(HOT, 7), 9)
+        one.free_request("alone")
+        alone["single"] = [result.first_token_id]
+        result = await one.prefill("alone", ids, SamplingParams(temperature=0), 9)
+        one.free_request("alone")
+        alone["greedy"] = [result.first_token_id] * 2
+    for request_id, expected in alone.items():
+        got = results[request_id]
+        assert [token for token, *_ in first_tokens(got)] == expected, request_id
+        fresh.free_request(request_id)
+    assert fresh.statistics().kv_blocks_in_use == 0
+
+
+async def test_forks_of_cached_prompt_blocks_hold_and_free_them_by_reference(
+    pair: tuple[Engine, Engine],
+) -> None:
+    if isinstance(pair[0], SyntheticEngine):
+        config = SyntheticEngineConfig(decode_step_s=0.0)
+        engine: Engine = SyntheticEngine(config, num_blocks=256, block_size=4, prefix_cache=True)
+    else:
+        from pdtrio.config import EngineConfig
+        from pdtrio.engine.torch.engine import TorchEngine
+
+        engine = TorchEngine.from_config(
+            EngineConfig(
+                kind="torch",
+                model="tiny-random",
+                dtype="float64",
+                num_kv_blocks=128,
+                block_size=4,
+                prefix_cache=True,
+            )  # fmt: skip
+        )
+    sampling = replace_fields(HOT, n=3)
+    first, _ = await answer_choices(engine, engine, sampling, 9)
+    again, _ = await answer_choices(engine, engine, sampling, 9, request_id="again")
+    # the second prompt found the first's full blocks cached; every reference went back
+    assert again[0].usage is not None and again[0].usage.cached_tokens > 0
+    assert [a.token_ids for a in again.values()] == [a.token_ids for a in first.values()]
+    assert engine.statistics().prefix_cache_blocks > 0
