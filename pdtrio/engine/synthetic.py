@@ -87,10 +87,17 @@ def synthetic_token(digest: int, seed: int, position: int, vocab_size: int) -> i
     return _FIRST_WORD_ID + _mix(digest, seed, position) % max(1, vocab_size - _FIRST_WORD_ID)
 
 
+# below this a temperature is greedy (as the torch sampler's): every choice the same
+_GREEDY_TEMPERATURE = 1e-5
+
+
 def choice_seed(sampling: SamplingParams, choice: int) -> int:
     """The seed choice ``choice`` of a request draws with: ``choice_sampling``'s, and for an
     unseeded request's choices past the first a salt of their own, so that they differ
-    (choice 0 is the request's single sequence, as with n = 1)."""
+    (choice 0 is the request's single sequence, as with n = 1); a greedy request's
+    choices are all choice 0, as a real model's argmax would be."""
+    if sampling.temperature < _GREEDY_TEMPERATURE:
+        choice = 0
     seed = choice_sampling(sampling, choice).seed
     if seed is not None:
         return seed
