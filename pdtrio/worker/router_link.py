@@ -309,29 +309,17 @@ class RouterConnection:
                     accepted = True
                     await self.sender.send_control(DecodeAccepted(request_id))
                     try:
-                        if choices:
-                            await self._engine.start_decode(
-                                request_id,
-                                list(start.prompt_token_ids),
-                                start.first_token_id,
-                                start.sampling,
-                                start.token_budget,
-                                start.tokens_generated,
-                                start.cached_tokens,
-                                start.generated_tokens,
-                                choices=choices,
-                            )
-                        else:
-                            await self._engine.start_decode(
-                                request_id,
-                                list(start.prompt_token_ids),
-                                start.first_token_id,
-                                start.sampling,
-                                start.token_budget,
-                                start.tokens_generated,
-                                start.cached_tokens,
-                                start.generated_tokens,
-                            )
+                        await self._engine.start_decode(
+                            request_id,
+                            list(start.prompt_token_ids),
+                            start.first_token_id,
+                            start.sampling,
+                            start.token_budget,
+                            start.tokens_generated,
+                            start.cached_tokens,
+                            start.generated_tokens,
+                            choices=choices,  # (n = 1: none, one sequence)
+                        )
                         started = True
                     except EngineError as exc:
                         log.error("decode of %s did not start: %s", request_id, exc)
