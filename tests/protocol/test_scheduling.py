@@ -180,12 +180,14 @@ def test_the_pick_is_always_usable(
 @given(
     st.sampled_from(["round_robin", "power_of_two"]),
     st.lists(st.integers(0, 5), min_size=1, max_size=6),
-    st.randoms(use_true_random=False),
+    # a seeded generator, not hypothesis's own random (which it may shrink to always
+    # draw the same two instances: no random policy can spread traffic under that)
+    st.integers(0, 2**32 - 1),
 )
 def test_over_many_picks_every_instance_gets_traffic(
-    policy: SchedulingPolicy, initial_load: list[int], rng: random.Random
+    policy: SchedulingPolicy, initial_load: list[int], seed: int
 ) -> None:
-    scheduler = Scheduler(policy, rng=rng)
+    scheduler = Scheduler(policy, rng=random.Random(seed))
     load = {f"i{n}": requests for n, requests in enumerate(initial_load)}
     served: Counter[str] = Counter()
     for _ in range(300):
