@@ -422,13 +422,47 @@ class TorchEngine:
                 request_id, prompt_token_ids, sampling, token_budget, cached_tokens, choices
             )
             return
+        seq = await self._decode_seq(
+            request_id,
+            prompt_token_ids,
+            own,
+            first_token_id,
+            sampling,
+            token_budget,
+            tokens_generated,
+            cached_tokens,
+        )
+        with self._lock:
+            table = list(self._blocks.owned(request_id))
+            needed = blocks_needed(own + token_budget, self._blocks.block_size)
+            if len(table) < needed:
+                raise EngineError(f"request {request_id} owns {len(table)} blocks, needs {needed}")
+            self._in_engine.add(request_id)
+        seq.block_table = table
+        self._inbox.put(seq)
+        await trio.lowlevel.checkpoint()
+
+    async def _decode_seq(
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        own: int,
+        first_token_id: int,
+        sampling: SamplingParams,
+        token_budget: int,
+        tokens_generated: int,
+        cached_tokens: int,
+    ) -> _DecodeSeq:
+        """A sequence to decode after ``first_token_id`` (its blocks are the caller's to
+        set); the ids after the first ``own`` of the prompt are earlier output."""
+        generated = [*prompt_token_ids[own:], first_token_id]
         try:
             # the grammar's state is rebuilt from the tokens: nothing of it crosses the wire
-            constraint = await self._constraint(sampling, [*prompt_token_ids[own:], first_token_id])
+            constraint = await self._constraint(sampling, generated)
         except PromptRejected as exc:
-            raise EngineError(f"request {request_id}: {exc.message}") from exc
+            raise EngineError(f"request {seq_id}: {exc.message}") from exc
         if constraint is not None and constraint.done:
-            raise EngineError(f"request {request_id}: its grammar was complete at prefill")
+            raise EngineError(f"request {seq_id}: its grammar was complete at prefill")
         processor = OutputProcessor(
             IncrementalDetokenizer(self._tokenizer, prompt_token_ids[:own]),
             sampling,
@@ -438,34 +472,21 @@ class TorchEngine:
         )
         # the first token's text went out from prefill (a continuation's earlier tokens'
         # before it); a stop string may begin in them, a character may be cut across them
-        for earlier in (*prompt_token_ids[own:], first_token_id):
+        for earlier in generated:
             processor.replay(earlier)
-        # KV holds the prompt and every generated token but the last
-        position = own + tokens_generated - 1
-        with self._lock:
-            table = list(self._blocks.owned(request_id))
-            needed = blocks_needed(own + token_budget, self._blocks.block_size)
-            if len(table) < needed:
-                raise EngineError(f"request {request_id} owns {len(table)} blocks, needs {needed}")
-            self._in_engine.add(request_id)
-        seq = _DecodeSeq(
-            request_id=request_id,
+        return _DecodeSeq(
+            request_id=seq_id,
             sampling=sampling,
-            block_table=table,
+            block_table=[],
             processor=processor,
             last_token=first_token_id,
-            position=position,
+            # KV holds the prompt and every generated token but the last
+            position=own + tokens_generated - 1,
             prompt_tokens=own,
             cached_tokens=cached_tokens,
-            history=(
-                (list(prompt_token_ids[:own]), [*prompt_token_ids[own:], first_token_id])
-                if sampling.penalizes
-                else None
-            ),
+            history=(list(prompt_token_ids[:own]), list(generated)) if sampling.penalizes else None,
             constraint=constraint,
         )
-        self._inbox.put(seq)
-        await trio.lowlevel.checkpoint()
 
     async def _start_choices(
         self,
@@ -483,37 +504,19 @@ class TorchEngine:
             raise EngineError(f"request {request_id} has token ids out of the vocabulary")
         prompt_tokens = len(prompt_token_ids)
         block_size = self._blocks.block_size
-        seqs: list[_DecodeSeq] = []
-        for choice, first in choices:
-            own_sampling = choice_sampling(sampling, choice)
-            try:
-                constraint = await self._constraint(own_sampling, [first])
-            except PromptRejected as exc:
-                raise EngineError(f"request {request_id}: {exc.message}") from exc
-            if constraint is not None and constraint.done:
-                raise EngineError(f"request {request_id}: its grammar was complete at prefill")
-            processor = OutputProcessor(
-                IncrementalDetokenizer(self._tokenizer, prompt_token_ids),
-                own_sampling,
-                token_budget=token_budget,
-                tokens_generated=1,
-                eos_token_ids=self._tokenizer.eos_token_ids,
+        seqs = [
+            await self._decode_seq(
+                choice_request_id(request_id, choice),
+                prompt_token_ids,
+                prompt_tokens,
+                first,
+                choice_sampling(sampling, choice),
+                token_budget,
+                1,
+                cached_tokens,
             )
-            processor.replay(first)  # its text went out from prefill
-            seqs.append(
-                _DecodeSeq(
-                    request_id=choice_request_id(request_id, choice),
-                    sampling=own_sampling,
-                    block_table=[],
-                    processor=processor,
-                    last_token=first,
-                    position=prompt_tokens,
-                    prompt_tokens=prompt_tokens,
-                    cached_tokens=cached_tokens,
-                    history=(list(prompt_token_ids), [first]) if own_sampling.penalizes else None,
-                    constraint=constraint,
-                )
-            )
+            for choice, first in choices
+        ]
         full = prompt_tokens // block_size
         needed = blocks_needed(prompt_tokens + token_budget, block_size)
         with self._lock:
