@@ -333,8 +333,8 @@ class RouterConfig:
     prefill_policy: SchedulingPolicy = "least_loaded"
     decode_policy: SchedulingPolicy = "least_loaded"
     # cache-aware prefill: with workers' prefix caches on, the instance holding the longest
-    # cached prefix of the prompt is chosen unless it has more than this many prefills in
-    # flight beyond another (a shorter prefix earns its share); 0: the policy alone
+    # cached prefix of the prompt is chosen while it has fewer than this many prefills in
+    # flight more than another (a shorter prefix earns its share); 0: the policy alone
     prefill_cache_weight: float = attrs.field(default=2.0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:

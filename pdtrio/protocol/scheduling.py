@@ -19,9 +19,9 @@ Cache-aware (any policy, ``cache_weight`` > 0): a candidate may report how many 
 the request's KV blocks it holds already (``cached_blocks``, from its prefix cache's
 KV events).  When some candidate holds any, the policy chooses only among those
 :func:`cache_favoured` keeps: the lowest ``active_requests - cache_weight * cached_blocks
-/ most_cached``, so the instance with the longest cached prefix wins unless it has more
-than ``cache_weight`` requests more than another (a shorter prefix earns a share of
-that).  With nothing cached anywhere (the prefix cache off: the default), every pick is
+/ most_cached``, so the instance with the longest cached prefix wins while it has
+fewer than ``cache_weight`` requests more than another (a shorter prefix earns a share
+of that; a tie goes by the policy).  With nothing cached anywhere (the prefix cache off: the default), every pick is
 the policy's alone, as before.
 
 :func:`pick_instance` is the older stateless form of ``least_loaded``.
