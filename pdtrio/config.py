@@ -332,6 +332,10 @@ class RouterConfig:
     # which instance gets the next prefill, and which decode (among those with room)
     prefill_policy: SchedulingPolicy = "least_loaded"
     decode_policy: SchedulingPolicy = "least_loaded"
+    # cache-aware prefill: with workers' prefix caches on, the instance holding the longest
+    # cached prefix of the prompt is chosen while it has fewer than this many prefills in
+    # flight more than another (a shorter prefix earns its share); 0: the policy alone
+    prefill_cache_weight: float = attrs.field(default=2.0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.link_heartbeat_s >= self.link_timeout_s:

@@ -35,6 +35,7 @@ from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.wire import (
     FirstToken,
+    KvEvents,
     Prompt,
     TokenEntry,
     TokenLogprob,
@@ -174,6 +175,12 @@ class Engine(Protocol):
 
     def observe_steps(self, observer: StepObserver) -> None:
         """Call ``observer`` after each step from now on (the worker's /metrics)."""
+        ...
+
+    def kv_events(self, cursor: int | None) -> tuple[int, KvEvents | None]:
+        """The prefix cache's changes since ``cursor`` (None: everything, a snapshot) and
+        the cursor to ask with next (``PrefixCache.events_since``); None when nothing
+        changed or the cache is off.  Cheap when nothing changed: a link asks often."""
         ...
 
     async def run(

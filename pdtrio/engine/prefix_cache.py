@@ -14,21 +14,25 @@ unless it is cached: then it stays as it is, reusable, until an allocation needs
 the room (least recently released first) and evicts it.  A block some request
 holds is never evicted, so a request that started keeps its KV to the end.
 
+Every hash stored or evicted goes into a bounded journal, so each router's link can
+report what changed since its last report (``wire.KvEvents``, :meth:`PrefixCache.events_since`)
+without a queue of its own; a link that fell behind the journal gets the whole set again.
+
 Torch-free: both engines use it, through :class:`pdtrio.engine.blocks.BlockOwnership`.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from itertools import islice
 from typing import Protocol, final
 
 import attrs
 
 from pdtrio.engine.api import NoRoom
-from pdtrio.protocol.kv_layout import KvLayout
+from pdtrio.protocol.prefix_index import block_hashes, chain_root, layout_salt
+from pdtrio.protocol.wire import KvEvents
 
 
 class BlockSource(Protocol):
@@ -46,36 +50,6 @@ class BlockSource(Protocol):
     def free(self, ids: Iterable[int]) -> None: ...
 
 
-_HASH_BYTES = 16
-
-
-def layout_salt(layout: KvLayout) -> str:
-    """What besides the tokens decides a block's KV: the model (its fingerprint names the
-    weights), the dtype and the shape of a block."""
-    return (
-        f"pdtrio-prefix-v1|{layout.model_fingerprint}|{layout.dtype}|{layout.block_size}|"
-        f"{layout.num_layers}|{layout.num_kv_heads}|{layout.head_dim}"
-    )
-
-
-def chain_root(salt: str) -> bytes:
-    """The hash a prompt's chain starts from: every block hash depends on ``salt``."""
-    return hashlib.blake2b(salt.encode("utf-8"), digest_size=_HASH_BYTES).digest()
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, root: bytes) -> list[bytes]:
-    """The hash of each full block of ``token_ids`` (a partial last block has none)."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be > 0, got {block_size}")
-    hashes: list[bytes] = []
-    parent = root
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = array("q", token_ids[start : start + block_size]).tobytes()
-        parent = hashlib.blake2b(parent + block, digest_size=_HASH_BYTES).digest()
-        hashes.append(parent)
-    return hashes
-
-
 @final
 @attrs.frozen
 class PrefixCacheStatistics:
@@ -83,6 +57,10 @@ class PrefixCacheStatistics:
     miss_tokens: int  # prompt tokens looked up and computed
     evicted_blocks: int  # cached blocks evicted to make room (since start)
     cached_blocks: int  # blocks cached now, held by a request or not
+
+
+# changes the journal keeps for links to catch up on; one further behind gets a snapshot
+JOURNAL_LIMIT = 4096
 
 
 @final
@@ -110,6 +88,9 @@ class PrefixCache:
         self._hit_tokens = 0
         self._miss_tokens = 0
         self._evicted = 0
+        # the hashes stored or evicted lately, in order, and how many ever were (a cursor)
+        self._journal: deque[bytes] = deque(maxlen=JOURNAL_LIMIT)
+        self._journal_end = 0
 
     @property
     def num_held(self) -> int:
@@ -225,12 +206,41 @@ class PrefixCache:
             self._evict_one()
         self._block_of[block_hash] = block_id
         self._hash_of[block_id] = block_hash
+        self._journal.append(block_hash)
+        self._journal_end += 1
 
     def _evict_one(self) -> None:
         block_id, _ = self._reclaimable.popitem(last=False)
-        del self._block_of[self._hash_of.pop(block_id)]
+        block_hash = self._hash_of.pop(block_id)
+        del self._block_of[block_hash]
+        self._journal.append(block_hash)
+        self._journal_end += 1
         self._evicted += 1
         self.allocator.free([block_id])
+
+    # --- reports ---------------------------------------------------------------------
+
+    @property
+    def journal_end(self) -> int:
+        """How many changes the cache has seen: a cursor for :meth:`events_since`."""
+        return self._journal_end
+
+    def events_since(self, cursor: int | None) -> tuple[int, KvEvents | None]:
+        """What changed since ``cursor`` (None: a new reader) and the cursor to ask with
+        next: the hashes stored and removed since, each as it is now; the whole set (a
+        snapshot) for a new reader or one the journal no longer reaches back to; None
+        when nothing changed, or always when the cache is off."""
+        end = self._journal_end
+        if not self.enabled:
+            return end, None
+        if cursor is None or end - cursor > len(self._journal):
+            return end, KvEvents(snapshot=True, stored=tuple(self._block_of))
+        if cursor == end:
+            return end, None
+        changed = set(islice(self._journal, len(self._journal) - (end - cursor), None))
+        stored = tuple(h for h in changed if h in self._block_of)
+        removed = tuple(h for h in changed if h not in self._block_of)
+        return end, KvEvents(snapshot=False, stored=stored, removed=removed)
 
 
 __all__ = ["PrefixCache", "PrefixCacheStatistics", "block_hashes", "chain_root", "layout_salt"]

@@ -53,6 +53,7 @@ from pdtrio.protocol.wire import (
     MAX_TOP_LOGPROBS,
     ChatPrompt,
     FirstToken,
+    KvEvents,
     Prompt,
     TextPrompt,
     TokenEntry,
@@ -283,6 +284,9 @@ class SyntheticEngine:
 
     def observe_steps(self, observer: StepObserver) -> None:
         self._step_observer = observer
+
+    def kv_events(self, cursor: int | None) -> tuple[int, KvEvents | None]:
+        return self._blocks.prefix_cache.events_since(cursor)
 
     # --- prompts ----------------------------------------------------------------
 

@@ -15,6 +15,15 @@ instance itself. Only healthy candidates outside ``exclude`` are usable.
   loaded (as for ``least_loaded``) wins: near least-loaded balance without
   every router sending the next burst to the same instance.
 
+Cache-aware (any policy, ``cache_weight`` > 0): a candidate may report how many of
+the request's KV blocks it holds already (``cached_blocks``, from its prefix cache's
+KV events).  When some candidate holds any, the policy chooses only among those
+:func:`cache_favoured` keeps: the lowest ``active_requests - cache_weight * cached_blocks
+/ most_cached``, so the instance with the longest cached prefix wins while it has
+fewer than ``cache_weight`` requests more than another (a shorter prefix earns a share
+of that; a tie goes by the policy).  With nothing cached anywhere (the prefix cache off: the default), every pick is
+the policy's alone, as before.
+
 :func:`pick_instance` is the older stateless form of ``least_loaded``.
 """
 
@@ -40,6 +49,21 @@ class Candidate:
     healthy: bool = True
     # the KV blocks the instance last reported free; None: it has not said
     free_blocks: int | None = None
+    # of the request's KV blocks, how many it holds cached from the start of the prompt
+    cached_blocks: int = 0
+
+
+def cache_favoured(usable: Sequence[Candidate], cache_weight: float) -> list[Candidate]:
+    """The candidates a cache-aware pick chooses among: those of the lowest
+    ``active_requests - cache_weight * cached_blocks / most_cached`` (the most cached
+    prefix is worth ``cache_weight`` requests of load, a shorter one its share); all
+    of them when none holds any of the request's blocks or ``cache_weight`` is 0."""
+    most = max((c.cached_blocks for c in usable), default=0)
+    if most <= 0 or cache_weight <= 0:
+        return list(usable)
+    scores = [c.active_requests - cache_weight * c.cached_blocks / most for c in usable]
+    best = min(scores)
+    return [c for c, score in zip(usable, scores, strict=True) if score == best]
 
 
 def _load_key(candidate: Candidate) -> tuple[int, bool, int]:
@@ -52,12 +76,21 @@ def _load_key(candidate: Candidate) -> tuple[int, bool, int]:
 class Scheduler:
     """Picks instances by one policy, keeping what the policy remembers between picks."""
 
-    def __init__(self, policy: SchedulingPolicy, *, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        policy: SchedulingPolicy,
+        *,
+        rng: random.Random | None = None,
+        cache_weight: float = 0.0,
+    ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"unknown scheduling policy {policy!r} (one of {', '.join(SCHEDULING_POLICIES)})"
             )
+        if not cache_weight >= 0:
+            raise ValueError(f"cache_weight must be >= 0, got {cache_weight!r}")
         self._policy: SchedulingPolicy = policy
+        self.cache_weight = cache_weight
         self._rng = rng if rng is not None else random.Random()
         self._last_picked: str | None = None  # round_robin resumes after this id
         self._turn = 0  # least_loaded's tie-breaker
@@ -77,6 +110,7 @@ class Scheduler:
         )
         if not usable:
             return None
+        usable = cache_favoured(usable, self.cache_weight)
         if self._policy == "round_robin":
             chosen = self._next_in_rotation(usable)
         elif self._policy == "least_loaded":

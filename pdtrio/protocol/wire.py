@@ -54,6 +54,7 @@ class MessageKind(enum.IntEnum):
     PREFILLED_WITH_LOGPROB = 14
     PREFILLED_WITH_CHOICES = 15
     START_CHOICES = 16
+    KV_EVENTS = 17
 
 
 class RejectReason(enum.StrEnum):
@@ -476,6 +477,25 @@ class Heartbeat(_Positional, frozen=True, tag=int(MessageKind.HEARTBEAT)):
     """
 
 
+# a block hash of the prefix cache (``pdtrio.protocol.prefix_index.block_hashes``)
+BlockHashes = Annotated[tuple[bytes, ...], msgspec.Meta(max_length=MAX_TOKEN_IDS)]
+
+
+class KvEvents(_Positional, frozen=True, tag=int(MessageKind.KV_EVENTS)):
+    """What the worker's prefix cache stored and evicted since the link's last report: many
+    block hashes in one message, sent ahead of the link's next frame (never one per block).
+
+    ``snapshot``: ``stored`` is the whole cache (``removed`` empty), sent first on each
+    connection, so the router's view is rebuilt, never stale; else the two are
+    disjoint, each hash's state now.  Only to a router that asks (``?kv_events=1``) and
+    only with the cache on: a router from before them never gets one.
+    """
+
+    snapshot: bool
+    stored: BlockHashes = ()
+    removed: BlockHashes = ()
+
+
 # what travels on the worker link, each way
 ToWorker = DecodeStart | DecodeStartChoices | DecodeAbort | PrefillRequest | ReleaseRequest
 FromWorker = (
@@ -490,6 +510,7 @@ FromWorker = (
     | PrefillFailed
     | Heartbeat
     | TokenLogprobs
+    | KvEvents
 )
 
 

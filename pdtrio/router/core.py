@@ -61,6 +61,7 @@ class Router:
             config.router.prefill_policy,
             config.router.decode_policy,
             backoff_s=config.router.instance_backoff_s,
+            prefill_cache_weight=config.router.prefill_cache_weight,
         )
         # the vLLM or SGLang instances fronted instead of pdtrio workers (kind = "vllm")
         self.engines: EnginePool | None = (

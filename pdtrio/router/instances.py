@@ -20,8 +20,14 @@ import trio
 from pdtrio.config import Role
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed, layout_mismatch
+from pdtrio.protocol.prefix_index import (
+    MAX_HASHED_TOKENS,
+    PromptBlocks,
+    PromptChains,
+    layout_block_hashes,
+)
 from pdtrio.protocol.scheduling import Candidate, Scheduler, SchedulingPolicy
-from pdtrio.protocol.wire import DRAINING_ERROR_TYPE, KvHandle, PrefillFailed
+from pdtrio.protocol.wire import DRAINING_ERROR_TYPE, KvHandle, PrefillFailed, Prompt
 from pdtrio.router.worker_link import WorkerLink
 
 log = logging.getLogger("pdtrio.router")
@@ -132,7 +138,8 @@ class InstanceTable(Mapping[str, Instance]):
     """The known instances by id, and placement on them.
 
     ``backoff_s``: how long an instance failing a request leaves rotation (doubling
-    with each failure in a row, capped).
+    with each failure in a row, capped); ``prefill_cache_weight``: how many prefills in
+    flight the longest cached prefix of a prompt is worth (``scheduling.cache_favoured``).
     """
 
     def __init__(
@@ -141,9 +148,12 @@ class InstanceTable(Mapping[str, Instance]):
         decode_policy: SchedulingPolicy,
         *,
         backoff_s: float,
+        prefill_cache_weight: float = 0.0,
     ) -> None:
         self._instances: dict[str, Instance] = {}
-        self._prefill_scheduler = Scheduler(prefill_policy)
+        self._prefill_scheduler = Scheduler(prefill_policy, cache_weight=prefill_cache_weight)
+        # the hash chains of earlier prompts, learned from prefill replies
+        self._prompt_chains = PromptChains()
         self._decode_scheduler = Scheduler(decode_policy)
         self._backoff_s = backoff_s
         # requests waiting for a decode link to (re)connect, woken by the links' reports
@@ -184,13 +194,43 @@ class InstanceTable(Mapping[str, Instance]):
             leases_out=sum(i.leases_out for i in instances),
         )
 
+    # --- the prefix index -------------------------------------------------------------
+
+    def prompt_blocks(self, prompt: Prompt) -> PromptBlocks | None:
+        """What the prefix index knows of ``prompt``; None when no instance reports its
+        prefix cache (nothing to look up, nothing to learn: no hashing)."""
+        if not any(i.link is not None and i.link.cached_blocks.reporting for i in self.values()):
+            return None
+        return PromptBlocks(prompt, self._prompt_chains)
+
+    def learn_prompt(
+        self, prompt: PromptBlocks, instance: Instance, prompt_token_ids: tuple[int, ...]
+    ) -> None:
+        """Prefill told the prompt's token ids: remember its chain for the prompts that
+        begin with its messages (a conversation's next turn), once."""
+        if not prompt.keys or self._prompt_chains.knows(prompt.keys[-1]):
+            return
+        chain = layout_block_hashes(prompt_token_ids[:MAX_HASHED_TOKENS], instance.layout)
+        self._prompt_chains.learn(prompt.keys[-1], chain)
+
+    def _cached_blocks(self, instance: Instance, prompt: PromptBlocks | None) -> int:
+        link = instance.link
+        if prompt is None or link is None or not link.cached_blocks.reporting:
+            return 0
+        return link.cached_blocks.prefix_blocks(prompt.hashes_for(instance.layout))
+
     # --- prefill --------------------------------------------------------------------
 
     def pick_prefill(
-        self, model: str | None, now: float, exclude: frozenset[str] = frozenset()
+        self,
+        model: str | None,
+        now: float,
+        exclude: frozenset[str] = frozenset(),
+        prompt: PromptBlocks | None = None,
     ) -> Instance | None:
         """A usable prefill instance for ``model`` that some usable decode can pair with;
-        suspended ones only when no other is left."""
+        suspended ones only when no other is left.  With ``prompt``, each candidate counts
+        how much of it its prefix cache holds (the policy weighs that against load)."""
         instances = self._instances.values()
         decodes = [i for i in instances if i.serves_decode and i.usable]
         usable = [
@@ -201,10 +241,14 @@ class InstanceTable(Mapping[str, Instance]):
             and (model is None or i.model == model)
             and any(i.pairs_with(d) for d in decodes)
         ]
+        cached = {i.instance_id: self._cached_blocks(i, prompt) for i in usable}
         for allow_suspended in (False, True):
             candidates = [
                 Candidate(
-                    i.instance_id, i.active_prefills, allow_suspended or i.suspended_until <= now
+                    i.instance_id,
+                    i.active_prefills,
+                    allow_suspended or i.suspended_until <= now,
+                    cached_blocks=cached[i.instance_id],
                 )
                 for i in usable
             ]

@@ -35,6 +35,7 @@ from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.kv_layout import KvLayout, choice_blocks_needed
 from pdtrio.protocol.lifecycle import State
 from pdtrio.protocol.openai import ChatCompletionRequest, CompletionRequest
+from pdtrio.protocol.prefix_index import PromptBlocks
 from pdtrio.protocol.wire import (
     DecodeStart,
     DecodeStartChoices,
@@ -193,6 +194,9 @@ class PrefillLeg:
         self.wire_id = host.request_id
         self._call: PrefillRequest | None = None
         self.reply: PrefillReply | None = None
+        # what the prefix index knows of the call's prompt, and of which call
+        self._prompt_blocks: PromptBlocks | None = None
+        self._prompt_blocks_of: PrefillRequest | None = None
         self._kv_access_token = ""  # the grant in prefill's KV handle, once it answered
         self._lease_holder: Instance | None = None  # the prefill instance holding our KV
         # the prompt's own token ids; every token id delivered; of the current prompt's
@@ -214,7 +218,16 @@ class PrefillLeg:
         host = self._host
         router = host.router
         instances = router.instances
-        instance = instances.pick_prefill(host.request.model, trio.current_time(), command.exclude)
+        if self._call is None:
+            self._call = self._first_call()
+        call = self._call
+        if self._prompt_blocks_of is not call:
+            # what the prefix index knows of this call's prompt (a migration's is new)
+            self._prompt_blocks = instances.prompt_blocks(call.prompt)
+            self._prompt_blocks_of = call
+        instance = instances.pick_prefill(
+            host.request.model, trio.current_time(), command.exclude, self._prompt_blocks
+        )
         if instance is None or instance.link is None:
             return await host.report(rm.PrefillUnavailable())
         if command.retry:
@@ -223,9 +236,6 @@ class PrefillLeg:
             self._started = time.perf_counter()
         self.instance = instance
         await host.report(rm.PrefillSent(instance.instance_id))
-        if self._call is None:
-            self._call = self._first_call()
-        call = self._call
         instance.prefill_started()
         try:
             # a cancelled call releases the request on prefill itself
@@ -246,6 +256,8 @@ class PrefillLeg:
             return await host.report(rm.PrefillFailed(failure))
         assert isinstance(answer, PrefillReply)  # (or a reply with a logprob)
         instances.instance_served(instance)
+        if self._prompt_blocks is not None:
+            instances.learn_prompt(self._prompt_blocks, instance, answer.prompt_token_ids)
         if answer.finish_reason is not None and answer.usage is None:
             raise ShellFailure(NO_COUNTS)
         if not command.continuation:  # the request's own prefill, not a migration's

@@ -34,6 +34,11 @@ promised to starts decode has not answered yet (decode reports an accept's
 blocks before the accept), so :attr:`WorkerLink.available_blocks` never counts
 the same free blocks twice.  Every change calls ``on_capacity``.
 
+The link asks for the worker's prefix cache changes (``?kv_events=1``) and keeps
+them in :attr:`WorkerLink.cached_blocks`: emptied when the link drops, rebuilt from
+the snapshot the worker sends first on every connection (a worker with its cache off
+sends none; the link then reports nothing cached).
+
 Liveness: the worker sends a ``Heartbeat`` after each ``heartbeat_s`` of
 silence (the router asks for that interval in the link's URL); any frame
 counts.  The reader stamps the time of each read, and a watchdog sleeping
@@ -54,6 +59,7 @@ from typing import final
 import httpx
 import trio
 
+from pdtrio.protocol.prefix_index import CachedBlocks
 from pdtrio.protocol.stream_buffer import PushResult, StreamBuffer
 from pdtrio.protocol.wire import (
     DECODE_ERRORS,
@@ -64,6 +70,7 @@ from pdtrio.protocol.wire import (
     DecodeStart,
     DecodeStartChoices,
     Heartbeat,
+    KvEvents,
     PrefillFailed,
     PrefillReply,
     PrefillReplyWithChoices,
@@ -332,8 +339,9 @@ class WorkerLink:
         self.link_timeout_s = link_timeout_s
         self.heartbeat_s = heartbeat_s
         self._connect_timeout_s = connect_timeout_s
-        # batch=1: the worker may send several messages as one (see wire.is_batch)
-        self._connect_url = f"{url}?heartbeat_s={heartbeat_s!r}&batch=1"
+        # batch=1: the worker may send several messages as one (see wire.is_batch);
+        # kv_events=1: its prefix cache's changes (a worker with the cache off sends none)
+        self._connect_url = f"{url}?heartbeat_s={heartbeat_s!r}&batch=1&kv_events=1"
         self._last_read = 0.0  # when the reader last got frames (trio clock)
         self._hung = False  # the watchdog dropped the current connection
         self.hangs = 0  # links dropped for silence
@@ -343,6 +351,8 @@ class WorkerLink:
         self._on_quieter = on_quieter
         # decode's last report (None: none on this connection yet)
         self.capacity: DecodeCapacity | None = None
+        # the block hashes its prefix cache holds, as this connection reported them
+        self.cached_blocks = CachedBlocks()
         # blocks of starts sent and not yet answered: decode's report may not count them yet
         self._promised: dict[str, int] = {}
         self.url = url
@@ -447,6 +457,7 @@ class WorkerLink:
         finally:
             self._ws = None
             self.capacity = None
+            self.cached_blocks.clear()  # the next connection's snapshot rebuilds it
             self._promised.clear()
             self._outbox.clear()
             self._room_waiting.unpark_all()
@@ -575,6 +586,9 @@ class WorkerLink:
                         continue
                     if type(message) is Heartbeat:
                         continue  # its arrival was all it had to say
+                    if type(message) is KvEvents:
+                        self.cached_blocks.apply(message)
+                        continue
                     if type(message) is TokenLogprobs:
                         stream = streams.get(message.request_id)
                         if stream is not None and stream.logprobs is not None:

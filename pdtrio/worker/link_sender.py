@@ -17,6 +17,12 @@ A router that asks for it (``?batch=1``) gets the frames that queued during
 a write in one message, a batch (``wire.is_batch``): one send through the
 websocket, and one wake-up of the router, for all of them.
 
+A router that asks for them (``?kv_events=1``) gets the prefix cache's changes
+(``KvEvents``): the whole set when the link opens, then what changed, checked before
+each frame goes out (a control message, a token frame, a heartbeat): many hashes in
+one message, riding the link's own rhythm; nothing when the cache is off.  A prefill's
+stored blocks go out just ahead of its reply.
+
 Liveness: after ``heartbeat_s`` without a frame, the sender writes a
 ``Heartbeat``, so the router can tell a silent link from a hung worker.
 The sender waits for the earlier of the flush deadline and the heartbeat's.
@@ -40,6 +46,7 @@ from pdtrio.protocol.wire import (
     DecodeFailed,
     DecodeRejected,
     Heartbeat,
+    KvEvents,
     PrefillFailed,
     PrefillReply,
     TokenFrame,
@@ -56,7 +63,7 @@ Control = DecodeAccepted | DecodeRejected | DecodeFailed | PrefillReply | Prefil
 # What reaches the sender: a step's entries (after their logprobs, for requests that asked),
 # a control message, or None: a write finished.
 Outgoing = StepOutputs | StepLogprobs | Control | None
-_Frame = TokenFrame | TokenLogprobs | Control | DecodeCapacity | Heartbeat
+_Frame = TokenFrame | TokenLogprobs | Control | DecodeCapacity | Heartbeat | KvEvents
 
 
 @final
@@ -66,7 +73,8 @@ class LinkSender:
 
     ``reports_capacity``: a decoding worker's link (it reports its KV room);
     ``is_draining``: whether the worker takes nothing new (it reports no room then);
-    ``reply_written``: called with a prefill reply's request id once it is written.
+    ``reply_written``: called with a prefill reply's request id once it is written;
+    ``kv_events``: the router reads the prefix cache's changes.
     """
 
     def __init__(
@@ -77,6 +85,7 @@ class LinkSender:
         *,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         batches: bool = False,
+        kv_events: bool = False,
         reports_capacity: bool,
         is_draining: Callable[[], bool],
         reply_written: Callable[[str], None],
@@ -103,6 +112,8 @@ class LinkSender:
         self._logprobs: dict[str, list[TokenLogprob]] = {}
         # a fault hook (testing only) may turn heartbeats off
         self._heartbeats = faults is None or not faults.heartbeats_off
+        self._kv_events = kv_events
+        self._kv_cursor: int | None = None  # the prefix cache's changes reported (None: none)
 
     def mark_capacity(self) -> None:
         """The engine's free blocks may have changed: report it soon (never blocks)."""
@@ -133,6 +144,18 @@ class LinkSender:
     async def send_control(self, message: Control) -> None:
         await self.outbox_send.send(message)
 
+    async def _send_kv_events(self, frames_send: trio.MemorySendChannel[_Frame]) -> bool:
+        """The prefix cache's changes since the last report, if the router reads them and
+        there are any (the first time: the whole set); whether a frame went."""
+        if not self._kv_events:
+            return False
+        self._kv_cursor, events = self._engine.kv_events(self._kv_cursor)
+        if events is None:
+            return False
+        self._in_flight += 1
+        await frames_send.send(events)
+        return True
+
     async def run(self) -> None:
         """Collect engine outputs under the flush policy; a writer task sends frames.
 
@@ -146,6 +169,7 @@ class LinkSender:
         frames_send, frames_receive = trio.open_memory_channel[_Frame](4)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._run_writer, frames_receive)
+            await self._send_kv_events(frames_send)  # the snapshot: the router's view anew
             while True:
                 if self._capacity_dirty:
                     report = self._capacity_report()
@@ -169,8 +193,10 @@ class LinkSender:
                     item = await receive.receive()
                 if item is None:
                     if not self._in_flight and trio.current_time() >= beat_at:
-                        self._in_flight += 1
-                        await frames_send.send(_HEARTBEAT)
+                        # a report proves liveness as well as a heartbeat
+                        if not await self._send_kv_events(frames_send):
+                            self._in_flight += 1
+                            await frames_send.send(_HEARTBEAT)
                     continue
                 if isinstance(item, list):
                     policy.add(item, trio.current_time())
@@ -183,6 +209,9 @@ class LinkSender:
                 # control messages keep their order relative to tokens
                 while policy.has_pending:
                     await self._send_tokens(frames_send, policy)
+                # a prefill's stored blocks go ahead of its reply: the router that has the
+                # reply knows them
+                await self._send_kv_events(frames_send)
                 # what an accept allocated is in the report ahead of it
                 report = self._capacity_report() if self._reports_capacity else None
                 if report is not None:
@@ -195,6 +224,7 @@ class LinkSender:
         self, frames_send: trio.MemorySendChannel[_Frame], policy: FlushPolicy
     ) -> None:
         """The next token frame, after the logprobs of its tokens (and of any later)."""
+        await self._send_kv_events(frames_send)
         if self._logprobs:
             held, self._logprobs = self._logprobs, {}
             for request_id, items in held.items():

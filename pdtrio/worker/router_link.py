@@ -22,8 +22,9 @@ A release over the link for a prefill that link asked for, and whose reply it
 has not written yet, needs no token: it stops the prefill (one not started yet
 never starts) or frees what it leased.
 
-The router names the heartbeat interval in the link's URL (``?heartbeat_s=``)
-and whether it reads batches (``?batch=1``).
+The router names the heartbeat interval in the link's URL (``?heartbeat_s=``),
+whether it reads batches (``?batch=1``) and the prefix cache's changes
+(``?kv_events=1``).
 
 A link only ever touches the requests it started, and each of them ends with
 exactly one of: its finish entry, ``DecodeRejected``, ``DecodeFailed``, or the
@@ -108,6 +109,7 @@ class RouterConnection:
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         *,
         batches: bool = False,
+        kv_events: bool = False,
     ) -> None:
         self._server = server
         self._engine = server.engine
@@ -117,6 +119,7 @@ class RouterConnection:
             server.flush,
             heartbeat_s=heartbeat_s,
             batches=batches,
+            kv_events=kv_events,
             reports_capacity=server.admission is not None,
             is_draining=lambda: server.draining,
             reply_written=self._reply_written,
@@ -488,7 +491,11 @@ class RouterLinkServer:
             return
         await send({"type": "websocket.accept"})
         link = RouterConnection(
-            self, send, _heartbeat_interval(scope), batches=_wants_batches(scope)
+            self,
+            send,
+            _heartbeat_interval(scope),
+            batches=_wants_batches(scope),
+            kv_events=_wants_kv_events(scope),
         )
         self._links.add(link)
         try:
@@ -517,6 +524,11 @@ def _query(scope: Scope) -> dict[str, list[str]]:
 def _wants_batches(scope: Scope) -> bool:
     """Whether the router reads batches of messages (``?batch=1``)."""
     return _query(scope).get("batch", [""])[-1] == "1"
+
+
+def _wants_kv_events(scope: Scope) -> bool:
+    """Whether the router reads the prefix cache's changes (``?kv_events=1``)."""
+    return _query(scope).get("kv_events", [""])[-1] == "1"
 
 
 def _heartbeat_interval(scope: Scope) -> float:

@@ -12,10 +12,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from pdtrio.engine import prefix_cache
 from pdtrio.engine.api import NoRoom
 from pdtrio.engine.blocks import BlockAllocator, BlockOwnership
 from pdtrio.engine.prefix_cache import PrefixCache, block_hashes, chain_root, layout_salt
 from pdtrio.protocol.kv_layout import KvLayout
+from pdtrio.protocol.prefix_index import CachedBlocks
 
 BLOCK = 4
 ROOT = chain_root("a model|float32")
@@ -185,6 +187,49 @@ def test_with_the_cache_off_a_released_block_is_free_at_once() -> None:
     assert blocks.prefix_cache.statistics().hit_tokens == 0
 
 
+# --- KV events -----------------------------------------------------------------------------
+
+
+def test_a_reader_reports_what_was_stored_and_evicted_since_its_cursor() -> None:
+    blocks = owning(4)
+    cursor, snapshot = blocks.prefix_cache.events_since(None)
+    assert snapshot is not None and snapshot.snapshot and snapshot.stored == ()
+    first = list(range(1, 10))  # two full blocks
+    blocks.ensure_prompt("a", first, ROOT)
+    blocks.cache_prompt("a")
+    blocks.release("a")
+    cursor, events = blocks.prefix_cache.events_since(cursor)
+    assert events is not None and not events.snapshot
+    assert set(events.stored) == set(block_hashes(first, BLOCK, ROOT)) and events.removed == ()
+    assert blocks.prefix_cache.events_since(cursor) == (cursor, None)
+    # four blocks for another prompt: both cached ones are evicted
+    blocks.ensure_prompt("b", list(range(50, 66)), ROOT)
+    cursor, events = blocks.prefix_cache.events_since(cursor)
+    assert events is not None and set(events.removed) == set(block_hashes(first, BLOCK, ROOT))
+    assert events.stored == ()
+
+
+def test_a_reader_the_journal_no_longer_reaches_gets_the_whole_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(prefix_cache, "JOURNAL_LIMIT", 2)
+    blocks = owning(8)
+    cursor, _ = blocks.prefix_cache.events_since(None)
+    prompt = list(range(1, 14))  # three full blocks: three changes, one past the journal
+    blocks.ensure_prompt("a", prompt, ROOT)
+    blocks.cache_prompt("a")
+    _, events = blocks.prefix_cache.events_since(cursor)
+    assert events is not None and events.snapshot
+    assert set(events.stored) == set(block_hashes(prompt, BLOCK, ROOT))
+
+
+def test_with_the_cache_off_there_is_nothing_to_report() -> None:
+    blocks = owning(8, enabled=False)
+    blocks.ensure_prompt("a", list(range(1, 14)), ROOT)
+    blocks.cache_prompt("a")
+    assert blocks.prefix_cache.events_since(None)[1] is None
+
+
 # --- eviction under pressure, as a state machine ------------------------------------------
 
 NUM_BLOCKS = 12
@@ -204,6 +249,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         # block -> the prompt prefix it holds KV for (written when a request computes it)
         self.content: dict[int, tuple[int, ...]] = {}
         self.count = 0
+        # a router's view, told every change; another told only now and then
+        self.view, self.cursor = CachedBlocks(), None
+        self.late_view, self.late_cursor = CachedBlocks(), None
 
     @rule(
         stem=st.sampled_from([(), (0,) * 8, (1, 2) * 6]),
@@ -263,6 +311,27 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.blocks.release(name)
         del self.live[name]
         self.computed.discard(name)
+
+    @rule()
+    def late_report(self) -> None:
+        self.late_cursor, events = self.cache.events_since(self.late_cursor)
+        if events is not None:
+            self.late_view.apply(events)
+        self._same_as_the_cache(self.late_view)
+
+    @invariant()
+    def the_reported_view_is_what_the_cache_holds(self) -> None:
+        self.cursor, events = self.cache.events_since(self.cursor)
+        if events is not None:
+            assert events.snapshot == (not self.view.reporting)  # only the first report
+            self.view.apply(events)
+        self._same_as_the_cache(self.view)
+
+    def _same_as_the_cache(self, view: CachedBlocks) -> None:
+        _, snapshot = self.cache.events_since(None)
+        assert snapshot is not None and snapshot.snapshot
+        assert len(view) == len(snapshot.stored) == self.cache.statistics().cached_blocks
+        assert all(h in view for h in snapshot.stored)
 
     @invariant()
     def every_block_is_held_reclaimable_or_free_and_only_one_of_them(self) -> None:

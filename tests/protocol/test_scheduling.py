@@ -5,7 +5,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdtrio.protocol.scheduling import Candidate, Scheduler, SchedulingPolicy, pick_instance
+from pdtrio.protocol.scheduling import (
+    Candidate,
+    Scheduler,
+    SchedulingPolicy,
+    cache_favoured,
+    pick_instance,
+)
 
 
 def test_least_loaded_wins() -> None:
@@ -198,3 +204,74 @@ def test_over_many_picks_every_instance_gets_traffic(
     assert set(served) == set(load)
     if policy == "round_robin":
         assert max(served.values()) - min(served.values()) <= 1
+
+
+# --- cache-aware picks -------------------------------------------------------------------
+
+
+@given(
+    st.sampled_from(POLICIES),
+    st.lists(_candidates, min_size=1, max_size=10),
+    st.sampled_from([0.0, 0.5, 2.0, 100.0]),
+    st.integers(0, 2**32 - 1),
+)
+def test_with_nothing_cached_every_pick_is_the_policys_alone(
+    policy: SchedulingPolicy, rounds: list[list[Candidate]], weight: float, seed: int
+) -> None:
+    plain = Scheduler(policy, rng=random.Random(seed))
+    cache_aware = Scheduler(policy, rng=random.Random(seed), cache_weight=weight)
+    for candidates in rounds:
+        assert cache_aware.pick(candidates) == plain.pick(candidates)
+
+
+@given(
+    st.sampled_from(POLICIES),
+    st.lists(
+        st.tuples(st.integers(0, 5), st.integers(0, 20)), min_size=1, max_size=6
+    ),  # (active requests, cached blocks) per instance
+    st.floats(0.0, 10.0),
+    st.integers(0, 2**32 - 1),
+)
+def test_a_cache_aware_pick_weighs_the_cached_prefix_against_load(
+    policy: SchedulingPolicy, raw: list[tuple[int, int]], weight: float, seed: int
+) -> None:
+    candidates = [
+        Candidate(f"i{n}", load, cached_blocks=cached) for n, (load, cached) in enumerate(raw)
+    ]
+    chosen = Scheduler(policy, rng=random.Random(seed), cache_weight=weight).pick(candidates)
+    picked = next(c for c in candidates if c.instance_id == chosen)
+    assert picked in cache_favoured(candidates, weight)
+    most = max(c.cached_blocks for c in candidates)
+    if most and weight:
+        # nobody is better by load less the weight's share of its cached prefix
+        def score(c: Candidate) -> float:
+            return c.active_requests - weight * c.cached_blocks / most
+
+        assert all(score(picked) <= score(c) for c in candidates)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_longest_cached_prefix_wins_at_equal_load(policy: SchedulingPolicy) -> None:
+    scheduler = Scheduler(policy, rng=random.Random(3), cache_weight=2.0)
+    candidates = [
+        Candidate("a", 1, cached_blocks=3),
+        Candidate("b", 1, cached_blocks=9),
+        Candidate("c", 1),
+    ]
+    assert _picks(scheduler, candidates, 10) == ["b"] * 10
+
+
+def test_the_cached_instance_wins_while_it_is_busier_by_less_than_the_weight() -> None:
+    scheduler = Scheduler("least_loaded", cache_weight=2.0)
+    # busier by the weight exactly: a tie, which least_loaded gives the less loaded
+    for extra_load, expected in ((0, "cached"), (1, "cached"), (2, "idle"), (3, "idle")):
+        candidates = [Candidate("cached", extra_load, cached_blocks=8), Candidate("idle", 0)]
+        assert scheduler.pick(candidates) == expected, extra_load
+
+
+def test_a_weight_of_zero_ignores_the_cache() -> None:
+    scheduler = Scheduler("least_loaded", cache_weight=0.0)
+    candidates = [Candidate("cached", 1, cached_blocks=8), Candidate("idle", 0)]
+    assert scheduler.pick(candidates) == "idle"
+    with pytest.raises(ValueError, match="cache_weight"):
+        Scheduler("least_loaded", cache_weight=-1.0)

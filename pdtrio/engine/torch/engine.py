@@ -65,6 +65,7 @@ from pdtrio.protocol.wire import (
     ChatPrompt,
     ChatPromptWithTools,
     FirstToken,
+    KvEvents,
     Prompt,
     TextPrompt,
     TokenEntry,
@@ -255,6 +256,14 @@ class TorchEngine:
 
     def observe_steps(self, observer: StepObserver) -> None:
         self._step_observer = observer
+
+    def kv_events(self, cursor: int | None) -> tuple[int, KvEvents | None]:
+        cache = self._blocks.prefix_cache
+        # unlocked (an int read): the link asks before every frame it sends
+        if not cache.enabled or cursor == cache.journal_end:
+            return cache.journal_end, None
+        with self._lock:
+            return cache.events_since(cursor)
 
     # --- prompts ----------------------------------------------------------------------
 
