@@ -19,6 +19,14 @@ blocks of prompts, not of decode's output, so this changes no hit).  Engines: th
 synthetic one (``prefill_s_per_token`` makes a prefill cost its uncached tokens) and
 SmolLM2 (``--quick``: tiny-random), float32.  The issue's goal: from the second turn,
 TTFT p50 with the cache at most 0.3x without.
+
+Routing (synthetic engine): the same conversations on three clusters with the cache on,
+one after the other each turn: **one prefill** (what one instance gets alone), **two
+prefills in turn** (``round_robin``, ``prefill_cache_weight = 0``: the cache ignored)
+and **two prefills, cache-aware** (the router's prefix index from the workers' KV events,
+``prefill_cache_weight`` at its default).  Reported from the second turn on: the share of
+prompt tokens cached and TTFT p50 per mode; the goal: cache-aware routing's hit share at
+least 0.9x one prefill's.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from benchmarks.kit import aligned_table, percentile, stream_completion, write_j
 from pdtrio.testing import Processes, write_router_config
 
 GOAL_RATIO = 0.3
+ROUTING_GOAL = 0.9  # cache-aware routing's hit share against one prefill alone
 
 
 @attrs.frozen
@@ -225,6 +234,97 @@ def run_case(engine: Engine, plan: Plan) -> dict[str, Any]:
     }
 
 
+@attrs.frozen
+class RoutingMode:
+    prefills: int
+    router: dict[str, Any]  # [router] settings
+
+
+ROUTING_MODES = {
+    "one prefill": RoutingMode(1, {}),
+    "round robin": RoutingMode(2, {"prefill_policy": "round_robin", "prefill_cache_weight": 0}),
+    "cache-aware": RoutingMode(2, {"prefill_policy": "round_robin"}),
+}
+
+
+def run_routing_case(engine: Engine, plan: Plan) -> dict[str, Any]:
+    """The same conversations, the cache on everywhere, routed three ways."""
+    modes = ROUTING_MODES
+    with tempfile.TemporaryDirectory() as tmp, Processes() as procs:
+        starting = {
+            (mode, role, index): procs.start_worker(_worker_config(role, engine, True))
+            for mode, spec in modes.items()
+            for role, count in (("prefill", spec.prefills), ("decode", 1))
+            for index in range(count)
+        }
+        workers = {key: procs.wait_ready(process) for key, process in starting.items()}
+        routers = {
+            mode: procs.router(
+                write_router_config(
+                    Path(tmp) / f"routing-{index}.toml",
+                    [(role, w.url) for (m, role, _), w in workers.items() if m == mode],
+                    router=spec.router,
+                )
+            )
+            for index, (mode, spec) in enumerate(modes.items())
+        }
+        base = random.Random(plan.system_tokens * 17 + plan.turns)
+        system = [base.randint(*engine.vocab) for _ in range(plan.system_tokens)]
+        seeds = [base.randrange(1 << 30) for _ in range(plan.conversations)]
+        state = {
+            mode: [Conversation(list(system), random.Random(seed)) for seed in seeds]
+            for mode in modes
+        }
+        samples: dict[str, list[list[dict[str, float]]]] = {mode: [] for mode in modes}
+        for turn in range(plan.turns):
+            order = list(modes)
+            order = order[turn % len(order) :] + order[: turn % len(order)]
+            for mode in order:
+                conversations = state[mode]
+                users = [c.words(plan.user_tokens, engine.vocab) for c in conversations]
+                samples[mode].append(
+                    trio.run(_run_turn, routers[mode].url, engine, conversations, users, plan)
+                )
+                for conversation, user in zip(conversations, users, strict=True):
+                    conversation.history += [*user, *conversation.words(plan.osl, engine.vocab)]
+    result: dict[str, Any] = {"engine": engine.name, "modes": {}}
+    for mode in modes:
+        later = [r for turn in samples[mode][1:] for r in turn]
+        result["modes"][mode] = {
+            "cached_share": sum(r["cached_tokens"] for r in later)
+            / max(1, sum(r["prompt_tokens"] for r in later)),
+            "ttft_p50_ms": percentile([r["ttft_ms"] for r in later], 50),
+            "ttft_p99_ms": percentile([r["ttft_ms"] for r in later], 99),
+        }
+    alone = result["modes"]["one prefill"]["cached_share"]
+    aware = result["modes"]["cache-aware"]["cached_share"]
+    ratio = aware / alone if alone else None
+    result["goal"] = {
+        "goal": f"from turn 2, cache-aware hit share >= {ROUTING_GOAL}x one prefill's",
+        "ratio": ratio,
+        "pass": None if ratio is None else ratio >= ROUTING_GOAL,
+    }
+    return result
+
+
+def print_routing_table(case: dict[str, Any]) -> None:
+    rows = [
+        [
+            mode,
+            f"{100 * figures['cached_share']:.0f}%",
+            f"{figures['ttft_p50_ms']:.1f}",
+            f"{figures['ttft_p99_ms']:.1f}",
+        ]
+        for mode, figures in case["modes"].items()
+    ]
+    print(f"routing ({case['engine']}, cache on, from turn 2):")
+    print(aligned_table(["mode", "cached", "TTFT p50 ms", "TTFT p99 ms"], rows, align="lrrr"))
+    goal = case["goal"]
+    verdict = "n/a" if goal["pass"] is None else ("pass" if goal["pass"] else "FAIL")
+    ratio = "n/a" if goal["ratio"] is None else f"{goal['ratio']:.2f}"
+    print(f"goal ({goal['goal']}): {ratio}, {verdict}")
+
+
 def print_table(cases: list[dict[str, Any]]) -> None:
     header = [
         "engine",
@@ -288,7 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     for engine in engines:
         print(f"running {engine.name} ...", file=sys.stderr, flush=True)
         cases.append(run_case(engine, plan))
+    print(f"running routing ({SYNTHETIC.name}) ...", file=sys.stderr, flush=True)
+    routing = run_routing_case(SYNTHETIC, plan)
     print_table(cases)
+    print_routing_table(routing)
     write_json(
         args.json,
         {
@@ -296,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick,
             "plan": attrs.asdict(plan),
             "cases": cases,
+            "routing": routing,
         },
     )
     return 0

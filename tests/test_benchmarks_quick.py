@@ -294,6 +294,15 @@ def _multi_turn(printed: str, report: Any) -> None:
         assert case["usage_cached_tokens"]["off"] == case["metrics_hit_tokens"]["off"] == 0
         assert case["usage_cached_tokens"]["on"] == case["metrics_hit_tokens"]["on"] > 0
         assert case["goal"]["pass"] in (True, False)
+    routing = report["routing"]
+    assert "cache-aware" in printed and routing["engine"] == "synthetic"
+    modes = routing["modes"]
+    assert set(modes) == {"one prefill", "round robin", "cache-aware"}
+    for figures in modes.values():
+        assert 0 <= figures["cached_share"] <= 1 and figures["ttft_p50_ms"] > 0
+    # one prefill holds every conversation's earlier turns
+    assert modes["one prefill"]["cached_share"] > 0.5, modes
+    assert routing["goal"]["pass"] in (True, False)
 
 
 def _structured_output(printed: str, report: Any) -> None:
