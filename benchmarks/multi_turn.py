@@ -36,6 +36,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,18 @@ class Conversation:
 
     def words(self, count: int, vocab: tuple[int, int]) -> list[int]:
         return [self.rng.randint(*vocab) for _ in range(count)]
+
+
+def _conversations(
+    engine: Engine, plan: Plan, modes: Iterable[str], *, salt: int
+) -> dict[str, list[Conversation]]:
+    """The same conversations for every mode: one system prompt, each its own seed."""
+    base = random.Random(plan.system_tokens * salt + plan.turns)
+    system = [base.randint(*engine.vocab) for _ in range(plan.system_tokens)]
+    seeds = [base.randrange(1 << 30) for _ in range(plan.conversations)]
+    return {
+        mode: [Conversation(list(system), random.Random(seed)) for seed in seeds] for mode in modes
+    }
 
 
 async def _turn(
@@ -174,13 +187,7 @@ def run_case(engine: Engine, plan: Plan) -> dict[str, Any]:
             for mode in modes
         }
         # the same conversations in both modes: the same system prompt, users and replies
-        base = random.Random(plan.system_tokens * 31 + plan.turns)
-        system = [base.randint(*engine.vocab) for _ in range(plan.system_tokens)]
-        seeds = [base.randrange(1 << 30) for _ in range(plan.conversations)]
-        state = {
-            mode: [Conversation(list(system), random.Random(seed)) for seed in seeds]
-            for mode in modes
-        }
+        state = _conversations(engine, plan, modes, salt=31)
         samples: dict[str, list[list[dict[str, float]]]] = {mode: [] for mode in modes}
         walls = dict.fromkeys(modes, 0.0)
         for turn in range(plan.turns):
@@ -268,13 +275,7 @@ def run_routing_case(engine: Engine, plan: Plan) -> dict[str, Any]:
             )
             for index, (mode, spec) in enumerate(modes.items())
         }
-        base = random.Random(plan.system_tokens * 17 + plan.turns)
-        system = [base.randint(*engine.vocab) for _ in range(plan.system_tokens)]
-        seeds = [base.randrange(1 << 30) for _ in range(plan.conversations)]
-        state = {
-            mode: [Conversation(list(system), random.Random(seed)) for seed in seeds]
-            for mode in modes
-        }
+        state = _conversations(engine, plan, modes, salt=17)
         samples: dict[str, list[list[dict[str, float]]]] = {mode: [] for mode in modes}
         for turn in range(plan.turns):
             order = list(modes)

@@ -393,11 +393,13 @@ async def test_a_non_streaming_request_is_continued_the_same_way(fault: str) -> 
 async def test_with_migration_off_or_no_other_decode_the_stream_ends_as_before(
     decodes: int,
 ) -> None:
-    # the only decode lost for good (its proxy refuses): past decode_reconnect_wait_s
+    # the only decode lost for good (its proxy refuses): past decode_reconnect_wait_s.
+    # Both losses are resets, seen at once: a link timeout long enough that a starved
+    # machine does not drop a healthy prefill's link (CI saw 503s from that)
     router = (
-        attrs.evolve(ROUTER, migration_limit=0)
+        attrs.evolve(ROUTER, migration_limit=0, link_timeout_s=5.0)
         if decodes == 2
-        else attrs.evolve(ROUTER, decode_reconnect_wait_s=0.3)
+        else attrs.evolve(ROUTER, decode_reconnect_wait_s=0.3, link_timeout_s=5.0)
     )
     async with proxied_cluster(router, decodes=decodes) as proxied:
         answers = await _streams_under_fault(proxied, "reset" if decodes == 2 else "refuse")
