@@ -336,6 +336,13 @@ class RouterConfig:
     # cached prefix of the prompt is chosen while it has fewer than this many prefills in
     # flight more than another (a shorter prefix earns its share); 0: the policy alone
     prefill_cache_weight: float = attrs.field(default=2.0, validator=_non_negative)
+    # cache-aware decode: the same trade-off among the decodes with room, by how much of the
+    # prompt each holds cached (what it need not pull); 0: the policy alone
+    decode_cache_weight: float = attrs.field(default=2.0, validator=_non_negative)
+    # conditional disaggregation: when about this many prompt tokens or fewer are not cached
+    # on the decode a request would go to (or a `both` instance), that instance prefills it
+    # itself and the prefill hop is skipped; 0: always a prefill instance
+    local_prefill_max_tokens: int = attrs.field(default=0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.link_heartbeat_s >= self.link_timeout_s:

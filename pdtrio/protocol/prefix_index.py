@@ -19,16 +19,19 @@ is approximate only in the step from messages to tokens (the earlier prompt's la
 block may differ once the conversation goes on); which blocks each instance holds is
 exact, as reported.  A token-id prompt is hashed directly.
 
-Sans-IO: stdlib only, no clock.
+Sans-IO: the standard library and attrs, no clock.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Final, final
+
+import attrs
 
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.wire import (
@@ -168,6 +171,18 @@ def _digest(*parts: bytes) -> bytes:
 
 
 @final
+@attrs.frozen
+class LearnedPrompt:
+    """What prefill told of an earlier prompt: its block hash chain, and how many tokens
+    and characters (:func:`prompt_chars`) it had (the new part of a later prompt is
+    estimated at its tokens per character)."""
+
+    hashes: tuple[bytes, ...]
+    num_tokens: int = 0
+    num_chars: int = 0
+
+
+@final
 class PromptChains:
     """Block hash chains of earlier prompts, by :func:`prompt_keys` key: what the router
     learned from prefill replies (their token ids), at most ``max_hashes`` hashes in all,
@@ -179,7 +194,7 @@ class PromptChains:
         if max_hashes < 0:
             raise ValueError(f"max_hashes must be >= 0, got {max_hashes}")
         self.max_hashes = max_hashes
-        self._chains: OrderedDict[bytes, tuple[bytes, ...]] = OrderedDict()
+        self._chains: OrderedDict[bytes, LearnedPrompt] = OrderedDict()
         self._held = 0
 
     def __len__(self) -> int:
@@ -189,31 +204,55 @@ class PromptChains:
     def hashes_held(self) -> int:
         return self._held
 
-    def learn(self, key: bytes, hashes: Sequence[bytes]) -> None:
-        """Remember ``hashes`` as the chain of the prompt ``key`` names."""
+    def learn(
+        self, key: bytes, hashes: Sequence[bytes], num_tokens: int = 0, num_chars: int = 0
+    ) -> None:
+        """Remember ``hashes`` as the chain of the prompt ``key`` names (of ``num_tokens``
+        tokens, ``num_chars`` characters)."""
         chain = tuple(hashes)
         if len(chain) > self.max_hashes:
             return
         old = self._chains.pop(key, None)
         if old is not None:
-            self._held -= len(old)
-        self._chains[key] = chain
+            self._held -= len(old.hashes)
+        self._chains[key] = LearnedPrompt(chain, num_tokens, num_chars)
         self._held += len(chain)
         while self._held > self.max_hashes:
             _, dropped = self._chains.popitem(last=False)
-            self._held -= len(dropped)
+            self._held -= len(dropped.hashes)
 
     def knows(self, key: bytes) -> bool:
         return key in self._chains
 
+    def longest_learned(self, keys: Sequence[bytes]) -> LearnedPrompt | None:
+        """The longest prefix among ``keys`` (shortest first) learned, if any."""
+        for key in reversed(keys):
+            learned = self._chains.get(key)
+            if learned is not None:
+                self._chains.move_to_end(key)
+                return learned
+        return None
+
     def longest(self, keys: Sequence[bytes]) -> tuple[bytes, ...]:
         """The chain of the longest prefix among ``keys`` (shortest first) learned; ()."""
-        for key in reversed(keys):
-            chain = self._chains.get(key)
-            if chain is not None:
-                self._chains.move_to_end(key)
-                return chain
-        return ()
+        learned = self.longest_learned(keys)
+        return () if learned is None else learned.hashes
+
+
+# tokens per character assumed for a prompt whose conversation the router has not seen
+# (English text and code run at about 3 to 4.5 characters a token)
+DEFAULT_TOKENS_PER_CHAR: Final = 0.3
+
+
+def prompt_chars(prompt: Prompt) -> int:
+    """The characters of a chat's or text's prompt (the tools' JSON too): what an
+    estimate of its token count goes by; 0 for a token-id prompt."""
+    if type(prompt) is TextPrompt:
+        return len(prompt.text)
+    if isinstance(prompt, ChatPrompt):
+        tools = len(prompt.tools_json) if type(prompt) is ChatPromptWithTools else 0
+        return tools + sum(len(text) for _, text in prompt.messages)
+    return 0
 
 
 @final
@@ -222,19 +261,24 @@ class PromptBlocks:
     hashed from its token ids, or the chain learned for the longest earlier prompt its
     messages begin with (``keys``, shortest first, to learn its own under the last)."""
 
-    __slots__ = ("_by_layout", "_learned", "_token_ids", "keys")
+    __slots__ = ("_by_layout", "_learned", "_num_chars", "_token_ids", "keys")
 
     def __init__(self, prompt: Prompt, chains: PromptChains) -> None:
         self._token_ids = prompt.token_ids if type(prompt) is TokenPrompt else None
         self.keys = prompt_keys(prompt)
-        self._learned = chains.longest(self.keys) if self.keys else ()
+        self._learned = chains.longest_learned(self.keys) if self.keys else None
+        self._num_chars = prompt_chars(prompt)
         self._by_layout: dict[KvLayout, list[bytes]] = {}
+
+    @property
+    def num_chars(self) -> int:
+        return self._num_chars
 
     def hashes_for(self, layout: KvLayout) -> Sequence[bytes]:
         """The hash chain an engine of ``layout`` would find the prompt's blocks by (as far
         as the router knows it: a chain learned under another layout matches nothing)."""
         if self._token_ids is None:
-            return self._learned
+            return () if self._learned is None else self._learned.hashes
         hashes = self._by_layout.get(layout)
         if hashes is None:
             hashes = self._by_layout[layout] = layout_block_hashes(
@@ -242,16 +286,31 @@ class PromptBlocks:
             )
         return hashes
 
+    def estimated_tokens(self) -> int:
+        """The prompt's token count: exact for token ids; for a chat or text, the earlier
+        prompt's count it begins with plus its new characters at that prompt's tokens per
+        character (:data:`DEFAULT_TOKENS_PER_CHAR` when none was learned)."""
+        if self._token_ids is not None:
+            return len(self._token_ids)
+        learned = self._learned
+        if learned is None or learned.num_chars <= 0 or learned.num_tokens <= 0:
+            return math.ceil(self._num_chars * DEFAULT_TOKENS_PER_CHAR)
+        new_chars = max(self._num_chars - learned.num_chars, 0)
+        return learned.num_tokens + math.ceil(new_chars * learned.num_tokens / learned.num_chars)
+
 
 __all__ = [
     "MAX_HASHED_TOKENS",
     "MAX_KEYED_PROMPT_CHARS",
+    "DEFAULT_TOKENS_PER_CHAR",
     "CachedBlocks",
+    "LearnedPrompt",
     "PromptBlocks",
     "PromptChains",
     "block_hashes",
     "chain_root",
     "layout_block_hashes",
     "layout_salt",
+    "prompt_chars",
     "prompt_keys",
 ]

@@ -62,6 +62,8 @@ class Router:
             config.router.decode_policy,
             backoff_s=config.router.instance_backoff_s,
             prefill_cache_weight=config.router.prefill_cache_weight,
+            decode_cache_weight=config.router.decode_cache_weight,
+            local_prefill_max_tokens=config.router.local_prefill_max_tokens,
         )
         # the vLLM or SGLang instances fronted instead of pdtrio workers (kind = "vllm")
         self.engines: EnginePool | None = (

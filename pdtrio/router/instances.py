@@ -139,7 +139,10 @@ class InstanceTable(Mapping[str, Instance]):
 
     ``backoff_s``: how long an instance failing a request leaves rotation (doubling
     with each failure in a row, capped); ``prefill_cache_weight``: how many prefills in
-    flight the longest cached prefix of a prompt is worth (``scheduling.cache_favoured``).
+    flight the longest cached prefix of a prompt is worth (``scheduling.cache_favoured``),
+    ``decode_cache_weight`` the same in requests on a decode; ``local_prefill_max_tokens``:
+    a request missing no more of its prompt than this from the cache of the decode it would
+    go to is prefilled there (conditional disaggregation; 0: never).
     """
 
     def __init__(
@@ -149,12 +152,15 @@ class InstanceTable(Mapping[str, Instance]):
         *,
         backoff_s: float,
         prefill_cache_weight: float = 0.0,
+        decode_cache_weight: float = 0.0,
+        local_prefill_max_tokens: int = 0,
     ) -> None:
         self._instances: dict[str, Instance] = {}
         self._prefill_scheduler = Scheduler(prefill_policy, cache_weight=prefill_cache_weight)
         # the hash chains of earlier prompts, learned from prefill replies
         self._prompt_chains = PromptChains()
-        self._decode_scheduler = Scheduler(decode_policy)
+        self._decode_scheduler = Scheduler(decode_policy, cache_weight=decode_cache_weight)
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self._backoff_s = backoff_s
         # requests waiting for a decode link to (re)connect, woken by the links' reports
         self._decode_link_waiters = trio.lowlevel.ParkingLot()
@@ -198,10 +204,14 @@ class InstanceTable(Mapping[str, Instance]):
 
     def prompt_blocks(self, prompt: Prompt) -> PromptBlocks | None:
         """What the prefix index knows of ``prompt``; None when no instance reports its
-        prefix cache (nothing to look up, nothing to learn: no hashing)."""
-        if not any(i.link is not None and i.link.cached_blocks.reporting for i in self.values()):
+        prefix cache and no request may be prefilled on its decode (nothing to look up,
+        nothing to learn: no hashing)."""
+        if self.local_prefill_max_tokens <= 0 and not self._some_cache_reports():
             return None
         return PromptBlocks(prompt, self._prompt_chains)
+
+    def _some_cache_reports(self) -> bool:
+        return any(i.link is not None and i.link.cached_blocks.reporting for i in self.values())
 
     def learn_prompt(
         self, prompt: PromptBlocks, instance: Instance, prompt_token_ids: tuple[int, ...]
@@ -211,7 +221,7 @@ class InstanceTable(Mapping[str, Instance]):
         if not prompt.keys or self._prompt_chains.knows(prompt.keys[-1]):
             return
         chain = layout_block_hashes(prompt_token_ids[:MAX_HASHED_TOKENS], instance.layout)
-        self._prompt_chains.learn(prompt.keys[-1], chain)
+        self._prompt_chains.learn(prompt.keys[-1], chain, len(prompt_token_ids), prompt.num_chars)
 
     def _cached_blocks(self, instance: Instance, prompt: PromptBlocks | None) -> int:
         link = instance.link
@@ -270,6 +280,57 @@ class InstanceTable(Mapping[str, Instance]):
             "prefill on %s failed, trying another: %s", instance.instance_id, answer.message
         )
 
+    def pick_local_prefill(
+        self,
+        model: str | None,
+        now: float,
+        exclude: frozenset[str] = frozenset(),
+        prompt: PromptBlocks | None = None,
+    ) -> Instance | None:
+        """Conditional disaggregation: the decode (or ``both``) instance the request would
+        decode on, when no more than ``local_prefill_max_tokens`` of its prompt are missing
+        from that instance's prefix cache: it prefills the request itself, and decodes it
+        (no prefill hop, no KV transfer).  None: a prefill instance prefills it.
+
+        The decode is picked as decode placement would pick it (policy, load and cached
+        prefix), among those in rotation with room for the prompt's KV now.
+        """
+        threshold = self.local_prefill_max_tokens
+        if threshold <= 0 or prompt is None:
+            return None
+        estimated = prompt.estimated_tokens()
+        candidates: list[Candidate] = []
+        missing: dict[str, int] = {}
+        for instance in self._instances.values():
+            link = instance.link
+            if (
+                not instance.serves_decode
+                or not instance.usable
+                or link is None
+                or link.capacity is None
+                or instance.instance_id in exclude
+                or instance.suspended_until > now
+                or (model is not None and instance.model != model)
+            ):
+                continue
+            block_size = link.capacity.block_size
+            if link.available_blocks < blocks_needed(estimated, block_size):
+                continue
+            cached = self._cached_blocks(instance, prompt)
+            missing[instance.instance_id] = estimated - cached * block_size
+            candidates.append(
+                Candidate(
+                    instance.instance_id,
+                    link.active_requests,
+                    free_blocks=link.available_blocks,
+                    cached_blocks=cached,
+                )
+            )
+        chosen = self._decode_scheduler.pick(candidates)
+        if chosen is None or missing[chosen] > threshold:
+            return None
+        return self._instances[chosen]
+
     # --- decode ---------------------------------------------------------------------
 
     def still_on(self, tried: Mapping[str, Hashable]) -> frozenset[str]:
@@ -316,20 +377,34 @@ class InstanceTable(Mapping[str, Instance]):
         now: float,
         exclude: frozenset[str] = frozenset(),
         layout: KvLayout | None = None,
+        prompt_token_ids: tuple[int, ...] = (),
+        prefer: str | None = None,
     ) -> Instance | None:
-        """A decode instance with room for ``num_tokens`` now, chosen by the decode policy;
-        one suspended for failing requests only when no other has room."""
+        """A decode instance with room for ``num_tokens`` now, chosen by the decode policy
+        (weighing how much of ``prompt_token_ids`` each holds cached, with ``layout``);
+        one suspended for failing requests only when no other has room.  ``prefer``: that
+        instance whenever it is one of them (it prefilled the request itself: the KV is
+        there, no transfer)."""
         candidates: list[Candidate] = []
+        hashes: list[bytes] | None = None
         for link in self.decode_links(exclude, layout):
             capacity = link.capacity
             if capacity is None:
                 continue
             free = link.available_blocks
             if free >= blocks_needed(num_tokens, capacity.block_size):
-                in_rotation = self._instances[link.instance_id].suspended_until <= now
+                instance = self._instances[link.instance_id]
+                in_rotation = instance.suspended_until <= now
+                cached = 0
+                if prompt_token_ids and layout is not None and link.cached_blocks.reporting:
+                    if hashes is None:
+                        hashes = layout_block_hashes(prompt_token_ids[:MAX_HASHED_TOKENS], layout)
+                    cached = link.cached_blocks.prefix_blocks(hashes)
                 candidates.append(
-                    Candidate(link.instance_id, link.active_requests, in_rotation, free)
+                    Candidate(link.instance_id, link.active_requests, in_rotation, free, cached)
                 )
+        if prefer is not None and any(c.instance_id == prefer for c in candidates):
+            return self._instances[prefer]
         chosen = self._decode_scheduler.pick(candidates)
         if chosen is None and candidates:
             chosen = self._decode_scheduler.pick(

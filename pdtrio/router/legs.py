@@ -188,6 +188,9 @@ class PrefillLeg:
     def __init__(self, host: LegHost, *, keep_tokens: bool) -> None:
         self._host = host
         self.instance: Instance | None = None  # the prefill instance called last
+        # that instance is the request's decode too (conditional disaggregation): the KV
+        # stays where it was computed
+        self.local = False
         # the current leg: the id workers know it by (a continuation gets a new one, so
         # nothing left of an earlier one, a late release say, can touch it), its call,
         # and prefill's reply
@@ -225,15 +228,22 @@ class PrefillLeg:
             # what the prefix index knows of this call's prompt (a migration's is new)
             self._prompt_blocks = instances.prompt_blocks(call.prompt)
             self._prompt_blocks_of = call
-        instance = instances.pick_prefill(
-            host.request.model, trio.current_time(), command.exclude, self._prompt_blocks
-        )
+        now = trio.current_time()
+        model = host.request.model
+        # little of the prompt missing from a decode's cache: that decode prefills it
+        instance = instances.pick_local_prefill(model, now, command.exclude, self._prompt_blocks)
+        self.local = instance is not None
+        if instance is None:
+            instance = instances.pick_prefill(model, now, command.exclude, self._prompt_blocks)
         if instance is None or instance.link is None:
             return await host.report(rm.PrefillUnavailable())
         if command.retry:
             router.metrics.retries.labels("prefill").inc()
         else:
             self._started = time.perf_counter()
+        where = "local" if self.local else "remote"
+        router.metrics.prefill_placements.labels(where).inc()
+        host.figures.prefill_at = where
         self.instance = instance
         await host.report(rm.PrefillSent(instance.instance_id))
         instance.prefill_started()
@@ -503,9 +513,19 @@ class DecodeLeg:
         if unplaceable is not None:
             raise ShellFailure(rm.Failure(*unplaceable))
 
+        # prefilled on a decode (conditional disaggregation): decoded there while it has
+        # room (its KV in place); another decode pulls it otherwise
+        prefer = self._prefill.instance_id if self._prefill.local else None
+        prompt_ids = reply.prompt_token_ids
+
         def take() -> Instance | None:
             return instances.decode_with_room(
-                num_tokens, trio.current_time(), self._not_on(tried), handle.layout
+                num_tokens,
+                trio.current_time(),
+                self._not_on(tried),
+                handle.layout,
+                prompt_ids,
+                prefer,
             )
 
         # the reserved place becomes a waiter's (no checkpoint until wait_for holds it)

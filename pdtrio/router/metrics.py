@@ -55,6 +55,8 @@ ITL_BUCKETS_S: Final = (
 )
 # why a request was migrated (pdtrio_migrations_total's reason; DecodeStream.failure_reason)
 MIGRATION_REASONS = ("link_lost", "link_timeout", "decode_failed", "stalled")
+# where a prompt was prefilled (pdtrio_prefill_placements, the access line's prefill_at)
+PREFILL_PLACES = ("remote", "local")
 # the status an access line gives a request whose client went away (nginx's convention)
 CLIENT_CLOSED_STATUS: Final = 499
 
@@ -159,6 +161,7 @@ class RequestFigures:
         "first_token_at",
         "handoff_s",
         "migrations",
+        "prefill_at",
         "prefill_s",
         "prompt_tokens",
         "queued_s",
@@ -179,6 +182,9 @@ class RequestFigures:
         self.queued_s: float | None = None
         self.handoff_s: float | None = None
         self.migrations: list[str] = []  # why each migration happened, in order
+        # where its prompt was prefilled: "remote" (a prefill instance), "local" (on its
+        # decode: conditional disaggregation); None before any prefill
+        self.prefill_at: str | None = None
 
     def delivered(self, num_tokens: int) -> None:
         """An event with ``num_tokens`` tokens went to the client (or was gathered)."""
@@ -308,6 +314,16 @@ class RouterMetrics:
         )
         for reason in MIGRATION_REASONS:
             self.migrations.labels(reason)  # shown at 0 from the start
+        self.prefill_placements = Counter(
+            "pdtrio_prefill_placements",
+            "Prefill calls by where they ran: remote (a prefill instance, the KV handed to "
+            "decode) or local (on the decode instance itself: little of the prompt was "
+            "missing from its prefix cache, router.local_prefill_max_tokens).",
+            ["where"],
+            registry=registry,
+        )
+        for where in PREFILL_PLACES:
+            self.prefill_placements.labels(where)  # shown at 0 from the start
         self.queue_full = Counter(
             "pdtrio_queue_full_rejections",
             "Requests refused with 429 because the decode queue was full.",
@@ -402,6 +418,9 @@ class RouterMetrics:
                 "migrations": "-"
                 if figures is None or not figures.migrations
                 else ",".join(figures.migrations),
+                "prefill_at": "-"
+                if figures is None or figures.prefill_at is None
+                else figures.prefill_at,
             }
             log_access(" ".join(f"{key}={value}" for key, value in fields.items()), fields)
 

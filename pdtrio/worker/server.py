@@ -1,7 +1,9 @@
 """The worker: its parts, their lifetime, and what it reports about itself.
 
 Roles: ``prefill``, ``decode``, or ``both`` (which hands KV to itself without
-a copy).  :class:`Worker` puts the parts together and runs them: the engine,
+a copy).  A decode worker also prefills a request the router means to decode on
+it (conditional disaggregation: little of its prompt is missing from the cache
+here), and serves that KV to another decode if it comes to that.  :class:`Worker` puts the parts together and runs them: the engine,
 the KV transport (which also serves prefill's KV transfer port), the KV leases,
 the prefill role (``pdtrio.worker.prefill``), decode admission
 (``pdtrio.worker.admission``), the routers' links (``pdtrio.worker.router_link``:
@@ -141,10 +143,13 @@ class Worker:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run, outputs_send)
             nursery.start_soon(self.leases.run_expiry)
-            # NIXL registers the KV cache here; prefill also serves its KV transfer port
+            # NIXL registers the KV cache here, and the KV transfer port is served: by
+            # decode workers too, which prefill a request themselves when little of its
+            # prompt is missing from their cache (the router's conditional
+            # disaggregation), and whose KV another decode then pulls if they have no room
             endpoint = await nursery.start(
                 self.transport.run,
-                self.prefill if self.serves_prefill else None,
+                self.prefill,
                 config.host,
                 config.transfer_port,
             )
@@ -187,7 +192,8 @@ class Worker:
             )
             links = RouterLinkServer(
                 admission,
-                self.prefill if self.serves_prefill else None,
+                # (a decode worker prefills when the router asks: see the transport above)
+                self.prefill,
                 self.engine,
                 config.flush,
                 faults=self.faults,

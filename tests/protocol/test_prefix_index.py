@@ -3,6 +3,8 @@ and how a chat prompt finds the chain of the earlier prompt its messages begin w
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -10,11 +12,13 @@ from hypothesis import strategies as st
 from pdtrio.protocol import wire
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.prefix_index import (
+    DEFAULT_TOKENS_PER_CHAR,
     MAX_KEYED_PROMPT_CHARS,
     CachedBlocks,
     PromptBlocks,
     PromptChains,
     layout_block_hashes,
+    prompt_chars,
     prompt_keys,
 )
 
@@ -144,3 +148,20 @@ def test_a_chat_prompt_takes_the_chain_learned_for_its_earlier_turn() -> None:
     assert tuple(second.hashes_for(LAYOUT)) == (H[1], H[2])
     unknown = PromptBlocks(wire.ChatPrompt((("user", "bye"),)), chains)
     assert tuple(unknown.hashes_for(LAYOUT)) == ()
+
+
+def test_a_prompts_token_count_is_estimated_from_its_conversations_earlier_turn() -> None:
+    chains = PromptChains()
+    # a token-id prompt's count is exact
+    assert PromptBlocks(wire.TokenPrompt(tuple(range(11))), chains).estimated_tokens() == 11
+    # nothing learned: the default tokens per character
+    first = wire.ChatPrompt((("system", "x" * 90), ("user", "y" * 10)))
+    assert PromptBlocks(first, chains).estimated_tokens() == math.ceil(
+        100 * DEFAULT_TOKENS_PER_CHAR
+    )
+    # the earlier turn had 50 tokens in 100 characters: the 40 new ones count 20 more
+    chains.learn(prompt_keys(first)[-1], [H[1]], num_tokens=50, num_chars=100)
+    second = wire.ChatPrompt((*first.messages, ("assistant", "z" * 20), ("user", "w" * 20)))
+    assert PromptBlocks(second, chains).estimated_tokens() == 70
+    tools = wire.ChatPromptWithTools((("user", "hi"),), "[" + "t" * 9, ("",))
+    assert prompt_chars(tools) == 12 and prompt_chars(wire.TextPrompt("abc")) == 3

@@ -1,0 +1,151 @@
+"""Conditional disaggregation through the real router: with
+``router.local_prefill_max_tokens`` set, a request missing little of its prompt from the
+prefix cache of the decode it would go to is prefilled on that decode (no prefill hop,
+no KV transfer); one missing more goes through a prefill instance as before.  The
+decision is counted in ``/metrics`` and named in the access line.
+
+Synthetic engines (their chat tokens are the UTF-8 bytes of the messages, so a prompt's
+token count is about its length in characters), prefix caches on everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig
+from pdtrio.router.app import RouterApp
+from tests.cluster import Cluster, serve_app, synthetic_worker, wait_for_answer, wait_until_idle
+
+LIVENESS_S = 20.0  # bounds a hung test, measures nothing
+THRESHOLD = 64  # tokens missing from decode's cache at most, for a local prefill
+
+
+@asynccontextmanager
+async def cluster_of(roles: list[str], **router: Any) -> AsyncIterator[Cluster]:
+    """Workers of ``roles`` (synthetic, prefix caches on) behind a router of ``router``."""
+    workers = [synthetic_worker(role, prefix_cache=True) for role in roles]
+    async with trio.open_nursery() as nursery:
+        ready = [await nursery.start(worker.run) for worker in workers]
+        instances = tuple(
+            InstanceConfig(role=role, url=info["url"])  # type: ignore[arg-type]
+            for role, info in zip(roles, ready, strict=True)
+        )
+        config = RouterConfig(link_timeout_s=5.0, link_heartbeat_s=0.5, **router)
+        app = RouterApp(PdtrioConfig(router=config, instances=instances))
+        url = await serve_app(app, nursery)
+        async with httpx.AsyncClient(base_url=url, timeout=LIVENESS_S) as http:
+            await wait_for_answer(
+                lambda: http.get("/health"),
+                lambda health: health.status_code == 200
+                and health.json().get("decode_instances") == roles.count("decode"),
+                LIVENESS_S,
+            )
+        yield Cluster(url=url, workers=workers, router_app=app)
+        nursery.cancel_scope.cancel()
+
+
+def computed(cluster: Cluster, index: int) -> int:
+    """Prompt tokens worker ``index`` computed so far (looked up, not found cached)."""
+    return cluster.workers[index].engine.statistics().prefix_cache_miss_tokens
+
+
+def placements(metrics: str) -> dict[str, float]:
+    found = {}
+    for line in metrics.splitlines():
+        if line.startswith("pdtrio_prefill_placements_total{"):
+            where = line.split('where="', 1)[1].split('"', 1)[0]
+            found[where] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+async def chat(http: httpx.AsyncClient, messages: list[dict[str, str]]) -> dict[str, Any]:
+    body = {"model": "synthetic", "messages": messages, "max_tokens": 4, "temperature": 0}
+    response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    answer: dict[str, Any] = response.json()
+    return answer
+
+
+def next_turn(messages: list[dict[str, str]], answer: dict[str, Any], say: str) -> list[Any]:
+    reply = answer["choices"][0]["message"]["content"]
+    return [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": say}]
+
+
+LONG = [{"role": "user", "content": "Tell me everything about a long topic, please. " * 10}]
+SHORT = [{"role": "system", "content": "Be brief. " * 4}, {"role": "user", "content": "Hi?"}]
+
+
+async def test_little_missing_from_decode_prefills_there_much_goes_through_prefill(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="pdtrio.access")
+    with trio.fail_after(LIVENESS_S):
+        async with cluster_of(["prefill", "decode"], local_prefill_max_tokens=THRESHOLD) as c:
+            async with httpx.AsyncClient(base_url=c.url, timeout=LIVENESS_S) as http:
+                # ~480 tokens, none cached anywhere: the prefill instance computes them
+                answer = await chat(http, LONG)
+                assert answer["choices"][0]["finish_reason"] == "length"
+                assert computed(c, 0) > 400 and computed(c, 1) == 0
+
+                # ~60 tokens: decode prefills them itself (the prefill instance idle)
+                before = computed(c, 0)
+                first = await chat(http, SHORT)
+                assert computed(c, 0) == before and computed(c, 1) > 0
+                assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+                # the conversation's next turn: its earlier turn is in decode's cache, the
+                # rest is short: decode again, reusing what it has
+                answer = await chat(http, next_turn(SHORT, first, "More?"))
+                assert computed(c, 0) == before
+                assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+                assert answer["usage"]["completion_tokens"] == 4
+
+                metrics = (await http.get("/metrics")).text
+                assert placements(metrics) == {"remote": 1.0, "local": 2.0}
+            await wait_until_idle(c)
+    access = [r.getMessage() for r in caplog.records if r.name == "pdtrio.access"]
+    assert [line.split("prefill_at=", 1)[1] for line in access] == ["remote", "local", "local"]
+
+
+async def test_off_by_default_every_prompt_goes_through_a_prefill_instance() -> None:
+    with trio.fail_after(LIVENESS_S):
+        async with cluster_of(["prefill", "decode"]) as c:
+            async with httpx.AsyncClient(base_url=c.url, timeout=LIVENESS_S) as http:
+                first = await chat(http, SHORT)
+                await chat(http, next_turn(SHORT, first, "More?"))
+                assert computed(c, 1) == 0 and computed(c, 0) > 0
+                assert placements((await http.get("/metrics")).text) == {
+                    "remote": 2.0,
+                    "local": 0.0,
+                }
+            await wait_until_idle(c)
+
+
+async def test_a_conversation_stays_on_the_decode_that_holds_it() -> None:
+    """Two decodes: each conversation's turns are prefilled and decoded where its earlier
+    turns are cached (the cache-aware pick among decodes), though load would alternate."""
+    with trio.fail_after(LIVENESS_S):
+        async with cluster_of(
+            ["prefill", "decode", "decode"],
+            local_prefill_max_tokens=THRESHOLD,
+            decode_policy="round_robin",
+        ) as c:
+            async with httpx.AsyncClient(base_url=c.url, timeout=LIVENESS_S) as http:
+                first = await chat(http, SHORT)
+                holder = 1 if computed(c, 1) else 2
+                messages = SHORT
+                answer = first
+                for number in range(2, 5):
+                    messages = next_turn(messages, answer, f"Turn {number}?")
+                    answer = await chat(http, messages)
+                    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+                assert computed(c, 3 - holder) == 0  # the other decode prefilled nothing
+                assert computed(c, 0) == 0
+            await wait_until_idle(c)
