@@ -43,8 +43,10 @@ async def cluster_of(roles: list[str], **router: Any) -> AsyncIterator[Cluster]:
         async with httpx.AsyncClient(base_url=url, timeout=LIVENESS_S) as http:
             await wait_for_answer(
                 lambda: http.get("/health"),
-                lambda health: health.status_code == 200
-                and health.json().get("decode_instances") == roles.count("decode"),
+                lambda health: (
+                    health.status_code == 200
+                    and health.json().get("decode_instances") == roles.count("decode")
+                ),
                 LIVENESS_S,
             )
         yield Cluster(url=url, workers=workers, router_app=app)

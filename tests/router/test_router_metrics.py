@@ -82,6 +82,7 @@ async def test_latencies_tokens_and_instances_after_a_few_requests(
             "prefill",
             "decode",
             "migrations",
+            "prefill_at",
         }
         assert fields["request_id"].startswith("cmpl-")
         assert (fields["model"], fields["status"], fields["outcome"]) == ("synthetic", "200", "ok")
@@ -91,6 +92,7 @@ async def test_latencies_tokens_and_instances_after_a_few_requests(
         assert fields["prefill"].startswith("prefill@")
         assert fields["decode"].startswith("decode@")
         assert fields["migrations"] == "-"
+        assert fields["prefill_at"] == "remote"
         assert "say something" not in record.getMessage()
 
 

@@ -563,13 +563,21 @@ async def test_the_release_token_of_a_call_frees_its_kv_over_any_link_and_nothin
         nursery.cancel_scope.cancel()
 
 
-async def test_a_decode_only_worker_refuses_a_prefill_call_on_the_link() -> None:
+async def test_a_decode_worker_prefills_a_call_on_its_link_and_decodes_it_in_place() -> None:
+    """Conditional disaggregation's worker side: the router asks the decode itself to
+    prefill; its KV handle names the decode, and the start takes the blocks over."""
     async with running_pair() as pair:
         async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
             await ws.send_message(prefill_request("p", ["text", "hi"], max_tokens=5))
-            failed = _strict_unpack(await _next_message(ws))
-            assert failed[:3] == [PREFILL_FAILED, "p", 400]
-            assert "does not prefill" in failed[3]
+            reply = _strict_unpack(await _next_message(ws))
+            assert reply[0] == PREFILLED and reply[R_ID] == "p"
+            assert reply[R_HANDLE][1] == pair.decode.instance_id  # [request_id, instance, ...]
+            await ws.send_message(decode_start(reply))
+            stream = (await _tokens_until_finished(ws, {"p"}, []))["p"]
+        assert stream[E_FINISH] == "length"
+        assert (
+            pair.prefill.prefill.served_prefills == 0 and pair.decode.prefill.served_prefills == 1
+        )
 
 
 async def test_a_big_bad_frame_is_dropped_and_its_memory_trimmed_and_the_link_goes_on() -> None:
