@@ -297,12 +297,23 @@ def _multi_turn(printed: str, report: Any) -> None:
     routing = report["routing"]
     assert "cache-aware" in printed and routing["engine"] == "synthetic"
     modes = routing["modes"]
-    assert set(modes) == {"one prefill", "round robin", "cache-aware"}
+    assert set(modes) == {
+        "cache off",
+        "one prefill",
+        "round robin",
+        "cache-aware",
+        "+ local prefill",
+    }
     for figures in modes.values():
         assert 0 <= figures["cached_share"] <= 1 and figures["ttft_p50_ms"] > 0
+        assert figures["ttft_p50_vs_off"] > 0
+    assert modes["cache off"]["cached_share"] == 0
     # one prefill holds every conversation's earlier turns
     assert modes["one prefill"]["cached_share"] > 0.5, modes
+    # only the mode with local prefill on prefills on decode
+    assert [m for m, f in modes.items() if f["local_prefill_share"]] in ([], ["+ local prefill"])
     assert routing["goal"]["pass"] in (True, False)
+    assert routing["ttft_goal"]["pass"] in (True, False)
 
 
 def _structured_output(printed: str, report: Any) -> None:
