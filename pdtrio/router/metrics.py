@@ -472,6 +472,12 @@ class RouterStateCollector(Collector):
             "Links dropped because the instance sent nothing (heartbeats included) in time.",
             labels=["instance"],
         )
+        cached = GaugeMetricFamily(
+            "pdtrio_instance_cached_blocks",
+            "KV blocks the instance's prefix cache holds, as its KV events told this router "
+            "(the prefix index cache-aware routing reads; absent while it reports none).",
+            labels=labels,
+        )
         frames = CounterMetricFamily(
             "pdtrio_decode_frames_received",
             "Frames the router read from the instance's link.",
@@ -488,11 +494,19 @@ class RouterStateCollector(Collector):
                 continue
             if link.capacity is not None:
                 free.add_metric(values, float(link.capacity.free_blocks))
+            if link.cached_blocks.reporting:
+                cached.add_metric(values, float(len(link.cached_blocks)))
             reconnects.add_metric([instance.instance_id], float(max(0, link.connects - 1)))
             misses.add_metric([instance.instance_id], float(link.hangs))
             frames.add_metric([instance.instance_id], float(link.frames_received))
             cut_off += link.clients_cut_off
-        yield from (up, active, free, reconnects, misses, frames)
+        yield from (up, active, free, cached, reconnects, misses, frames)
+        yield GaugeMetricFamily(
+            "pdtrio_local_prefill_max_tokens",
+            "Conditional disaggregation's threshold: a request missing no more of its prompt "
+            "from its decode's prefix cache is prefilled there (0: never).",
+            value=float(getattr(router.instances, "local_prefill_max_tokens", 0)),
+        )
         yield CounterMetricFamily(
             "pdtrio_slow_clients_cut_off",
             "Streams ended because their client read too slowly.",

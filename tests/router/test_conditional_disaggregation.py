@@ -67,6 +67,13 @@ def placements(metrics: str) -> dict[str, float]:
     return found
 
 
+def gauge(metrics: str, name: str, instance: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") and f'instance="{instance}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} for {instance}")
+
+
 async def chat(http: httpx.AsyncClient, messages: list[dict[str, str]]) -> dict[str, Any]:
     body = {"model": "synthetic", "messages": messages, "max_tokens": 4, "temperature": 0}
     response = await http.post("/v1/chat/completions", json=body)
@@ -111,6 +118,9 @@ async def test_little_missing_from_decode_prefills_there_much_goes_through_prefi
 
                 metrics = (await http.get("/metrics")).text
                 assert placements(metrics) == {"remote": 1.0, "local": 2.0}
+                assert f"pdtrio_local_prefill_max_tokens {float(THRESHOLD)}" in metrics
+                decode = c.workers[1].instance_id
+                assert gauge(metrics, "pdtrio_instance_cached_blocks", decode) > 0
             await wait_until_idle(c)
     access = [r.getMessage() for r in caplog.records if r.name == "pdtrio.access"]
     assert [line.split("prefill_at=", 1)[1] for line in access] == ["remote", "local", "local"]
