@@ -20,7 +20,7 @@ synthetic one (``prefill_s_per_token`` makes a prefill cost its uncached tokens)
 SmolLM2 (``--quick``: tiny-random), float32.  The issue's goal: from the second turn,
 TTFT p50 with the cache at most 0.3x without.
 
-Routing (synthetic engine): the same conversations on five clusters, one after the
+Routing: the same conversations (synthetic engine) on five clusters, one after the
 other each turn: **cache off** (two prefills in turn, no prefix cache anywhere), and with
 the cache on everywhere: **one prefill** (what one instance gets alone), **two prefills in
 turn** (``round_robin``, ``prefill_cache_weight = 0``: the cache ignored), **two prefills,
@@ -31,7 +31,9 @@ turn whose history decode holds is prefilled on decode, no prefill hop, no KV tr
 Reported from the second turn on: the share of prompt tokens cached, TTFT p50/p99 and
 their ratio to cache off, and the share of prefills run on decode, per mode; the goals:
 cache-aware routing's hit share at least 0.9x one prefill's, and TTFT p50 with every
-layer on at most 0.3x cache off.
+layer on at most 0.3x cache off.  The full run routes SmolLM2 the same five ways too, one
+mode's cluster after another (fourteen real workers at once would not fit on the machine),
+so machine noise between modes is not evened out there.
 """
 
 from __future__ import annotations
@@ -285,9 +287,17 @@ def _labelled(text: str, name: str, label: str, value: str) -> float:
     return 0.0
 
 
-def run_routing_case(engine: Engine, plan: Plan) -> dict[str, Any]:
-    """The same conversations, routed five ways (the first with the cache off)."""
-    modes = ROUTING_MODES
+def _route_turns(
+    engine: Engine,
+    plan: Plan,
+    modes: dict[str, RoutingMode],
+    state: dict[str, list[Conversation]],
+    samples: dict[str, list[list[dict[str, float]]]],
+    local_share: dict[str, float],
+) -> None:
+    """Every turn of ``state``'s conversations on a cluster per mode of ``modes`` (all
+    started at once, the modes' order rotating by turn), into ``samples``; the share of
+    each mode's prefills run on decode into ``local_share``."""
     with tempfile.TemporaryDirectory() as tmp, Processes() as procs:
         starting = {
             (mode, role, index): procs.start_worker(_worker_config(role, engine, spec.prefix_cache))
@@ -306,8 +316,6 @@ def run_routing_case(engine: Engine, plan: Plan) -> dict[str, Any]:
             )
             for index, (mode, spec) in enumerate(modes.items())
         }
-        state = _conversations(engine, plan, modes, salt=17)
-        samples: dict[str, list[list[dict[str, float]]]] = {mode: [] for mode in modes}
         for turn in range(plan.turns):
             order = list(modes)
             order = order[turn % len(order) :] + order[: turn % len(order)]
@@ -319,7 +327,6 @@ def run_routing_case(engine: Engine, plan: Plan) -> dict[str, Any]:
                 )
                 for conversation, user in zip(conversations, users, strict=True):
                     conversation.history += [*user, *conversation.words(plan.osl, engine.vocab)]
-        local_share: dict[str, float] = {}
         with httpx.Client(timeout=30) as http:
             for mode in modes:
                 text = http.get(f"{routers[mode].url}/metrics").text
@@ -328,6 +335,19 @@ def run_routing_case(engine: Engine, plan: Plan) -> dict[str, Any]:
                 local_share[mode] = local / max(
                     1.0, local + _labelled(text, name, "where", "remote")
                 )
+
+
+def run_routing_case(engine: Engine, plan: Plan, *, together: bool = True) -> dict[str, Any]:
+    """The same conversations, routed five ways (the first with the cache off): every
+    mode's cluster at once, turns alternating between them (``together``), or one mode's
+    cluster after another (a real model's fourteen workers would not fit at once)."""
+    modes = ROUTING_MODES
+    state = _conversations(engine, plan, modes, salt=17)
+    samples: dict[str, list[list[dict[str, float]]]] = {mode: [] for mode in modes}
+    local_share: dict[str, float] = {}
+    groups = [modes] if together else [{mode: spec} for mode, spec in modes.items()]
+    for group in groups:
+        _route_turns(engine, plan, group, state, samples, local_share)
     result: dict[str, Any] = {"engine": engine.name, "modes": {}}
     for mode in modes:
         later = [r for turn in samples[mode][1:] for r in turn]
@@ -356,6 +376,7 @@ def run_routing_case(engine: Engine, plan: Plan) -> dict[str, Any]:
         "pass": every_layer <= GOAL_RATIO,
     }
     result["local_prefill_max_tokens"] = _local_prefill_threshold(plan)
+    result["modes_together"] = together
     return result
 
 
@@ -371,8 +392,9 @@ def print_routing_table(case: dict[str, Any]) -> None:
         ]
         for mode, figures in case["modes"].items()
     ]
+    how = "modes side by side" if case["modes_together"] else "one mode after another"
     print(
-        f"routing ({case['engine']}, from turn 2; local prefill up to "
+        f"routing ({case['engine']}, {how}, from turn 2; local prefill up to "
         f"{case['local_prefill_max_tokens']} missing tokens):"
     )
     header = ["mode", "cached", "TTFT p50 ms", "TTFT p99 ms", "p50 vs off", "prefilled on decode"]
@@ -448,8 +470,15 @@ def main(argv: list[str] | None = None) -> int:
         cases.append(run_case(engine, plan))
     print(f"running routing ({SYNTHETIC.name}) ...", file=sys.stderr, flush=True)
     routing = run_routing_case(SYNTHETIC, plan)
+    real_routing = None
+    if not args.quick:
+        # a real model's clusters one mode after another (five at once would not fit)
+        print(f"running routing ({SMOLLM2.name}) ...", file=sys.stderr, flush=True)
+        real_routing = run_routing_case(SMOLLM2, plan, together=False)
     print_table(cases)
     print_routing_table(routing)
+    if real_routing is not None:
+        print_routing_table(real_routing)
     write_json(
         args.json,
         {
@@ -458,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             "plan": attrs.asdict(plan),
             "cases": cases,
             "routing": routing,
+            "real_routing": real_routing,
         },
     )
     return 0
