@@ -189,6 +189,8 @@ class EnginePool:
                 for i in self.instances.values()
             ],
         }
+        if self.prefixes.max_entries:
+            report["prefix_index"] = attrs.asdict(self.prefixes.statistics())
         if discovery is not None and discovery.source == "etcd":
             report["discovery"] = discovery.report()
         if ignored:

@@ -66,10 +66,14 @@ async def test_a_conversations_turns_stay_on_its_prefill_and_decode_when_load_is
         async with httpx.AsyncClient(base_url=url) as client:
             for turns in (1, 2, 3):
                 await _ask(client, "you are a pirate", turns)
+            health = (await client.get("/health")).json()
     # least_loaded alone takes turns between equally loaded instances: the cache decides
     for engines in (prefills, decodes):
         served = _served(engines, "you are a pirate")
         assert len(served) == 3 and len(set(served)) == 1, served
+    # two legs a turn; a key per message of the longest turn (6), on each of two instances
+    assert health["prefix_index"]["recorded"] == 6
+    assert health["prefix_index"]["entries"] == 2 * 6
 
 
 async def test_with_cache_weight_0_the_policy_alone_decides() -> None:
