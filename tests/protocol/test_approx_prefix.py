@@ -4,6 +4,8 @@ prefix keys, what each instance was sent and when, eviction by room and by age."
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pdtrio.protocol.approx_prefix import (
     MAX_KEYS_PER_PROMPT,
@@ -145,3 +147,17 @@ def test_no_room_records_nothing_and_bad_settings_are_refused() -> None:
         index(max_entries=-1)
     with pytest.raises(ValueError, match="ttl_s"):
         index(ttl_s=0.0)
+
+
+@given(st.text("ab", max_size=20), st.text("ab", max_size=20))
+def test_a_text_matches_as_many_chunks_as_it_shares_with_the_one_recorded(
+    recorded: str, asked: str
+) -> None:
+    chunk = 3
+    prefixes = index()
+    prefixes.record("p0", approx_prompt_keys(TextPrompt(recorded), text_chunk_chars=chunk), 0.0)
+    keys = approx_prompt_keys(TextPrompt(asked), text_chunk_chars=chunk)
+    shared = 0  # chunks of ``asked`` whose whole prefix, to the chunk's end, ``recorded`` has
+    while shared < len(keys) and recorded[: (shared + 1) * chunk] == asked[: (shared + 1) * chunk]:
+        shared += 1
+    assert prefixes.cached_prefix("p0", keys, 0.0) == shared
