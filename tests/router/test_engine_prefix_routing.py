@@ -127,6 +127,10 @@ async def test_a_failed_leg_records_nothing_and_a_down_instance_is_forgotten() -
         await wait_for_stats(lambda: not pool.instances[prefills[1].url].healthy)
         assert pool.prefixes.cached_prefix(prefills[1].url, keys, trio.current_time()) == 0
         assert pool.prefixes.cached_prefix(decode.url, keys, trio.current_time()) == 2
+        # one that leaves the pool (deregistered) likewise
+        pool.engine_deregistered(decode.url)
+        assert pool.prefixes.cached_prefix(decode.url, keys, trio.current_time()) == 0
+        assert pool.prefixes.statistics().entries == 0
 
 
 @asynccontextmanager
