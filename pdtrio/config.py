@@ -329,6 +329,12 @@ class RouterConfig:
     # each worker for a heartbeat every link_heartbeat_s of silence
     link_timeout_s: float = attrs.field(default=1.5, validator=_positive)
     link_heartbeat_s: float = attrs.field(default=0.5, validator=_positive)
+    # engine instances (vLLM, SGLang) report no cached blocks: the router remembers which
+    # prompt prefixes it sent to each (its approximate prefix index) and weighs them with
+    # prefill_cache_weight; an entry older than this counts as evicted on the engine
+    engine_prefix_index_ttl_s: float = attrs.field(default=300.0, validator=_positive)
+    # at most this many (instance, prefix) entries, the least recently recorded out; 0: off
+    engine_prefix_index_max_entries: int = attrs.field(default=65536, validator=_non_negative)
     # which instance gets the next prefill, and which decode (among those with room)
     prefill_policy: SchedulingPolicy = "least_loaded"
     decode_policy: SchedulingPolicy = "least_loaded"

@@ -49,7 +49,9 @@ class Candidate:
     healthy: bool = True
     # the KV blocks the instance last reported free; None: it has not said
     free_blocks: int | None = None
-    # of the request's KV blocks, how many it holds cached from the start of the prompt
+    # of the request's KV blocks, how many it holds cached from the start of the prompt (in
+    # front of engines: of the request's approximate prefix keys, how many it was sent;
+    # any unit will do that is the same for every candidate of one pick)
     cached_blocks: int = 0
 
 

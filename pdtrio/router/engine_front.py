@@ -7,7 +7,11 @@ model and context length come from its ``/v1/models``, its health from
 ``/health`` and its load from ``/metrics`` (waiting and running requests, KV
 cache usage), scraped once per ``_SCRAPE_INTERVAL_S`` however many requests
 run.  Placement is the router's scheduling policies over that load plus the
-requests this router has out on it.  An instance failing with a 5xx or
+requests this router has out on it, cache-aware: an engine reports no cached blocks,
+so the router remembers which prompt prefixes each instance served
+(``pdtrio.protocol.approx_prefix``) and favours the instance that served the longest
+prefix of a request, weighed against load by ``prefill_cache_weight``, for prefill
+and decode alike (an engine's decode caches the prompt too).  An instance failing with a 5xx or
 unreachable is out of rotation for a while (doubling, capped), as pdtrio
 workers are; a 4xx is the client's and never counts against it.
 
@@ -18,7 +22,7 @@ A request on them runs through the shared pipeline with the engines' HTTP legs
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, final
 
 import attrs
@@ -26,10 +30,12 @@ import httpx
 import trio
 
 from pdtrio.config import InstanceConfig, PdtrioConfig
+from pdtrio.protocol.approx_prefix import ApproxPrefixIndex, approx_prompt_keys
 from pdtrio.protocol.openai import listed_models
 from pdtrio.protocol.registration import EngineRegistration
 from pdtrio.protocol.scheduling import Candidate, Scheduler
 from pdtrio.protocol.vllm_pd import EngineLoad, parse_engine_metrics
+from pdtrio.protocol.wire import Prompt
 from pdtrio.security import ENGINE_API_KEY_ENV, resolve_secret
 
 if TYPE_CHECKING:
@@ -85,7 +91,7 @@ class EngineInstance:
             headers["X-Request-Id"] = request_id
         return headers
 
-    def candidate(self, now: float, allow_suspended: bool) -> Candidate:
+    def candidate(self, now: float, allow_suspended: bool, cached_prefix: int = 0) -> Candidate:
         load = self.load
         queued = 0 if load is None else load.waiting
         free = None if load is None else round((1.0 - load.kv_usage) * _KV_SCALE)
@@ -94,6 +100,7 @@ class EngineInstance:
             self.in_flight + queued,
             self.usable and (allow_suspended or self.suspended_until <= now),
             free,
+            cached_prefix,
         )
 
 
@@ -114,10 +121,18 @@ class EnginePool:
             env_name=ENGINE_API_KEY_ENV,
             what="engine API key",
         )
+        router = config.router
+        # one trade-off for both legs: a decode holding the prompt's prefix pulls (vLLM) or
+        # fetches (SGLang) only the rest of its KV, as a prefill computes only the rest
         self._schedulers = {
-            "prefill": Scheduler(config.router.prefill_policy),
-            "decode": Scheduler(config.router.decode_policy),
+            "prefill": Scheduler(router.prefill_policy, cache_weight=router.prefill_cache_weight),
+            "decode": Scheduler(router.decode_policy, cache_weight=router.prefill_cache_weight),
         }
+        # which prompt prefixes each instance served, in place of the KV events engines lack
+        self.prefixes = ApproxPrefixIndex(
+            max_entries=router.engine_prefix_index_max_entries,
+            ttl_s=router.engine_prefix_index_ttl_s,
+        )
         self._timeout_s = config.router.connect_timeout_s
         # where background legs run (a release of a left client's prefill KV)
         self.nursery: trio.Nursery | None = None
@@ -174,6 +189,8 @@ class EnginePool:
                 for i in self.instances.values()
             ],
         }
+        if self.prefixes.max_entries:
+            report["prefix_index"] = attrs.asdict(self.prefixes.statistics())
         if discovery is not None and discovery.source == "etcd":
             report["discovery"] = discovery.report()
         if ignored:
@@ -191,25 +208,48 @@ class EnginePool:
 
     # --- placement -------------------------------------------------------------------
 
+    def prefix_keys(self, prompt: Prompt) -> list[bytes]:
+        """The keys ``prompt`` is found by in the prefix index ([] with the index off)."""
+        if self.prefixes.max_entries == 0:
+            return []
+        return approx_prompt_keys(prompt)
+
     def pick(
-        self, role: str, model: str, exclude: frozenset[str] = frozenset()
+        self,
+        role: str,
+        model: str,
+        exclude: frozenset[str] = frozenset(),
+        prefix_keys: Sequence[bytes] = (),
     ) -> EngineInstance | None:
         """A usable instance for ``role`` serving ``model``; suspended ones only when no
-        other is left."""
+        other is left.  With ``prefix_keys`` (the request's), the instance that served the
+        longest prefix of them is favoured (``scheduling.cache_favoured``)."""
         serving = [
             i
             for i in self.instances.values()
             if (i.serves_prefill if role == "prefill" else i.serves_decode) and i.model == model
         ]
         now = trio.current_time()
+        cached = {
+            i.instance_id: self.prefixes.cached_prefix(i.instance_id, prefix_keys, now)
+            for i in serving
+        }
         scheduler = self._schedulers[role]
         for allow_suspended in (False, True):
             chosen = scheduler.pick(
-                [i.candidate(now, allow_suspended) for i in serving], exclude=exclude
+                [i.candidate(now, allow_suspended, cached[i.instance_id]) for i in serving],
+                exclude=exclude,
             )
             if chosen is not None:
                 return self.instances[chosen]
         return None
+
+    def served_prefix(self, instance: EngineInstance, prefix_keys: Sequence[bytes]) -> None:
+        """``instance`` served a leg of a prompt of ``prefix_keys`` (prefill answered, decode
+        sent a token): it probably holds the prompt's KV cached now."""
+        if self.instances.get(instance.instance_id) is not instance or not instance.healthy:
+            return  # (it left, or went down, while the leg ran: its cache is unknown)
+        self.prefixes.record(instance.instance_id, prefix_keys, trio.current_time())
 
     def failed(self, instance: EngineInstance, why: str) -> None:
         """It failed a leg (a 5xx, unreachable, a broken stream): out of rotation a while."""
@@ -220,6 +260,8 @@ class EnginePool:
         )
         instance.suspended_until = trio.current_time() + backoff
         instance.last_error = why
+        # (it may be restarting: whatever it had cached may be gone)
+        self.prefixes.forget(instance.instance_id)
         log.warning(
             "engine %s failed %d leg(s) in a row (%s): out of rotation for %gs",
             instance.instance_id,
@@ -259,6 +301,7 @@ class EnginePool:
             return  # (listed again after etcd came back)
         instance = EngineInstance(config, registered_as=registration.instance_id)
         self.instances[registration.instance_id] = instance
+        self.prefixes.forget(registration.instance_id)  # (a changed engine's cache is another)
         log.info(
             "engine %s %s: %s %s at %s, model %s",
             registration.instance_id,
@@ -274,6 +317,7 @@ class EnginePool:
     def engine_deregistered(self, instance_id: str) -> None:
         """Forget it: no new legs; the legs on it run to their end."""
         instance = self.instances.pop(instance_id, None)
+        self.prefixes.forget(instance_id)
         if instance is not None:
             log.info("engine %s deregistered (%s)", instance_id, instance.config.url)
 
@@ -312,6 +356,8 @@ class EnginePool:
                 log.warning("engine %s is not up: %s", instance.instance_id, why)
             instance.healthy = False
             instance.last_error = why
+            # down (restarting, perhaps): its cache is unknown until it serves again
+            self.prefixes.forget(instance.instance_id)
             return
         instance.healthy = True
         if not was_healthy:

@@ -140,6 +140,8 @@ class EnginePrefillLeg:
         self.bootstrap: dict[str, Any] | None = None
         self.decode: EngineInstance | None = None  # the decode it was placed on, if any
         self._last_failure = ""
+        # the prompt's keys in the pool's approximate prefix index (decode's leg's too)
+        self.prefix_keys = self._pool.prefix_keys(host.request.prompt)
 
     @property
     def instance_id(self) -> str | None:
@@ -152,7 +154,7 @@ class EnginePrefillLeg:
     async def send(self, command: rm.SendPrefill) -> Wait | None:
         host = self._host
         pool = self._pool
-        instance = pool.pick("prefill", host.request.model, command.exclude)
+        instance = pool.pick("prefill", host.request.model, command.exclude, self.prefix_keys)
         if instance is None:
             raise ShellFailure(rm.Failure(Reason.SERVICE_UNAVAILABLE, self.no_instance_reason()))
         if command.retry:
@@ -181,6 +183,7 @@ class EnginePrefillLeg:
             self._last_failure = why
             return await host.report(rm.PrefillLost(why))
         pool.served(instance)
+        pool.served_prefix(instance, self.prefix_keys)
         host.figures.prefill_s = time.perf_counter() - started
         host.figures.prompt_tokens = answer.prompt_tokens
         if host.shaper is not None:
@@ -234,6 +237,7 @@ class EnginePrefillLeg:
             if not isinstance(answered, httpx.Response):
                 return answered
             self._pool.served(instance)
+            self._pool.served_prefix(instance, self.prefix_keys)
             self._host.figures.prefill_s = time.perf_counter() - started
             return None
         why = "prefill did not answer in time"
@@ -342,7 +346,9 @@ class EngineDecodeLeg:
         host = self._host
         if command.retry:
             host.router.metrics.retries.labels("decode").inc()
-        instance = self._pool.pick("decode", host.request.model, frozenset(command.exclude))
+        instance = self._pool.pick(
+            "decode", host.request.model, frozenset(command.exclude), self._prefill.prefix_keys
+        )
         if instance is None:
             why = f" (last: {command.last_reason})" if command.retry else ""
             failure = rm.Failure(
@@ -479,10 +485,12 @@ class EngineDecodeLeg:
                         seen += tokens
                     if ending is not None or not (tokens or chunk.text or chunk.finish_reason):
                         continue
-                    if tokens or chunk.text:
-                        # decode has the KV: prefill freed its blocks
+                    if (tokens or chunk.text) and not self._decoded:
+                        # decode has the KV: prefill freed its blocks, decode caches them
                         self._decoded = True
                         self._prefill.unpulled = None
+                        assert self.instance is not None
+                        self._pool.served_prefix(self.instance, self._prefill.prefix_keys)
                     if chunk.finish_reason is not None:
                         ending = (chunk.text, tokens, chunk.finish_reason)
                         continue
