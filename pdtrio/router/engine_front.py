@@ -10,8 +10,8 @@ run.  Placement is the router's scheduling policies over that load plus the
 requests this router has out on it, cache-aware: an engine reports no cached blocks,
 so the router remembers which prompt prefixes each instance served
 (``pdtrio.protocol.approx_prefix``) and favours the instance that served the longest
-prefix of a request, weighed against load by ``prefill_cache_weight``, for prefill
-and decode alike (an engine's decode caches the prompt too).  An instance failing with a 5xx or
+prefix of a request, weighed against load by ``prefill_cache_weight`` for prefill and
+``decode_cache_weight`` for decode (an engine's decode caches the prompt too).  An instance failing with a 5xx or
 unreachable is out of rotation for a while (doubling, capped), as pdtrio
 workers are; a 4xx is the client's and never counts against it.
 
@@ -126,7 +126,7 @@ class EnginePool:
         # fetches (SGLang) only the rest of its KV, as a prefill computes only the rest
         self._schedulers = {
             "prefill": Scheduler(router.prefill_policy, cache_weight=router.prefill_cache_weight),
-            "decode": Scheduler(router.decode_policy, cache_weight=router.prefill_cache_weight),
+            "decode": Scheduler(router.decode_policy, cache_weight=router.decode_cache_weight),
         }
         # which prompt prefixes each instance served, in place of the KV events engines lack
         self.prefixes = ApproxPrefixIndex(

@@ -77,7 +77,7 @@ async def test_a_conversations_turns_stay_on_its_prefill_and_decode_when_load_is
 
 
 async def test_with_cache_weight_0_the_policy_alone_decides() -> None:
-    router = _router(prefill_cache_weight=0.0)
+    router = _router(prefill_cache_weight=0.0, decode_cache_weight=0.0)
     async with fronted(prefills=2, decodes=2, router=router) as (url, prefills, decodes, app):
         async with httpx.AsyncClient(base_url=url) as client:
             for turns in (1, 2):
