@@ -275,3 +275,31 @@ async def test_with_the_cache_off_decode_pulls_every_block_as_before() -> None:
         assert transport.pulled_blocks[-1] == start.kv_handle.block_ids
     statistics = decode.statistics()
     assert statistics.prefix_cache_blocks == 0 and statistics.prefix_cache_decode_reused_blocks == 0
+
+
+async def test_a_continuation_reuses_the_prompt_decode_holds_and_pulls_the_rest() -> None:
+    # a decode lost the request after some tokens; prefill ran prompt + output again, and
+    # this decode, holding the prompt from an earlier turn, pulls only the blocks after it
+    prefill, decode = synthetic(prefix_cache=True), synthetic(prefix_cache=True)
+    transport = InMemoryTransport(prefill)
+    admission = DecodeAdmission(decode, KvLeases(decode.free_request), transport, "decode-0")
+    first = await prefilled(prefill, "prefill-0", text=TURN, request_id="t1")
+    assert await admission.admit(first) == Accepted()
+    await decoded(decode, first)
+    ids = [*first.prompt_token_ids, 40, 41, 42, 43, 44, 45]  # 6 tokens delivered already
+    result = await prefill.prefill("t2", ids, SamplingParams(), 12, generated_tokens=6)
+    handle = KvHandle(
+        "t2", "prefill-0", "127.0.0.1", 1, result.block_ids, len(ids), prefill.layout, 30.0
+    )
+    start = DecodeStart(
+        "t2", tuple(ids), result.first_token_id, SamplingParams(), result.token_budget, 7,
+        result.cached_tokens, handle, generated_tokens=6,
+    )  # fmt: skip
+    assert await admission.admit(start) == Accepted()
+    assert transport.pulled_blocks[-1] == handle.block_ids[7:]
+    await decode.start_decode(
+        "t2", ids, start.first_token_id, start.sampling, start.token_budget, 7,
+        start.cached_tokens, generated_tokens=6,
+    )  # fmt: skip
+    decode.abort("t2")
+    assert decode.statistics().kv_blocks_in_use == 0
