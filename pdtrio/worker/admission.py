@@ -113,8 +113,9 @@ class DecodeAdmission:
                 prompt_blocks = len(handle.block_ids)
                 if reused < prompt_blocks:
                     # the transport counts the TTL from its call: what is left of it now;
-                    # only the blocks not found here (a subset of the lease's: the grant
-                    # allows it)
+                    # it moves the blocks not found here, a subset of those the lease
+                    # holds, which prefill grants (KvLeases.holds); num_tokens still
+                    # counts the whole prompt, which no transport reads
                     handle = with_lease_left(handle, lease_ends, trio.current_time())
                     handle = msgspec.structs.replace(handle, block_ids=handle.block_ids[reused:])
                     # (the request's blocks: the choices share their full ones, filled with them)
