@@ -50,6 +50,7 @@ SLOW = (
     "router/test_router_metrics.py::test_multiprocess_mode_sums_every_process",
     "security/test_embedded_secret.py",
     "worker/test_smollm2_pd.py",
+    "worker/test_decode_prefix_reuse.py",
     "worker/test_model_loading_errors.py",
     "worker/test_torch_pd.py",
     "worker/test_served_model_name.py",

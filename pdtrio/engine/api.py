@@ -9,7 +9,10 @@ is how a decode instance receives them; ``start_decode`` runs the request on
 the blocks it owns, and frees them itself when the request finishes or is
 aborted.  With the prefix cache on, a prompt's first blocks may be cached blocks
 that other requests own too: freeing a request frees only what nobody else holds
-(``pdtrio.engine.prefix_cache``).
+(``pdtrio.engine.prefix_cache``).  Decode then allocates with
+``allocate_blocks_reusing_prefix``, receives only the blocks it did not find cached,
+and caches the prompt's full blocks with ``cache_received_prompt`` once they are in
+place (so a conversation's next turn moves only its new tokens' KV).
 
 ``kv_region`` is the cache's memory as one range that never moves, for
 transports that copy blocks without the engine (NIXL reads and writes it
@@ -75,6 +78,9 @@ class EngineStatistics:
     prefix_cache_miss_tokens: int = 0  # prompt tokens looked up and not found
     prefix_cache_evicted_blocks: int = 0  # since start
     prefix_cache_blocks: int = 0  # blocks cached now, held by requests or not
+    # decode (received prompts): full blocks found cached here, and blocks pulled, since start
+    prefix_cache_decode_reused_blocks: int = 0
+    prefix_cache_decode_pulled_blocks: int = 0
 
 
 # Told after each engine step that computed something: its seconds, how many requests it
@@ -221,6 +227,23 @@ class Engine(Protocol):
 
     def allocate_blocks(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
         """Reserve blocks for ``num_tokens`` of received KV. Raises NoRoom."""
+        ...
+
+    def allocate_blocks_reusing_prefix(
+        self, request_id: str, prompt_token_ids: list[int], num_tokens: int
+    ) -> tuple[tuple[int, ...], int]:
+        """Blocks for ``num_tokens`` of a request whose prompt's KV is received (decode),
+        starting with the cached blocks of the prompt's longest cached prefix: (the
+        table, how many leading blocks are reused: their KV is in place, only the rest
+        of the prompt's blocks are to be received).  Every full prompt block may be
+        reused, since decode computes none of the prompt.  Raises NoRoom (and takes
+        nothing).  With the prefix cache off: ``allocate_blocks``, nothing reused."""
+        ...
+
+    def cache_received_prompt(self, request_id: str) -> None:
+        """The KV of the prompt allocated by ``allocate_blocks_reusing_prefix`` is in place:
+        cache its full blocks for later prompts (a KV event, like a prefill's) and count
+        the reuse.  Nothing with the cache off, or for blocks allocated otherwise."""
         ...
 
     def fork_blocks(

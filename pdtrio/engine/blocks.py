@@ -79,8 +79,11 @@ class BlockOwnership:
         if self.prefix_cache.allocator is not allocator:
             raise ValueError("the prefix cache must be over the same allocator")
         self._owned: dict[str, list[int]] = {}
-        # the block hashes of a prompt being prefilled, until cache_prompt caches its blocks
+        # the block hashes of a prompt being prefilled or received, until cache_prompt
+        # caches its blocks
         self._prompt_hashes: dict[str, list[bytes]] = {}
+        # a received prompt's (reused, pulled) block counts, counted once its KV is in place
+        self._received: dict[str, tuple[int, int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -135,8 +138,44 @@ class BlockOwnership:
             self._prompt_hashes[request_id] = hashes
         return table, cached_tokens
 
+    def ensure_received(
+        self, request_id: str, prompt_token_ids: Sequence[int], root: bytes, num_tokens: int
+    ) -> tuple[tuple[int, ...], int]:
+        """A decode's table for a prompt whose KV another instance computed, ``num_tokens``
+        long: first the cached blocks of the prompt's longest cached prefix, then fresh
+        blocks; (the table, how many leading blocks are reused).
+
+        Every full prompt block may be reused (decode computes none of the prompt, unlike
+        :meth:`ensure_prompt`); the rest are to be received, then cached by
+        :meth:`cache_prompt`.  All or nothing: NoRoom leaves the request without blocks.
+        With the cache off, or for a request that owns blocks already, nothing is reused:
+        :meth:`ensure`.
+        """
+        cache = self.prefix_cache
+        if not cache.enabled or self._owned.get(request_id):
+            return self.ensure(request_id, num_tokens), 0
+        hashes = block_hashes(prompt_token_ids, self.block_size, root)
+        found = cache.match(hashes)
+        # held before allocating, so the allocation cannot evict them
+        cache.acquire(found)
+        self._owned[request_id] = list(found)
+        try:
+            table = self.ensure(request_id, num_tokens)
+        except BaseException:
+            self._owned.pop(request_id, None)
+            cache.release(found)
+            raise
+        self._prompt_hashes[request_id] = hashes
+        prompt_blocks = blocks_needed(len(prompt_token_ids), self.block_size)
+        self._received[request_id] = (len(found), prompt_blocks - len(found))
+        return table, len(found)
+
     def cache_prompt(self, request_id: str) -> None:
-        """The request's prompt KV is computed: cache its full blocks for later prompts."""
+        """The request's prompt KV is computed (or received): cache its full blocks for
+        later prompts."""
+        received = self._received.pop(request_id, None)
+        if received is not None:
+            self.prefix_cache.count_received(*received)
         hashes = self._prompt_hashes.pop(request_id, None)
         if not hashes:
             return
@@ -168,6 +207,7 @@ class BlockOwnership:
     def release(self, request_id: str) -> int:
         """Drop the request's references to its blocks; returns how many. Idempotent."""
         self._prompt_hashes.pop(request_id, None)
+        self._received.pop(request_id, None)
         table = self._owned.pop(request_id, None)
         if not table:
             return 0

@@ -57,6 +57,9 @@ class PrefixCacheStatistics:
     miss_tokens: int  # prompt tokens looked up and computed
     evicted_blocks: int  # cached blocks evicted to make room (since start)
     cached_blocks: int  # blocks cached now, held by a request or not
+    # decode: the blocks of received prompts found cached here, and those pulled (since start)
+    decode_reused_blocks: int = 0
+    decode_pulled_blocks: int = 0
 
 
 # changes the journal keeps for links to catch up on; one further behind gets a snapshot
@@ -88,6 +91,8 @@ class PrefixCache:
         self._hit_tokens = 0
         self._miss_tokens = 0
         self._evicted = 0
+        self._decode_reused = 0
+        self._decode_pulled = 0
         # the hashes stored or evicted lately, in order, and how many ever were (a cursor)
         self._journal: deque[bytes] = deque(maxlen=JOURNAL_LIMIT)
         self._journal_end = 0
@@ -118,11 +123,18 @@ class PrefixCache:
             miss_tokens=self._miss_tokens,
             evicted_blocks=self._evicted,
             cached_blocks=len(self._hash_of),
+            decode_reused_blocks=self._decode_reused,
+            decode_pulled_blocks=self._decode_pulled,
         )
 
     def count_lookup(self, hit_tokens: int, looked_up_tokens: int) -> None:
         self._hit_tokens += hit_tokens
         self._miss_tokens += looked_up_tokens - hit_tokens
+
+    def count_received(self, reused_blocks: int, pulled_blocks: int) -> None:
+        """A decode received a prompt's KV: ``reused_blocks`` were cached here already."""
+        self._decode_reused += reused_blocks
+        self._decode_pulled += pulled_blocks
 
     # --- references ------------------------------------------------------------------
 

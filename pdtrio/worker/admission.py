@@ -3,6 +3,11 @@
 Admission checks the start (layout, budget, handle), reserves blocks for the
 whole request, and moves the prompt's KV into them: over the transport from
 another instance, or by taking over the prefill lease when prefill ran here.
+With the engine's prefix cache on, a transported prompt starts on the blocks of
+its longest prefix cached here (an earlier turn of the conversation, say): only
+the rest are pulled (none at all when every block is cached; prefill's lease
+still ends with the router's release, as always), and once they are in place the
+prompt's full blocks are cached for the next turn.
 It answers with a value, never an exception, and leaves nothing allocated
 unless it accepts.  The router link decides what to send; admission sends
 nothing.
@@ -13,6 +18,7 @@ from __future__ import annotations
 from typing import final
 
 import attrs
+import msgspec
 import trio
 
 from pdtrio.engine.api import Engine, EngineError, NoRoom
@@ -99,13 +105,22 @@ class DecodeAdmission:
                 if type(start) is DecodeStartChoices:
                     self._fork(start, total_tokens, forks)
             else:
-                blocks = engine.allocate_blocks(request_id, total_tokens)
+                blocks, reused = engine.allocate_blocks_reusing_prefix(
+                    request_id, list(start.prompt_token_ids), total_tokens
+                )
                 if type(start) is DecodeStartChoices:
                     self._fork(start, total_tokens, forks)
-                # the transport counts the TTL from its call: what is left of it now
-                handle = with_lease_left(handle, lease_ends, trio.current_time())
-                # (the request's blocks: the choices share their full ones, filled with them)
-                await self._transport.pull(handle, engine, blocks[: len(handle.block_ids)])
+                prompt_blocks = len(handle.block_ids)
+                if reused < prompt_blocks:
+                    # the transport counts the TTL from its call: what is left of it now;
+                    # it moves the blocks not found here, a subset of those the lease
+                    # holds, which prefill grants (KvLeases.holds); num_tokens still
+                    # counts the whole prompt, which no transport reads
+                    handle = with_lease_left(handle, lease_ends, trio.current_time())
+                    handle = msgspec.structs.replace(handle, block_ids=handle.block_ids[reused:])
+                    # (the request's blocks: the choices share their full ones, filled with them)
+                    await self._transport.pull(handle, engine, blocks[reused:prompt_blocks])
+                engine.cache_received_prompt(request_id)
             accepted = True
             return _ACCEPTED
         except NoRoom as exc:

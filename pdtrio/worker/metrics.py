@@ -147,6 +147,16 @@ class WorkerStateCollector(Collector):
             "KV blocks in the prefix cache (held by requests or reclaimable).",
             value=engine.prefix_cache_blocks,
         )
+        yield CounterMetricFamily(
+            "pdtrio_engine_prefix_cache_decode_reused_blocks",
+            "Prompt KV blocks decode found in its prefix cache instead of pulling them.",
+            value=engine.prefix_cache_decode_reused_blocks,
+        )
+        yield CounterMetricFamily(
+            "pdtrio_engine_prefix_cache_decode_pulled_blocks",
+            "Prompt KV blocks decode pulled from prefill with its prefix cache on.",
+            value=engine.prefix_cache_decode_pulled_blocks,
+        )
         yield GaugeMetricFamily(
             "pdtrio_worker_kv_leases",
             "Prefilled requests whose KV waits for decode to pull it.",

@@ -187,6 +187,73 @@ def test_with_the_cache_off_a_released_block_is_free_at_once() -> None:
     assert blocks.prefix_cache.statistics().hit_tokens == 0
 
 
+def test_decode_reuses_every_cached_full_block_of_a_received_prompt() -> None:
+    blocks = owning(16)
+    prompt = list(range(1, 13))  # exactly 3 blocks
+    first, reused = blocks.ensure_received("a", prompt, ROOT, len(prompt) + 5)
+    assert reused == 0 and len(first) == 5  # the prompt's 3 blocks and 2 for the budget
+    blocks.cache_prompt("a")  # pulled: cached now
+    blocks.release("a")
+    # the next turn: the whole earlier prompt (all of it: decode computes none), and more
+    turn, reused = blocks.ensure_received("b", [*prompt, 20, 21], ROOT, len(prompt) + 6)
+    assert reused == 3 and turn[:3] == first[:3] and len(turn) == 5
+    assert [blocks.prefix_cache.refs(b) for b in turn] == [1] * 5
+    blocks.cache_prompt("b")
+    # the same prompt again, cached whole: every block reused, nothing to pull
+    again, reused = blocks.ensure_received("c", prompt, ROOT, len(prompt) + 1)
+    assert reused == 3 and again[:3] == first[:3]
+    blocks.cache_prompt("c")
+    statistics = blocks.prefix_cache.statistics()
+    assert (statistics.decode_reused_blocks, statistics.decode_pulled_blocks) == (6, 3 + 1)
+    # the prefill counters are left alone: decode looked nothing up for a computation
+    assert (statistics.hit_tokens, statistics.miss_tokens) == (0, 0)
+    assert [blocks.prefix_cache.refs(b) for b in first[:3]] == [2, 2, 2]
+    blocks.release("b")
+    blocks.release("c")
+    assert blocks.num_used == 0 and blocks.prefix_cache.num_reclaimable == 3
+
+
+def test_a_received_prompt_freed_before_its_pull_ends_caches_and_counts_nothing() -> None:
+    blocks = owning(16)
+    prompt = list(range(1, 10))
+    blocks.ensure_received("a", prompt, ROOT, len(prompt))
+    blocks.cache_prompt("a")
+    blocks.release("a")
+    table, reused = blocks.ensure_received("b", [*prompt, 30, 31, 32, 33], ROOT, 20)
+    assert reused == 2
+    blocks.release("b")  # the pull failed, or the router aborted it
+    blocks.cache_prompt("b")  # (too late: nothing of b is left)
+    statistics = blocks.prefix_cache.statistics()
+    assert statistics.cached_blocks == 2 and statistics.decode_reused_blocks == 0
+    assert blocks.num_used == 0 and blocks.prefix_cache.num_reclaimable == 2
+    assert blocks.allocator.num_free == 14
+
+
+def test_no_room_for_a_received_prompt_takes_nothing_and_evicts_no_held_block() -> None:
+    blocks = owning(4)
+    prompt = list(range(1, 9))  # 2 blocks
+    held, _ = blocks.ensure_received("a", prompt, ROOT, len(prompt))
+    blocks.cache_prompt("a")
+    with pytest.raises(NoRoom):
+        # reuses a's 2 blocks, needs 3 more of the 2 free
+        blocks.ensure_received("b", [*prompt, 5], ROOT, 19)
+    assert blocks.owned("b") == [] and [blocks.prefix_cache.refs(b) for b in held] == [1, 1]
+    assert blocks.prefix_cache.statistics().evicted_blocks == 0
+
+
+def test_with_the_cache_off_a_received_prompt_reuses_nothing() -> None:
+    blocks = owning(8, enabled=False)
+    prompt = list(range(1, 9))
+    blocks.ensure_received("a", prompt, ROOT, len(prompt))
+    blocks.cache_prompt("a")
+    blocks.release("a")
+    table, reused = blocks.ensure_received("b", prompt, ROOT, len(prompt))
+    blocks.cache_prompt("b")
+    statistics = blocks.prefix_cache.statistics()
+    assert reused == 0 and len(table) == 2 and statistics.cached_blocks == 0
+    assert (statistics.decode_reused_blocks, statistics.decode_pulled_blocks) == (0, 0)
+
+
 # --- KV events -----------------------------------------------------------------------------
 
 
@@ -256,14 +323,23 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(
         stem=st.sampled_from([(), (0,) * 8, (1, 2) * 6]),
         tail=st.lists(st.integers(0, 2), max_size=10),
+        received=st.booleans(),
+        budget=st.integers(1, 6),
     )
-    def arrive(self, stem: tuple[int, ...], tail: list[int]) -> None:
+    def arrive(self, stem: tuple[int, ...], tail: list[int], received: bool, budget: int) -> None:
+        """A prefill, or (``received``) a decode taking a prompt whose KV it pulls."""
         prompt = [*stem, *tail] or [0]
         self.count += 1
         name = f"r{self.count}"
         held_before = {b: self.cache.refs(b) for t in self.live for b in self.blocks.owned(t)}
         try:
-            table, cached = self.blocks.ensure_prompt(name, prompt, ROOT)
+            if received:
+                table, reused = self.blocks.ensure_received(
+                    name, prompt, ROOT, len(prompt) + budget
+                )
+                cached = reused * BLOCK
+            else:
+                table, cached = self.blocks.ensure_prompt(name, prompt, ROOT)
         except NoRoom:
             assert self.blocks.owned(name) == []
             return
@@ -271,7 +347,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             # whatever happened, no block some request held lost a reference
             for block_id, refs in held_before.items():
                 assert self.cache.refs(block_id) >= refs
-        assert cached % BLOCK == 0 and cached < len(prompt)
+        # decode computes none of the prompt: it may reuse every full block
+        assert cached % BLOCK == 0 and (cached <= len(prompt) if received else cached < len(prompt))
         for index in range(cached // BLOCK):
             # a reused block holds exactly this prompt's prefix up to the block's end
             assert self.content[table[index]] == tuple(prompt[: (index + 1) * BLOCK])

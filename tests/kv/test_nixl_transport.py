@@ -91,6 +91,29 @@ async def test_a_read_of_blocks_the_handle_does_not_name_is_refused() -> None:
         assert len(pair.prefill.leases) == 2  # (released by the router, later)
 
 
+@pytest.mark.parametrize("kind", ["nixl", "tcp"])
+async def test_a_pull_of_some_of_the_granted_blocks_is_allowed_and_of_others_refused(
+    kind: str,
+) -> None:
+    # decode holding a prompt's first blocks already pulls only the rest of the handle's
+    prefill, decode = synthetic(), synthetic()
+    transport = nixl(decode) if kind == "nixl" else TcpKvTransport()
+    serving = nixl(prefill)
+    async with running_pair(serving, transport, prefill, decode) as pair:
+        handle, data = await leased_request(pair.prefill, "r", 20, pair.endpoint)
+        other, _ = await leased_request(pair.prefill, "other", 8, pair.endpoint)
+        nbytes = handle.layout.block_nbytes
+        tail = msgspec.structs.replace(handle, block_ids=handle.block_ids[3:])
+        dest = decode.allocate_blocks("r", 20)[3:]
+        await transport.pull(tail, decode, dest)
+        assert await decode.read_blocks(dest) == data[3 * nbytes :]
+        assert transport.info()["pull_bytes"][kind] == 2 * nbytes
+        stray = msgspec.structs.replace(handle, block_ids=(handle.block_ids[4], other.block_ids[0]))
+        with pytest.raises(KvTransferError, match="refused"):
+            await transport.pull(stray, decode, dest[:2])
+        assert len(pair.prefill.leases) == 2  # both leases stand (the router releases them)
+
+
 async def test_an_expired_lease_is_freed_once_and_a_late_pull_is_refused() -> None:
     prefill, decode = synthetic(), synthetic()
     transport = nixl(decode)

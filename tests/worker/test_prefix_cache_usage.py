@@ -70,3 +70,40 @@ async def test_a_second_turn_reports_the_cached_tokens(roles: tuple[str, ...]) -
     )
     assert value(metrics, "pdtrio_engine_prefix_cache_blocks") == statistics.prefix_cache_blocks
     assert value(metrics, "pdtrio_engine_prefix_cache_evicted_blocks_total") == 0
+
+
+async def test_a_prompt_decode_holds_whole_moves_no_kv_and_prefill_still_gets_its_release() -> None:
+    prompt = list(range(10, 10 + 2 * BLOCK))  # two full blocks: nothing partial to pull
+    async with running_cluster(prefix_cache=True, decode_step_s=0.001) as cluster:
+        prefill, decode = cluster.workers
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=30) as http:
+            for _ in range(2):
+                body = {"model": "synthetic", "prompt": prompt, "max_tokens": 4}
+                response = await http.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+        # the router released the second prefill's lease as ever (at decode's first token),
+        # though decode pulled none of its blocks
+        await wait_until_idle(cluster)
+        assert len(prefill.leases) == 0 and prefill.engine.statistics().kv_blocks_in_use == 0
+        assert sum(decode.transport.info()["pulls"].values()) == 1  # the first time only
+        statistics = decode.engine.statistics()
+        assert statistics.prefix_cache_decode_reused_blocks == 2
+        assert statistics.prefix_cache_decode_pulled_blocks == 2
+
+
+async def test_choices_of_a_later_turn_share_the_blocks_decode_reused() -> None:
+    first = list(range(10, 10 + 2 * BLOCK + 3))
+    second = [*first, 7, 8, 9]  # first's two full blocks and more
+    async with running_cluster(prefix_cache=True, decode_step_s=0.001) as cluster:
+        decode = cluster.workers[1]
+        async with httpx.AsyncClient(base_url=cluster.url, timeout=30) as http:
+            for prompt, n in ((first, 1), (second, 2)):
+                body = {"model": "synthetic", "prompt": prompt, "max_tokens": 4, "n": n}
+                response = await http.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                # (the synthetic engine checks each choice's blocks hold the prompt's KV)
+                assert len(response.json()["choices"]) == n
+        await wait_until_idle(cluster)
+        statistics = decode.engine.statistics()
+        assert statistics.prefix_cache_decode_reused_blocks == 2
+        assert statistics.prefix_cache_decode_pulled_blocks == 3 + 1

@@ -252,6 +252,8 @@ class TorchEngine:
                 prefix_cache_miss_tokens=cache.miss_tokens,
                 prefix_cache_evicted_blocks=cache.evicted_blocks,
                 prefix_cache_blocks=cache.cached_blocks,
+                prefix_cache_decode_reused_blocks=cache.decode_reused_blocks,
+                prefix_cache_decode_pulled_blocks=cache.decode_pulled_blocks,
             )
 
     def observe_steps(self, observer: StepObserver) -> None:
@@ -381,6 +383,18 @@ class TorchEngine:
     def allocate_blocks(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
         with self._lock:
             return self._blocks.ensure(request_id, num_tokens)
+
+    def allocate_blocks_reusing_prefix(
+        self, request_id: str, prompt_token_ids: list[int], num_tokens: int
+    ) -> tuple[tuple[int, ...], int]:
+        with self._lock:
+            return self._blocks.ensure_received(
+                request_id, prompt_token_ids, self._chain_root, num_tokens
+            )
+
+    def cache_received_prompt(self, request_id: str) -> None:
+        with self._lock:
+            self._blocks.cache_prompt(request_id)
 
     def fork_blocks(
         self, request_id: str, choice_id: str, shared_tokens: int, num_tokens: int
