@@ -99,8 +99,8 @@ async def test_little_missing_from_decode_prefills_there_much_goes_through_prefi
         async with cluster_of(["prefill", "decode"], local_prefill_max_tokens=THRESHOLD) as c:
             async with httpx.AsyncClient(base_url=c.url, timeout=LIVENESS_S) as http:
                 # ~480 tokens, none cached anywhere: the prefill instance computes them
-                answer = await chat(http, LONG)
-                assert answer["choices"][0]["finish_reason"] == "length"
+                long_answer = await chat(http, LONG)
+                assert long_answer["choices"][0]["finish_reason"] == "length"
                 assert computed(c, 0) > 400 and computed(c, 1) == 0
 
                 # ~60 tokens: decode prefills them itself (the prefill instance idle)
@@ -116,14 +116,20 @@ async def test_little_missing_from_decode_prefills_there_much_goes_through_prefi
                 assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
                 assert answer["usage"]["completion_tokens"] == 4
 
+                # the long conversation's next turn: decode kept the blocks it pulled for
+                # the first, so only the reply and the new message are missing there
+                answer = await chat(http, next_turn(LONG, long_answer, "Go on."))
+                assert computed(c, 0) == before
+                assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 400
+
                 metrics = (await http.get("/metrics")).text
-                assert placements(metrics) == {"remote": 1.0, "local": 2.0}
+                assert placements(metrics) == {"remote": 1.0, "local": 3.0}
                 assert f"pdtrio_local_prefill_max_tokens {float(THRESHOLD)}" in metrics
                 decode = c.workers[1].instance_id
                 assert gauge(metrics, "pdtrio_instance_cached_blocks", decode) > 0
             await wait_until_idle(c)
     access = [r.getMessage() for r in caplog.records if r.name == "pdtrio.access"]
-    assert [line.split("prefill_at=", 1)[1] for line in access] == ["remote", "local", "local"]
+    assert [line.split("prefill_at=", 1)[1] for line in access] == ["remote"] + ["local"] * 3
 
 
 async def test_off_by_default_every_prompt_goes_through_a_prefill_instance() -> None:
@@ -137,6 +143,28 @@ async def test_off_by_default_every_prompt_goes_through_a_prefill_instance() -> 
                     "remote": 2.0,
                     "local": 0.0,
                 }
+            await wait_until_idle(c)
+
+
+def reused_on_decode(cluster: Cluster, index: int) -> int:
+    """Prompt blocks decode ``index`` found cached for a prompt prefilled elsewhere."""
+    return cluster.workers[index].engine.statistics().prefix_cache_decode_reused_blocks
+
+
+async def test_without_local_prefill_a_conversation_is_decoded_where_its_prefix_is() -> None:
+    """Two decodes in turn by policy: the cache-aware pick sends each later turn to the
+    decode holding the earlier ones, which pulls only the new blocks (with
+    ``decode_cache_weight = 0`` the turns alternate, and both decodes reuse some)."""
+    with trio.fail_after(LIVENESS_S):
+        async with cluster_of(["prefill", "decode", "decode"], decode_policy="round_robin") as c:
+            async with httpx.AsyncClient(base_url=c.url, timeout=LIVENESS_S) as http:
+                answer = await chat(http, LONG)
+                messages = LONG
+                for number in range(2, 5):
+                    messages = next_turn(messages, answer, f"Turn {number}?")
+                    answer = await chat(http, messages)
+                reused = [reused_on_decode(c, 1), reused_on_decode(c, 2)]
+                assert sorted(reused)[0] == 0 and sorted(reused)[1] >= 3 * 25, reused
             await wait_until_idle(c)
 
 
