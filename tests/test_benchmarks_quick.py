@@ -310,8 +310,11 @@ def _multi_turn(printed: str, report: Any) -> None:
     assert modes["cache off"]["cached_share"] == 0
     # one prefill holds every conversation's earlier turns
     assert modes["one prefill"]["cached_share"] > 0.5, modes
-    # only the mode with local prefill on prefills on decode
-    assert [m for m, f in modes.items() if f["local_prefill_share"]] in ([], ["+ local prefill"])
+    # only the mode with local prefill on prefills on decode: every later turn there
+    # (decode holds the history it pulled)
+    assert [m for m, f in modes.items() if f["local_prefill_share"]] == ["+ local prefill"]
+    turns = plan["turns"]
+    assert modes["+ local prefill"]["local_prefill_share"] == (turns - 1) / turns, modes
     assert routing["goal"]["pass"] in (True, False)
     assert routing["ttft_goal"]["pass"] in (True, False)
 
