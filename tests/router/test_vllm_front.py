@@ -250,6 +250,51 @@ async def test_completion_logprobs_come_from_decodes_stream_streamed_or_not() ->
     ]
 
 
+async def test_the_openai_client_reads_logprobs_in_front_of_vllm() -> None:
+    async with fronted() as (url, _, _, _):
+
+        def call() -> tuple[Any, list[Any], Any]:
+            api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            whole = api.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=3,
+                logprobs=True,
+                top_logprobs=3,
+            )
+            chunks = list(
+                api.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=3,
+                    logprobs=True,
+                    top_logprobs=3,
+                    stream=True,
+                )
+            )
+            completion = api.completions.create(model=MODEL, prompt="a b", max_tokens=2, logprobs=2)
+            return whole, chunks, completion
+
+        whole, chunks, completion = await trio.to_thread.run_sync(call)
+    content = whole.choices[0].logprobs.content
+    assert [item.token for item in content] == [" t0", " t1", " t2"]
+    assert [item.logprob for item in content] == [token_logprob(i) for i in range(3)]
+    assert [top.token for top in content[1].top_logprobs] == [" t1", " alt1", " alt2"]
+    streamed = [
+        item
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for item in chunk.choices[0].logprobs.content
+    ]
+    assert [item.model_dump() for item in streamed] == [item.model_dump() for item in content]
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.tokens == [" t0", " t1"]
+    assert logprobs.top_logprobs == [
+        {" t0": token_logprob(0), " alt1": token_logprob(0) - 1},
+        {" t1": token_logprob(1), " alt1": token_logprob(1) - 1},
+    ]
+
+
 async def test_no_logprobs_asked_none_sent_nor_asked_of_the_engines() -> None:
     async with fronted() as (url, [prefill], [decode], _):
         async with httpx.AsyncClient(base_url=url) as client:
