@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 import trio
 
 from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig
@@ -21,6 +22,7 @@ from pdtrio.router.app import RouterApp
 from tests.cluster import serve_app, wait_for_stats
 from tests.metrics import value
 from tests.router.fake_vllm import CACHED_TOKENS, MODEL, FakeVllm, fake_engines, token_logprob
+from tests.router.test_adaptive_egress import _pin_spacing
 from tests.router.test_slow_client import open_stalled_stream
 
 
@@ -293,6 +295,29 @@ async def test_the_openai_client_reads_logprobs_in_front_of_vllm() -> None:
         {" t0": token_logprob(0), " alt1": token_logprob(0) - 1},
         {" t1": token_logprob(1), " alt1": token_logprob(1) - 1},
     ]
+
+
+async def test_tokens_merged_by_adaptive_egress_keep_their_own_logprobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # an hour's spacing: the first event goes at once, the rest wait for the finish and
+    # go out as one event, with every merged token's logprobs in order
+    _pin_spacing(monkeypatch, 3600.0)
+    async with fronted() as (url, _, _, _):
+        async with httpx.AsyncClient(base_url=url) as client:
+            with trio.fail_after(30):
+                response = await client.post(
+                    "/v1/chat/completions",
+                    json={**CHAT, "max_tokens": 6, "logprobs": True, "stream": True},
+                )
+    events = _events(response.text)
+    content = [e["choices"][0] for e in events[:-1] if e["choices"][0]["delta"].get("content")]
+    assert len(content) < 6  # merged
+    for chunk in content:
+        items = chunk["logprobs"]["content"]
+        assert "".join(item["token"] for item in items) == chunk["delta"]["content"]
+    items = [item for chunk in content for item in chunk["logprobs"]["content"]]
+    assert [item["logprob"] for item in items] == [token_logprob(i) for i in range(6)]
 
 
 async def test_no_logprobs_asked_none_sent_nor_asked_of_the_engines() -> None:
