@@ -11,6 +11,10 @@ them on prefill) and generates the whole answer, streamed.  A null
 ``kv_transfer_params`` (prefill ended at its one token) makes decode's a plain
 request.
 
+Logprobs, when the client asks for them, come on decode's stream in OpenAI's
+shapes (decode computes every token again, the first included): read here as
+:class:`TokenLogprob` items, shaped again for the client by the router's shaper.
+
 Pure data (sans-IO): bodies built, answers and ``/metrics`` read; no I/O, no clock.
 """
 
@@ -23,7 +27,7 @@ from typing import Any, Literal, final
 
 import attrs
 
-from pdtrio.protocol.wire import Usage
+from pdtrio.protocol.wire import MAX_TOP_LOGPROBS, TokenLogprob, Usage
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # what the prefill leg asks for: keep the KV for a decode elsewhere to pull
@@ -130,10 +134,18 @@ class DecodeChunk:
     finish_reason: str | None
     usage: Usage | None  # the final counts (the usage-only chunk)
     error: str | None = None  # an error event: the engine failed the stream
+    # the chunk's tokens' logprobs, one item per token (None: none asked, or none sent)
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
-def parse_decode_event(data: str, endpoint: Endpoint) -> DecodeChunk | None:
-    """An SSE ``data:`` payload of decode's stream; None for ``[DONE]``."""
+def parse_decode_event(
+    data: str, endpoint: Endpoint, *, with_logprobs: bool = False
+) -> DecodeChunk | None:
+    """An SSE ``data:`` payload of decode's stream; None for ``[DONE]``.
+
+    ``with_logprobs``: the request asked for logprobs, read from each chunk's choice
+    (else not even looked at).
+    """
     if data == "[DONE]":
         return None
     try:
@@ -148,6 +160,7 @@ def parse_decode_event(data: str, endpoint: Endpoint) -> DecodeChunk | None:
         return DecodeChunk("", None, None, None, error=str(message))
     text = ""
     finish_reason = None
+    logprobs = None
     choices = event.get("choices") or []
     if choices:
         choice = choices[0]
@@ -159,6 +172,13 @@ def parse_decode_event(data: str, endpoint: Endpoint) -> DecodeChunk | None:
         else:
             text = choice.get("text") or ""
         finish_reason = choice.get("finish_reason")
+        shaped = choice.get("logprobs") if with_logprobs else None
+        if shaped is not None:
+            logprobs = (
+                chat_token_logprobs(shaped)
+                if endpoint == "chat"
+                else completion_token_logprobs(shaped)
+            )
     usage = event.get("usage")
     running = None
     final = None
@@ -168,7 +188,95 @@ def parse_decode_event(data: str, endpoint: Endpoint) -> DecodeChunk | None:
         if not choices and running is not None:  # the usage-only chunk that ends the stream
             prompt, cached = _prompt_counts(usage)
             final = Usage(prompt, running, cached)
-    return DecodeChunk(text, running, finish_reason, final)
+    return DecodeChunk(text, running, finish_reason, final, logprobs=logprobs)
+
+
+def chat_token_logprobs(shaped: Any) -> tuple[TokenLogprob, ...]:
+    """A chat choice's ``logprobs`` (``{"content": [{"token", "logprob", "bytes",
+    "top_logprobs": [{"token", "logprob", "bytes"}, ...]}]}``) as items, the
+    alternatives in the engine's order (``bytes`` is the token's UTF-8: not kept)."""
+    if not isinstance(shaped, dict):
+        raise EngineAnswerError("decode sent chat logprobs that are not an object")
+    content = shaped.get("content")
+    if content is None:  # (a chunk of no token)
+        return ()
+    if not isinstance(content, list):
+        raise EngineAnswerError("decode sent chat logprobs whose content is not a list")
+    items = []
+    for entry in content:
+        if not isinstance(entry, dict):
+            raise EngineAnswerError("decode sent a chat logprob that is not an object")
+        tops = entry.get("top_logprobs") or []
+        if not isinstance(tops, list) or not all(isinstance(top, dict) for top in tops):
+            raise EngineAnswerError("decode sent chat top_logprobs that are not a list of objects")
+        tops = tops[:MAX_TOP_LOGPROBS]
+        items.append(
+            TokenLogprob(
+                _token(entry.get("token")),
+                _logprob(entry.get("logprob")),
+                tuple(_token(top.get("token")) for top in tops),
+                tuple(_logprob(top.get("logprob")) for top in tops),
+            )
+        )
+    return tuple(items)
+
+
+def completion_token_logprobs(shaped: Any) -> tuple[TokenLogprob, ...]:
+    """A completion choice's ``logprobs`` (``{"tokens", "token_logprobs",
+    "top_logprobs": [{token: logprob}, ...], "text_offset"}``) as items.
+
+    Each ``top_logprobs`` map holds the likeliest and the sampled token (vLLM's:
+    up to n + 1 keys): kept best first, so the shaper's first n are the likeliest
+    and it adds the sampled token back as the engine did.  ``text_offset`` is the
+    shaper's to count again for the client's text.
+    """
+    if not isinstance(shaped, dict):
+        raise EngineAnswerError("decode sent completion logprobs that are not an object")
+    tokens = shaped.get("tokens") or []
+    values = shaped.get("token_logprobs") or []
+    tops = shaped.get("top_logprobs")
+    if not isinstance(tokens, list) or not isinstance(values, list) or len(tokens) != len(values):
+        raise EngineAnswerError(
+            "decode sent completion logprobs whose tokens and token_logprobs do not pair up"
+        )
+    if tops is None:
+        tops = [None] * len(tokens)
+    if not isinstance(tops, list) or len(tops) != len(tokens):
+        raise EngineAnswerError("decode sent completion top_logprobs that are not one per token")
+    items = []
+    for token, value, top in zip(tokens, values, tops, strict=True):
+        if top is not None and not isinstance(top, dict):
+            raise EngineAnswerError("decode sent a completion top_logprobs that is not an object")
+        ranked = sorted(
+            ((_token(name), _logprob(logprob)) for name, logprob in (top or {}).items()),
+            key=lambda pair: -pair[1],
+        )[:MAX_TOP_LOGPROBS]
+        items.append(
+            TokenLogprob(
+                _token(token),
+                _logprob(value),
+                tuple(name for name, _ in ranked),
+                tuple(logprob for _, logprob in ranked),
+            )
+        )
+    return tuple(items)
+
+
+def _token(value: Any) -> str:
+    if not isinstance(value, str):
+        raise EngineAnswerError(
+            f"decode sent a logprob's token that is not a string ({type(value).__name__})"
+        )
+    return value
+
+
+def _logprob(value: Any) -> float:
+    # (bool is an int; NaN and -inf, which JSON lacks, the shaper writes as -9999.0)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise EngineAnswerError(
+            f"decode sent a logprob that is not a number ({type(value).__name__})"
+        )
+    return float(value)
 
 
 @final

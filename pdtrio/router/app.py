@@ -269,13 +269,6 @@ class RouterApp:
                         param="input",
                     )
                 assert not isinstance(request, ResponsesRequest)
-                if request.sampling.wants_logprobs:
-                    # the engine would compute them, but its stream is re-shaped here
-                    # without them: refused rather than answered without what was asked
-                    raise bad_request(
-                        "logprobs are not served in front of vLLM or SGLang engines yet.",
-                        param="logprobs",
-                    )
                 if isinstance(request, ChatCompletionRequest) and request.tools is not None:
                     # the engine would read its calls itself, and its stream is re-shaped
                     # here from the text alone

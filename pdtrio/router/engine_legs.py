@@ -27,6 +27,12 @@ stream: a prefill failing before decode's first token closes the decode leg
 (it would wait for KV that never comes), and the machine hears of it
 (``PrefillFailed``/``PrefillLost`` while decode starts) and tries another.
 
+Logprobs: the legs carry the client's fields as they came; decode's stream
+brings every token's (vLLM's decode computes them all again; SGLang's gets the
+first token's from prefill with the KV, so its prefill leg must ask too), read
+into the items the shared token path hands the shaper with their tokens.  A
+request that asks for none has its stream read as before, logprobs not looked at.
+
 A 4xx from an engine is the client's own: passed on, never counted against
 the instance.  A 5xx, an unreachable engine or a broken answer puts it out of
 rotation for a while (``EnginePool.failed``).
@@ -39,7 +45,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, final
 
 import httpx
@@ -435,7 +441,10 @@ class EngineDecodeLeg:
                     self._streaming = True
                     host.router.metrics.streams_active.inc()
                 await host.report(rm.DecodeAccepted())
-                stream = EngineStream(host.router.config.router.stream_buffer_tokens)
+                stream = EngineStream(
+                    host.router.config.router.stream_buffer_tokens,
+                    with_logprobs=host.request.sampling.wants_logprobs,
+                )
                 async with trio.open_nursery() as reader:
                     reader.start_soon(self._read, response, stream)
                     outcome = await stream_tokens(host, stream, self._served, self._failed)
@@ -452,8 +461,9 @@ class EngineDecodeLeg:
         then exhausted, not left to the garbage collector.
         """
         kind = self._legs.kind
+        with_logprobs = stream.logprobs is not None
         seen = 0
-        ending: tuple[str, int, str] | None = None
+        ending: tuple[str, int, str, tuple[TokenLogprob, ...] | None] | None = None
         final_usage: Usage | None = None
         failure: str | None = None
         done = False
@@ -464,7 +474,9 @@ class EngineDecodeLeg:
                     if done or failure is not None or not line.startswith("data:"):
                         continue
                     try:
-                        chunk = parse_decode_event(line[5:].strip(), kind)
+                        chunk = parse_decode_event(
+                            line[5:].strip(), kind, with_logprobs=with_logprobs
+                        )
                     except EngineAnswerError as exc:
                         failure = f"decode's stream: {exc}"
                         continue
@@ -477,7 +489,11 @@ class EngineDecodeLeg:
                     if chunk.usage is not None:
                         final_usage = chunk.usage
                         continue
-                    if chunk.completion_tokens is not None:
+                    if chunk.logprobs:
+                        # one item per token: counted so, each logprob goes out with its token
+                        tokens = len(chunk.logprobs)
+                        seen = max(seen + tokens, chunk.completion_tokens or 0)
+                    elif chunk.completion_tokens is not None:
                         tokens = max(chunk.completion_tokens - seen, 0)
                         seen = max(seen, chunk.completion_tokens)
                     else:
@@ -492,9 +508,9 @@ class EngineDecodeLeg:
                         assert self.instance is not None
                         self._pool.served_prefix(self.instance, self._prefill.prefix_keys)
                     if chunk.finish_reason is not None:
-                        ending = (chunk.text, tokens, chunk.finish_reason)
+                        ending = (chunk.text, tokens, chunk.finish_reason, chunk.logprobs)
                         continue
-                    if not await stream.push(chunk.text, tokens, None, None):
+                    if not await stream.push(chunk.text, tokens, None, None, chunk.logprobs):
                         return  # cut off: closing the stream aborts the request in the engine
         except _TRANSPORT_ERRORS as exc:
             failure = f"decode lost: {_why(exc)}"
@@ -504,7 +520,8 @@ class EngineDecodeLeg:
             stream.fail(failure)
             return
         assert ending is not None
-        await stream.push(*ending, self._usage(final_usage, seen))
+        text, tokens, finish_reason, logprobs = ending
+        await stream.push(text, tokens, finish_reason, self._usage(final_usage, seen), logprobs)
 
     def _usage(self, final: Usage | None, completion_tokens: int) -> Usage:
         """The request's counts: decode's, with prefill's cached tokens (vLLM: decode's
@@ -553,7 +570,7 @@ class EngineStream:
     client is too far behind and the stream is cut off, as a worker link does.
     """
 
-    def __init__(self, max_pending_tokens: int) -> None:
+    def __init__(self, max_pending_tokens: int, *, with_logprobs: bool = False) -> None:
         self.buffer = StreamBuffer(max_pending_tokens=max_pending_tokens)
         self.accepted = True  # (it exists once decode answered 200)
         self.rejection: DecodeRejected | None = None
@@ -561,8 +578,8 @@ class EngineStream:
         self.failure_reason = "decode_failed"
         self.cut_off = False
         self.token_ids: list[int] | None = None  # (an engine's request never migrates)
-        # (logprobs in front of engines are refused at the router's door: a 400)
-        self.logprobs: list[TokenLogprob] | None = None
+        # the request asked for logprobs: those of tokens pushed and not yet delivered
+        self.logprobs: list[TokenLogprob] | None = [] if with_logprobs else None
         self.holding = False
         self._updated = False
         self._lot = trio.lowlevel.ParkingLot()
@@ -577,9 +594,17 @@ class EngineStream:
         self._notify()
 
     async def push(
-        self, text: str, num_tokens: int, finish_reason: str | None, usage: Usage | None
+        self,
+        text: str,
+        num_tokens: int,
+        finish_reason: str | None,
+        usage: Usage | None,
+        logprobs: Sequence[TokenLogprob] | None = None,
     ) -> bool:
-        """Hand a delta to the consumer; False once the stream is cut off."""
+        """Hand a delta to the consumer (``logprobs``: its tokens', when asked for);
+        False once the stream is cut off."""
+        if logprobs and self.logprobs is not None:
+            self.logprobs += logprobs  # (before the tokens: the consumer takes them together)
         if self.buffer.push(text, num_tokens, finish_reason, usage) is PushResult.OVERFLOW:
             self.cut_off = True
             self.fail(CUT_OFF_MESSAGE)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdtrio.protocol.openai.logprobs import completion_logprobs
 from pdtrio.protocol.vllm_pd import (
     PREFILL_KV_PARAMS,
     EngineAnswerError,
@@ -14,7 +15,7 @@ from pdtrio.protocol.vllm_pd import (
     prefill_body,
     release_body,
 )
-from pdtrio.protocol.wire import Usage
+from pdtrio.protocol.wire import TokenLogprob, Usage
 
 CLIENT = {
     "model": "m",
@@ -128,3 +129,69 @@ def test_sglangs_metrics_give_the_same_figures() -> None:
         'sglang:token_usage{model_name="m"} 0.125\n'
     )
     assert (load.waiting, load.running, load.kv_usage) == (4, 2, 0.125)
+
+
+def test_decode_events_give_chat_logprobs_only_when_asked() -> None:
+    event = (
+        '{"choices":[{"delta":{"content":" a"},"logprobs":{"content":[{"token":" a",'
+        '"logprob":-0.5,"bytes":[32,97],"top_logprobs":[{"token":" a","logprob":-0.5,'
+        '"bytes":[32,97]},{"token":" b","logprob":-1,"bytes":[32,98]}]}]},'
+        '"finish_reason":null}]}'
+    )
+    asked = parse_decode_event(event, "chat", with_logprobs=True)
+    assert asked is not None
+    assert asked.logprobs == (TokenLogprob(" a", -0.5, (" a", " b"), (-0.5, -1.0)),)
+    plain = parse_decode_event(event, "chat")
+    assert plain is not None and plain.logprobs is None and plain.text == " a"
+    # a chunk of no token: no items; an engine that sends none: None
+    role = parse_decode_event(
+        '{"choices":[{"delta":{"role":"assistant"},"logprobs":null}]}', "chat", with_logprobs=True
+    )
+    assert role is not None and role.logprobs is None
+
+
+def test_completion_logprobs_keep_the_likeliest_first_and_the_sampled_token() -> None:
+    # vLLM's map: the sampled token (here not among the 2 likeliest) and the likeliest
+    event = (
+        '{"choices":[{"text":" c","logprobs":{"tokens":[" c"],"token_logprobs":[-3.0],'
+        '"top_logprobs":[{" c":-3.0," a":-0.5," b":-1.0}],"text_offset":[7]},'
+        '"finish_reason":null}]}'
+    )
+    chunk = parse_decode_event(event, "completion", with_logprobs=True)
+    assert chunk is not None
+    [item] = chunk.logprobs or ()
+    assert (item.token, item.logprob) == (" c", -3.0)
+    assert item.top_tokens == (" a", " b", " c") and item.top_logprobs == (-0.5, -1.0, -3.0)
+    # shaped again for a request of 2 alternatives: the 2 likeliest and the sampled one
+    assert completion_logprobs([item], 2)["top_logprobs"] == [{" a": -0.5, " b": -1.0, " c": -3.0}]
+    no_tops = parse_decode_event(
+        '{"choices":[{"text":"x","logprobs":{"tokens":["x"],"token_logprobs":[-1e9],'
+        '"top_logprobs":null}}]}',
+        "completion",
+        with_logprobs=True,
+    )
+    assert no_tops is not None and no_tops.logprobs == (TokenLogprob("x", -1e9),)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "logprobs"),
+    [
+        ("chat", '"no"'),
+        ("chat", '{"content":"no"}'),
+        ("chat", '{"content":[{"token":1,"logprob":-1}]}'),
+        ("chat", '{"content":[{"token":"a","logprob":"low"}]}'),
+        ("chat", '{"content":[{"token":"a","logprob":true}]}'),
+        ("chat", '{"content":[{"token":"a","logprob":-1,"top_logprobs":[1]}]}'),
+        ("completion", '{"tokens":["a","b"],"token_logprobs":[-1]}'),
+        ("completion", '{"tokens":["a"],"token_logprobs":[null]}'),
+        ("completion", '{"tokens":["a"],"token_logprobs":[-1],"top_logprobs":[]}'),
+        ("completion", '{"tokens":["a"],"token_logprobs":[-1],"top_logprobs":[["a"]]}'),
+        ("completion", '{"tokens":["a"],"token_logprobs":[-1],"top_logprobs":[{"a":"x"}]}'),
+    ],
+)
+def test_malformed_logprobs_are_the_engines_broken_answer(endpoint: str, logprobs: str) -> None:
+    field = '"delta":{"content":"a"}' if endpoint == "chat" else '"text":"a"'
+    event = '{"choices":[{' + field + ',"logprobs":' + logprobs + "}]}"
+    with pytest.raises(EngineAnswerError, match="logprob"):
+        parse_decode_event(event, endpoint, with_logprobs=True)  # type: ignore[arg-type]
+    assert parse_decode_event(event, endpoint) is not None  # (not asked: not looked at)

@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import trio
 
-from tests.router.fake_vllm import CACHED_TOKENS, FakeVllm, _json
+from tests.router.fake_vllm import CACHED_TOKENS, FakeVllm, _json, logprobs_of
 
 
 @attrs.define(eq=False)
@@ -57,11 +57,15 @@ class FakeSglang(FakeVllm):
                 "completion_tokens": 1,
                 "prompt_tokens_details": {"cached_tokens": CACHED_TOKENS},
             }
-            await _json(
-                send,
-                200,
-                {"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": usage},
-            )
+            # (with the first token's logprobs when asked: they also go to decode with the KV,
+            # in SGLang's metadata buffers, only if prefill computed them)
+            choice = {
+                "index": 0,
+                "text": "",
+                "logprobs": logprobs_of(request, chat, [" t0"], 0),
+                "finish_reason": "length",
+            }
+            await _json(send, 200, {"choices": [choice], "usage": usage})
             return
         # a decode: wait for the room's KV (forever, as SGLang would), unless the router hangs up
         self.decode_waiting_for_kv.set()

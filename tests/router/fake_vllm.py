@@ -40,6 +40,8 @@ class FakeVllm:
     null_kv_params: bool = False
     health_status: int = 200
     token_padding: int = 0  # characters added to each streamed token's text (a big stream)
+    # the streamed token (index) whose logprobs come malformed, for a request asking for them
+    bad_logprobs_at: int | None = None
     # a decode leg waits for this before it answers (a slow decode), when set
     decode_gate: trio.Event | None = None
     decode_waiting: trio.Event = attrs.Factory(trio.Event)  # a decode leg is at the gate
@@ -146,6 +148,7 @@ class FakeVllm:
             choice.update(
                 {"message": {"role": "assistant", "content": "X"}} if chat else {"text": "X"}
             )
+            choice["logprobs"] = logprobs_of(request, chat, ["X"], 0)  # (vLLM's, if asked)
             await _json(
                 send,
                 200,
@@ -234,6 +237,7 @@ class FakeVllm:
                     "usage": usage(0),
                 }
             )
+        sent_chars = 0
         for i in range(max_tokens):
             if self.fail_after_tokens is not None and i == self.fail_after_tokens:
                 await event(
@@ -248,12 +252,73 @@ class FakeVllm:
             choice = (
                 {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
             )
-            await event({"choices": [{**choice, "finish_reason": finish}], "usage": usage(i + 1)})
+            logprobs = logprobs_of(request, chat, [text], sent_chars, first=i)
+            if logprobs is not None and i == self.bad_logprobs_at:
+                logprobs = {"content": "not a list"} if chat else {"tokens": [text]}
+            sent_chars += len(text)
+            await event(
+                {
+                    "choices": [{**choice, "logprobs": logprobs, "finish_reason": finish}],
+                    "usage": usage(i + 1),
+                }
+            )
         await event({"choices": [], "usage": usage(max_tokens)})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     def legs(self) -> list[dict[str, Any]]:
         return [body for body, _ in self.received]
+
+
+def token_logprob(i: int) -> float:
+    """The fake's log-probability of its ``i``-th token (exact in binary: compared as is)."""
+    return -(i + 1) / 4
+
+
+def logprobs_of(
+    request: dict[str, Any], chat: bool, texts: list[str], text_offset: int, first: int = 0
+) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` for tokens ``texts`` (the ``first``-th on), in vLLM's
+    shapes, when the request asks for them (else None, as vLLM sends).  Each token is the
+    likeliest; its k-th alternative is ``" alt{k}"``, k less likely."""
+    asked = request.get("logprobs")
+    if chat and asked is not True:
+        return None
+    if not chat and (not isinstance(asked, int) or isinstance(asked, bool)):
+        return None
+    top = int(request.get("top_logprobs") or 0) if chat else asked
+
+    def alternatives(text: str, logprob: float) -> list[tuple[str, float]]:
+        return [(text, logprob)] + [(f" alt{k}", logprob - k) for k in range(1, top)]
+
+    if chat:
+        return {
+            "content": [
+                {
+                    "token": text,
+                    "logprob": token_logprob(first + n),
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+                        for token, logprob in alternatives(text, token_logprob(first + n))
+                    ][:top],
+                }
+                for n, text in enumerate(texts)
+            ]
+        }
+    offsets = []
+    for text in texts:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [token_logprob(first + n) for n in range(len(texts))],
+        "tokens": texts,
+        # (the sampled token's, always; with the likeliest: itself first)
+        "top_logprobs": [
+            dict(alternatives(text, token_logprob(first + n))[: max(top, 1)])
+            for n, text in enumerate(texts)
+        ],
+    }
 
 
 async def _json(send: Any, status: int, body: Any) -> None:

@@ -15,7 +15,7 @@ from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig
 from pdtrio.router.app import RouterApp
 from tests.cluster import serve_app
 from tests.router.fake_sglang import FakeSglang
-from tests.router.fake_vllm import MODEL
+from tests.router.fake_vllm import MODEL, token_logprob
 
 BOOTSTRAP_PORT = 8998
 
@@ -82,6 +82,48 @@ async def test_both_legs_carry_one_room_and_the_client_gets_decodes_stream() -> 
     assert decode_leg["bootstrap_host"] == "127.0.0.1"
     assert 0 <= decode_leg["bootstrap_room"] < 1 << 63
     assert prefill_leg["stream"] is False and decode_leg["stream"] is True
+
+
+async def test_logprobs_come_with_decodes_stream_and_both_legs_ask_for_them() -> None:
+    # decode's tokens come with their logprobs, the first's included (SGLang's decode has
+    # it from prefill with the KV, computed only if prefill's leg asked too); prefill's
+    # answer carries nothing the OpenAI routes merge (SGLang's router merges prefill's
+    # meta_info.input_token_logprobs, which only /generate answers)
+    async with fronted() as (url, [prefill], [decode]):
+        async with httpx.AsyncClient(base_url=url) as client:
+            chat = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                    "logprobs": True,
+                    "top_logprobs": 1,
+                    "stream": True,
+                },
+            )
+            completion = await client.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "a b", "max_tokens": 2, "logprobs": 0},
+            )
+        chat_legs = [leg for leg in prefill.legs() + decode.legs() if "messages" in leg]
+        assert [leg["logprobs"] for leg in chat_legs] == [True, True]
+        assert [leg["top_logprobs"] for leg in chat_legs] == [1, 1]
+        completion_legs = [leg for leg in prefill.legs() + decode.legs() if "prompt" in leg]
+        assert [leg["logprobs"] for leg in completion_legs] == [0, 0]
+    assert chat.status_code == 200, chat.text
+    events = _events(chat.text)
+    items = [item for e in events[1:-1] for item in e["choices"][0]["logprobs"]["content"]]
+    assert [(item["token"], item["logprob"]) for item in items] == [
+        (" t0", token_logprob(0)),
+        (" t1", token_logprob(1)),
+    ]
+    assert [[top["token"] for top in item["top_logprobs"]] for item in items] == [[" t0"], [" t1"]]
+    assert completion.status_code == 200, completion.text
+    logprobs = completion.json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [" t0", " t1"]
+    assert logprobs["token_logprobs"] == [token_logprob(0), token_logprob(1)]
+    assert logprobs["text_offset"] == [0, 3]
 
 
 async def test_a_failed_prefill_closes_the_waiting_decode_and_another_prefill_takes_it() -> None:

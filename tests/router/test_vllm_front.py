@@ -14,13 +14,15 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 import trio
 
 from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig
 from pdtrio.router.app import RouterApp
 from tests.cluster import serve_app, wait_for_stats
 from tests.metrics import value
-from tests.router.fake_vllm import CACHED_TOKENS, MODEL, FakeVllm, fake_engines
+from tests.router.fake_vllm import CACHED_TOKENS, MODEL, FakeVllm, fake_engines, token_logprob
+from tests.router.test_adaptive_egress import _pin_spacing
 from tests.router.test_slow_client import open_stalled_stream
 
 
@@ -182,25 +184,172 @@ async def test_a_4xx_is_the_clients_and_suspends_nothing() -> None:
         assert all(i.failures_in_a_row == 0 for i in pool.instances.values())
 
 
-async def test_logprobs_in_front_of_engines_are_a_400_before_any_leg() -> None:
-    # the router re-shapes the engine's stream without them: refused, not dropped
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+COMPLETION = {"model": MODEL, "prompt": "a b", "max_tokens": 3}
+
+
+def _chat_logprob(i: int, top: int) -> dict[str, Any]:
+    """What the client gets for the fake's ``i``-th token, with ``top`` alternatives."""
+    token = f" t{i}"
+    tops = [(token, token_logprob(i))] + [(f" alt{k}", token_logprob(i) - k) for k in range(1, top)]
+    return {
+        "token": token,
+        "logprob": token_logprob(i),
+        "bytes": list(token.encode()),
+        "top_logprobs": [
+            {"token": name, "logprob": value, "bytes": list(name.encode())} for name, value in tops
+        ],
+    }
+
+
+async def test_chat_logprobs_come_from_decodes_stream_streamed_or_not() -> None:
+    async with fronted() as (url, [prefill], [decode], _):
+        asked = {**CHAT, "logprobs": True, "top_logprobs": 2}
+        async with httpx.AsyncClient(base_url=url) as client:
+            whole = await client.post("/v1/chat/completions", json=asked)
+            streamed = await client.post("/v1/chat/completions", json={**asked, "stream": True})
+        # both legs keep the client's fields (prefill's one token comes with its own: read
+        # for nothing, broken by nothing)
+        for leg in prefill.legs() + decode.legs():
+            assert leg["logprobs"] is True and leg["top_logprobs"] == 2
+    assert whole.status_code == 200, whole.text
+    [choice] = whole.json()["choices"]
+    assert choice["message"]["content"] == " t0 t1 t2"
+    assert choice["logprobs"] == {"content": [_chat_logprob(i, 2) for i in range(3)]}
+    events = _events(streamed.text)
+    assert events[-1] == "[DONE]"
+    content = [e["choices"][0] for e in events[1:-1]]
+    # each chunk carries its own tokens' logprobs
+    assert [c["delta"]["content"] for c in content] == [" t0", " t1", " t2"]
+    assert [c["logprobs"] for c in content] == [
+        {"content": [_chat_logprob(i, 2)]} for i in range(3)
+    ]
+
+
+async def test_completion_logprobs_come_from_decodes_stream_streamed_or_not() -> None:
+    async with fronted() as (url, [prefill], [decode], _):
+        asked = {**COMPLETION, "logprobs": 1}
+        async with httpx.AsyncClient(base_url=url) as client:
+            whole = await client.post("/v1/completions", json=asked)
+            streamed = await client.post("/v1/completions", json={**asked, "stream": True})
+        assert all(leg["logprobs"] == 1 for leg in prefill.legs() + decode.legs())
+    assert whole.status_code == 200, whole.text
+    [choice] = whole.json()["choices"]
+    assert choice["text"] == " t0 t1 t2"
+    assert choice["logprobs"] == {
+        "tokens": [" t0", " t1", " t2"],
+        "token_logprobs": [token_logprob(i) for i in range(3)],
+        "top_logprobs": [{f" t{i}": token_logprob(i)} for i in range(3)],
+        "text_offset": [0, 3, 6],
+    }
+    events = _events(streamed.text)
+    assert events[-1] == "[DONE]"
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert [c["logprobs"]["tokens"] for c in chunks] == [[" t0"], [" t1"], [" t2"]]
+    assert [c["logprobs"]["text_offset"] for c in chunks] == [[0], [3], [6]]
+    assert [c["logprobs"]["token_logprobs"] for c in chunks] == [
+        [token_logprob(i)] for i in range(3)
+    ]
+
+
+async def test_the_openai_client_reads_logprobs_in_front_of_vllm() -> None:
+    async with fronted() as (url, _, _, _):
+
+        def call() -> tuple[Any, list[Any], Any]:
+            api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            whole = api.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=3,
+                logprobs=True,
+                top_logprobs=3,
+            )
+            chunks = list(
+                api.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "hi"}],
+                    max_tokens=3,
+                    logprobs=True,
+                    top_logprobs=3,
+                    stream=True,
+                )
+            )
+            completion = api.completions.create(model=MODEL, prompt="a b", max_tokens=2, logprobs=2)
+            return whole, chunks, completion
+
+        whole, chunks, completion = await trio.to_thread.run_sync(call)
+    content = whole.choices[0].logprobs.content
+    assert [item.token for item in content] == [" t0", " t1", " t2"]
+    assert [item.logprob for item in content] == [token_logprob(i) for i in range(3)]
+    assert [top.token for top in content[1].top_logprobs] == [" t1", " alt1", " alt2"]
+    streamed = [
+        item
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for item in chunk.choices[0].logprobs.content
+    ]
+    assert [item.model_dump() for item in streamed] == [item.model_dump() for item in content]
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.tokens == [" t0", " t1"]
+    assert logprobs.top_logprobs == [
+        {" t0": token_logprob(0), " alt1": token_logprob(0) - 1},
+        {" t1": token_logprob(1), " alt1": token_logprob(1) - 1},
+    ]
+
+
+async def test_tokens_merged_by_adaptive_egress_keep_their_own_logprobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # an hour's spacing: the first event goes at once, the rest wait for the finish and
+    # go out as one event, with every merged token's logprobs in order
+    _pin_spacing(monkeypatch, 3600.0)
+    async with fronted() as (url, _, _, _):
+        async with httpx.AsyncClient(base_url=url) as client:
+            with trio.fail_after(30):
+                response = await client.post(
+                    "/v1/chat/completions",
+                    json={**CHAT, "max_tokens": 6, "logprobs": True, "stream": True},
+                )
+    events = _events(response.text)
+    content = [e["choices"][0] for e in events[:-1] if e["choices"][0]["delta"].get("content")]
+    assert len(content) < 6  # merged
+    for chunk in content:
+        items = chunk["logprobs"]["content"]
+        assert "".join(item["token"] for item in items) == chunk["delta"]["content"]
+    items = [item for chunk in content for item in chunk["logprobs"]["content"]]
+    assert [item["logprob"] for item in items] == [token_logprob(i) for i in range(6)]
+
+
+async def test_no_logprobs_asked_none_sent_nor_asked_of_the_engines() -> None:
     async with fronted() as (url, [prefill], [decode], _):
         async with httpx.AsyncClient(base_url=url) as client:
-            for path, body in (
-                ("/v1/completions", {"model": MODEL, "prompt": "a b", "logprobs": 1}),
-                (
-                    "/v1/chat/completions",
-                    {
-                        "model": MODEL,
-                        "messages": [{"role": "user", "content": "hi"}],
-                        "logprobs": True,
-                    },
-                ),
-            ):
-                refused = await client.post(path, json=body)
-                assert refused.status_code == 400
-                assert refused.json()["error"]["param"] == "logprobs"
-        assert prefill.received == [] and decode.received == []
+            chat = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+            completion = await client.post("/v1/completions", json=COMPLETION)
+        assert all("logprobs" not in leg for leg in prefill.legs() + decode.legs())
+    events = _events(chat.text)
+    assert all(e["choices"][0]["logprobs"] is None for e in events[:-1])
+    assert completion.json()["choices"][0]["logprobs"] is None
+
+
+async def test_malformed_logprobs_from_decode_end_the_answer_with_a_clear_error() -> None:
+    async with fronted() as (url, _, [decode], app):
+        decode.bad_logprobs_at = 1
+        async with httpx.AsyncClient(base_url=url) as client:
+            streamed = await client.post(
+                "/v1/chat/completions", json={**CHAT, "logprobs": True, "stream": True}
+            )
+            whole = await client.post("/v1/completions", json={**COMPLETION, "logprobs": 0})
+    events = _events(streamed.text)
+    assert streamed.status_code == 200
+    assert events[1]["choices"][0]["delta"]["content"] == " t0"  # what came before it
+    error = events[-2]["error"]
+    assert "decode's stream" in error["message"] and "logprobs" in error["message"]
+    assert events[-1] == "[DONE]"
+    assert whole.status_code == 502, whole.text
+    message = whole.json()["error"]["message"]
+    assert "logprobs" in message and "Traceback" not in whole.text
+    pool = app.router.engines  # type: ignore[union-attr]
+    assert pool.instances[decode.url].failures_in_a_row >= 1  # a broken answer: suspended
 
 
 async def test_responses_in_front_of_engines_are_a_400_before_any_leg() -> None:

@@ -119,6 +119,38 @@ async def test_completions_streamed_and_not_match_decode_alone(
     assert await _kv(prefill.url) == 0.0  # decode pulled every block
 
 
+async def test_logprobs_through_the_router_are_decodes_own(
+    pair: tuple[VllmServer, VllmServer],
+) -> None:
+    _, decode = pair
+    body: dict[str, Any] = {
+        "model": SERVED_MODEL,
+        "prompt": "The capital of France is",
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 2,
+    }
+    async with front(pair) as fronted, httpx.AsyncClient(timeout=120) as client:
+        alone = (await client.post(f"{decode.url}/v1/completions", json=body)).json()
+        plain = await client.post(f"{fronted.url}/v1/completions", json=body)
+        streamed = await client.post(f"{fronted.url}/v1/completions", json={**body, "stream": True})
+    assert plain.status_code == 200, plain.text
+    want = alone["choices"][0]["logprobs"]
+    got = plain.json()["choices"][0]["logprobs"]
+    # the same greedy tokens; their logprobs computed from prefill's KV rather than decode's
+    # own, so equal up to the float noise of another batch
+    assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"]
+    assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=0.05)
+    assert [set(top) for top in got["top_logprobs"]] == [set(top) for top in want["top_logprobs"]]
+    chunks = [
+        json.loads(line[len("data: ") :])
+        for line in streamed.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+    tokens = [t for c in chunks if c["choices"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == want["tokens"]
+
+
 async def test_the_openai_client_streams_a_chat(pair: tuple[VllmServer, VllmServer]) -> None:
     async with front(pair) as fronted:
 
