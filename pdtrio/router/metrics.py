@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol, final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -324,6 +324,15 @@ class RouterMetrics:
         )
         for where in PREFILL_PLACES:
             self.prefill_placements.labels(where)  # shown at 0 from the start
+        ttft_by_placement = Summary(
+            "pdtrio_ttft_by_prefill_placement_seconds",
+            "Time to first token by where the request's prompt was prefilled (remote, local): "
+            "what conditional disaggregation does to TTFT (sum / count: the mean).",
+            ["where"],
+            registry=registry,
+        )
+        # (resolved once: labels() costs as much as an observe)
+        self._ttft_by_placement = {w: ttft_by_placement.labels(w) for w in PREFILL_PLACES}
         self.queue_full = Counter(
             "pdtrio_queue_full_rejections",
             "Requests refused with 429 because the decode queue was full.",
@@ -389,6 +398,8 @@ class RouterMetrics:
                 pending.e2e.observe(total_s)
                 if ttft_ms is not None:
                     pending.ttft.observe(ttft_ms / 1000)
+                    if figures.prefill_at is not None:
+                        self._ttft_by_placement[figures.prefill_at].observe(ttft_ms / 1000)
                 if figures.prompt_tokens is not None:
                     pending.prompt_tokens += figures.prompt_tokens
                 if figures.prefill_s is not None:

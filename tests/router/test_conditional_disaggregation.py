@@ -125,6 +125,9 @@ async def test_little_missing_from_decode_prefills_there_much_goes_through_prefi
                 metrics = (await http.get("/metrics")).text
                 assert placements(metrics) == {"remote": 1.0, "local": 3.0}
                 assert f"pdtrio_local_prefill_max_tokens {float(THRESHOLD)}" in metrics
+                name = "pdtrio_ttft_by_prefill_placement_seconds_count"
+                assert f'{name}{{where="remote"}} 1.0' in metrics
+                assert f'{name}{{where="local"}} 3.0' in metrics
                 decode = c.workers[1].instance_id
                 assert gauge(metrics, "pdtrio_instance_cached_blocks", decode) > 0
             await wait_until_idle(c)
