@@ -183,7 +183,18 @@ def _measure_on(
         )
     finally:
         router.terminate()
-        router.wait(timeout=30)
+        try:
+            router.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            # a router that does not stop on SIGTERM is a finding: its log says where it is
+            router.kill()
+            router.wait()
+            tail = (logs / "router.log").read_bytes()[-6000:].decode("utf-8", "replace")
+            print(
+                f"the router did not stop within 30 s of SIGTERM; its log ends:\n{tail}",
+                file=sys.stderr,
+            )
+            raise
 
 
 def main(argv: list[str] | None = None) -> int:
