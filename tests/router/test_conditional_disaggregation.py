@@ -41,11 +41,12 @@ async def cluster_of(roles: list[str], **router: Any) -> AsyncIterator[Cluster]:
         app = RouterApp(PdtrioConfig(router=config, instances=instances))
         url = await serve_app(app, nursery)
         async with httpx.AsyncClient(base_url=url, timeout=LIVENESS_S) as http:
+            # every decode linked and its KV room reported (a decode that has not said is
+            # no candidate for a local prefill)
             await wait_for_answer(
-                lambda: http.get("/health"),
-                lambda health: (
-                    health.status_code == 200
-                    and health.json().get("decode_instances") == roles.count("decode")
+                lambda: http.get("/metrics"),
+                lambda metrics: (
+                    metrics.text.count("pdtrio_instance_kv_free_blocks{") == roles.count("decode")
                 ),
                 LIVENESS_S,
             )
