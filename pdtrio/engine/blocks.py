@@ -123,15 +123,7 @@ class BlockOwnership:
         hashes = block_hashes(prompt_token_ids, self.block_size, root) if cache.enabled else []
         usable = (len(prompt_token_ids) - 1) // self.block_size
         found = cache.match(hashes[:usable])
-        # held before allocating, so the allocation cannot evict them
-        cache.acquire(found)
-        self._owned[request_id] = list(found)
-        try:
-            table = self.ensure(request_id, len(prompt_token_ids))
-        except BaseException:
-            self._owned.pop(request_id, None)
-            cache.release(found)
-            raise
+        table = self._table_starting_with(request_id, found, len(prompt_token_ids))
         cached_tokens = len(found) * self.block_size
         if cache.enabled:
             cache.count_lookup(cached_tokens, len(prompt_token_ids))
@@ -156,19 +148,27 @@ class BlockOwnership:
             return self.ensure(request_id, num_tokens), 0
         hashes = block_hashes(prompt_token_ids, self.block_size, root)
         found = cache.match(hashes)
-        # held before allocating, so the allocation cannot evict them
-        cache.acquire(found)
-        self._owned[request_id] = list(found)
-        try:
-            table = self.ensure(request_id, num_tokens)
-        except BaseException:
-            self._owned.pop(request_id, None)
-            cache.release(found)
-            raise
+        table = self._table_starting_with(request_id, found, num_tokens)
         self._prompt_hashes[request_id] = hashes
         prompt_blocks = blocks_needed(len(prompt_token_ids), self.block_size)
         self._received[request_id] = (len(found), prompt_blocks - len(found))
         return table, len(found)
+
+    def _table_starting_with(
+        self, request_id: str, found: list[int], num_tokens: int
+    ) -> tuple[int, ...]:
+        """A new request's table: the cached blocks ``found``, then fresh ones up to
+        ``num_tokens``; all or nothing (NoRoom leaves it without blocks)."""
+        cache = self.prefix_cache
+        # held before allocating, so the allocation cannot evict them
+        cache.acquire(found)
+        self._owned[request_id] = list(found)
+        try:
+            return self.ensure(request_id, num_tokens)
+        except BaseException:
+            self._owned.pop(request_id, None)
+            cache.release(found)
+            raise
 
     def cache_prompt(self, request_id: str) -> None:
         """The request's prompt KV is computed (or received): cache its full blocks for

@@ -17,7 +17,6 @@ Sans-IO: stdlib only, no clock (``now`` is passed in, any monotonic clock).
 
 from __future__ import annotations
 
-import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -25,7 +24,7 @@ from typing import Final, final
 
 import attrs
 
-from pdtrio.protocol.prefix_index import prompt_keys
+from pdtrio.protocol.prefix_index import key_digest, prompt_keys
 from pdtrio.protocol.wire import ChatPrompt, Prompt, TextPrompt, TokenPrompt
 
 # a text prompt's keys: one per this many characters (a few tokens' worth, so that a
@@ -35,8 +34,6 @@ TEXT_CHUNK_CHARS: Final = 128
 TOKEN_CHUNK: Final = 32
 # a prompt's keys stop here: a prefix this long already decides where it is cached
 MAX_KEYS_PER_PROMPT: Final = 1024
-
-_KEY_BYTES: Final = 16
 
 
 def approx_prompt_keys(
@@ -81,15 +78,11 @@ def approx_prompt_keys(
 
 
 def _chain(root: bytes, chunks: Sequence[bytes]) -> list[bytes]:
-    """Each key hashes the one before it with its chunk: a key names its whole prefix."""
+    """Each key digests the one before it with its chunk: a key names its whole prefix."""
     keys: list[bytes] = []
-    key = hashlib.blake2b(root, digest_size=_KEY_BYTES).digest()
+    key = key_digest(root)
     for chunk in chunks:
-        hasher = hashlib.blake2b(key, digest_size=_KEY_BYTES)
-        # length-prefixed: a chunk's bytes never run into the key's
-        hasher.update(len(chunk).to_bytes(8, "little"))
-        hasher.update(chunk)
-        key = hasher.digest()
+        key = key_digest(key, chunk)
         keys.append(key)
     return keys
 

@@ -145,23 +145,25 @@ def prompt_keys(prompt: Prompt) -> list[bytes]:
     if type(prompt) is TextPrompt:
         if len(prompt.text) > MAX_KEYED_PROMPT_CHARS:
             return []
-        return [_digest(b"text", prompt.text.encode("utf-8", "surrogatepass"))]
+        return [key_digest(b"text", prompt.text.encode("utf-8", "surrogatepass"))]
     if not isinstance(prompt, ChatPrompt):
         return []
     if sum(len(text) for _, text in prompt.messages) > MAX_KEYED_PROMPT_CHARS:
         return []
     tools = prompt.tools_json if type(prompt) is ChatPromptWithTools else ""
     extras = prompt.message_extras if type(prompt) is ChatPromptWithTools else ()
-    key = _digest(b"chat", tools.encode("utf-8", "surrogatepass"))
+    key = key_digest(b"chat", tools.encode("utf-8", "surrogatepass"))
     keys: list[bytes] = []
     for index, (role, text) in enumerate(prompt.messages):
         extra = extras[index] if index < len(extras) else ""
-        key = _digest(key, role.encode(), text.encode("utf-8", "surrogatepass"), extra.encode())
+        key = key_digest(key, role.encode(), text.encode("utf-8", "surrogatepass"), extra.encode())
         keys.append(key)
     return keys
 
 
-def _digest(*parts: bytes) -> bytes:
+def key_digest(*parts: bytes) -> bytes:
+    """A 16-byte key over ``parts``, each length-prefixed (no two splits collide): a prompt
+    prefix's key is the digest of the key before it and what follows it."""
     hasher = hashlib.blake2b(digest_size=_HASH_BYTES)
     for part in parts:
         # each part length-prefixed: no two splits give the same bytes
@@ -310,6 +312,7 @@ __all__ = [
     "block_hashes",
     "chain_root",
     "layout_block_hashes",
+    "key_digest",
     "layout_salt",
     "prompt_chars",
     "prompt_keys",

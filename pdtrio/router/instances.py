@@ -377,16 +377,14 @@ class InstanceTable(Mapping[str, Instance]):
         now: float,
         exclude: frozenset[str] = frozenset(),
         layout: KvLayout | None = None,
-        prompt_token_ids: tuple[int, ...] = (),
+        prompt: PromptBlocks | None = None,
         prefer: str | None = None,
     ) -> Instance | None:
         """A decode instance with room for ``num_tokens`` now, chosen by the decode policy
-        (weighing how much of ``prompt_token_ids`` each holds cached, with ``layout``);
-        one suspended for failing requests only when no other has room.  ``prefer``: that
-        instance whenever it is one of them (it prefilled the request itself: the KV is
-        there, no transfer)."""
+        (weighing how much of ``prompt`` each holds cached); one suspended for failing
+        requests only when no other has room.  ``prefer``: that instance whenever it is
+        one of them (it prefilled the request itself: the KV is there, no transfer)."""
         candidates: list[Candidate] = []
-        hashes: list[bytes] | None = None
         for link in self.decode_links(exclude, layout):
             capacity = link.capacity
             if capacity is None:
@@ -395,11 +393,7 @@ class InstanceTable(Mapping[str, Instance]):
             if free >= blocks_needed(num_tokens, capacity.block_size):
                 instance = self._instances[link.instance_id]
                 in_rotation = instance.suspended_until <= now
-                cached = 0
-                if prompt_token_ids and layout is not None and link.cached_blocks.reporting:
-                    if hashes is None:
-                        hashes = layout_block_hashes(prompt_token_ids[:MAX_HASHED_TOKENS], layout)
-                    cached = link.cached_blocks.prefix_blocks(hashes)
+                cached = self._cached_blocks(instance, prompt)
                 candidates.append(
                     Candidate(link.instance_id, link.active_requests, in_rotation, free, cached)
                 )

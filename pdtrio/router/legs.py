@@ -242,7 +242,7 @@ class PrefillLeg:
         else:
             self._started = time.perf_counter()
         where = "local" if self.local else "remote"
-        router.metrics.prefill_placements.labels(where).inc()
+        router.metrics.prefill_placed[where].inc()
         host.figures.prefill_at = where
         self.instance = instance
         await host.report(rm.PrefillSent(instance.instance_id))
@@ -516,7 +516,8 @@ class DecodeLeg:
         # prefilled on a decode (conditional disaggregation): decoded there while it has
         # room (its KV in place); another decode pulls it otherwise
         prefer = self._prefill.instance_id if self._prefill.local else None
-        prompt_ids = reply.prompt_token_ids
+        # the prompt as decodes' caches would hold it: hashed once, at the first pick
+        prompt = instances.prompt_blocks(TokenPrompt(reply.prompt_token_ids))
 
         def take() -> Instance | None:
             return instances.decode_with_room(
@@ -524,7 +525,7 @@ class DecodeLeg:
                 trio.current_time(),
                 self._not_on(tried),
                 handle.layout,
-                prompt_ids,
+                prompt,
                 prefer,
             )
 

@@ -314,7 +314,7 @@ class RouterMetrics:
         )
         for reason in MIGRATION_REASONS:
             self.migrations.labels(reason)  # shown at 0 from the start
-        self.prefill_placements = Counter(
+        prefill_placements = Counter(
             "pdtrio_prefill_placements",
             "Prefill calls by where they ran: remote (a prefill instance, the KV handed to "
             "decode) or local (on the decode instance itself: little of the prompt was "
@@ -322,8 +322,8 @@ class RouterMetrics:
             ["where"],
             registry=registry,
         )
-        for where in PREFILL_PLACES:
-            self.prefill_placements.labels(where)  # shown at 0 from the start
+        # by where (shown at 0 from the start; resolved once: labels() costs as an inc())
+        self.prefill_placed = {w: prefill_placements.labels(w) for w in PREFILL_PLACES}
         ttft_by_placement = Summary(
             "pdtrio_ttft_by_prefill_placement_seconds",
             "Time to first token by where the request's prompt was prefilled (remote, local): "

@@ -23,6 +23,9 @@ from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig
 from pdtrio.router.app import RouterApp
 from tests.cluster import Cluster, serve_app, synthetic_worker, wait_for_answer, wait_until_idle
 
+# a chat turn (synthetic, 4 tokens, greedy) and the next turn's messages, as there
+from tests.router.test_cache_aware_routing import next_turn, turn
+
 LIVENESS_S = 20.0  # bounds a hung test, measures nothing
 THRESHOLD = 64  # tokens missing from decode's cache at most, for a local prefill
 
@@ -75,19 +78,6 @@ def gauge(metrics: str, name: str, instance: str) -> float:
     raise AssertionError(f"no {name} for {instance}")
 
 
-async def chat(http: httpx.AsyncClient, messages: list[dict[str, str]]) -> dict[str, Any]:
-    body = {"model": "synthetic", "messages": messages, "max_tokens": 4, "temperature": 0}
-    response = await http.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    answer: dict[str, Any] = response.json()
-    return answer
-
-
-def next_turn(messages: list[dict[str, str]], answer: dict[str, Any], say: str) -> list[Any]:
-    reply = answer["choices"][0]["message"]["content"]
-    return [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": say}]
-
-
 LONG = [{"role": "user", "content": "Tell me everything about a long topic, please. " * 10}]
 SHORT = [{"role": "system", "content": "Be brief. " * 4}, {"role": "user", "content": "Hi?"}]
 
@@ -100,26 +90,26 @@ async def test_little_missing_from_decode_prefills_there_much_goes_through_prefi
         async with cluster_of(["prefill", "decode"], local_prefill_max_tokens=THRESHOLD) as c:
             async with httpx.AsyncClient(base_url=c.url, timeout=LIVENESS_S) as http:
                 # ~480 tokens, none cached anywhere: the prefill instance computes them
-                long_answer = await chat(http, LONG)
+                long_answer = await turn(http, LONG)
                 assert long_answer["choices"][0]["finish_reason"] == "length"
                 assert computed(c, 0) > 400 and computed(c, 1) == 0
 
                 # ~60 tokens: decode prefills them itself (the prefill instance idle)
                 before = computed(c, 0)
-                first = await chat(http, SHORT)
+                first = await turn(http, SHORT)
                 assert computed(c, 0) == before and computed(c, 1) > 0
                 assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
                 # the conversation's next turn: its earlier turn is in decode's cache, the
                 # rest is short: decode again, reusing what it has
-                answer = await chat(http, next_turn(SHORT, first, "More?"))
+                answer = await turn(http, next_turn(SHORT, first, "More?"))
                 assert computed(c, 0) == before
                 assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
                 assert answer["usage"]["completion_tokens"] == 4
 
                 # the long conversation's next turn: decode kept the blocks it pulled for
                 # the first, so only the reply and the new message are missing there
-                answer = await chat(http, next_turn(LONG, long_answer, "Go on."))
+                answer = await turn(http, next_turn(LONG, long_answer, "Go on."))
                 assert computed(c, 0) == before
                 assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 400
 
@@ -140,8 +130,8 @@ async def test_off_by_default_every_prompt_goes_through_a_prefill_instance() -> 
     with trio.fail_after(LIVENESS_S):
         async with cluster_of(["prefill", "decode"]) as c:
             async with httpx.AsyncClient(base_url=c.url, timeout=LIVENESS_S) as http:
-                first = await chat(http, SHORT)
-                await chat(http, next_turn(SHORT, first, "More?"))
+                first = await turn(http, SHORT)
+                await turn(http, next_turn(SHORT, first, "More?"))
                 assert computed(c, 1) == 0 and computed(c, 0) > 0
                 assert placements((await http.get("/metrics")).text) == {
                     "remote": 2.0,
@@ -162,11 +152,11 @@ async def test_without_local_prefill_a_conversation_is_decoded_where_its_prefix_
     with trio.fail_after(LIVENESS_S):
         async with cluster_of(["prefill", "decode", "decode"], decode_policy="round_robin") as c:
             async with httpx.AsyncClient(base_url=c.url, timeout=LIVENESS_S) as http:
-                answer = await chat(http, LONG)
+                answer = await turn(http, LONG)
                 messages = LONG
                 for number in range(2, 5):
                     messages = next_turn(messages, answer, f"Turn {number}?")
-                    answer = await chat(http, messages)
+                    answer = await turn(http, messages)
                 reused = [reused_on_decode(c, 1), reused_on_decode(c, 2)]
                 assert sorted(reused)[0] == 0 and sorted(reused)[1] >= 3 * 25, reused
             await wait_until_idle(c)
@@ -182,13 +172,13 @@ async def test_a_conversation_stays_on_the_decode_that_holds_it() -> None:
             decode_policy="round_robin",
         ) as c:
             async with httpx.AsyncClient(base_url=c.url, timeout=LIVENESS_S) as http:
-                first = await chat(http, SHORT)
+                first = await turn(http, SHORT)
                 holder = 1 if computed(c, 1) else 2
                 messages = SHORT
                 answer = first
                 for number in range(2, 5):
                     messages = next_turn(messages, answer, f"Turn {number}?")
-                    answer = await chat(http, messages)
+                    answer = await turn(http, messages)
                     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
                 assert computed(c, 3 - holder) == 0  # the other decode prefilled nothing
                 assert computed(c, 0) == 0
