@@ -333,6 +333,10 @@ class RouterConfig:
     # prompt prefixes it sent to each (its approximate prefix index) and weighs them with
     # prefill_cache_weight; an entry older than this counts as evicted on the engine
     engine_prefix_index_ttl_s: float = attrs.field(default=300.0, validator=_positive)
+    # an engine whose /health and /metrics do not answer within connect_timeout_s this many
+    # reads in a row leaves rotation (busy is not down: a starved API server answers late);
+    # a refused connection or a /health other than 200 takes it out at once
+    engine_slow_probes_before_down: int = attrs.field(default=3, validator=_positive)
     # at most this many (instance, prefix) entries, the least recently recorded out; 0: off
     engine_prefix_index_max_entries: int = attrs.field(default=65536, validator=_non_negative)
     # which instance gets the next prefill, and which decode (among those with room)

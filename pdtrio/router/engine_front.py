@@ -59,6 +59,7 @@ class EngineInstance:
     in_flight: int = 0  # this router's legs out on it now
     suspended_until: float = 0.0
     failures_in_a_row: int = 0
+    slow_probes_in_a_row: int = 0  # health reads that timed out, since the last answer
     last_error: str = ""
     # its name in etcd ("": listed in [[instances]], known by its URL)
     registered_as: str = ""
@@ -134,6 +135,7 @@ class EnginePool:
             ttl_s=router.engine_prefix_index_ttl_s,
         )
         self._timeout_s = config.router.connect_timeout_s
+        self._slow_probes_before_down = config.router.engine_slow_probes_before_down
         # where background legs run (a release of a left client's prefill KV)
         self.nursery: trio.Nursery | None = None
 
@@ -352,6 +354,16 @@ class EnginePool:
                     instance.load = parse_engine_metrics(metrics.text)
         except (httpx.HTTPError, OSError, trio.TooSlowError, _NotUp, ValueError) as exc:
             why = str(exc) or type(exc).__name__
+            slow = isinstance(exc, (trio.TooSlowError, httpx.TimeoutException))
+            instance.slow_probes_in_a_row = instance.slow_probes_in_a_row + 1 if slow else 0
+            if was_healthy and 0 < instance.slow_probes_in_a_row < self._slow_probes_before_down:
+                log.info(
+                    "engine %s answered no health read within %gs (%d in a row): still in rotation",
+                    instance.instance_id,
+                    self._timeout_s,
+                    instance.slow_probes_in_a_row,
+                )
+                return
             if was_healthy or why != instance.last_error:  # once per change, not per scrape
                 log.warning("engine %s is not up: %s", instance.instance_id, why)
             instance.healthy = False
@@ -359,6 +371,7 @@ class EnginePool:
             # down (restarting, perhaps): its cache is unknown until it serves again
             self.prefixes.forget(instance.instance_id)
             return
+        instance.slow_probes_in_a_row = 0
         instance.healthy = True
         if not was_healthy:
             log.info(

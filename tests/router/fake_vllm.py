@@ -39,6 +39,7 @@ class FakeVllm:
     fail_after_tokens: int | None = None
     null_kv_params: bool = False
     health_status: int = 200
+    health_gate: trio.Event | None = None  # /health answers once this is set (a slow engine)
     token_padding: int = 0  # characters added to each streamed token's text (a big stream)
     # the streamed token (index) whose logprobs come malformed, for a request asking for them
     bad_logprobs_at: int | None = None
@@ -78,6 +79,8 @@ class FakeVllm:
         if path == "/v1/models":
             await _json(send, 200, {"data": [{"id": MODEL, "max_model_len": 2048}]})
         elif path == "/health":
+            if self.health_gate is not None:
+                await self.health_gate.wait()
             await _json(send, self.health_status, {})
         elif path == "/metrics":
             text = (

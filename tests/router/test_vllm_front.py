@@ -526,6 +526,30 @@ async def test_an_engine_not_up_is_not_routed_to_and_health_says_why() -> None:
     assert not engines["p0"].received
 
 
+async def test_an_engine_slow_to_answer_its_health_read_stays_until_it_misses_three() -> None:
+    # busy is not down: vLLM's API server, starved of CPU by its own engine, answers late
+    router = RouterConfig(instance_backoff_s=60.0, egress_max_delay_s=0.0, connect_timeout_s=0.5)
+    async with fronted(router=router) as (url, [prefill], _, app):
+        pool = app.router.engines  # type: ignore[union-attr]
+        [engine] = [e for e in pool.instances.values() if e.url == prefill.url]
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
+        prefill.health_gate = trio.Event()
+        async with httpx.AsyncClient(base_url=url) as client:
+            await wait_for_stats(lambda: engine.slow_probes_in_a_row >= 1)
+            assert engine.healthy
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            await wait_for_stats(lambda: not engine.healthy, deadline_s=15.0)
+            assert engine.slow_probes_in_a_row == 3
+            assert "TooSlowError" in engine.last_error
+            refused = await client.post("/v1/completions", json=body)
+            prefill.health_gate.set()  # it answers again: back in rotation
+            await wait_for_stats(lambda: engine.healthy, deadline_s=10.0)
+            assert engine.slow_probes_in_a_row == 0
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+    assert refused.status_code == 503
+    assert "no prefill instance is available" in refused.json()["error"]["message"]
+
+
 async def test_a_decode_answering_4xx_is_the_clients_error_and_suspends_nothing() -> None:
     async with fronted() as (url, _, [decode], app):
         decode.fail_status = 400
