@@ -7,7 +7,8 @@ Blocks belong to a request id.  ``prefill`` leaves the prompt's blocks owned
 by the request until ``free_request``; ``allocate_blocks`` + ``write_blocks``
 is how a decode instance receives them; ``start_decode`` runs the request on
 the blocks it owns, and frees them itself when the request finishes or is
-aborted.  With the prefix cache on, a prompt's first blocks may be cached blocks
+aborted (an abort the engine takes between steps ends with a ``BlocksFreed`` output,
+so the worker knows when the room is there).  With the prefix cache on, a prompt's first blocks may be cached blocks
 that other requests own too: freeing a request frees only what nobody else holds
 (``pdtrio.engine.prefix_cache``).  Decode then allocates with
 ``allocate_blocks_reusing_prefix``, receives only the blocks it did not find cached,
@@ -162,9 +163,19 @@ class StepLogprobs:
     entries: list[TokenLogprobs]
 
 
+@final
+@attrs.frozen
+class BlocksFreed:
+    """Aborted requests whose blocks the engine freed after ``abort`` (or ``free_request``)
+    returned: the torch engine drops a request it runs between steps, on its own thread.
+    Their blocks are free now, so the worker reports its room (nothing else would)."""
+
+    request_ids: tuple[str, ...]
+
+
 # What an engine's ``run`` sends, in order: a step's outputs (after their logprobs, if any
-# request asked) or the requests a step lost.
-EngineOutput = StepOutputs | StepLogprobs | StepFailed
+# request asked), the requests a step lost, or aborted requests' blocks freed late.
+EngineOutput = StepOutputs | StepLogprobs | StepFailed | BlocksFreed
 
 
 class Engine(Protocol):
@@ -222,7 +233,10 @@ class Engine(Protocol):
         ...
 
     def free_request(self, request_id: str) -> None:
-        """Free every block the request owns and forget it. Idempotent."""
+        """Free every block the request owns and forget it. Idempotent.
+
+        A request the engine is running may be freed later, between steps: ``run`` then
+        sends ``BlocksFreed`` naming it once its blocks are free."""
         ...
 
     def allocate_blocks(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
@@ -297,5 +311,6 @@ class Engine(Protocol):
         ...
 
     def abort(self, request_id: str) -> None:
-        """Stop decoding the request (if it runs) and free its blocks. Idempotent."""
+        """Stop decoding the request (if it runs) and free its blocks, at once or, for a
+        request the engine is running, later with a ``BlocksFreed`` from ``run``. Idempotent."""
         ...

@@ -8,7 +8,8 @@ leave in coalesced token frames under the ``FlushPolicy``
 
 A decoding worker's link also reports the engine's free KV blocks
 (``DecodeCapacity``) when it opens and whenever the count may have changed (an
-accept, a finish, an abort): a dirty flag and a poke of the outbox, so reports
+accept, a finish, an abort, and an abort's blocks freed later by the engine:
+``BlocksFreed``): a dirty flag and a poke of the outbox, so reports
 coalesce to the latest value and nothing polls.  The report a control message
 may change goes out just before it, so the router never sees an accept its
 report lacks.

@@ -42,6 +42,7 @@ import trio
 
 from pdtrio.asgi import Receive, Scope, Send
 from pdtrio.engine.api import (
+    BlocksFreed,
     Engine,
     EngineError,
     EngineOutput,
@@ -416,7 +417,8 @@ class RouterLinkServer:
         return len(self.owner)
 
     async def dispatch_outputs(self, outputs: trio.MemoryReceiveChannel[EngineOutput]) -> None:
-        """Route each engine step's entries to the link that started each request."""
+        """Route each engine step's entries to the link that started each request; blocks
+        freed late (``BlocksFreed``) are a capacity report to every link."""
         async with outputs:
             async for step in outputs:
                 if isinstance(step, StepFailed):
@@ -424,6 +426,10 @@ class RouterLinkServer:
                     continue
                 if isinstance(step, StepLogprobs):
                     await self._deliver_logprobs(step)
+                    continue
+                if isinstance(step, BlocksFreed):
+                    # aborts freed their blocks after the abort's own report went out
+                    self.capacity_changed()
                     continue
                 owner = self.owner
                 if len(self._links) == 1:

@@ -15,7 +15,13 @@ pytest.importorskip("torch")
 import trio.lowlevel
 
 from pdtrio.config import EngineConfig  # noqa: E402
-from pdtrio.engine.api import EngineError, EngineOutput, PromptRejected, StepFailed  # noqa: E402
+from pdtrio.engine.api import (  # noqa: E402
+    BlocksFreed,
+    EngineError,
+    EngineOutput,
+    PromptRejected,
+    StepFailed,
+)
 from pdtrio.engine.torch.engine import TorchEngine  # noqa: E402
 from pdtrio.protocol.sampling import SamplingParams  # noqa: E402
 from pdtrio.protocol.wire import TextPrompt, TokenEntry, Usage  # noqa: E402
@@ -235,7 +241,7 @@ async def test_a_long_prefill_that_is_cancelled_stops_within_a_chunk() -> None:
 
     engine.observe_steps(observed)
     token = trio.lowlevel.current_trio_token()
-    async with running(engine):
+    async with running(engine) as outputs:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(engine.prefill, "gone", prompt, SamplingParams(), 4)
             await first_step.wait()
@@ -246,6 +252,8 @@ async def test_a_long_prefill_that_is_cancelled_stops_within_a_chunk() -> None:
             await engine.prefill("later", [5, 6, 7], SamplingParams(), 4)
         engine.free_request("later")
         assert engine.statistics().kv_blocks_in_use == 0
+        # (sent as the abort was taken, before the later prefill's step)
+        assert outputs.receive_nowait() == BlocksFreed(("gone",))
     assert len(steps) < 63 // 2, steps
 
 
@@ -266,6 +274,32 @@ async def test_a_prefill_step_whose_requests_all_left_is_abandoned_between_layer
         engine.free_request("later")
         assert engine.statistics().kv_blocks_in_use == 0
     assert steps == [1], steps  # the later prefill's step alone: the long one never completed
+
+
+async def test_an_aborted_decode_is_freed_between_steps_and_the_engine_says_so() -> None:
+    engine = TorchEngine.from_config(TINY)
+    sampling = SamplingParams(temperature=0, ignore_eos=True)
+    async with running(engine) as outputs:
+        ids = await engine.tokenize(TextPrompt("the torch engine says"))
+        # more tokens than the outputs channel holds: it cannot finish before the abort
+        result = await engine.prefill("r", ids, sampling, 200)
+        engine.allocate_blocks("r", len(ids) + result.token_budget)
+        await engine.start_decode(
+            "r", ids, result.first_token_id, sampling, result.token_budget, 1, 0
+        )
+        with trio.fail_after(60):
+            first = await outputs.receive()
+            assert isinstance(first, list) and first[0].request_id == "r"  # it runs
+            engine.abort("r")  # the engine thread takes it between steps
+            async for step in outputs:
+                if isinstance(step, BlocksFreed):
+                    break
+                assert isinstance(step, list), step
+                assert all(e.finish_reason is None for e in step), step  # steps before it
+            # the output comes once the blocks are free, not before
+            assert step == BlocksFreed(("r",))
+            statistics = engine.statistics()
+            assert statistics.kv_blocks_in_use == 0 and statistics.running_requests == 0
 
 
 async def continue_from(

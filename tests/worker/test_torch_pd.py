@@ -5,14 +5,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import threading
 from functools import partial
 
+import httpx
 import pytest
 import trio
+import trio.testing
 
 pytest.importorskip("torch")
 
 from pdtrio.config import EngineConfig, RouterConfig, WorkerConfig  # noqa: E402
+from pdtrio.engine.api import StepObserver  # noqa: E402
 from pdtrio.engine.torch.engine import TorchEngine  # noqa: E402
 from pdtrio.worker.server import Worker  # noqa: E402
 from tests.cluster import (  # noqa: E402
@@ -20,8 +24,11 @@ from tests.cluster import (  # noqa: E402
     client,
     raw_post_then_hang_up,
     running_cluster,
+    wait_for_answer,
+    wait_for_stats,
     wait_until_idle,
 )
+from tests.metrics import value  # noqa: E402
 
 NIXL = importlib.util.find_spec("nixl") is not None
 
@@ -162,6 +169,90 @@ async def test_random_disconnects_leave_no_blocks_with_the_torch_engine() -> Non
                     )
                 )
         await wait_until_idle(cluster, deadline_s=30)
+
+
+class StepGate:
+    """A step observer that, while shut, holds the engine thread after each step: a test
+    acts while a request is between steps, then lets the engine go on."""
+
+    def __init__(self, observer: StepObserver) -> None:
+        self._observer = observer
+        self._open = threading.Event()
+        self._open.set()
+        self.holding = threading.Event()  # the engine thread waits at the gate
+
+    def __call__(self, seconds: float, batch: int, tokens: int) -> None:
+        self._observer(seconds, batch, tokens)
+        if not self._open.is_set():
+            self.holding.set()
+            self._open.wait()
+
+    def shut(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+
+async def test_a_decode_aborted_mid_stream_is_free_again_in_the_routers_view_by_itself() -> None:
+    # the engine frees a running request's blocks between steps, after the abort (and the
+    # capacity report it marked) are done: the router must hear of the room without
+    # another request coming to that decode
+    gates: list[StepGate] = []
+
+    def make(role: str) -> Worker:
+        worker = tiny_worker(role)
+        if role == "decode":
+            gates.append(StepGate(worker.metrics.step))
+            worker.engine.observe_steps(gates[-1])
+        return worker
+
+    async with running_cluster(make_worker=make, router=ROUTER) as cluster:
+        (gate,) = gates
+        (decode,) = [w for w in cluster.workers if w.config.role == "decode"]
+        total = decode.engine.statistics().kv_blocks_total
+
+        async def routers_free_blocks(http: httpx.AsyncClient) -> float:
+            metrics = (await http.get("/metrics")).text
+            return value(metrics, "pdtrio_instance_kv_free_blocks", role="decode")
+
+        body = {"model": "tiny-random", "prompt": "hang up", "max_tokens": 200, "stream": True}
+        async with client(cluster) as http:
+            await wait_for_answer(
+                partial(routers_free_blocks, http),
+                lambda free: free == total,
+                what="decode's first capacity report",
+            )
+            gate.shut()
+            try:
+                async with trio.open_nursery() as nursery:
+                    # a client that never reads to the end
+                    hang_up_later = partial(
+                        raw_post_then_hang_up,
+                        cluster.url,
+                        "/v1/completions",
+                        json.dumps(body | {"ignore_eos": True}).encode(),
+                        events=10**6,
+                    )
+                    nursery.start_soon(hang_up_later)
+                    # decode runs the request: its engine waits after the request's step
+                    await wait_for_stats(gate.holding.is_set, 30, what="a decode step")
+                    nursery.cancel_scope.cancel()  # the connection closes
+                # the router aborted it on decode, whose link forgot it and marked its
+                # capacity while the engine still held the blocks
+                await wait_for_stats(lambda: decode.stats()["decode_requests"] == 0, 10)
+                await trio.testing.wait_all_tasks_blocked()  # that report went out
+                assert await routers_free_blocks(http) < total
+            finally:
+                gate.open()
+            # nothing more is sent: the engine's freeing alone must reach the router
+            await wait_for_answer(
+                partial(routers_free_blocks, http),
+                lambda free: free == total,
+                deadline_s=20,
+                what="the aborted request's blocks free in the router's view",
+            )
+        await wait_until_idle(cluster)
 
 
 @pytest.mark.parametrize("kv_transport", TRANSPORTS)

@@ -6,7 +6,8 @@ results) and the bounded outputs channel (decode steps), so the trio loop
 never waits on torch.  Each loop iteration is one forward pass over every
 waiting prefill (up to a token budget) and every running decode sequence;
 requests join and leave between steps.  Aborted requests leave before the
-next step, so no token is computed that nobody will receive.
+next step, so no token is computed that nobody will receive; their blocks are
+freed then, and a ``BlocksFreed`` output says so.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import trio
 
 from pdtrio.config import EngineConfig
 from pdtrio.engine.api import (
+    BlocksFreed,
     EngineError,
     EngineOutput,
     EngineStatistics,
@@ -659,6 +661,7 @@ class TorchEngine:
             # block only when there is nothing to compute: a wait, not a poll
             items = [self._inbox.get()] if not prefills and not running and not carried else []
             items[:0], carried = carried, []
+            freed: list[str] = []  # the aborted requests whose blocks these items released
             while True:
                 try:
                     items.append(self._inbox.get_nowait())
@@ -680,7 +683,11 @@ class TorchEngine:
                             job.deliver(EngineError("aborted"))
                     prefills = kept
                     running.pop(item.request_id, None)
-                    self._forget(item.request_id)
+                    if self._forget(item.request_id):
+                        freed.append(item.request_id)
+            if freed:
+                # free_request returned long ago: only this tells the worker the room is back
+                send_outputs(BlocksFreed(tuple(freed)))
             if not prefills and not running:
                 continue
             # what this step runs is the scheduler's to say (pdtrio.engine.scheduler)
@@ -1006,10 +1013,11 @@ class TorchEngine:
             )
         )
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, request_id: str) -> int:
+        """Drop the request; how many block references it held (0: nothing to free)."""
         with self._lock:
             self._in_engine.discard(request_id)
-            self._blocks.release(request_id)
+            return self._blocks.release(request_id)
 
 
 def _allows_other_than(row: torch.Tensor, banned: frozenset[int]) -> torch.Tensor:
