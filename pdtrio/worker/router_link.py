@@ -255,6 +255,9 @@ class RouterConnection:
                 )
             elif not self.prefilling.get(request_id, True):
                 answer = await prefiller.prefill_call(request)
+                if isinstance(answer, PrefillReply):
+                    # a decode worker's local prefill leased blocks: its report says so
+                    self._server.capacity_changed()
             if answer is None or self.prefilling.get(request_id, True):
                 # released before it started, or while it ran (over this link, or with the
                 # release token over another): the router has given up on it (and a lease

@@ -78,7 +78,7 @@ class Worker:
             self.transport = self.faults.wrap_transport(self.transport)
         # empty until the worker serves: the default names the bound HTTP port
         self.instance_id = config.instance_id
-        self.leases = KvLeases(engine.free_request)
+        self.leases = KvLeases(self._free_leased)
         self.transfer_endpoint: tuple[str, int] = (config.advertised_host, 0)
         self.http_port = 0
         self.link_server: RouterLinkServer | None = None  # set once the instance id is known
@@ -208,6 +208,13 @@ class Worker:
                     "url": self.url,
                 }
             )
+
+    def _free_leased(self, request_id: str) -> None:
+        """A lease's end (released, pulled, expired): its blocks go back to the engine, and a
+        decode worker that prefilled locally tells its routers it has that room again."""
+        self.engine.free_request(request_id)
+        if self.link_server is not None:
+            self.link_server.capacity_changed()
 
     # --- draining -------------------------------------------------------------------
 

@@ -580,6 +580,38 @@ async def test_a_decode_worker_prefills_a_call_on_its_link_and_decodes_it_in_pla
         )
 
 
+async def test_a_decode_worker_reports_its_room_when_a_local_prefills_lease_ends() -> None:
+    """A prefill's lease on a decode worker ends (released here; pulled or expired alike)
+    with a capacity report: the router must not keep those blocks counted as taken."""
+    async with running_pair() as pair:
+        async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
+
+            reports: list[tuple[int, int]] = []  # (free, total), as they came
+
+            async def next_other() -> Any:
+                """The next frame that is not a capacity report; those are kept."""
+                with trio.fail_after(10):
+                    while True:
+                        message = _strict_unpack(await ws.get_message())
+                        if message[0] != CAPACITY:
+                            return message
+                        reports.append((message[1], message[2]))
+
+            await ws.send_message(prefill_request("p", ["text", "hi " * 40], max_tokens=5))
+            reply = await next_other()
+            assert reply[0] == PREFILLED
+            held = len(reply[R_HANDLE][H_BLOCKS])
+            assert held and pair.decode.engine.statistics().kv_blocks_in_use == held
+            # the report ahead of the reply counts the lease's blocks taken
+            free, total = reports[-1]
+            assert free == total - held
+            await ws.send_message(msgpack.packb([RELEASE, "p", reply[R_HANDLE][H_GRANT]]))
+            with trio.fail_after(10):  # a report follows: all free, with no request
+                while reports[-1][0] != total:
+                    await next_other()  # (heartbeats, while nothing else comes)
+        assert pair.decode.engine.statistics().kv_blocks_in_use == 0
+
+
 async def test_a_big_bad_frame_is_dropped_and_its_memory_trimmed_and_the_link_goes_on() -> None:
     async with running_pair(decode_step_s=0.001) as pair:
         good = await _prefill(pair.prefill_url, "good", "prompt", 3)
