@@ -112,6 +112,8 @@ class LegHost(Protocol):
     figures: RequestFigures
     machine: rm.RequestMachine
     shaper: Shaper | None
+    # decode sent a delta's tokens without the logprobs asked for: said once per request
+    logprobs_shortfall_logged: bool
 
     async def report(self, event: rm.Event) -> Wait | None:
         """Tell the machine ``event``, write what it emits; the wait it starts, if any."""
@@ -699,7 +701,7 @@ async def stream_tokens(
                 await host.report(rm.DecodeTokens())  # prefill may free the KV now
             logprobs = None
             if stream.logprobs is not None:
-                logprobs = _logprobs_of(stream.logprobs, delta.num_tokens, host.request_id)
+                logprobs = _logprobs_of(stream.logprobs, delta.num_tokens, host)
             await host.deliver(
                 delta.text,
                 delta.num_tokens,
@@ -747,7 +749,7 @@ async def stream_choices(
                     await host.report(rm.DecodeTokens())  # prefill may free the KV now
                 logprobs = None
                 if run.logprobs is not None:
-                    logprobs = _logprobs_of(run.logprobs, delta.num_tokens, host.request_id)
+                    logprobs = _logprobs_of(run.logprobs, delta.num_tokens, host)
                 if finished:
                     del running[choice]
                 await host.deliver(
@@ -777,17 +779,17 @@ def _running_choices(reply: PrefillReply) -> tuple[tuple[int, int], ...]:
     )
 
 
-def _logprobs_of(
-    pending: list[TokenLogprob], num_tokens: int, request_id: str
-) -> list[TokenLogprob]:
+def _logprobs_of(pending: list[TokenLogprob], num_tokens: int, host: LegHost) -> list[TokenLogprob]:
     """The logprobs of a delta's ``num_tokens`` tokens, taken from those decode sent
-    ahead of them (a worker from before logprobs sends none: the delta has fewer)."""
+    ahead of them (a worker from before logprobs, or an engine, may send none: the delta
+    has fewer; logged once per request, not per delta)."""
     taken = pending[:num_tokens]
     del pending[:num_tokens]
-    if len(taken) < num_tokens:
+    if len(taken) < num_tokens and not host.logprobs_shortfall_logged:
+        host.logprobs_shortfall_logged = True
         log.warning(
-            "request %s: decode sent logprobs for %d of %d tokens",
-            request_id,
+            "request %s: decode sent logprobs for %d of %d tokens (said once per request)",
+            host.request_id,
             len(taken),
             num_tokens,
         )

@@ -131,6 +131,7 @@ class RequestPipeline:
             first_token_from_prefill=first_token_from_prefill,
         )
         self._ending_with_error = False  # the machine ended it: what is sent now is the error
+        self.logprobs_shortfall_logged = False  # (LegHost's)
         self.created = int(time.time())
         self.shaper: Shaper | None = None
         # the alternatives each token's logprob comes with; None: no logprobs asked

@@ -42,6 +42,8 @@ class FakeVllm:
     token_padding: int = 0  # characters added to each streamed token's text (a big stream)
     # the streamed token (index) whose logprobs come malformed, for a request asking for them
     bad_logprobs_at: int | None = None
+    # its streamed tokens come without the logprobs a request asked for (an engine's bug)
+    drop_logprobs: bool = False
     # a decode leg waits for this before it answers (a slow decode), when set
     decode_gate: trio.Event | None = None
     decode_waiting: trio.Event = attrs.Factory(trio.Event)  # a decode leg is at the gate
@@ -253,6 +255,8 @@ class FakeVllm:
                 {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
             )
             logprobs = logprobs_of(request, chat, [text], sent_chars, first=i)
+            if self.drop_logprobs:
+                logprobs = None
             if logprobs is not None and i == self.bad_logprobs_at:
                 logprobs = {"content": "not a list"} if chat else {"tokens": [text]}
             sent_chars += len(text)
