@@ -27,6 +27,18 @@ stream: a prefill failing before decode's first token closes the decode leg
 (it would wait for KV that never comes), and the machine hears of it
 (``PrefillFailed``/``PrefillLost`` while decode starts) and tries another.
 
+Several choices (``n`` > 1): a leg per choice on the decode placed, streamed back as
+the choices of one answer by the shared :func:`pdtrio.router.legs.stream_choices`
+(:class:`EngineDecodeLeg` says how; ``vllm_pd.choice_body`` why the engines are never
+sent ``n``).  A client that leaves, or any choice failing, closes every leg.
+
+Tools: the legs carry the client's ``tools`` and ``tool_choice``, and the engine
+renders them with its chat template.  The calls its tool parser read out of the answer
+(``delta.tool_calls``: vLLM's ``--enable-auto-tool-choice --tool-call-parser ...``,
+SGLang's ``--tool-call-parser``) reach the client as whole OpenAI calls; an engine with
+no parser answers text, whose ``<tool_call>`` blocks the router reads out as it does
+on its own workers (``pdtrio.protocol.openai.tools``).
+
 Logprobs: the legs carry the client's fields as they came; decode's stream
 brings every token's (vLLM's decode computes them all again; SGLang's gets the
 first token's from prefill with the KV, so its prefill leg must ask too), read
@@ -48,17 +60,21 @@ import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast, final
 
+import attrs
 import httpx
 import trio
 
 from pdtrio.protocol import request_machine as rm
 from pdtrio.protocol.errors import Reason
+from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.sglang_pd import ROOM_BITS, bootstrap_body, prefill_leg_body
 from pdtrio.protocol.stream_buffer import PushResult, StreamBuffer
 from pdtrio.protocol.vllm_pd import (
     PATHS,
     EngineAnswerError,
+    EngineToolCalls,
     PrefillAnswer,
+    choice_body,
     decode_body,
     parse_decode_event,
     parse_prefill_answer,
@@ -75,6 +91,7 @@ from pdtrio.router.legs import (
     RunDecode,
     ShellFailure,
     Wait,
+    stream_choices,
     stream_tokens,
 )
 from pdtrio.router.worker_link import CUT_OFF_MESSAGE
@@ -90,6 +107,8 @@ _RELEASE_TIMEOUT_S = 30.0
 _TRANSPORT_ERRORS = (httpx.HTTPError, OSError)
 # where a prefill running beside its decode may still fail the request
 _DECODE_PHASES = frozenset({rm.Phase.DECODE_STARTING, rm.Phase.DECODING})
+# a leg's stream failed by the decode instance (the reason it is suspended for)
+_DECODE_FAILED = "decode_failed"
 
 
 @final
@@ -142,8 +161,13 @@ class EnginePrefillLeg:
         self.answer: PrefillAnswer | None = None  # vLLM prefill's, once it answered
         # vLLM: prefill's kv_transfer_params while its blocks wait for a decode to pull them
         self.unpulled: Mapping[str, Any] | None = None
-        # SGLang: both legs' body (the room named), once the prefill instance is picked
-        self.bootstrap: dict[str, Any] | None = None
+        # the client's request as each of its choices runs it (``vllm_pd.choice_body``)
+        self.choice_bodies = [
+            choice_body(legs.client_body, choice) for choice in range(host.request.sampling.n)
+        ]
+        # SGLang: each choice's body for both its legs (its room named), once the prefill
+        # instance is picked
+        self.bootstraps: list[dict[str, Any]] | None = None
         self.decode: EngineInstance | None = None  # the decode it was placed on, if any
         self._last_failure = ""
         # the prompt's keys in the pool's approximate prefix index (decode's leg's too)
@@ -169,16 +193,23 @@ class EnginePrefillLeg:
         self.answer = None
         await host.report(rm.PrefillSent(instance.instance_id))
         if pool.kind == "sglang":
-            self.bootstrap = bootstrap_body(
-                self._legs.client_body,
-                httpx.URL(instance.url).host,
-                instance.config.bootstrap_port,
-                secrets.randbits(ROOM_BITS),
-            )
-            # its call goes out with decode's (SGLang's prefill answers once decode fetched)
+            # a room per choice: each choice is a transfer of its own
+            self.bootstraps = [
+                bootstrap_body(
+                    body,
+                    httpx.URL(instance.url).host,
+                    instance.config.bootstrap_port,
+                    secrets.randbits(ROOM_BITS),
+                )
+                for body in self.choice_bodies
+            ]
+            # its calls go out with decode's (SGLang's prefill answers once decode fetched)
             return await host.report(rm.Prefilled(None))
         started = time.perf_counter()
-        answered = await self._call(instance, prefill_body(self._legs.client_body))
+        # (one prefill whatever n: the other choices find its KV in decode's prefix cache)
+        answered = await self._call(
+            instance, prefill_body(self.choice_bodies[0]), self._host.request_id
+        )
         if not isinstance(answered, httpx.Response):
             return await host.report(answered)
         try:
@@ -200,16 +231,17 @@ class EnginePrefillLeg:
         return await host.report(rm.Prefilled(None))
 
     async def _call(
-        self, instance: EngineInstance, body: Mapping[str, Any]
+        self, instance: EngineInstance, body: Mapping[str, Any], request_id: str
     ) -> httpx.Response | rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed:
-        """Post a prefill leg: its 200 answer, or what the machine hears instead."""
+        """Post a prefill leg (as ``request_id``): its 200 answer, or what the machine hears
+        instead."""
         pool = self._pool
         instance.in_flight += 1
         try:
             response = await pool.http.post(
                 instance.url + PATHS[self._legs.kind],
                 json=body,
-                headers=instance.headers(self._host.request_id),
+                headers=instance.headers(request_id),
             )
         except httpx.ConnectError as exc:
             self._failed(instance, f"prefill unreachable: {_why(exc)}")
@@ -232,14 +264,16 @@ class EnginePrefillLeg:
         self._pool.failed(instance, why)
         self._last_failure = f"{instance.instance_id}: {why}"
 
-    async def call_beside(self) -> rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed | None:
-        """SGLang: the prefill call, beside decode's stream (bounded by the prefill
-        timeout); what failed, if it did."""
-        instance, body = self.instance, self.bootstrap
-        assert instance is not None and body is not None
+    async def call_beside(
+        self, body: Mapping[str, Any], request_id: str
+    ) -> rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed | None:
+        """SGLang: a choice's prefill call (``body``: its room's), beside its decode stream
+        (bounded by the prefill timeout); what failed, if it did."""
+        instance = self.instance
+        assert instance is not None
         started = time.perf_counter()
         with trio.move_on_after(self._host.router.config.router.prefill_timeout_s):
-            answered = await self._call(instance, prefill_leg_body(body))
+            answered = await self._call(instance, prefill_leg_body(body), request_id)
             if not isinstance(answered, httpx.Response):
                 return answered
             self._pool.served(instance)
@@ -271,7 +305,7 @@ class EnginePrefillLeg:
                 host.request_id,
             )
             return
-        body = release_body(self._legs.client_body, params)
+        body = release_body(self.choice_bodies[0], params)
         try:
             nursery.start_soon(self._pull_and_drop, decode, body)
         except RuntimeError:  # the router is stopping: prefill frees the blocks at its timeout
@@ -318,8 +352,30 @@ class EnginePrefillLeg:
 
 
 @final
+@attrs.define(eq=False)
+class _ChoiceLeg:
+    """One choice of the request on decode: its stream, and (SGLang) its prefill call's body
+    (its room's)."""
+
+    choice: int
+    body: dict[str, Any]
+    stream: EngineStream
+    prefill_body: dict[str, Any] | None = None
+    decoded: bool = False  # decode produced a token of it (it has its KV)
+
+
+@final
 class EngineDecodeLeg:
-    """The request's decode leg on an engine: its placement and its stream."""
+    """The request's decode leg on an engine: its placement and its stream.
+
+    ``n`` > 1: each choice is a leg of its own on the decode placed (one sample each,
+    ``vllm_pd.choice_body`` says why), streamed back as the choices of one answer by the
+    shared :func:`stream_choices`.  vLLM: choice 0's leg pulls prefill's KV; the other
+    choices' legs are plain requests sent once choice 0's first token came, when decode
+    has the pulled blocks in its prefix cache, so they compute only the prompt's last,
+    partial block (a decode started without prefix caching computes the whole prompt).
+    SGLang: each choice has its own room, its prefill call beside its decode stream.
+    """
 
     def __init__(self, host: LegHost, legs: EngineLegs, prefill: EnginePrefillLeg) -> None:
         self._host = host
@@ -327,11 +383,12 @@ class EngineDecodeLeg:
         self._pool = legs.pool
         self._prefill = prefill
         self.instance: EngineInstance | None = None
-        self._scope: trio.CancelScope | None = None  # the decode leg's HTTP stream, while open
+        self._scope: trio.CancelScope | None = None  # the decode run's legs, while open
         self._streaming = False  # counted in the router's active streams
-        # SGLang: what its prefill call, beside decode's, failed with (before decode's token)
+        # SGLang: what a prefill call beside decode failed with (before any decode's token)
         self._prefill_failed: rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed | None = None
-        self._decoded = False  # decode produced a token: prefill's late failure is moot
+        self._choices: list[_ChoiceLeg] = []  # the current run's
+        self._kv_pulled = trio.Event()  # vLLM: choice 0's leg has the prompt's KV on decode
 
     @property
     def instance_id(self) -> str | None:
@@ -365,30 +422,54 @@ class EngineDecodeLeg:
         await host.report(rm.DecodeStartSent(instance.instance_id, instance.instance_id))
         return RunDecode(time.perf_counter())
 
-    def _body(self) -> dict[str, Any]:
+    def _choice_legs(self) -> list[_ChoiceLeg]:
+        """This run's legs, one per choice, each with a stream of its own."""
+        host = self._host
         prefill = self._prefill
-        if prefill.bootstrap is not None:
-            return decode_body(prefill.bootstrap, None)
-        return decode_body(self._legs.client_body, prefill.unpulled)
+        max_pending = host.router.config.router.stream_buffer_tokens
+        with_logprobs = host.request.sampling.wants_logprobs
+        legs = []
+        for choice, client_body in enumerate(prefill.choice_bodies):
+            stream = EngineStream(max_pending, with_logprobs=with_logprobs)
+            if prefill.bootstraps is not None:  # SGLang: its room, on both legs
+                room_body = prefill.bootstraps[choice]
+                legs.append(
+                    _ChoiceLeg(
+                        choice, decode_body(room_body, None), stream, prefill_leg_body(room_body)
+                    )
+                )
+            else:  # vLLM: choice 0 pulls prefill's KV, the others are plain requests
+                params = prefill.unpulled if choice == 0 else None
+                legs.append(_ChoiceLeg(choice, decode_body(client_body, params), stream))
+        return legs
+
+    def _request_id(self, leg: _ChoiceLeg) -> str:
+        """What an engine knows choice ``leg``'s legs by (choice 0: the request's own id,
+        which vLLM's KV transfer is named by; the others: ids of their own, as two
+        requests running at once on one engine must have)."""
+        request_id = self._host.request_id
+        return request_id if leg.choice == 0 else f"{request_id}-{leg.choice}"
 
     async def run(self, wait: RunDecode) -> Wait | None:
-        """Decode's leg (and SGLang's prefill call beside it), its stream to the client."""
+        """Decode's legs (and SGLang's prefill calls beside them), streamed to the client."""
         host = self._host
         await host.report(rm.DecodeStartQueued())
         self._prefill_failed = None
-        self._decoded = False
+        self._kv_pulled = trio.Event()
+        self._choices = self._choice_legs()
         outcome: Wait | None = None
-        async with trio.open_nursery() as legs:
+        async with trio.open_nursery() as beside:
             with trio.CancelScope() as decode_scope:
                 self._scope = decode_scope
-                if self._prefill.bootstrap is not None:
-                    legs.start_soon(self._prefill_beside, decode_scope)
+                for leg in self._choices:
+                    if leg.prefill_body is not None:
+                        beside.start_soon(self._prefill_beside, decode_scope, leg)
                 outcome = await self._decode(wait.sent_at)
             self._scope = None
             ended = host.machine.ended
             if ended is None or ended.ending is not rm.Ending.OK:
                 # decode did not finish: a prefill beside it would wait for its decode
-                legs.cancel_scope.cancel()
+                beside.cancel_scope.cancel()
             # (it finished: SGLang's prefill answers once the transfer is done)
         failed, self._prefill_failed = self._prefill_failed, None
         if failed is not None and host.machine.phase in _DECODE_PHASES:
@@ -398,17 +479,28 @@ class EngineDecodeLeg:
             return await host.report(failed)
         return outcome
 
-    async def _prefill_beside(self, decode_scope: trio.CancelScope) -> None:
-        failed = await self._prefill.call_beside()
-        if failed is not None and not self._decoded and self._scope is decode_scope:
-            self._prefill_failed = failed
-            decode_scope.cancel()  # decode would wait for KV that never comes
+    async def _prefill_beside(self, decode_scope: trio.CancelScope, leg: _ChoiceLeg) -> None:
+        assert leg.prefill_body is not None
+        failed = await self._prefill.call_beside(leg.prefill_body, self._request_id(leg))
+        if failed is None or leg.decoded or self._scope is not decode_scope:
+            return
+        if any(other.decoded for other in self._choices):
+            # other choices are under way (their tokens may be out): this one cannot be
+            # served, which fails the request; decode is not to blame
+            why = _prefill_failure_message(failed)
+            leg.stream.fail(f"prefill failed choice {leg.choice}: {why}", blame=False)
+            return
+        self._prefill_failed = failed
+        decode_scope.cancel()  # decode would wait for KV that never comes
 
     async def _decode(self, sent_at: float) -> Wait | None:
+        """Choice 0's leg (whose answer is decode's: accepted, refused, failed), then every
+        choice's stream to the client."""
         host = self._host
         pool = self._pool
         instance = self.instance
         assert instance is not None
+        first = self._choices[0]
         instance.in_flight += 1
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -417,8 +509,8 @@ class EngineDecodeLeg:
                         pool.http.stream(
                             "POST",
                             instance.url + PATHS[self._legs.kind],
-                            json=self._body(),
-                            headers=instance.headers(host.request_id),
+                            json=first.body,
+                            headers=instance.headers(self._request_id(first)),
                         )
                     )
                     content = b"" if response.status_code == 200 else await response.aread()
@@ -441,29 +533,64 @@ class EngineDecodeLeg:
                     self._streaming = True
                     host.router.metrics.streams_active.inc()
                 await host.report(rm.DecodeAccepted())
-                stream = EngineStream(
-                    host.router.config.router.stream_buffer_tokens,
-                    with_logprobs=host.request.sampling.wants_logprobs,
-                )
                 async with trio.open_nursery() as reader:
-                    reader.start_soon(self._read, response, stream)
-                    outcome = await stream_tokens(host, stream, self._served, self._failed)
+                    reader.start_soon(self._read, response, first)
+                    for leg in self._choices[1:]:
+                        reader.start_soon(self._choice_leg, leg)
+                    if len(self._choices) == 1:
+                        outcome = await stream_tokens(
+                            host, first.stream, self._served, self._failed
+                        )
+                    else:
+                        runs = EngineChoices([leg.stream for leg in self._choices])
+                        outcome = await stream_choices(host, runs, self._served, self._failed)
                     reader.cancel_scope.cancel()
                 return outcome
         finally:
             instance.in_flight -= 1
 
-    async def _read(self, response: httpx.Response, stream: EngineStream) -> None:
-        """Decode's server-sent events into the stream: text and token counts as they come,
-        the finish held until the counts that end the stream (its usage chunk).
+    async def _choice_leg(self, leg: _ChoiceLeg) -> None:
+        """Choice ``leg.choice`` (> 0) on the decode placed: its own leg, into its stream."""
+        if self._prefill.bootstraps is None:
+            await self._kv_pulled.wait()  # vLLM: the prompt's KV is in decode's cache now
+        pool = self._pool
+        instance = self.instance
+        assert instance is not None
+        instance.in_flight += 1
+        try:
+            async with pool.http.stream(
+                "POST",
+                instance.url + PATHS[self._legs.kind],
+                json=leg.body,
+                headers=instance.headers(self._request_id(leg)),
+            ) as response:
+                if response.status_code != 200:
+                    content = await response.aread()
+                    status = response.status_code
+                    message = _engine_message(content) or f"decode answered {status}"
+                    # (a 4xx to a body choice 0's leg was served with: not the instance's)
+                    leg.stream.fail(f"choice {leg.choice}: {message}", blame=status >= 500)
+                    return
+                await self._read(response, leg)
+        except _TRANSPORT_ERRORS as exc:
+            leg.stream.fail(f"decode lost choice {leg.choice}: {_why(exc)}")
+        finally:
+            instance.in_flight -= 1
+
+    async def _read(self, response: httpx.Response, leg: _ChoiceLeg) -> None:
+        """A leg's server-sent events into its choice's stream: text, tool calls and token
+        counts as they come, the finish held until the counts that end the stream (its
+        usage chunk).
 
         Read to the end, past ``[DONE]`` or a failure: the response's byte iterators are
         then exhausted, not left to the garbage collector.
         """
         kind = self._legs.kind
+        stream = leg.stream
         with_logprobs = stream.logprobs is not None
+        tool_calls = EngineToolCalls()
         seen = 0
-        ending: tuple[str, int, str, tuple[TokenLogprob, ...] | None] | None = None
+        ending: _Ending | None = None
         final_usage: Usage | None = None
         failure: str | None = None
         done = False
@@ -476,6 +603,11 @@ class EngineDecodeLeg:
                     try:
                         chunk = parse_decode_event(
                             line[5:].strip(), kind, with_logprobs=with_logprobs
+                        )
+                        whole = (
+                            tool_calls.feed(chunk.tool_calls)
+                            if chunk is not None and chunk.tool_calls and ending is None
+                            else []
                         )
                     except EngineAnswerError as exc:
                         failure = f"decode's stream: {exc}"
@@ -497,20 +629,28 @@ class EngineDecodeLeg:
                         tokens = max(chunk.completion_tokens - seen, 0)
                         seen = max(seen, chunk.completion_tokens)
                     else:
-                        tokens = 1 if chunk.text else 0  # (an engine not counting as it goes)
+                        # (an engine not counting as it goes)
+                        tokens = 1 if chunk.text or chunk.tool_calls else 0
                         seen += tokens
-                    if ending is not None or not (tokens or chunk.text or chunk.finish_reason):
+                    if ending is not None or not (
+                        tokens or chunk.text or chunk.finish_reason or whole
+                    ):
                         continue
-                    if (tokens or chunk.text) and not self._decoded:
-                        # decode has the KV: prefill freed its blocks, decode caches them
-                        self._decoded = True
-                        self._prefill.unpulled = None
-                        assert self.instance is not None
-                        self._pool.served_prefix(self.instance, self._prefill.prefix_keys)
+                    if (tokens or chunk.text) and not leg.decoded:
+                        self._decoded(leg)
                     if chunk.finish_reason is not None:
-                        ending = (chunk.text, tokens, chunk.finish_reason, chunk.logprobs)
+                        try:
+                            whole += tool_calls.finish()
+                        except EngineAnswerError as exc:
+                            failure = f"decode's stream: {exc}"
+                            continue
+                        ending = _Ending(
+                            chunk.text, tokens, chunk.finish_reason, chunk.logprobs, whole
+                        )
                         continue
-                    if not await stream.push(chunk.text, tokens, None, None, chunk.logprobs):
+                    if not await stream.push(
+                        chunk.text, tokens, None, None, chunk.logprobs, tool_calls=whole
+                    ):
                         return  # cut off: closing the stream aborts the request in the engine
         except _TRANSPORT_ERRORS as exc:
             failure = f"decode lost: {_why(exc)}"
@@ -520,12 +660,28 @@ class EngineDecodeLeg:
             stream.fail(failure)
             return
         assert ending is not None
-        text, tokens, finish_reason, logprobs = ending
-        await stream.push(text, tokens, finish_reason, self._usage(final_usage, seen), logprobs)
+        await stream.push(
+            ending.text,
+            ending.tokens,
+            ending.finish_reason,
+            self._usage(final_usage, seen),
+            ending.logprobs,
+            tool_calls=ending.tool_calls,
+        )
+
+    def _decoded(self, leg: _ChoiceLeg) -> None:
+        """Decode produced ``leg``'s first token: it has the KV (prefill freed its blocks,
+        decode caches them)."""
+        leg.decoded = True
+        assert self.instance is not None
+        self._pool.served_prefix(self.instance, self._prefill.prefix_keys)
+        if leg.choice == 0:
+            self._prefill.unpulled = None
+            self._kv_pulled.set()
 
     def _usage(self, final: Usage | None, completion_tokens: int) -> Usage:
-        """The request's counts: decode's, with prefill's cached tokens (vLLM: decode's
-        say what decode found; SGLang: decode's, prefill's answer may come after)."""
+        """A leg's counts: decode's, with prefill's cached tokens (vLLM: decode's say what
+        decode found; SGLang: decode's, prefill's answer may come after)."""
         answer = self._prefill.answer
         if final is None:
             prompt = 0 if answer is None else answer.prompt_tokens
@@ -543,11 +699,12 @@ class EngineDecodeLeg:
         if stream.cut_off:
             return await host.report(rm.DecodeFailed(CUT_OFF_MESSAGE, cut_off=True))
         assert self.instance is not None
-        self._pool.failed(self.instance, failure)
+        if stream.failure_reason == _DECODE_FAILED:
+            self._pool.failed(self.instance, failure)
         return await host.report(rm.DecodeFailed(failure))
 
     def abort(self) -> None:
-        """End the request on decode: closing its stream aborts it in the engine."""
+        """End the request on decode: closing its legs' streams aborts it in the engine."""
         if self._scope is not None:
             self._scope.cancel()
 
@@ -561,8 +718,28 @@ class EngineDecodeLeg:
 
 
 @final
+@attrs.frozen
+class _Ending:
+    """A leg's finishing chunk, held until the counts that end its stream."""
+
+    text: str
+    tokens: int
+    finish_reason: str
+    logprobs: tuple[TokenLogprob, ...] | None
+    tool_calls: list[ToolCall]
+
+
+def _prefill_failure_message(failed: rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed) -> str:
+    if isinstance(failed, rm.PrefillFailed):
+        return failed.failure.message
+    if isinstance(failed, rm.PrefillLost):
+        return failed.message
+    return "unreachable"
+
+
+@final
 class EngineStream:
-    """Decode's stream as the shared token path reads it (:class:`DecodeRun`).
+    """A leg's stream as the shared token path reads it (:class:`DecodeRun`).
 
     The reader waits for each push to be taken while the client keeps up, so
     every engine event goes out as its own; while the consumer holds its sends
@@ -575,22 +752,28 @@ class EngineStream:
         self.accepted = True  # (it exists once decode answered 200)
         self.rejection: DecodeRejected | None = None
         self.failure: str | None = None
-        self.failure_reason = "decode_failed"
+        # decode_failed: the decode instance's failure; another: not the instance's fault
+        self.failure_reason = _DECODE_FAILED
         self.cut_off = False
         self.token_ids: list[int] | None = None  # (an engine's request never migrates)
         # the request asked for logprobs: those of tokens pushed and not yet delivered
         self.logprobs: list[TokenLogprob] | None = [] if with_logprobs else None
+        # the calls the engine read out of its answer, pushed and not yet delivered
+        self.tool_calls: list[ToolCall] | None = []
         self.holding = False
         self._updated = False
-        self._lot = trio.lowlevel.ParkingLot()
+        self._lot = trio.lowlevel.ParkingLot()  # (shared by a request's choices)
         self._taken = trio.Event()  # the consumer came back for more
 
     def _notify(self) -> None:
         self._updated = True
         self._lot.unpark_all()
 
-    def fail(self, failure: str) -> None:
+    def fail(self, failure: str, *, blame: bool = True) -> None:
+        """End the stream with ``failure`` (``blame``: the decode instance's)."""
         self.failure = failure
+        if not blame:
+            self.failure_reason = "decode_not_to_blame"
         self._notify()
 
     async def push(
@@ -600,11 +783,16 @@ class EngineStream:
         finish_reason: str | None,
         usage: Usage | None,
         logprobs: Sequence[TokenLogprob] | None = None,
+        *,
+        tool_calls: Sequence[ToolCall] = (),
     ) -> bool:
-        """Hand a delta to the consumer (``logprobs``: its tokens', when asked for);
-        False once the stream is cut off."""
+        """Hand a delta to the consumer (``logprobs``: its tokens', when asked for;
+        ``tool_calls``: the calls it completed); False once the stream is cut off."""
+        # (before the tokens: the consumer takes them together)
         if logprobs and self.logprobs is not None:
-            self.logprobs += logprobs  # (before the tokens: the consumer takes them together)
+            self.logprobs += logprobs
+        if tool_calls and self.tool_calls is not None:
+            self.tool_calls += tool_calls
         if self.buffer.push(text, num_tokens, finish_reason, usage) is PushResult.OVERFLOW:
             self.cut_off = True
             self.fail(CUT_OFF_MESSAGE)
@@ -634,6 +822,29 @@ class EngineStream:
                     await self._lot.park()
         finally:
             self.holding = False
+
+
+@final
+class EngineChoices:
+    """A request's choices on decode (``n`` > 1) as :func:`stream_choices` reads them:
+    each choice's stream, all woken through one waiter."""
+
+    def __init__(self, streams: Sequence[EngineStream]) -> None:
+        self.choices: dict[int, EngineStream] = dict(enumerate(streams))
+        self._lot = trio.lowlevel.ParkingLot()
+        for stream in streams:
+            stream._lot = self._lot
+
+    async def wait_choices_update(self) -> None:
+        streams = self.choices.values()
+        for stream in streams:
+            stream._taken.set()  # the consumer came back for more: every reader goes on
+        if any(stream._updated for stream in streams):
+            await trio.lowlevel.checkpoint()
+        else:
+            await self._lot.park()
+        for stream in streams:
+            stream._updated = False
 
 
 def _engine_message(content: bytes) -> str:

@@ -35,6 +35,7 @@ from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.kv_layout import KvLayout, choice_blocks_needed
 from pdtrio.protocol.lifecycle import State
 from pdtrio.protocol.openai import ChatCompletionRequest, CompletionRequest
+from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.prefix_index import PromptBlocks
 from pdtrio.protocol.wire import (
     DecodeStart,
@@ -50,14 +51,13 @@ from pdtrio.protocol.wire import (
     choice_request_id,
     reply_choices,
 )
-from pdtrio.router.backend import BackendLost, BackendUnreachable, DecodeRun
+from pdtrio.router.backend import BackendLost, BackendUnreachable, ChoiceRuns, DecodeRun
 from pdtrio.router.capacity import QueueFull
 from pdtrio.router.instances import Instance
 from pdtrio.router.kv_leases import LEASES
 from pdtrio.router.metrics import MIGRATION_REASONS, RequestFigures
 from pdtrio.router.worker_link import (
     CUT_OFF_MESSAGE,
-    DecodeStream,
     WorkerLink,
     rejection_is_retryable,
     release_token,
@@ -129,9 +129,11 @@ class LegHost(Protocol):
         final: bool = False,
         logprobs: Sequence[TokenLogprob] | None = None,
         choice: int = 0,
+        tool_calls: Sequence[ToolCall] = (),
     ) -> None:
         """Count a delta (of choice ``choice``) as delivered and hand it to the client
-        (``logprobs``: its tokens', when the request asked for them)."""
+        (``logprobs``: its tokens', when the request asked for them; ``tool_calls``: the
+        calls an engine read out of its answer, after the delta's text)."""
         ...
 
 
@@ -709,6 +711,7 @@ async def stream_tokens(
                 delta.usage,
                 final=final,
                 logprobs=logprobs,
+                tool_calls=_tool_calls_of(stream),
             )
             if final:
                 served()
@@ -724,7 +727,7 @@ async def stream_tokens(
 
 async def stream_choices(
     host: LegHost,
-    stream: DecodeStream,
+    stream: ChoiceRuns,
     served: Callable[[], None],
     failed: Callable[[DecodeRun, str], Awaitable[Wait | None]],
 ) -> Wait | None:
@@ -760,6 +763,7 @@ async def stream_choices(
                     final=finished and not running,
                     logprobs=logprobs,
                     choice=choice,
+                    tool_calls=_tool_calls_of(run),
                 )
                 if finished and not running:
                     served()
@@ -767,6 +771,16 @@ async def stream_choices(
             if failure is not None and choice in running:
                 return await failed(run, failure)
         await stream.wait_choices_update()
+
+
+def _tool_calls_of(run: DecodeRun) -> list[ToolCall]:
+    """The calls an engine sent with (or before) the delta just taken from ``run``."""
+    pending = run.tool_calls
+    if not pending:
+        return []
+    taken = pending[:]
+    pending.clear()
+    return taken
 
 
 def _running_choices(reply: PrefillReply) -> tuple[tuple[int, int], ...]:
