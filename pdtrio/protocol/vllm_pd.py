@@ -61,7 +61,8 @@ def choice_body(client_body: Mapping[str, Any], choice: int) -> dict[str, Any]:
     ``seed + choice`` when it has a seed (what vLLM gives its own n samples, so each
     choice is what a single request with that seed would answer).
 
-    Why each choice is a leg of its own (vLLM's and SGLang's): vLLM 0.32 forks a request
+    Why each choice is a PD flow of its own, a prefill leg and a decode leg (vLLM's and
+    SGLang's), rather than one flow with ``n``: vLLM 0.32 forks a request
     with ``n`` into n child requests in its front end, each carrying the same
     ``kv_transfer_params``: on prefill each child holds its own copy of the prompt's
     blocks and the answer names only one (the rest stranded until the lease ends); on
@@ -69,7 +70,7 @@ def choice_body(client_body: Mapping[str, Any], choice: int) -> dict[str, Any]:
     frees them on prefill while the others may still be reading (the NIXL connector
     then logs "potentially invalid KV blocks").  SGLang's bootstrap pairs one prefill
     with one decode per room; how it numbers the rooms of n samples is its own.  One
-    sample per leg is the form both serve as designed.
+    sample per flow is the form both serve as designed.
     """
     body = {key: value for key, value in client_body.items() if key not in ("n", "best_of")}
     seed = body.get("seed")

@@ -27,10 +27,12 @@ stream: a prefill failing before decode's first token closes the decode leg
 (it would wait for KV that never comes), and the machine hears of it
 (``PrefillFailed``/``PrefillLost`` while decode starts) and tries another.
 
-Several choices (``n`` > 1): a leg per choice on the decode placed, streamed back as
-the choices of one answer by the shared :func:`pdtrio.router.legs.stream_choices`
-(:class:`EngineDecodeLeg` says how; ``vllm_pd.choice_body`` why the engines are never
-sent ``n``).  A client that leaves, or any choice failing, closes every leg.
+Several choices (``n`` > 1): a PD flow per choice (its prefill, its leg on the decode
+placed), streamed back as the choices of one answer by the shared
+:func:`pdtrio.router.legs.stream_choices` (:class:`EngineDecodeLeg` says how;
+``vllm_pd.choice_body`` why the engines are never sent ``n``).  A client that leaves,
+or any choice failing, closes every leg; each choice's unpulled KV is freed as one
+request's is.
 
 Tools: the legs carry the client's ``tools`` and ``tool_choice``, and the engine
 renders them with its chat template.  The calls its tool parser read out of the answer
@@ -158,13 +160,19 @@ class EnginePrefillLeg:
         self._legs = legs
         self._pool = legs.pool
         self.instance: EngineInstance | None = None
-        self.answer: PrefillAnswer | None = None  # vLLM prefill's, once it answered
-        # vLLM: prefill's kv_transfer_params while its blocks wait for a decode to pull them
-        self.unpulled: Mapping[str, Any] | None = None
         # the client's request as each of its choices runs it (``vllm_pd.choice_body``)
         self.choice_bodies = [
             choice_body(legs.client_body, choice) for choice in range(host.request.sampling.n)
         ]
+        choices = len(self.choice_bodies)
+        # vLLM: each choice's prefill answer, once it came
+        self.answers: list[PrefillAnswer | None] = [None] * choices
+        # vLLM: each choice's kv_transfer_params while its blocks wait for a decode to pull
+        # them (None: pulled, freed, or none kept)
+        self.unpulled: list[Mapping[str, Any] | None] = [None] * choices
+        # a decode run is under way: it frees what its legs did not pull when it ends (a
+        # release now would race its legs' pulls)
+        self.decoding = False
         # SGLang: each choice's body for both its legs (its room named), once the prefill
         # instance is picked
         self.bootstraps: list[dict[str, Any]] | None = None
@@ -190,7 +198,6 @@ class EnginePrefillLeg:
         if command.retry:
             host.router.metrics.retries.labels("prefill").inc()
         self.instance = instance
-        self.answer = None
         await host.report(rm.PrefillSent(instance.instance_id))
         if pool.kind == "sglang":
             # a room per choice: each choice is a transfer of its own
@@ -206,29 +213,61 @@ class EnginePrefillLeg:
             # its calls go out with decode's (SGLang's prefill answers once decode fetched)
             return await host.report(rm.Prefilled(None))
         started = time.perf_counter()
-        # (one prefill whatever n: the other choices find its KV in decode's prefix cache)
-        answered = await self._call(
-            instance, prefill_body(self.choice_bodies[0]), self._host.request_id
-        )
-        if not isinstance(answered, httpx.Response):
-            return await host.report(answered)
-        try:
-            answer = parse_prefill_answer(answered.json())
-        except (ValueError, EngineAnswerError) as exc:
-            why = f"prefill's answer: {exc}"
-            pool.failed(instance, why)
-            self._last_failure = why
-            return await host.report(rm.PrefillLost(why))
+        choices = len(self.choice_bodies)
+        self.answers = [None] * choices
+        self.unpulled = [None] * choices
+        # each choice's prefill at once (a PD flow per choice: ``vllm_pd.choice_body``)
+        failures: list[rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed | None] = [
+            None
+        ] * choices
+        async with trio.open_nursery() as calls:
+            for choice in range(choices):
+                calls.start_soon(self._prefill_choice, instance, choice, failures)
+        failed = [failure for failure in failures if failure is not None]
+        if failed:
+            self.release()  # the choices it did prefill: no decode pulls them now
+            return await host.report(min(failed, key=_prefill_failure_rank))
+        answer = self.answers[0]
+        assert answer is not None
         pool.served(instance)
         pool.served_prefix(instance, self.prefix_keys)
         host.figures.prefill_s = time.perf_counter() - started
         host.figures.prompt_tokens = answer.prompt_tokens
         if host.shaper is not None:
             host.shaper.set_prompt_usage(answer.prompt_tokens, answer.cached_tokens)
-        self.answer = answer
-        self.unpulled = answer.kv_transfer_params
         # (no lease known: vLLM's own timer frees what no decode pulls)
         return await host.report(rm.Prefilled(None))
+
+    def choice_request_id(self, choice: int) -> str:
+        """What the engines know choice ``choice``'s legs by (choice 0: the request's own
+        id; the others: ids of their own, as requests running at once on one engine must
+        have, and as vLLM names their KV transfers by)."""
+        request_id = self._host.request_id
+        return request_id if choice == 0 else f"{request_id}-{choice}"
+
+    async def _prefill_choice(
+        self,
+        instance: EngineInstance,
+        choice: int,
+        failures: list[rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed | None],
+    ) -> None:
+        """vLLM: choice ``choice``'s prefill call; its answer (and KV) recorded as it comes,
+        so a request cut meanwhile frees what the calls that answered kept."""
+        answered = await self._call(
+            instance, prefill_body(self.choice_bodies[choice]), self.choice_request_id(choice)
+        )
+        if not isinstance(answered, httpx.Response):
+            failures[choice] = answered
+            return
+        try:
+            answer = parse_prefill_answer(answered.json())
+        except (ValueError, EngineAnswerError) as exc:
+            why = f"prefill's answer: {exc}"
+            self._failed(instance, why)
+            failures[choice] = rm.PrefillLost(why)
+            return
+        self.answers[choice] = answer
+        self.unpulled[choice] = answer.kv_transfer_params
 
     async def _call(
         self, instance: EngineInstance, body: Mapping[str, Any], request_id: str
@@ -285,12 +324,21 @@ class EnginePrefillLeg:
         return rm.PrefillLost(why)
 
     def release(self) -> None:
-        """Free prefill's blocks no decode pulled (vLLM): a one-token decode leg pulls them
-        in the background, which frees them on prefill now rather than at vLLM's timeout.
-        (SGLang's prefill call ends with the decode run that carries it.)"""
-        params = self.unpulled
-        self.unpulled = None
-        if params is None:
+        """Free prefill's blocks no decode pulled (vLLM): a one-token decode leg per choice
+        pulls them in the background, which frees them on prefill now rather than at
+        vLLM's timeout.  While a decode run is under way, its end does it (its legs may
+        be pulling them).  (SGLang's prefill call ends with the decode run that carries
+        it.)"""
+        if not self.decoding:
+            self.release_unpulled()
+
+    def release_unpulled(self) -> None:
+        """Free the blocks of every choice no decode pulled (see :meth:`release`)."""
+        unpulled = [
+            (choice, params) for choice, params in enumerate(self.unpulled) if params is not None
+        ]
+        self.unpulled = [None] * len(self.unpulled)
+        if not unpulled:
             return
         pool = self._pool
         host = self._host
@@ -305,16 +353,20 @@ class EnginePrefillLeg:
                 host.request_id,
             )
             return
-        body = release_body(self.choice_bodies[0], params)
         try:
-            nursery.start_soon(self._pull_and_drop, decode, body)
+            for choice, params in unpulled:
+                body = release_body(self.choice_bodies[choice], params)
+                nursery.start_soon(
+                    self._pull_and_drop, decode, body, self.choice_request_id(choice)
+                )
         except RuntimeError:  # the router is stopping: prefill frees the blocks at its timeout
             log.warning(
                 "request %s: its prefilled KV is left to prefill's timeout", host.request_id
             )
 
-    async def _pull_and_drop(self, decode: EngineInstance, body: dict[str, Any]) -> None:
-        request_id = self._host.request_id
+    async def _pull_and_drop(
+        self, decode: EngineInstance, body: dict[str, Any], request_id: str
+    ) -> None:
         started = time.perf_counter()
         try:
             with trio.fail_after(_RELEASE_TIMEOUT_S):
@@ -368,13 +420,12 @@ class _ChoiceLeg:
 class EngineDecodeLeg:
     """The request's decode leg on an engine: its placement and its stream.
 
-    ``n`` > 1: each choice is a leg of its own on the decode placed (one sample each,
-    ``vllm_pd.choice_body`` says why), streamed back as the choices of one answer by the
-    shared :func:`stream_choices`.  vLLM: choice 0's leg pulls prefill's KV; the other
-    choices' legs are plain requests sent once choice 0's first token came, when decode
-    has the pulled blocks in its prefix cache, so they compute only the prompt's last,
-    partial block (a decode started without prefix caching computes the whole prompt).
-    SGLang: each choice has its own room, its prefill call beside its decode stream.
+    ``n`` > 1: each choice is a PD flow of its own (one sample each, ``vllm_pd.choice_body``
+    says why): its prefill (vLLM: its call and KV; SGLang: its room, its prefill call
+    beside its decode stream) and its leg on the decode placed, all at once, streamed
+    back as the choices of one answer by the shared :func:`stream_choices`.  The request
+    is one to the machine: a choice failing before any token went out sends the whole
+    request again from new prefills, one failing after it fails the request.
     """
 
     def __init__(self, host: LegHost, legs: EngineLegs, prefill: EnginePrefillLeg) -> None:
@@ -388,7 +439,6 @@ class EngineDecodeLeg:
         # SGLang: what a prefill call beside decode failed with (before any decode's token)
         self._prefill_failed: rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed | None = None
         self._choices: list[_ChoiceLeg] = []  # the current run's
-        self._kv_pulled = trio.Event()  # vLLM: choice 0's leg has the prompt's KV on decode
 
     @property
     def instance_id(self) -> str | None:
@@ -438,39 +488,41 @@ class EngineDecodeLeg:
                         choice, decode_body(room_body, None), stream, prefill_leg_body(room_body)
                     )
                 )
-            else:  # vLLM: choice 0 pulls prefill's KV, the others are plain requests
-                params = prefill.unpulled if choice == 0 else None
+            else:  # vLLM: each choice's leg pulls its own prefill's KV
+                params = prefill.unpulled[choice]
                 legs.append(_ChoiceLeg(choice, decode_body(client_body, params), stream))
         return legs
 
     def _request_id(self, leg: _ChoiceLeg) -> str:
-        """What an engine knows choice ``leg``'s legs by (choice 0: the request's own id,
-        which vLLM's KV transfer is named by; the others: ids of their own, as two
-        requests running at once on one engine must have)."""
-        request_id = self._host.request_id
-        return request_id if leg.choice == 0 else f"{request_id}-{leg.choice}"
+        return self._prefill.choice_request_id(leg.choice)
 
     async def run(self, wait: RunDecode) -> Wait | None:
         """Decode's legs (and SGLang's prefill calls beside them), streamed to the client."""
         host = self._host
         await host.report(rm.DecodeStartQueued())
         self._prefill_failed = None
-        self._kv_pulled = trio.Event()
         self._choices = self._choice_legs()
         outcome: Wait | None = None
-        async with trio.open_nursery() as beside:
-            with trio.CancelScope() as decode_scope:
-                self._scope = decode_scope
-                for leg in self._choices:
-                    if leg.prefill_body is not None:
-                        beside.start_soon(self._prefill_beside, decode_scope, leg)
-                outcome = await self._decode(wait.sent_at)
-            self._scope = None
-            ended = host.machine.ended
-            if ended is None or ended.ending is not rm.Ending.OK:
-                # decode did not finish: a prefill beside it would wait for its decode
-                beside.cancel_scope.cancel()
-            # (it finished: SGLang's prefill answers once the transfer is done)
+        self._prefill.decoding = True
+        try:
+            async with trio.open_nursery() as beside:
+                with trio.CancelScope() as decode_scope:
+                    self._scope = decode_scope
+                    for leg in self._choices:
+                        if leg.prefill_body is not None:
+                            beside.start_soon(self._prefill_beside, decode_scope, leg)
+                    outcome = await self._decode(wait.sent_at)
+                self._scope = None
+                ended = host.machine.ended
+                if ended is None or ended.ending is not rm.Ending.OK:
+                    # decode did not finish: a prefill beside it would wait for its decode
+                    beside.cancel_scope.cancel()
+                # (it finished: SGLang's prefill answers once the transfer is done)
+        finally:
+            # vLLM: a choice whose leg ended before its first token leaves KV no decode
+            # will pull now (a run again starts from new prefills): freed
+            self._prefill.decoding = False
+            self._prefill.release_unpulled()
         failed, self._prefill_failed = self._prefill_failed, None
         if failed is not None and host.machine.phase in _DECODE_PHASES:
             # (in another phase, decode's own failure was reported first: the machine
@@ -494,65 +546,36 @@ class EngineDecodeLeg:
         decode_scope.cancel()  # decode would wait for KV that never comes
 
     async def _decode(self, sent_at: float) -> Wait | None:
-        """Choice 0's leg (whose answer is decode's: accepted, refused, failed), then every
-        choice's stream to the client."""
+        """Every choice's leg at once; once each answered 200 (decode accepted the request),
+        their streams to the client.  A leg that did not is decode's answer: refused (a
+        4xx, the client's own) or failed."""
         host = self._host
-        pool = self._pool
-        instance = self.instance
-        assert instance is not None
-        first = self._choices[0]
-        instance.in_flight += 1
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                try:
-                    response = await stack.enter_async_context(
-                        pool.http.stream(
-                            "POST",
-                            instance.url + PATHS[self._legs.kind],
-                            json=first.body,
-                            headers=instance.headers(self._request_id(first)),
-                        )
-                    )
-                    content = b"" if response.status_code == 200 else await response.aread()
-                except _TRANSPORT_ERRORS as exc:
-                    # (the stream's own reads are the reader's: this is the leg failing)
-                    why = f"decode on {instance.instance_id} lost: {_why(exc)}"
-                    pool.failed(instance, why)
-                    return await host.report(rm.DecodeFailed(why))
-                if response.status_code != 200:
-                    failure = _answer_failure(
-                        pool, instance, "decode", response.status_code, content
-                    )
-                    if failure.status < 500:  # the client's own: passed on
-                        return await host.report(
-                            rm.DecodeRejected(failure.message, retryable=False, failure=failure)
-                        )
-                    return await host.report(rm.DecodeFailed(failure.message))
-                host.figures.handoff_s = time.perf_counter() - sent_at
-                if not self._streaming:
-                    self._streaming = True
-                    host.router.metrics.streams_active.inc()
-                await host.report(rm.DecodeAccepted())
-                async with trio.open_nursery() as reader:
-                    reader.start_soon(self._read, response, first)
-                    for leg in self._choices[1:]:
-                        reader.start_soon(self._choice_leg, leg)
-                    if len(self._choices) == 1:
-                        outcome = await stream_tokens(
-                            host, first.stream, self._served, self._failed
-                        )
-                    else:
-                        runs = EngineChoices([leg.stream for leg in self._choices])
-                        outcome = await stream_choices(host, runs, self._served, self._failed)
-                    reader.cancel_scope.cancel()
-                return outcome
-        finally:
-            instance.in_flight -= 1
+        answers = _LegAnswers(len(self._choices))
+        async with trio.open_nursery() as reader:
+            for leg in self._choices:
+                reader.start_soon(self._leg, leg, answers)
+            await answers.all_in.wait()
+            if answers.refusal is not None:
+                reader.cancel_scope.cancel()  # (the other legs: closed, aborted there)
+                return await host.report(answers.refusal)
+            host.figures.handoff_s = time.perf_counter() - sent_at
+            if not self._streaming:
+                self._streaming = True
+                host.router.metrics.streams_active.inc()
+            await host.report(rm.DecodeAccepted())
+            if len(self._choices) == 1:
+                outcome = await stream_tokens(
+                    host, self._choices[0].stream, self._served, self._failed
+                )
+            else:
+                runs = EngineChoices([leg.stream for leg in self._choices])
+                outcome = await stream_choices(host, runs, self._served, self._failed)
+            reader.cancel_scope.cancel()
+        return outcome
 
-    async def _choice_leg(self, leg: _ChoiceLeg) -> None:
-        """Choice ``leg.choice`` (> 0) on the decode placed: its own leg, into its stream."""
-        if self._prefill.bootstraps is None:
-            await self._kv_pulled.wait()  # vLLM: the prompt's KV is in decode's cache now
+    async def _leg(self, leg: _ChoiceLeg, answers: _LegAnswers) -> None:
+        """Choice ``leg.choice``'s leg on the decode placed: its answer to ``answers``, then
+        its events into its stream."""
         pool = self._pool
         instance = self.instance
         assert instance is not None
@@ -566,14 +589,23 @@ class EngineDecodeLeg:
             ) as response:
                 if response.status_code != 200:
                     content = await response.aread()
-                    status = response.status_code
-                    message = _engine_message(content) or f"decode answered {status}"
-                    # (a 4xx to a body choice 0's leg was served with: not the instance's)
-                    leg.stream.fail(f"choice {leg.choice}: {message}", blame=status >= 500)
+                    failure = _answer_failure(
+                        pool, instance, "decode", response.status_code, content
+                    )
+                    if failure.status < 500:  # the client's own: passed on
+                        answers.refused(
+                            rm.DecodeRejected(failure.message, retryable=False, failure=failure)
+                        )
+                    else:
+                        answers.refused(rm.DecodeFailed(failure.message))
                     return
+                answers.accepted()
                 await self._read(response, leg)
         except _TRANSPORT_ERRORS as exc:
-            leg.stream.fail(f"decode lost choice {leg.choice}: {_why(exc)}")
+            # (the stream's own reads are _read's: this is the leg failing to start)
+            why = f"decode on {instance.instance_id} lost: {_why(exc)}"
+            pool.failed(instance, why)
+            answers.refused(rm.DecodeFailed(why))
         finally:
             instance.in_flight -= 1
 
@@ -664,7 +696,7 @@ class EngineDecodeLeg:
             ending.text,
             ending.tokens,
             ending.finish_reason,
-            self._usage(final_usage, seen),
+            self._usage(leg.choice, final_usage, seen),
             ending.logprobs,
             tool_calls=ending.tool_calls,
         )
@@ -675,14 +707,13 @@ class EngineDecodeLeg:
         leg.decoded = True
         assert self.instance is not None
         self._pool.served_prefix(self.instance, self._prefill.prefix_keys)
-        if leg.choice == 0:
-            self._prefill.unpulled = None
-            self._kv_pulled.set()
+        self._prefill.unpulled[leg.choice] = None
 
-    def _usage(self, final: Usage | None, completion_tokens: int) -> Usage:
-        """A leg's counts: decode's, with prefill's cached tokens (vLLM: decode's say what
-        decode found; SGLang: decode's, prefill's answer may come after)."""
-        answer = self._prefill.answer
+    def _usage(self, choice: int, final: Usage | None, completion_tokens: int) -> Usage:
+        """Choice ``choice``'s counts: decode's, with its prefill's cached tokens (vLLM:
+        decode's say what decode found; SGLang: decode's, prefill's answer may come
+        after)."""
+        answer = self._prefill.answers[choice]
         if final is None:
             prompt = 0 if answer is None else answer.prompt_tokens
             cached = 0 if answer is None else answer.cached_tokens
@@ -718,6 +749,29 @@ class EngineDecodeLeg:
 
 
 @final
+class _LegAnswers:
+    """A decode run's legs' answers: all in once every leg answered 200, or once one did
+    not (``refusal``: what the machine hears)."""
+
+    __slots__ = ("_waiting", "all_in", "refusal")
+
+    def __init__(self, legs: int) -> None:
+        self._waiting = legs
+        self.all_in = trio.Event()
+        self.refusal: rm.DecodeRejected | rm.DecodeFailed | None = None
+
+    def accepted(self) -> None:
+        self._waiting -= 1
+        if not self._waiting:
+            self.all_in.set()
+
+    def refused(self, event: rm.DecodeRejected | rm.DecodeFailed) -> None:
+        if self.refusal is None and not self.all_in.is_set():
+            self.refusal = event
+            self.all_in.set()
+
+
+@final
 @attrs.frozen
 class _Ending:
     """A leg's finishing chunk, held until the counts that end its stream."""
@@ -727,6 +781,15 @@ class _Ending:
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...] | None
     tool_calls: list[ToolCall]
+
+
+def _prefill_failure_rank(failed: rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed) -> int:
+    """Which of a request's prefill failures (one per failed choice) the machine hears: the
+    client's own (a 4xx: not retried) first, then the instance's, then a call it never saw
+    (only when no choice's got through)."""
+    if isinstance(failed, rm.PrefillFailed):
+        return 0 if failed.failure.status < 500 else 1
+    return 2 if isinstance(failed, rm.PrefillLost) else 3
 
 
 def _prefill_failure_message(failed: rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed) -> str:
