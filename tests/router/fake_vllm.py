@@ -49,6 +49,9 @@ class FakeVllm:
     # --tool-call-parser hermes: the calls as delta.tool_calls) or not (as text)
     tool_calls: list[tuple[str, dict[str, Any]]] = attrs.Factory(list)
     tool_parser: bool = True
+    # its tool parser streams its last call with a name that is not a string (an engine's
+    # bug, after the tokens of the calls before it)
+    bad_tool_calls: bool = False
     # pulls of blocks it did not hold (vLLM: "Potentially invalid KV blocks for
     # unrecognized request"): a decode pulling one prefill twice
     unrecognized_pulls: list[str] = attrs.Factory(list)
@@ -57,8 +60,12 @@ class FakeVllm:
     stalled: int = 0  # legs stalled so far
     hung_up: int = 0  # stalled legs whose client (the router) hung up
     stalls_changed: trio.Event = attrs.Factory(trio.Event)
-    # a decode leg waits for this before it answers (a slow decode), when set
+    # a decode leg waits for this before it answers (a slow decode), when set; only the
+    # streamed legs of these choices (``choice_of``), when set
     decode_gate: trio.Event | None = None
+    gated_choices: frozenset[int] | None = None
+    # the streamed decode legs of these choices answer 500 (their KV not pulled)
+    failed_choices: frozenset[int] = frozenset()
     decode_waiting: trio.Event = attrs.Factory(trio.Event)  # a decode leg is at the gate
     decode_aborted: trio.Event = attrs.Factory(trio.Event)  # one was aborted there
     _held_changed: trio.Event = attrs.Factory(trio.Event)
@@ -192,7 +199,13 @@ class FakeVllm:
                 {"id": request_id, "choices": [choice], "usage": usage, "kv_transfer_params": kv},
             )
             return
-        if self.decode_gate is not None:
+        choice = choice_of(request_id) if request.get("stream") else None
+        if choice in self.failed_choices:
+            await _json(send, 500, {"error": {"message": f"{self.name} fails choice {choice}"}})
+            return
+        if self.decode_gate is not None and (
+            self.gated_choices is None or choice in self.gated_choices
+        ):
             self.decode_waiting.set()
             # as vLLM does, a request whose client (the router) hung up is aborted: it
             # pulls nothing
@@ -353,8 +366,10 @@ class FakeVllm:
                 function, arguments = call["function"], call["function"]["arguments"]
                 half = len(arguments) // 2
                 head = {"index": call["index"], "id": call["id"], "type": "function"}
+                bad = self.bad_tool_calls and call is calls[-1]
+                name = 42 if bad else function["name"]
                 pieces += [
-                    Piece("", {**head, "function": {"name": function["name"], "arguments": ""}}),
+                    Piece("", {**head, "function": {"name": name, "arguments": ""}}),
                     Piece(
                         "", {"index": call["index"], "function": {"arguments": arguments[:half]}}
                     ),
@@ -383,10 +398,13 @@ class FakeVllm:
         return FakeAnswer(pieces, finish, calls)
 
     def _calls_for(self, request: dict[str, Any]) -> list[dict[str, Any]]:
-        """The calls its model makes to a request with tools (none with tool_choice "none";
-        a named function's alone, as vLLM's guided decoding forces)."""
+        """The calls its model makes to a request with tools (a named function's alone, as
+        vLLM's guided decoding forces; none with tool_choice "none", where its parser
+        would read them: without one, the model may still write a call-like block, text)."""
         choice = request.get("tool_choice")
-        if not request.get("tools") or not self.tool_calls or choice == "none":
+        if not request.get("tools") or not self.tool_calls:
+            return []
+        if choice == "none" and self.tool_parser:
             return []
         wanted = self.tool_calls
         if isinstance(choice, dict):
@@ -403,6 +421,13 @@ class FakeVllm:
 
     def legs(self) -> list[dict[str, Any]]:
         return [body for body, _ in self.received]
+
+
+def choice_of(request_id: str) -> int:
+    """The choice a leg's X-Request-Id names: the router's ``{id}-{choice}`` for choice > 0
+    (an id of its own is ``{prefix}-{hex}``: one dash)."""
+    head, _, tail = request_id.rpartition("-")
+    return int(tail) if tail.isdigit() and "-" in head else 0
 
 
 @attrs.frozen
