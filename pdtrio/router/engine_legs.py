@@ -60,7 +60,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast, final
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast, final
 
 import attrs
 import httpx
@@ -111,6 +111,8 @@ _TRANSPORT_ERRORS = (httpx.HTTPError, OSError)
 _DECODE_PHASES = frozenset({rm.Phase.DECODE_STARTING, rm.Phase.DECODING})
 # a leg's stream failed by the decode instance (the reason it is suspended for)
 _DECODE_FAILED = "decode_failed"
+# what the machine hears of a prefill call that did not answer with KV
+_PrefillFailure: TypeAlias = rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed
 
 
 @final
@@ -217,9 +219,7 @@ class EnginePrefillLeg:
         self.answers = [None] * choices
         self.unpulled = [None] * choices
         # each choice's prefill at once (a PD flow per choice: ``vllm_pd.choice_body``)
-        failures: list[rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed | None] = [
-            None
-        ] * choices
+        failures: list[_PrefillFailure | None] = [None] * choices
         async with trio.open_nursery() as calls:
             for choice in range(choices):
                 calls.start_soon(self._prefill_choice, instance, choice, failures)
@@ -249,7 +249,7 @@ class EnginePrefillLeg:
         self,
         instance: EngineInstance,
         choice: int,
-        failures: list[rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed | None],
+        failures: list[_PrefillFailure | None],
     ) -> None:
         """vLLM: choice ``choice``'s prefill call; its answer (and KV) recorded as it comes,
         so a request cut meanwhile frees what the calls that answered kept."""
@@ -271,7 +271,7 @@ class EnginePrefillLeg:
 
     async def _call(
         self, instance: EngineInstance, body: Mapping[str, Any], request_id: str
-    ) -> httpx.Response | rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed:
+    ) -> httpx.Response | _PrefillFailure:
         """Post a prefill leg (as ``request_id``): its 200 answer, or what the machine hears
         instead."""
         pool = self._pool
@@ -303,9 +303,7 @@ class EnginePrefillLeg:
         self._pool.failed(instance, why)
         self._last_failure = f"{instance.instance_id}: {why}"
 
-    async def call_beside(
-        self, body: Mapping[str, Any], request_id: str
-    ) -> rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed | None:
+    async def call_beside(self, body: Mapping[str, Any], request_id: str) -> _PrefillFailure | None:
         """SGLang: a choice's prefill call (``body``: its room's), beside its decode stream
         (bounded by the prefill timeout); what failed, if it did."""
         instance = self.instance
@@ -437,7 +435,7 @@ class EngineDecodeLeg:
         self._scope: trio.CancelScope | None = None  # the decode run's legs, while open
         self._streaming = False  # counted in the router's active streams
         # SGLang: what a prefill call beside decode failed with (before any decode's token)
-        self._prefill_failed: rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed | None = None
+        self._prefill_failed: _PrefillFailure | None = None
         self._choices: list[_ChoiceLeg] = []  # the current run's
 
     @property
@@ -783,7 +781,7 @@ class _Ending:
     tool_calls: list[ToolCall]
 
 
-def _prefill_failure_rank(failed: rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed) -> int:
+def _prefill_failure_rank(failed: _PrefillFailure) -> int:
     """Which of a request's prefill failures (one per failed choice) the machine hears: the
     client's own (a 4xx: not retried) first, then the instance's, then a call it never saw
     (only when no choice's got through)."""
@@ -792,7 +790,7 @@ def _prefill_failure_rank(failed: rm.PrefillNotSent | rm.PrefillLost | rm.Prefil
     return 2 if isinstance(failed, rm.PrefillLost) else 3
 
 
-def _prefill_failure_message(failed: rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed) -> str:
+def _prefill_failure_message(failed: _PrefillFailure) -> str:
     if isinstance(failed, rm.PrefillFailed):
         return failed.failure.message
     if isinstance(failed, rm.PrefillLost):

@@ -64,7 +64,8 @@ class FakeVllm:
     # streamed legs of these choices (``choice_of``), when set
     decode_gate: trio.Event | None = None
     gated_choices: frozenset[int] | None = None
-    # the streamed decode legs of these choices answer 500 (their KV not pulled)
+    # the prefill legs and the streamed decode legs of these choices answer 500 (a decode
+    # leg pulling nothing)
     failed_choices: frozenset[int] = frozenset()
     decode_waiting: trio.Event = attrs.Factory(trio.Event)  # a decode leg is at the gate
     decode_aborted: trio.Event = attrs.Factory(trio.Event)  # one was aborted there
@@ -164,6 +165,9 @@ class FakeVllm:
         n = int(request.get("n") or 1)
         children = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
         if params.get("do_remote_decode"):
+            if choice_of(request_id) in self.failed_choices:
+                await _json(send, 500, {"error": {"message": f"{self.name} fails a choice"}})
+                return
             for child in children:
                 self.hold(child, prompt_tokens)
             request_id = children[-1]  # (the answer names one child's blocks: the rest wait)

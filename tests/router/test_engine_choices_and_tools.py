@@ -271,6 +271,27 @@ async def test_a_choice_failing_before_any_token_sends_the_request_again_from_ne
             await prefill.wait_until(holding=False)  # and the first prefills' KV freed
 
 
+async def test_a_choices_prefill_failing_frees_the_others_kv_and_another_prefill_takes_it() -> None:
+    async with fronted(prefills=2) as (url, [failing, working], [decode], app):
+        pool = _pool(app)
+        pool.failed(pool.instances[working.url], "kept out of the first pick")
+        failing.failed_choices = frozenset({1})  # choice 0's prefill is held, choice 1's fails
+        async with httpx.AsyncClient(base_url=url) as client:
+            response = await client.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "a b", "max_tokens": 2, "n": 2, "seed": 5},
+            )
+        assert response.status_code == 200, response.text
+        assert [c["text"] for c in response.json()["choices"]] == [_seeded(5, 2), _seeded(6, 2)]
+        assert len(failing.legs()) == len(working.legs()) == 2
+        with trio.fail_after(10):
+            # choice 0's blocks on the failed prefill: pulled by a one-token leg
+            await failing.wait_until(holding=False)
+            await working.wait_until(holding=False)
+        [release] = [leg for leg in decode.legs() if leg["stream"] is False]
+        assert release["kv_transfer_params"]["remote_engine_id"] == "p0"
+
+
 async def test_a_choice_failing_mid_stream_ends_the_answer_with_an_error_event_and_done() -> None:
     async with fronted() as (url, [prefill], [decode], _):
         decode.fail_after_tokens = 2
