@@ -114,7 +114,7 @@ class AnswerShape:
         item_status: MessageStatus = "incomplete" if finish_reason == "length" else "completed"
         calls: list[ToolCall] = []
         tools = request.chat.tools
-        if tools is not None:
+        if tools is not None and tools.shown:  # ("none": a call-like block stays text)
             text, calls = parse_tool_calls(text, [function.name for function in tools.functions])
         output = (
             []

@@ -11,6 +11,11 @@ them on prefill) and generates the whole answer, streamed.  A null
 ``kv_transfer_params`` (prefill ended at its one token) makes decode's a plain
 request.
 
+Tools: the legs carry the client's ``tools`` and ``tool_choice``, so the engine renders
+them with its chat template; an engine started with a tool parser answers calls as
+``delta.tool_calls`` (read here, :class:`EngineToolCalls` gathers them into whole
+calls), one without answers text (the router reads ``<tool_call>`` blocks out of it).
+
 Logprobs, when the client asks for them, come on decode's stream in OpenAI's
 shapes (decode computes every token again, the first included): read here as
 :class:`TokenLogprob` items, shaped again for the client by the router's shaper.
@@ -22,11 +27,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, final
 
 import attrs
 
+from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.wire import MAX_TOP_LOGPROBS, TokenLogprob, Usage
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -47,6 +53,30 @@ PATHS: Mapping[Endpoint, str] = {"chat": "/v1/chat/completions", "completion": "
 
 class EngineAnswerError(ValueError):
     """An engine's answer is not what its protocol says it sends."""
+
+
+def choice_body(client_body: Mapping[str, Any], choice: int) -> dict[str, Any]:
+    """The client's request as choice ``choice`` of its ``n`` runs alone: one sample
+    (``n``, and ``best_of``, which pdtrio serves only equal to it, left out), with
+    ``seed + choice`` when it has a seed (what vLLM gives its own n samples, so each
+    choice is what a single request with that seed would answer).
+
+    Why each choice is a PD flow of its own, a prefill leg and a decode leg (vLLM's and
+    SGLang's), rather than one flow with ``n``: vLLM 0.32 forks a request
+    with ``n`` into n child requests in its front end, each carrying the same
+    ``kv_transfer_params``: on prefill each child holds its own copy of the prompt's
+    blocks and the answer names only one (the rest stranded until the lease ends); on
+    decode each child pulls the same remote blocks, and the first pull's notification
+    frees them on prefill while the others may still be reading (the NIXL connector
+    then logs "potentially invalid KV blocks").  SGLang's bootstrap pairs one prefill
+    with one decode per room; how it numbers the rooms of n samples is its own.  One
+    sample per flow is the form both serve as designed.
+    """
+    body = {key: value for key, value in client_body.items() if key not in ("n", "best_of")}
+    seed = body.get("seed")
+    if choice and isinstance(seed, int) and not isinstance(seed, bool):
+        body["seed"] = seed + choice
+    return body
 
 
 def prefill_body(client_body: Mapping[str, Any]) -> dict[str, Any]:
@@ -136,6 +166,81 @@ class DecodeChunk:
     error: str | None = None  # an error event: the engine failed the stream
     # the chunk's tokens' logprobs, one item per token (None: none asked, or none sent)
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # chat: the pieces of tool calls the engine's tool parser read out of its answer
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+
+
+@final
+@attrs.frozen
+class ToolCallDelta:
+    """A piece of an engine's streamed tool call (OpenAI's ``delta.tool_calls[i]``): its
+    first piece has the call's id and name, the next ones more of its arguments."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str | None
+
+
+@final
+class EngineToolCalls:
+    """An engine's streamed tool-call pieces gathered into whole calls.
+
+    Engines stream calls one after the other (vLLM's and SGLang's tool parsers): a call
+    is whole once a later one begins, or the answer ends.  A call is relayed whole, as
+    pdtrio's own calls are (the client's stream has each call in one chunk).
+    """
+
+    __slots__ = ("_open", "_closed_below")
+
+    def __init__(self) -> None:
+        self._open: dict[int, _PartialCall] = {}
+        self._closed_below = 0  # calls of a lower index are whole and relayed
+
+    def feed(self, deltas: Sequence[ToolCallDelta]) -> list[ToolCall]:
+        """The calls ``deltas`` complete (those before a call they begin)."""
+        whole: list[ToolCall] = []
+        for delta in deltas:
+            if delta.index < self._closed_below:
+                raise EngineAnswerError(
+                    f"decode streamed more of tool call {delta.index} after a later one began"
+                )
+            partial = self._open.get(delta.index)
+            if partial is None:
+                whole += self._close(below=delta.index)
+                partial = self._open[delta.index] = _PartialCall()
+            if delta.id and not partial.id:
+                partial.id = delta.id
+            if delta.name and not partial.name:
+                partial.name = delta.name
+            if delta.arguments:
+                partial.arguments.append(delta.arguments)
+        return whole
+
+    def finish(self) -> list[ToolCall]:
+        """The calls still open when the answer ended."""
+        return self._close(below=None)
+
+    def _close(self, below: int | None) -> list[ToolCall]:
+        whole = []
+        for index in sorted(self._open):
+            if below is not None and index >= below:
+                break
+            partial = self._open.pop(index)
+            if not partial.name:
+                raise EngineAnswerError(f"decode streamed tool call {index} without its name")
+            # (a call of a function with no parameters may come with no arguments at all)
+            arguments = "".join(partial.arguments) or "{}"
+            whole.append(ToolCall(index, partial.id, partial.name, arguments))
+            self._closed_below = index + 1
+        return whole
+
+
+@attrs.define
+class _PartialCall:
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = attrs.Factory(list)
 
 
 def parse_decode_event(
@@ -161,6 +266,7 @@ def parse_decode_event(
     text = ""
     finish_reason = None
     logprobs = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()
     choices = event.get("choices") or []
     if choices:
         choice = choices[0]
@@ -168,7 +274,10 @@ def parse_decode_event(
             raise EngineAnswerError("decode sent a choice that is not an object")
         if endpoint == "chat":
             delta = choice.get("delta") or {}
+            if not isinstance(delta, dict):
+                raise EngineAnswerError("decode sent a delta that is not an object")
             text = delta.get("content") or ""
+            tool_calls = _tool_call_deltas(delta.get("tool_calls"))
         else:
             text = choice.get("text") or ""
         finish_reason = choice.get("finish_reason")
@@ -188,7 +297,35 @@ def parse_decode_event(
         if not choices and running is not None:  # the usage-only chunk that ends the stream
             prompt, cached = _prompt_counts(usage)
             final = Usage(prompt, running, cached)
-    return DecodeChunk(text, running, finish_reason, final, logprobs=logprobs)
+    return DecodeChunk(
+        text, running, finish_reason, final, logprobs=logprobs, tool_calls=tool_calls
+    )
+
+
+def _tool_call_deltas(shaped: Any) -> tuple[ToolCallDelta, ...]:
+    """A chat delta's ``tool_calls`` (``[{"index", "id", "type", "function": {"name",
+    "arguments"}}]``, each field but the index present only when it has something)."""
+    if not shaped:
+        return ()
+    if not isinstance(shaped, list):
+        raise EngineAnswerError("decode sent tool_calls that are not a list")
+    deltas = []
+    for entry in shaped:
+        if not isinstance(entry, dict):
+            raise EngineAnswerError("decode sent a tool call that is not an object")
+        index = entry.get("index", 0)
+        function = entry.get("function") or {}
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise EngineAnswerError("decode sent a tool call whose index is not a number")
+        if not isinstance(function, dict):
+            raise EngineAnswerError("decode sent a tool call whose function is not an object")
+        fields = (entry.get("id"), function.get("name"), function.get("arguments"))
+        if not all(value is None or isinstance(value, str) for value in fields):
+            raise EngineAnswerError(
+                "decode sent a tool call whose id, name or arguments is not a string"
+            )
+        deltas.append(ToolCallDelta(index, *fields))
+    return tuple(deltas)
 
 
 def chat_token_logprobs(shaped: Any) -> tuple[TokenLogprob, ...]:

@@ -269,19 +269,6 @@ class RouterApp:
                         param="input",
                     )
                 assert not isinstance(request, ResponsesRequest)
-                if isinstance(request, ChatCompletionRequest) and request.tools is not None:
-                    # the engine would read its calls itself, and its stream is re-shaped
-                    # here from the text alone
-                    raise bad_request(
-                        "tools are not served in front of vLLM or SGLang engines yet.",
-                        param="tools",
-                    )
-                if request.sampling.n > 1:
-                    # the engine's legs carry one stream, shaped here as one choice
-                    raise bad_request(
-                        "n > 1 is not served in front of vLLM or SGLang engines yet.",
-                        param="n",
-                    )
                 # an engine gets the client's own request (what pdtrio validated), its legs'
                 # fields set on it
                 await _front_engines(

@@ -15,8 +15,10 @@ the worker link's own errors are these.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
+from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.stream_buffer import StreamBuffer
 from pdtrio.protocol.wire import (
     DecodeRejected,
@@ -52,6 +54,9 @@ class DecodeRun(Protocol):
     token_ids: list[int] | None  # every token id pushed, when kept (a migration needs them)
     # the logprobs of tokens sent ahead of them and not delivered yet (None: not asked)
     logprobs: list[TokenLogprob] | None
+    # the tool calls an engine read out of its answer itself, not delivered yet (None: a
+    # backend whose calls the router reads out of the text, as pdtrio's workers')
+    tool_calls: list[ToolCall] | None
 
     async def wait_update(self) -> None:
         """Until something new arrived (an answer, tokens, a failure)."""
@@ -59,6 +64,18 @@ class DecodeRun(Protocol):
     async def hold_until(self, deadline: float, timer: Any) -> None:
         """Until about ``deadline`` (adaptive egress spacing its sends); a finish or a
         failure ends it early.  ``timer``: the router's, which wakes the holds."""
+
+
+class ChoiceRuns(Protocol):
+    """A request with ``n`` > 1 on decode: each of its choices' runs, woken together."""
+
+    @property
+    def choices(self) -> Mapping[int, DecodeRun] | None:
+        """Each choice's run, by its index (None: the request runs one choice)."""
+        ...
+
+    async def wait_choices_update(self) -> None:
+        """Until any choice's run got something new."""
 
 
 class PrefillBackend(Protocol):

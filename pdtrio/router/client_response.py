@@ -20,7 +20,7 @@ import trio
 from pdtrio.asgi import Message, Receive, Send, send_json
 from pdtrio.protocol.answers import AnswerKind, Shaper
 from pdtrio.protocol.openai import OpenAIError, chat_completion_body, completion_body
-from pdtrio.protocol.openai.tools import ToolCallParser, parse_tool_calls, tool_finish_reason
+from pdtrio.protocol.openai.tools import ToolCall, ToolCallParser, tool_finish_reason
 from pdtrio.protocol.responses_sse import ResponsesStreamShaper
 from pdtrio.protocol.sse import ChoiceShapers, StreamShaper
 from pdtrio.protocol.wire import TokenLogprob, Usage
@@ -82,6 +82,7 @@ class ClientResponse:
         self._complete = False
         # the request asked for logprobs (with this many alternatives): gathered too
         self._top_logprobs = top_logprobs
+        self._choices = choices
         # not streaming: each choice's answer, gathered
         self._answers = (
             [_Answer(top_logprobs is not None) for _ in range(choices)] if shaper is None else []
@@ -124,20 +125,33 @@ class ClientResponse:
         final: bool = False,
         logprobs: Sequence[TokenLogprob] | None = None,
         choice: int = 0,
+        tool_calls: Sequence[ToolCall] = (),
     ) -> None:
         """Send (or, not streaming, gather) a delta of choice ``choice``; ``final``: and end
-        the response with it.  ``logprobs``: its tokens', when the request asked for them."""
+        the response with it.  ``logprobs``: its tokens', when the request asked for them;
+        ``tool_calls``: calls an engine read out of its answer itself, after the text."""
         if self.shaper is None:
-            self._answers[choice].add(text, finish_reason, usage, logprobs)
+            self._answers[choice].add(text, finish_reason, usage, logprobs, tool_calls)
             return
         shaper: Shaper = (
             self.shaper if self._choice_shapers is None else self._choice_shapers.choice(choice)
         )
+        if tool_calls and self._tool_parsers is None:
+            # an engine's calls where none are read out of the text (tool_choice "none"):
+            # relayed as the engine made them
+            self._tool_parsers = [ToolCallParser(()) for _ in range(self._choices)]
         if self._tool_parsers is None:
             chunk = shaper.delta(text, num_tokens, finish_reason, usage, logprobs)
         else:
             chunk = self._tool_chunks(
-                shaper, self._tool_parsers[choice], text, num_tokens, finish_reason, usage, logprobs
+                shaper,
+                self._tool_parsers[choice],
+                text,
+                num_tokens,
+                finish_reason,
+                usage,
+                logprobs,
+                tool_calls,
             )
         if not self._headers_out:
             self._headers_out = True
@@ -172,12 +186,15 @@ class ClientResponse:
         finish_reason: str | None,
         usage: Usage | None,
         logprobs: Sequence[TokenLogprob] | None,
+        engine_calls: Sequence[ToolCall],
     ) -> bytes:
         """``shaper.delta`` for a request with tools: its text less the calls, then the
-        calls, then the finish (``tool_calls`` once a call was made)."""
+        calls (those read out of the text, then the engine's own), then the finish
+        (``tool_calls`` once a call was made)."""
         # (a chat or a Responses stream: each shaper takes the calls)
         assert isinstance(shaper, StreamShaper | ResponsesStreamShaper)
         content, calls = parser.feed(text)
+        calls += [parser.adopt(call) for call in engine_calls]
         if finish_reason is not None:
             more, more_calls = parser.finish()
             content, calls = content + more, calls + more_calls
@@ -228,8 +245,8 @@ class ClientResponse:
         if self.kind == "chat":
             calls = None
             finish_reason = answer.finish_reason
-            if self._tool_names is not None:
-                text, calls = parse_tool_calls(text, self._tool_names)
+            if self._tool_names is not None or answer.engine_called:
+                text, calls = answer.content_and_calls(self._tool_names or ())
                 if finish_reason is not None:
                     finish_reason = tool_finish_reason(finish_reason, bool(calls))
             return chat_completion_body(
@@ -358,10 +375,12 @@ class ClientResponse:
 class _Answer:
     """One choice's answer, gathered (not streaming)."""
 
-    __slots__ = ("_text_parts", "finish_reason", "logprobs", "usage")
+    __slots__ = ("_parts", "engine_called", "finish_reason", "logprobs", "usage")
 
     def __init__(self, with_logprobs: bool) -> None:
-        self._text_parts: list[str] = []
+        # its text, and the calls an engine read out of it, in the order they came
+        self._parts: list[str | ToolCall] = []
+        self.engine_called = False
         self.finish_reason: str | None = None
         self.usage: Usage | None = None
         self.logprobs: list[TokenLogprob] | None = [] if with_logprobs else None
@@ -372,15 +391,35 @@ class _Answer:
         finish_reason: str | None,
         usage: Usage | None,
         logprobs: Sequence[TokenLogprob] | None,
+        tool_calls: Sequence[ToolCall] = (),
     ) -> None:
         if logprobs and self.logprobs is not None:
             self.logprobs += logprobs
         if text:
-            self._text_parts.append(text)
+            self._parts.append(text)
+        if tool_calls:
+            self.engine_called = True
+            self._parts += tool_calls
         if finish_reason is not None:
             self.finish_reason = finish_reason
             self.usage = usage
 
     @property
     def text(self) -> str:
-        return "".join(self._text_parts)
+        return "".join(part for part in self._parts if isinstance(part, str))
+
+    def content_and_calls(self, names: Sequence[str]) -> tuple[str, list[ToolCall]]:
+        """Its text less the calls of ``names`` read out of it, and every call (the
+        engine's own among them, numbered in the order they came), as streamed."""
+        parser = ToolCallParser(names)
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        for part in self._parts:
+            if isinstance(part, str):
+                text, found = parser.feed(part)
+                content.append(text)
+                calls += found
+            else:
+                calls.append(parser.adopt(part))
+        text, found = parser.finish()
+        return "".join(content) + text, calls + found

@@ -27,6 +27,20 @@ stream: a prefill failing before decode's first token closes the decode leg
 (it would wait for KV that never comes), and the machine hears of it
 (``PrefillFailed``/``PrefillLost`` while decode starts) and tries another.
 
+Several choices (``n`` > 1): a PD flow per choice (its prefill, its leg on the decode
+placed), streamed back as the choices of one answer by the shared
+:func:`pdtrio.router.legs.stream_choices` (:class:`EngineDecodeLeg` says how;
+``vllm_pd.choice_body`` why the engines are never sent ``n``).  A client that leaves,
+or any choice failing, closes every leg; each choice's unpulled KV is freed as one
+request's is.
+
+Tools: the legs carry the client's ``tools`` and ``tool_choice``, and the engine
+renders them with its chat template.  The calls its tool parser read out of the answer
+(``delta.tool_calls``: vLLM's ``--enable-auto-tool-choice --tool-call-parser ...``,
+SGLang's ``--tool-call-parser``) reach the client as whole OpenAI calls; an engine with
+no parser answers text, whose ``<tool_call>`` blocks the router reads out as it does
+on its own workers (``pdtrio.protocol.openai.tools``).
+
 Logprobs: the legs carry the client's fields as they came; decode's stream
 brings every token's (vLLM's decode computes them all again; SGLang's gets the
 first token's from prefill with the KV, so its prefill leg must ask too), read
@@ -46,19 +60,23 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, cast, final
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, cast, final
 
+import attrs
 import httpx
 import trio
 
 from pdtrio.protocol import request_machine as rm
 from pdtrio.protocol.errors import Reason
+from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.sglang_pd import ROOM_BITS, bootstrap_body, prefill_leg_body
 from pdtrio.protocol.stream_buffer import PushResult, StreamBuffer
 from pdtrio.protocol.vllm_pd import (
     PATHS,
     EngineAnswerError,
+    EngineToolCalls,
     PrefillAnswer,
+    choice_body,
     decode_body,
     parse_decode_event,
     parse_prefill_answer,
@@ -75,6 +93,7 @@ from pdtrio.router.legs import (
     RunDecode,
     ShellFailure,
     Wait,
+    stream_choices,
     stream_tokens,
 )
 from pdtrio.router.worker_link import CUT_OFF_MESSAGE
@@ -90,6 +109,10 @@ _RELEASE_TIMEOUT_S = 30.0
 _TRANSPORT_ERRORS = (httpx.HTTPError, OSError)
 # where a prefill running beside its decode may still fail the request
 _DECODE_PHASES = frozenset({rm.Phase.DECODE_STARTING, rm.Phase.DECODING})
+# a leg's stream failed by the decode instance (the reason it is suspended for)
+_DECODE_FAILED = "decode_failed"
+# what the machine hears of a prefill call that did not answer with KV
+_PrefillFailure: TypeAlias = rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed
 
 
 @final
@@ -139,11 +162,22 @@ class EnginePrefillLeg:
         self._legs = legs
         self._pool = legs.pool
         self.instance: EngineInstance | None = None
-        self.answer: PrefillAnswer | None = None  # vLLM prefill's, once it answered
-        # vLLM: prefill's kv_transfer_params while its blocks wait for a decode to pull them
-        self.unpulled: Mapping[str, Any] | None = None
-        # SGLang: both legs' body (the room named), once the prefill instance is picked
-        self.bootstrap: dict[str, Any] | None = None
+        # the client's request as each of its choices runs it (``vllm_pd.choice_body``)
+        self.choice_bodies = [
+            choice_body(legs.client_body, choice) for choice in range(host.request.sampling.n)
+        ]
+        choices = len(self.choice_bodies)
+        # vLLM: each choice's prefill answer, once it came
+        self.answers: list[PrefillAnswer | None] = [None] * choices
+        # vLLM: each choice's kv_transfer_params while its blocks wait for a decode to pull
+        # them (None: pulled, freed, or none kept)
+        self.unpulled: list[Mapping[str, Any] | None] = [None] * choices
+        # a decode run is under way: it frees what its legs did not pull when it ends (a
+        # release now would race its legs' pulls)
+        self.decoding = False
+        # SGLang: each choice's body for both its legs (its room named), once the prefill
+        # instance is picked
+        self.bootstraps: list[dict[str, Any]] | None = None
         self.decode: EngineInstance | None = None  # the decode it was placed on, if any
         self._last_failure = ""
         # the prompt's keys in the pool's approximate prefix index (decode's leg's too)
@@ -166,50 +200,87 @@ class EnginePrefillLeg:
         if command.retry:
             host.router.metrics.retries.labels("prefill").inc()
         self.instance = instance
-        self.answer = None
         await host.report(rm.PrefillSent(instance.instance_id))
         if pool.kind == "sglang":
-            self.bootstrap = bootstrap_body(
-                self._legs.client_body,
-                httpx.URL(instance.url).host,
-                instance.config.bootstrap_port,
-                secrets.randbits(ROOM_BITS),
-            )
-            # its call goes out with decode's (SGLang's prefill answers once decode fetched)
+            # a room per choice: each choice is a transfer of its own
+            self.bootstraps = [
+                bootstrap_body(
+                    body,
+                    httpx.URL(instance.url).host,
+                    instance.config.bootstrap_port,
+                    secrets.randbits(ROOM_BITS),
+                )
+                for body in self.choice_bodies
+            ]
+            # its calls go out with decode's (SGLang's prefill answers once decode fetched)
             return await host.report(rm.Prefilled(None))
         started = time.perf_counter()
-        answered = await self._call(instance, prefill_body(self._legs.client_body))
-        if not isinstance(answered, httpx.Response):
-            return await host.report(answered)
-        try:
-            answer = parse_prefill_answer(answered.json())
-        except (ValueError, EngineAnswerError) as exc:
-            why = f"prefill's answer: {exc}"
-            pool.failed(instance, why)
-            self._last_failure = why
-            return await host.report(rm.PrefillLost(why))
+        choices = len(self.choice_bodies)
+        self.answers = [None] * choices
+        self.unpulled = [None] * choices
+        # each choice's prefill at once (a PD flow per choice: ``vllm_pd.choice_body``)
+        failures: list[_PrefillFailure | None] = [None] * choices
+        async with trio.open_nursery() as calls:
+            for choice in range(choices):
+                calls.start_soon(self._prefill_choice, instance, choice, failures)
+        failed = [failure for failure in failures if failure is not None]
+        if failed:
+            self.release()  # the choices it did prefill: no decode pulls them now
+            return await host.report(min(failed, key=_prefill_failure_rank))
+        answer = self.answers[0]
+        assert answer is not None
         pool.served(instance)
         pool.served_prefix(instance, self.prefix_keys)
         host.figures.prefill_s = time.perf_counter() - started
         host.figures.prompt_tokens = answer.prompt_tokens
         if host.shaper is not None:
             host.shaper.set_prompt_usage(answer.prompt_tokens, answer.cached_tokens)
-        self.answer = answer
-        self.unpulled = answer.kv_transfer_params
         # (no lease known: vLLM's own timer frees what no decode pulls)
         return await host.report(rm.Prefilled(None))
 
+    def choice_request_id(self, choice: int) -> str:
+        """What the engines know choice ``choice``'s legs by (choice 0: the request's own
+        id; the others: ids of their own, as requests running at once on one engine must
+        have, and as vLLM names their KV transfers by)."""
+        request_id = self._host.request_id
+        return request_id if choice == 0 else f"{request_id}-{choice}"
+
+    async def _prefill_choice(
+        self,
+        instance: EngineInstance,
+        choice: int,
+        failures: list[_PrefillFailure | None],
+    ) -> None:
+        """vLLM: choice ``choice``'s prefill call; its answer (and KV) recorded as it comes,
+        so a request cut meanwhile frees what the calls that answered kept."""
+        answered = await self._call(
+            instance, prefill_body(self.choice_bodies[choice]), self.choice_request_id(choice)
+        )
+        if not isinstance(answered, httpx.Response):
+            failures[choice] = answered
+            return
+        try:
+            answer = parse_prefill_answer(answered.json())
+        except (ValueError, EngineAnswerError) as exc:
+            why = f"prefill's answer: {exc}"
+            self._failed(instance, why)
+            failures[choice] = rm.PrefillLost(why)
+            return
+        self.answers[choice] = answer
+        self.unpulled[choice] = answer.kv_transfer_params
+
     async def _call(
-        self, instance: EngineInstance, body: Mapping[str, Any]
-    ) -> httpx.Response | rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed:
-        """Post a prefill leg: its 200 answer, or what the machine hears instead."""
+        self, instance: EngineInstance, body: Mapping[str, Any], request_id: str
+    ) -> httpx.Response | _PrefillFailure:
+        """Post a prefill leg (as ``request_id``): its 200 answer, or what the machine hears
+        instead."""
         pool = self._pool
         instance.in_flight += 1
         try:
             response = await pool.http.post(
                 instance.url + PATHS[self._legs.kind],
                 json=body,
-                headers=instance.headers(self._host.request_id),
+                headers=instance.headers(request_id),
             )
         except httpx.ConnectError as exc:
             self._failed(instance, f"prefill unreachable: {_why(exc)}")
@@ -232,14 +303,14 @@ class EnginePrefillLeg:
         self._pool.failed(instance, why)
         self._last_failure = f"{instance.instance_id}: {why}"
 
-    async def call_beside(self) -> rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed | None:
-        """SGLang: the prefill call, beside decode's stream (bounded by the prefill
-        timeout); what failed, if it did."""
-        instance, body = self.instance, self.bootstrap
-        assert instance is not None and body is not None
+    async def call_beside(self, body: Mapping[str, Any], request_id: str) -> _PrefillFailure | None:
+        """SGLang: a choice's prefill call (``body``: its room's), beside its decode stream
+        (bounded by the prefill timeout); what failed, if it did."""
+        instance = self.instance
+        assert instance is not None
         started = time.perf_counter()
         with trio.move_on_after(self._host.router.config.router.prefill_timeout_s):
-            answered = await self._call(instance, prefill_leg_body(body))
+            answered = await self._call(instance, prefill_leg_body(body), request_id)
             if not isinstance(answered, httpx.Response):
                 return answered
             self._pool.served(instance)
@@ -251,12 +322,21 @@ class EnginePrefillLeg:
         return rm.PrefillLost(why)
 
     def release(self) -> None:
-        """Free prefill's blocks no decode pulled (vLLM): a one-token decode leg pulls them
-        in the background, which frees them on prefill now rather than at vLLM's timeout.
-        (SGLang's prefill call ends with the decode run that carries it.)"""
-        params = self.unpulled
-        self.unpulled = None
-        if params is None:
+        """Free prefill's blocks no decode pulled (vLLM): a one-token decode leg per choice
+        pulls them in the background, which frees them on prefill now rather than at
+        vLLM's timeout.  While a decode run is under way, its end does it (its legs may
+        be pulling them).  (SGLang's prefill call ends with the decode run that carries
+        it.)"""
+        if not self.decoding:
+            self.release_unpulled()
+
+    def release_unpulled(self) -> None:
+        """Free the blocks of every choice no decode pulled (see :meth:`release`)."""
+        unpulled = [
+            (choice, params) for choice, params in enumerate(self.unpulled) if params is not None
+        ]
+        self.unpulled = [None] * len(self.unpulled)
+        if not unpulled:
             return
         pool = self._pool
         host = self._host
@@ -271,16 +351,20 @@ class EnginePrefillLeg:
                 host.request_id,
             )
             return
-        body = release_body(self._legs.client_body, params)
         try:
-            nursery.start_soon(self._pull_and_drop, decode, body)
+            for choice, params in unpulled:
+                body = release_body(self.choice_bodies[choice], params)
+                nursery.start_soon(
+                    self._pull_and_drop, decode, body, self.choice_request_id(choice)
+                )
         except RuntimeError:  # the router is stopping: prefill frees the blocks at its timeout
             log.warning(
                 "request %s: its prefilled KV is left to prefill's timeout", host.request_id
             )
 
-    async def _pull_and_drop(self, decode: EngineInstance, body: dict[str, Any]) -> None:
-        request_id = self._host.request_id
+    async def _pull_and_drop(
+        self, decode: EngineInstance, body: dict[str, Any], request_id: str
+    ) -> None:
         started = time.perf_counter()
         try:
             with trio.fail_after(_RELEASE_TIMEOUT_S):
@@ -318,8 +402,29 @@ class EnginePrefillLeg:
 
 
 @final
+@attrs.define(eq=False)
+class _ChoiceLeg:
+    """One choice of the request on decode: its stream, and (SGLang) its prefill call's body
+    (its room's)."""
+
+    choice: int
+    body: dict[str, Any]
+    stream: EngineStream
+    prefill_body: dict[str, Any] | None = None
+    decoded: bool = False  # decode produced a token of it (it has its KV)
+
+
+@final
 class EngineDecodeLeg:
-    """The request's decode leg on an engine: its placement and its stream."""
+    """The request's decode leg on an engine: its placement and its stream.
+
+    ``n`` > 1: each choice is a PD flow of its own (one sample each, ``vllm_pd.choice_body``
+    says why): its prefill (vLLM: its call and KV; SGLang: its room, its prefill call
+    beside its decode stream) and its leg on the decode placed, all at once, streamed
+    back as the choices of one answer by the shared :func:`stream_choices`.  The request
+    is one to the machine: a choice failing before any token went out sends the whole
+    request again from new prefills, one failing after it fails the request.
+    """
 
     def __init__(self, host: LegHost, legs: EngineLegs, prefill: EnginePrefillLeg) -> None:
         self._host = host
@@ -327,11 +432,11 @@ class EngineDecodeLeg:
         self._pool = legs.pool
         self._prefill = prefill
         self.instance: EngineInstance | None = None
-        self._scope: trio.CancelScope | None = None  # the decode leg's HTTP stream, while open
+        self._scope: trio.CancelScope | None = None  # the decode run's legs, while open
         self._streaming = False  # counted in the router's active streams
-        # SGLang: what its prefill call, beside decode's, failed with (before decode's token)
-        self._prefill_failed: rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed | None = None
-        self._decoded = False  # decode produced a token: prefill's late failure is moot
+        # SGLang: what a prefill call beside decode failed with (before any decode's token)
+        self._prefill_failed: _PrefillFailure | None = None
+        self._choices: list[_ChoiceLeg] = []  # the current run's
 
     @property
     def instance_id(self) -> str | None:
@@ -365,31 +470,57 @@ class EngineDecodeLeg:
         await host.report(rm.DecodeStartSent(instance.instance_id, instance.instance_id))
         return RunDecode(time.perf_counter())
 
-    def _body(self) -> dict[str, Any]:
+    def _choice_legs(self) -> list[_ChoiceLeg]:
+        """This run's legs, one per choice, each with a stream of its own."""
+        host = self._host
         prefill = self._prefill
-        if prefill.bootstrap is not None:
-            return decode_body(prefill.bootstrap, None)
-        return decode_body(self._legs.client_body, prefill.unpulled)
+        max_pending = host.router.config.router.stream_buffer_tokens
+        with_logprobs = host.request.sampling.wants_logprobs
+        legs = []
+        for choice, client_body in enumerate(prefill.choice_bodies):
+            stream = EngineStream(max_pending, with_logprobs=with_logprobs)
+            if prefill.bootstraps is not None:  # SGLang: its room, on both legs
+                room_body = prefill.bootstraps[choice]
+                legs.append(
+                    _ChoiceLeg(
+                        choice, decode_body(room_body, None), stream, prefill_leg_body(room_body)
+                    )
+                )
+            else:  # vLLM: each choice's leg pulls its own prefill's KV
+                params = prefill.unpulled[choice]
+                legs.append(_ChoiceLeg(choice, decode_body(client_body, params), stream))
+        return legs
+
+    def _request_id(self, leg: _ChoiceLeg) -> str:
+        return self._prefill.choice_request_id(leg.choice)
 
     async def run(self, wait: RunDecode) -> Wait | None:
-        """Decode's leg (and SGLang's prefill call beside it), its stream to the client."""
+        """Decode's legs (and SGLang's prefill calls beside them), streamed to the client."""
         host = self._host
         await host.report(rm.DecodeStartQueued())
         self._prefill_failed = None
-        self._decoded = False
+        self._choices = self._choice_legs()
         outcome: Wait | None = None
-        async with trio.open_nursery() as legs:
-            with trio.CancelScope() as decode_scope:
-                self._scope = decode_scope
-                if self._prefill.bootstrap is not None:
-                    legs.start_soon(self._prefill_beside, decode_scope)
-                outcome = await self._decode(wait.sent_at)
-            self._scope = None
-            ended = host.machine.ended
-            if ended is None or ended.ending is not rm.Ending.OK:
-                # decode did not finish: a prefill beside it would wait for its decode
-                legs.cancel_scope.cancel()
-            # (it finished: SGLang's prefill answers once the transfer is done)
+        self._prefill.decoding = True
+        try:
+            async with trio.open_nursery() as beside:
+                with trio.CancelScope() as decode_scope:
+                    self._scope = decode_scope
+                    for leg in self._choices:
+                        if leg.prefill_body is not None:
+                            beside.start_soon(self._prefill_beside, decode_scope, leg)
+                    outcome = await self._decode(wait.sent_at)
+                self._scope = None
+                ended = host.machine.ended
+                if ended is None or ended.ending is not rm.Ending.OK:
+                    # decode did not finish: a prefill beside it would wait for its decode
+                    beside.cancel_scope.cancel()
+                # (it finished: SGLang's prefill answers once the transfer is done)
+        finally:
+            # vLLM: a choice whose leg ended before its first token leaves KV no decode
+            # will pull now (a run again starts from new prefills): freed
+            self._prefill.decoding = False
+            self._prefill.release_unpulled()
         failed, self._prefill_failed = self._prefill_failed, None
         if failed is not None and host.machine.phase in _DECODE_PHASES:
             # (in another phase, decode's own failure was reported first: the machine
@@ -398,72 +529,98 @@ class EngineDecodeLeg:
             return await host.report(failed)
         return outcome
 
-    async def _prefill_beside(self, decode_scope: trio.CancelScope) -> None:
-        failed = await self._prefill.call_beside()
-        if failed is not None and not self._decoded and self._scope is decode_scope:
-            self._prefill_failed = failed
-            decode_scope.cancel()  # decode would wait for KV that never comes
+    async def _prefill_beside(self, decode_scope: trio.CancelScope, leg: _ChoiceLeg) -> None:
+        assert leg.prefill_body is not None
+        failed = await self._prefill.call_beside(leg.prefill_body, self._request_id(leg))
+        if failed is None or leg.decoded or self._scope is not decode_scope:
+            return
+        if any(other.decoded for other in self._choices):
+            # other choices are under way (their tokens may be out): this one cannot be
+            # served, which fails the request; decode is not to blame
+            why = _prefill_failure_message(failed)
+            leg.stream.fail(f"prefill failed choice {leg.choice}: {why}", blame=False)
+            return
+        self._prefill_failed = failed
+        decode_scope.cancel()  # decode would wait for KV that never comes
 
     async def _decode(self, sent_at: float) -> Wait | None:
+        """Every choice's leg at once; once each answered 200 (decode accepted the request),
+        their streams to the client.  A leg that did not is decode's answer: refused (a
+        4xx, the client's own) or failed."""
         host = self._host
+        answers = _LegAnswers(len(self._choices))
+        async with trio.open_nursery() as reader:
+            for leg in self._choices:
+                reader.start_soon(self._leg, leg, answers)
+            await answers.all_in.wait()
+            if answers.refusal is not None:
+                reader.cancel_scope.cancel()  # (the other legs: closed, aborted there)
+                return await host.report(answers.refusal)
+            host.figures.handoff_s = time.perf_counter() - sent_at
+            if not self._streaming:
+                self._streaming = True
+                host.router.metrics.streams_active.inc()
+            await host.report(rm.DecodeAccepted())
+            if len(self._choices) == 1:
+                outcome = await stream_tokens(
+                    host, self._choices[0].stream, self._served, self._failed
+                )
+            else:
+                runs = EngineChoices([leg.stream for leg in self._choices])
+                outcome = await stream_choices(host, runs, self._served, self._failed)
+            reader.cancel_scope.cancel()
+        return outcome
+
+    async def _leg(self, leg: _ChoiceLeg, answers: _LegAnswers) -> None:
+        """Choice ``leg.choice``'s leg on the decode placed: its answer to ``answers``, then
+        its events into its stream."""
         pool = self._pool
         instance = self.instance
         assert instance is not None
         instance.in_flight += 1
         try:
-            async with contextlib.AsyncExitStack() as stack:
-                try:
-                    response = await stack.enter_async_context(
-                        pool.http.stream(
-                            "POST",
-                            instance.url + PATHS[self._legs.kind],
-                            json=self._body(),
-                            headers=instance.headers(host.request_id),
-                        )
-                    )
-                    content = b"" if response.status_code == 200 else await response.aread()
-                except _TRANSPORT_ERRORS as exc:
-                    # (the stream's own reads are the reader's: this is the leg failing)
-                    why = f"decode on {instance.instance_id} lost: {_why(exc)}"
-                    pool.failed(instance, why)
-                    return await host.report(rm.DecodeFailed(why))
+            async with pool.http.stream(
+                "POST",
+                instance.url + PATHS[self._legs.kind],
+                json=leg.body,
+                headers=instance.headers(self._request_id(leg)),
+            ) as response:
                 if response.status_code != 200:
+                    content = await response.aread()
                     failure = _answer_failure(
                         pool, instance, "decode", response.status_code, content
                     )
                     if failure.status < 500:  # the client's own: passed on
-                        return await host.report(
+                        answers.refused(
                             rm.DecodeRejected(failure.message, retryable=False, failure=failure)
                         )
-                    return await host.report(rm.DecodeFailed(failure.message))
-                host.figures.handoff_s = time.perf_counter() - sent_at
-                if not self._streaming:
-                    self._streaming = True
-                    host.router.metrics.streams_active.inc()
-                await host.report(rm.DecodeAccepted())
-                stream = EngineStream(
-                    host.router.config.router.stream_buffer_tokens,
-                    with_logprobs=host.request.sampling.wants_logprobs,
-                )
-                async with trio.open_nursery() as reader:
-                    reader.start_soon(self._read, response, stream)
-                    outcome = await stream_tokens(host, stream, self._served, self._failed)
-                    reader.cancel_scope.cancel()
-                return outcome
+                    else:
+                        answers.refused(rm.DecodeFailed(failure.message))
+                    return
+                answers.accepted()
+                await self._read(response, leg)
+        except _TRANSPORT_ERRORS as exc:
+            # (the stream's own reads are _read's: this is the leg failing to start)
+            why = f"decode on {instance.instance_id} lost: {_why(exc)}"
+            pool.failed(instance, why)
+            answers.refused(rm.DecodeFailed(why))
         finally:
             instance.in_flight -= 1
 
-    async def _read(self, response: httpx.Response, stream: EngineStream) -> None:
-        """Decode's server-sent events into the stream: text and token counts as they come,
-        the finish held until the counts that end the stream (its usage chunk).
+    async def _read(self, response: httpx.Response, leg: _ChoiceLeg) -> None:
+        """A leg's server-sent events into its choice's stream: text, tool calls and token
+        counts as they come, the finish held until the counts that end the stream (its
+        usage chunk).
 
         Read to the end, past ``[DONE]`` or a failure: the response's byte iterators are
         then exhausted, not left to the garbage collector.
         """
         kind = self._legs.kind
+        stream = leg.stream
         with_logprobs = stream.logprobs is not None
+        tool_calls = EngineToolCalls()
         seen = 0
-        ending: tuple[str, int, str, tuple[TokenLogprob, ...] | None] | None = None
+        ending: _Ending | None = None
         final_usage: Usage | None = None
         failure: str | None = None
         done = False
@@ -476,6 +633,11 @@ class EngineDecodeLeg:
                     try:
                         chunk = parse_decode_event(
                             line[5:].strip(), kind, with_logprobs=with_logprobs
+                        )
+                        whole = (
+                            tool_calls.feed(chunk.tool_calls)
+                            if chunk is not None and chunk.tool_calls and ending is None
+                            else []
                         )
                     except EngineAnswerError as exc:
                         failure = f"decode's stream: {exc}"
@@ -497,20 +659,28 @@ class EngineDecodeLeg:
                         tokens = max(chunk.completion_tokens - seen, 0)
                         seen = max(seen, chunk.completion_tokens)
                     else:
-                        tokens = 1 if chunk.text else 0  # (an engine not counting as it goes)
+                        # (an engine not counting as it goes)
+                        tokens = 1 if chunk.text or chunk.tool_calls else 0
                         seen += tokens
-                    if ending is not None or not (tokens or chunk.text or chunk.finish_reason):
+                    if ending is not None or not (
+                        tokens or chunk.text or chunk.finish_reason or whole
+                    ):
                         continue
-                    if (tokens or chunk.text) and not self._decoded:
-                        # decode has the KV: prefill freed its blocks, decode caches them
-                        self._decoded = True
-                        self._prefill.unpulled = None
-                        assert self.instance is not None
-                        self._pool.served_prefix(self.instance, self._prefill.prefix_keys)
+                    if (tokens or chunk.text) and not leg.decoded:
+                        self._decoded(leg)
                     if chunk.finish_reason is not None:
-                        ending = (chunk.text, tokens, chunk.finish_reason, chunk.logprobs)
+                        try:
+                            whole += tool_calls.finish()
+                        except EngineAnswerError as exc:
+                            failure = f"decode's stream: {exc}"
+                            continue
+                        ending = _Ending(
+                            chunk.text, tokens, chunk.finish_reason, chunk.logprobs, whole
+                        )
                         continue
-                    if not await stream.push(chunk.text, tokens, None, None, chunk.logprobs):
+                    if not await stream.push(
+                        chunk.text, tokens, None, None, chunk.logprobs, tool_calls=whole
+                    ):
                         return  # cut off: closing the stream aborts the request in the engine
         except _TRANSPORT_ERRORS as exc:
             failure = f"decode lost: {_why(exc)}"
@@ -520,13 +690,28 @@ class EngineDecodeLeg:
             stream.fail(failure)
             return
         assert ending is not None
-        text, tokens, finish_reason, logprobs = ending
-        await stream.push(text, tokens, finish_reason, self._usage(final_usage, seen), logprobs)
+        await stream.push(
+            ending.text,
+            ending.tokens,
+            ending.finish_reason,
+            self._usage(leg.choice, final_usage, seen),
+            ending.logprobs,
+            tool_calls=ending.tool_calls,
+        )
 
-    def _usage(self, final: Usage | None, completion_tokens: int) -> Usage:
-        """The request's counts: decode's, with prefill's cached tokens (vLLM: decode's
-        say what decode found; SGLang: decode's, prefill's answer may come after)."""
-        answer = self._prefill.answer
+    def _decoded(self, leg: _ChoiceLeg) -> None:
+        """Decode produced ``leg``'s first token: it has the KV (prefill freed its blocks,
+        decode caches them)."""
+        leg.decoded = True
+        assert self.instance is not None
+        self._pool.served_prefix(self.instance, self._prefill.prefix_keys)
+        self._prefill.unpulled[leg.choice] = None
+
+    def _usage(self, choice: int, final: Usage | None, completion_tokens: int) -> Usage:
+        """Choice ``choice``'s counts: decode's, with its prefill's cached tokens (vLLM:
+        decode's say what decode found; SGLang: decode's, prefill's answer may come
+        after)."""
+        answer = self._prefill.answers[choice]
         if final is None:
             prompt = 0 if answer is None else answer.prompt_tokens
             cached = 0 if answer is None else answer.cached_tokens
@@ -543,11 +728,12 @@ class EngineDecodeLeg:
         if stream.cut_off:
             return await host.report(rm.DecodeFailed(CUT_OFF_MESSAGE, cut_off=True))
         assert self.instance is not None
-        self._pool.failed(self.instance, failure)
+        if stream.failure_reason == _DECODE_FAILED:
+            self._pool.failed(self.instance, failure)
         return await host.report(rm.DecodeFailed(failure))
 
     def abort(self) -> None:
-        """End the request on decode: closing its stream aborts it in the engine."""
+        """End the request on decode: closing its legs' streams aborts it in the engine."""
         if self._scope is not None:
             self._scope.cancel()
 
@@ -561,8 +747,60 @@ class EngineDecodeLeg:
 
 
 @final
+class _LegAnswers:
+    """A decode run's legs' answers: all in once every leg answered 200, or once one did
+    not (``refusal``: what the machine hears)."""
+
+    __slots__ = ("_waiting", "all_in", "refusal")
+
+    def __init__(self, legs: int) -> None:
+        self._waiting = legs
+        self.all_in = trio.Event()
+        self.refusal: rm.DecodeRejected | rm.DecodeFailed | None = None
+
+    def accepted(self) -> None:
+        self._waiting -= 1
+        if not self._waiting:
+            self.all_in.set()
+
+    def refused(self, event: rm.DecodeRejected | rm.DecodeFailed) -> None:
+        if self.refusal is None and not self.all_in.is_set():
+            self.refusal = event
+            self.all_in.set()
+
+
+@final
+@attrs.frozen
+class _Ending:
+    """A leg's finishing chunk, held until the counts that end its stream."""
+
+    text: str
+    tokens: int
+    finish_reason: str
+    logprobs: tuple[TokenLogprob, ...] | None
+    tool_calls: list[ToolCall]
+
+
+def _prefill_failure_rank(failed: _PrefillFailure) -> int:
+    """Which of a request's prefill failures (one per failed choice) the machine hears: the
+    client's own (a 4xx: not retried) first, then the instance's, then a call it never saw
+    (only when no choice's got through)."""
+    if isinstance(failed, rm.PrefillFailed):
+        return 0 if failed.failure.status < 500 else 1
+    return 2 if isinstance(failed, rm.PrefillLost) else 3
+
+
+def _prefill_failure_message(failed: _PrefillFailure) -> str:
+    if isinstance(failed, rm.PrefillFailed):
+        return failed.failure.message
+    if isinstance(failed, rm.PrefillLost):
+        return failed.message
+    return "unreachable"
+
+
+@final
 class EngineStream:
-    """Decode's stream as the shared token path reads it (:class:`DecodeRun`).
+    """A leg's stream as the shared token path reads it (:class:`DecodeRun`).
 
     The reader waits for each push to be taken while the client keeps up, so
     every engine event goes out as its own; while the consumer holds its sends
@@ -575,22 +813,28 @@ class EngineStream:
         self.accepted = True  # (it exists once decode answered 200)
         self.rejection: DecodeRejected | None = None
         self.failure: str | None = None
-        self.failure_reason = "decode_failed"
+        # decode_failed: the decode instance's failure; another: not the instance's fault
+        self.failure_reason = _DECODE_FAILED
         self.cut_off = False
         self.token_ids: list[int] | None = None  # (an engine's request never migrates)
         # the request asked for logprobs: those of tokens pushed and not yet delivered
         self.logprobs: list[TokenLogprob] | None = [] if with_logprobs else None
+        # the calls the engine read out of its answer, pushed and not yet delivered
+        self.tool_calls: list[ToolCall] | None = []
         self.holding = False
         self._updated = False
-        self._lot = trio.lowlevel.ParkingLot()
+        self._lot = trio.lowlevel.ParkingLot()  # (shared by a request's choices)
         self._taken = trio.Event()  # the consumer came back for more
 
     def _notify(self) -> None:
         self._updated = True
         self._lot.unpark_all()
 
-    def fail(self, failure: str) -> None:
+    def fail(self, failure: str, *, blame: bool = True) -> None:
+        """End the stream with ``failure`` (``blame``: the decode instance's)."""
         self.failure = failure
+        if not blame:
+            self.failure_reason = "decode_not_to_blame"
         self._notify()
 
     async def push(
@@ -600,11 +844,16 @@ class EngineStream:
         finish_reason: str | None,
         usage: Usage | None,
         logprobs: Sequence[TokenLogprob] | None = None,
+        *,
+        tool_calls: Sequence[ToolCall] = (),
     ) -> bool:
-        """Hand a delta to the consumer (``logprobs``: its tokens', when asked for);
-        False once the stream is cut off."""
+        """Hand a delta to the consumer (``logprobs``: its tokens', when asked for;
+        ``tool_calls``: the calls it completed); False once the stream is cut off."""
+        # (before the tokens: the consumer takes them together)
         if logprobs and self.logprobs is not None:
-            self.logprobs += logprobs  # (before the tokens: the consumer takes them together)
+            self.logprobs += logprobs
+        if tool_calls and self.tool_calls is not None:
+            self.tool_calls += tool_calls
         if self.buffer.push(text, num_tokens, finish_reason, usage) is PushResult.OVERFLOW:
             self.cut_off = True
             self.fail(CUT_OFF_MESSAGE)
@@ -634,6 +883,29 @@ class EngineStream:
                     await self._lot.park()
         finally:
             self.holding = False
+
+
+@final
+class EngineChoices:
+    """A request's choices on decode (``n`` > 1) as :func:`stream_choices` reads them:
+    each choice's stream, all woken through one waiter."""
+
+    def __init__(self, streams: Sequence[EngineStream]) -> None:
+        self.choices: dict[int, EngineStream] = dict(enumerate(streams))
+        self._lot = trio.lowlevel.ParkingLot()
+        for stream in streams:
+            stream._lot = self._lot
+
+    async def wait_choices_update(self) -> None:
+        streams = self.choices.values()
+        for stream in streams:
+            stream._taken.set()  # the consumer came back for more: every reader goes on
+        if any(stream._updated for stream in streams):
+            await trio.lowlevel.checkpoint()
+        else:
+            await self._lot.park()
+        for stream in streams:
+            stream._updated = False
 
 
 def _engine_message(content: bytes) -> str:

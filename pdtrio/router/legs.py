@@ -35,6 +35,7 @@ from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.kv_layout import KvLayout, choice_blocks_needed
 from pdtrio.protocol.lifecycle import State
 from pdtrio.protocol.openai import ChatCompletionRequest, CompletionRequest
+from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.prefix_index import PromptBlocks
 from pdtrio.protocol.wire import (
     DecodeStart,
@@ -50,14 +51,13 @@ from pdtrio.protocol.wire import (
     choice_request_id,
     reply_choices,
 )
-from pdtrio.router.backend import BackendLost, BackendUnreachable, DecodeRun
+from pdtrio.router.backend import BackendLost, BackendUnreachable, ChoiceRuns, DecodeRun
 from pdtrio.router.capacity import QueueFull
 from pdtrio.router.instances import Instance
 from pdtrio.router.kv_leases import LEASES
 from pdtrio.router.metrics import MIGRATION_REASONS, RequestFigures
 from pdtrio.router.worker_link import (
     CUT_OFF_MESSAGE,
-    DecodeStream,
     WorkerLink,
     rejection_is_retryable,
     release_token,
@@ -112,6 +112,8 @@ class LegHost(Protocol):
     figures: RequestFigures
     machine: rm.RequestMachine
     shaper: Shaper | None
+    # decode sent a delta's tokens without the logprobs asked for: said once per request
+    logprobs_shortfall_logged: bool
 
     async def report(self, event: rm.Event) -> Wait | None:
         """Tell the machine ``event``, write what it emits; the wait it starts, if any."""
@@ -127,9 +129,11 @@ class LegHost(Protocol):
         final: bool = False,
         logprobs: Sequence[TokenLogprob] | None = None,
         choice: int = 0,
+        tool_calls: Sequence[ToolCall] = (),
     ) -> None:
         """Count a delta (of choice ``choice``) as delivered and hand it to the client
-        (``logprobs``: its tokens', when the request asked for them)."""
+        (``logprobs``: its tokens', when the request asked for them; ``tool_calls``: the
+        calls an engine read out of its answer, after the delta's text)."""
         ...
 
 
@@ -699,7 +703,7 @@ async def stream_tokens(
                 await host.report(rm.DecodeTokens())  # prefill may free the KV now
             logprobs = None
             if stream.logprobs is not None:
-                logprobs = _logprobs_of(stream.logprobs, delta.num_tokens, host.request_id)
+                logprobs = _logprobs_of(stream.logprobs, delta.num_tokens, host)
             await host.deliver(
                 delta.text,
                 delta.num_tokens,
@@ -707,6 +711,7 @@ async def stream_tokens(
                 delta.usage,
                 final=final,
                 logprobs=logprobs,
+                tool_calls=_tool_calls_of(stream),
             )
             if final:
                 served()
@@ -722,7 +727,7 @@ async def stream_tokens(
 
 async def stream_choices(
     host: LegHost,
-    stream: DecodeStream,
+    stream: ChoiceRuns,
     served: Callable[[], None],
     failed: Callable[[DecodeRun, str], Awaitable[Wait | None]],
 ) -> Wait | None:
@@ -747,7 +752,7 @@ async def stream_choices(
                     await host.report(rm.DecodeTokens())  # prefill may free the KV now
                 logprobs = None
                 if run.logprobs is not None:
-                    logprobs = _logprobs_of(run.logprobs, delta.num_tokens, host.request_id)
+                    logprobs = _logprobs_of(run.logprobs, delta.num_tokens, host)
                 if finished:
                     del running[choice]
                 await host.deliver(
@@ -758,6 +763,7 @@ async def stream_choices(
                     final=finished and not running,
                     logprobs=logprobs,
                     choice=choice,
+                    tool_calls=_tool_calls_of(run),
                 )
                 if finished and not running:
                     served()
@@ -765,6 +771,16 @@ async def stream_choices(
             if failure is not None and choice in running:
                 return await failed(run, failure)
         await stream.wait_choices_update()
+
+
+def _tool_calls_of(run: DecodeRun) -> list[ToolCall]:
+    """The calls an engine sent with (or before) the delta just taken from ``run``."""
+    pending = run.tool_calls
+    if not pending:
+        return []
+    taken = pending[:]
+    pending.clear()
+    return taken
 
 
 def _running_choices(reply: PrefillReply) -> tuple[tuple[int, int], ...]:
@@ -777,17 +793,17 @@ def _running_choices(reply: PrefillReply) -> tuple[tuple[int, int], ...]:
     )
 
 
-def _logprobs_of(
-    pending: list[TokenLogprob], num_tokens: int, request_id: str
-) -> list[TokenLogprob]:
+def _logprobs_of(pending: list[TokenLogprob], num_tokens: int, host: LegHost) -> list[TokenLogprob]:
     """The logprobs of a delta's ``num_tokens`` tokens, taken from those decode sent
-    ahead of them (a worker from before logprobs sends none: the delta has fewer)."""
+    ahead of them (a worker from before logprobs, or an engine, may send none: the delta
+    has fewer; logged once per request, not per delta)."""
     taken = pending[:num_tokens]
     del pending[:num_tokens]
-    if len(taken) < num_tokens:
+    if len(taken) < num_tokens and not host.logprobs_shortfall_logged:
+        host.logprobs_shortfall_logged = True
         log.warning(
-            "request %s: decode sent logprobs for %d of %d tokens",
-            request_id,
+            "request %s: decode sent logprobs for %d of %d tokens (said once per request)",
+            host.request_id,
             len(taken),
             num_tokens,
         )

@@ -50,6 +50,7 @@ from pdtrio.protocol.openai import (
     OpenAIError,
     error_for,
 )
+from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.wire import TokenLogprob, Usage, first_logprob, reply_choices
 from pdtrio.router.client_response import ClientResponse
 from pdtrio.router.core import Router
@@ -131,6 +132,7 @@ class RequestPipeline:
             first_token_from_prefill=first_token_from_prefill,
         )
         self._ending_with_error = False  # the machine ended it: what is sent now is the error
+        self.logprobs_shortfall_logged = False  # (LegHost's)
         self.created = int(time.time())
         self.shaper: Shaper | None = None
         # the alternatives each token's logprob comes with; None: no logprobs asked
@@ -373,12 +375,20 @@ class RequestPipeline:
         final: bool = False,
         logprobs: Sequence[TokenLogprob] | None = None,
         choice: int = 0,
+        tool_calls: Sequence[ToolCall] = (),
     ) -> None:
         """Count a delta (of choice ``choice``) as delivered and hand it to the response."""
         self.router.tokens_delivered += num_tokens
         self.figures.delivered(num_tokens)
         await self.response.deliver(
-            text, num_tokens, finish_reason, usage, final=final, logprobs=logprobs, choice=choice
+            text,
+            num_tokens,
+            finish_reason,
+            usage,
+            final=final,
+            logprobs=logprobs,
+            choice=choice,
+            tool_calls=tool_calls,
         )
 
     def _error_of(self, failure: rm.AnyFailure) -> OpenAIError:
@@ -434,6 +444,9 @@ class RequestPipeline:
 
 
 def _tool_names(request: ChatCompletionRequest | CompletionRequest) -> list[str] | None:
-    """The functions a chat request's answer may call (None: no tools shown)."""
+    """The functions a chat request's answer may call (None: no tools shown, or
+    ``tool_choice`` ``none``: a call-like block in the text stays text)."""
     tools = request.tools if isinstance(request, ChatCompletionRequest) else None
-    return None if tools is None else [function.name for function in tools.functions]
+    if tools is None or not tools.shown:
+        return None
+    return [function.name for function in tools.functions]

@@ -59,6 +59,7 @@ from typing import final
 import httpx
 import trio
 
+from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.prefix_index import CachedBlocks
 from pdtrio.protocol.stream_buffer import PushResult, StreamBuffer
 from pdtrio.protocol.wire import (
@@ -172,6 +173,7 @@ class DecodeStream:
         "cut_off",
         "token_ids",
         "logprobs",
+        "tool_calls",
         "holding",
         "choices",
         "_holds",
@@ -194,6 +196,8 @@ class DecodeStream:
         # the request asked for logprobs: those decode sent ahead of their tokens, until the
         # consumer takes the tokens (the hot path never looks at them)
         self.logprobs: list[TokenLogprob] | None = None
+        # (a worker's calls are in its text: the router reads them out of it)
+        self.tool_calls: list[ToolCall] | None = None
         # its consumer is spacing its sends (adaptive egress): only a finish wakes it
         self.holding = False
         # n > 1: the stream of each choice decode runs (choice 0's, when it runs, is this

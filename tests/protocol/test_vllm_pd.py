@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pdtrio.protocol.openai.logprobs import completion_logprobs
+from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.vllm_pd import (
     PREFILL_KV_PARAMS,
     EngineAnswerError,
+    EngineToolCalls,
+    ToolCallDelta,
+    choice_body,
     decode_body,
     parse_decode_event,
     parse_engine_metrics,
@@ -195,3 +201,73 @@ def test_malformed_logprobs_are_the_engines_broken_answer(endpoint: str, logprob
     with pytest.raises(EngineAnswerError, match="logprob"):
         parse_decode_event(event, endpoint, with_logprobs=True)  # type: ignore[arg-type]
     assert parse_decode_event(event, endpoint) is not None  # (not asked: not looked at)
+
+
+def test_a_choice_runs_alone_with_the_seed_plus_its_index() -> None:
+    client = {**CLIENT, "n": 3, "best_of": 3, "seed": 10}
+    assert choice_body(client, 0) == {**CLIENT, "seed": 10}
+    assert choice_body(client, 2) == {**CLIENT, "seed": 12}
+    assert choice_body({**CLIENT, "n": 2}, 1) == CLIENT  # no seed: none made up
+    assert choice_body({**CLIENT, "seed": True}, 1)["seed"] is True  # (not a number: as is)
+
+
+def _call_event(*calls: dict[str, object], finish: str | None = None) -> str:
+    delta = {"tool_calls": list(calls)}
+    return json.dumps({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+
+def test_an_engines_streamed_tool_calls_are_gathered_into_whole_calls() -> None:
+    events = [
+        _call_event({"index": 0, "id": "c0", "type": "function", "function": {"name": "f"}}),
+        _call_event({"index": 0, "function": {"arguments": '{"a": '}}),
+        _call_event({"index": 0, "function": {"arguments": "1}"}}),
+        # a call of a function without parameters may come without arguments
+        _call_event({"index": 1, "id": "c1", "function": {"name": "g"}}),
+        _call_event(finish="tool_calls"),
+    ]
+    gathered = EngineToolCalls()
+    whole: list[ToolCall] = []
+    for event in events:
+        chunk = parse_decode_event(event, "chat")
+        assert chunk is not None
+        whole += gathered.feed(chunk.tool_calls)
+    # the first call is whole once the next one begins; the last once the answer ends
+    assert whole == [ToolCall(0, "c0", "f", '{"a": 1}')]
+    assert gathered.finish() == [ToolCall(1, "c1", "g", "{}")]
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [ToolCallDelta(0, "c0", None, "{}")],  # never named
+        [
+            ToolCallDelta(0, "c0", "f", "{}"),
+            ToolCallDelta(1, "c1", "g", ""),
+            ToolCallDelta(0, None, None, "more"),
+        ],  # more of a call after a later one began
+    ],
+)
+def test_an_engines_tool_calls_out_of_shape_are_its_broken_answer(
+    pieces: list[ToolCallDelta],
+) -> None:
+    gathered = EngineToolCalls()
+    with pytest.raises(EngineAnswerError):
+        gathered.feed(pieces)
+        gathered.finish()
+
+
+@pytest.mark.parametrize(
+    "tool_calls",
+    [
+        '"calls"',
+        '["call"]',
+        '[{"index": -1, "function": {"name": "f"}}]',
+        '[{"index": 0, "function": "f"}]',
+        '[{"index": 0, "function": {"name": 42}}]',
+    ],
+)
+def test_malformed_tool_calls_are_the_engines_broken_answer(tool_calls: str) -> None:
+    delta = {"tool_calls": json.loads(tool_calls)}
+    event = json.dumps({"choices": [{"index": 0, "delta": delta}]})
+    with pytest.raises(EngineAnswerError):
+        parse_decode_event(event, "chat")

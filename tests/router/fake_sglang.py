@@ -86,4 +86,4 @@ class FakeSglang(FakeVllm):
             self.decode_aborted.set()
             return
         room.fetched.set()
-        await self._stream(request, chat, prompt_tokens, send)
+        await self._stream(request, chat, prompt_tokens, receive, send)

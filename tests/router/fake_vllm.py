@@ -43,8 +43,31 @@ class FakeVllm:
     token_padding: int = 0  # characters added to each streamed token's text (a big stream)
     # the streamed token (index) whose logprobs come malformed, for a request asking for them
     bad_logprobs_at: int | None = None
-    # a decode leg waits for this before it answers (a slow decode), when set
+    # its streamed tokens come without the logprobs a request asked for (an engine's bug)
+    drop_logprobs: bool = False
+    # the calls (function name, arguments) its model answers a chat request with tools
+    # with, and whether it runs a tool parser (vLLM's --enable-auto-tool-choice
+    # --tool-call-parser hermes: the calls as delta.tool_calls) or not (as text)
+    tool_calls: list[tuple[str, dict[str, Any]]] = attrs.Factory(list)
+    tool_parser: bool = True
+    # its tool parser streams its last call with a name that is not a string (an engine's
+    # bug, after the tokens of the calls before it)
+    bad_tool_calls: bool = False
+    # pulls of blocks it did not hold (vLLM: "Potentially invalid KV blocks for
+    # unrecognized request"): a decode pulling one prefill twice
+    unrecognized_pulls: list[str] = attrs.Factory(list)
+    # a streamed leg stops after this many tokens and waits for its client to hang up
+    stall_after_tokens: int | None = None
+    stalled: int = 0  # legs stalled so far
+    hung_up: int = 0  # stalled legs whose client (the router) hung up
+    stalls_changed: trio.Event = attrs.Factory(trio.Event)
+    # a decode leg waits for this before it answers (a slow decode), when set; only the
+    # streamed legs of these choices (``choice_of``), when set
     decode_gate: trio.Event | None = None
+    gated_choices: frozenset[int] | None = None
+    # the prefill legs and the streamed decode legs of these choices answer 500 (a decode
+    # leg pulling nothing)
+    failed_choices: frozenset[int] = frozenset()
     decode_waiting: trio.Event = attrs.Factory(trio.Event)  # a decode leg is at the gate
     decode_aborted: trio.Event = attrs.Factory(trio.Event)  # one was aborted there
     _held_changed: trio.Event = attrs.Factory(trio.Event)
@@ -57,9 +80,26 @@ class FakeVllm:
         self.held.pop(request_id, None)
         self._touch()
 
+    def pulled(self, request_id: str) -> None:
+        """A decode pulled the blocks of ``request_id``: they are freed."""
+        if request_id not in self.held:
+            self.unrecognized_pulls.append(request_id)
+        self.free(request_id)
+
     def _touch(self) -> None:
         self._held_changed.set()
         self._held_changed = trio.Event()
+
+    def _stall_count(self, stalled: int = 0, hung_up: int = 0) -> None:
+        self.stalled += stalled
+        self.hung_up += hung_up
+        self.stalls_changed.set()
+        self.stalls_changed = trio.Event()
+
+    async def wait_for_stalls(self, stalled: int, hung_up: int = 0) -> None:
+        """Until this many legs stalled, and their router hung up on this many."""
+        while self.stalled < stalled or self.hung_up < hung_up:
+            await self.stalls_changed.wait()
 
     async def wait_until(self, holding: bool) -> None:
         """Until it holds prefilled blocks (``holding``), or holds none."""
@@ -124,8 +164,16 @@ class FakeVllm:
         prompt_tokens = len(prompt.split())
         request_id = headers.get("x-request-id", "")
         params = request.get("kv_transfer_params") or {}
+        # n > 1: vLLM's front end forks n child requests ("{i}_{id}"), each its own KV
+        n = int(request.get("n") or 1)
+        children = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
         if params.get("do_remote_decode"):
-            self.hold(request_id, prompt_tokens)
+            if choice_of(request_id) in self.failed_choices:
+                await _json(send, 500, {"error": {"message": f"{self.name} fails a choice"}})
+                return
+            for child in children:
+                self.hold(child, prompt_tokens)
+            request_id = children[-1]  # (the answer names one child's blocks: the rest wait)
             kv = None
             if not self.null_kv_params:
                 kv = {
@@ -158,7 +206,13 @@ class FakeVllm:
                 {"id": request_id, "choices": [choice], "usage": usage, "kv_transfer_params": kv},
             )
             return
-        if self.decode_gate is not None:
+        choice = choice_of(request_id) if request.get("stream") else None
+        if choice in self.failed_choices:
+            await _json(send, 500, {"error": {"message": f"{self.name} fails choice {choice}"}})
+            return
+        if self.decode_gate is not None and (
+            self.gated_choices is None or choice in self.gated_choices
+        ):
             self.decode_waiting.set()
             # as vLLM does, a request whose client (the router) hung up is aborted: it
             # pulls nothing
@@ -180,25 +234,42 @@ class FakeVllm:
                 return
         if params.get("do_remote_prefill"):
             source = self.peers[params["remote_engine_id"]]
-            source.free(params["remote_request_id"])  # pulled: prefill frees them
-        await self._stream(request, chat, prompt_tokens, send)
+            for _ in children:  # (each child pulls the same blocks: prefill frees them)
+                source.pulled(params["remote_request_id"])
+        await self._stream(request, chat, prompt_tokens, receive, send)
 
     async def _stream(
-        self, request: dict[str, Any], chat: bool, prompt_tokens: int, send: Any
+        self, request: dict[str, Any], chat: bool, prompt_tokens: int, receive: Any, send: Any
     ) -> None:
-        max_tokens = int(request.get("max_completion_tokens") or request.get("max_tokens") or 16)
+        """The answer: ``n`` choices (vLLM's front end forks a request into n samples, each
+        with seed + its index), streamed interleaved, each chunk one choice's with its
+        ``index`` (a role chunk each; continuous usage counts per choice, the final usage
+        sums them), or whole."""
+        n = int(request.get("n") or 1)
+        answers = [self._answer(request, chat, choice) for choice in range(n)]
         if not request.get("stream"):
-            text = "".join(f" t{i}" for i in range(max_tokens))
-            choice = {"index": 0, "finish_reason": "length"}
-            choice.update(
-                {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            )
+            choices = []
+            for index, answer in enumerate(answers):
+                text = "".join(piece.text for piece in answer.pieces)
+                choice: dict[str, Any] = {"index": index, "finish_reason": answer.finish_reason}
+                if not chat:
+                    choice["text"] = text
+                elif answer.calls and self.tool_parser:
+                    choice["message"] = {
+                        "role": "assistant",
+                        "content": text or None,
+                        "tool_calls": answer.calls,
+                    }
+                else:
+                    choice["message"] = {"role": "assistant", "content": text}
+                choices.append(choice)
+            completion = sum(len(answer.pieces) for answer in answers)
             await _json(
                 send,
                 200,
                 {
-                    "choices": [choice],
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens},
+                    "choices": choices,
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion},
                 },
             )
             return
@@ -228,20 +299,27 @@ class FakeVllm:
             }
 
         if chat:
-            await event(
-                {
-                    "choices": [
-                        {
-                            "index": 0,
-                            "delta": {"role": "assistant", "content": ""},
-                            "finish_reason": None,
-                        }
-                    ],
-                    "usage": usage(0),
-                }
-            )
-        sent_chars = 0
-        for i in range(max_tokens):
+            for index in range(n):
+                await event(
+                    {
+                        "choices": [
+                            {
+                                "index": index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "finish_reason": None,
+                            }
+                        ],
+                        "usage": usage(0),
+                    }
+                )
+        sent_chars = [0] * n
+        for i in range(max(len(answer.pieces) for answer in answers)):
+            if self.stall_after_tokens is not None and i == self.stall_after_tokens:
+                self._stall_count(stalled=1)
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                self._stall_count(hung_up=1)
+                return
             if self.fail_after_tokens is not None and i == self.fail_after_tokens:
                 await event(
                     {"error": {"message": "the engine broke", "type": "InternalServerError"}}
@@ -250,26 +328,128 @@ class FakeVllm:
                     {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
                 )
                 return
-            finish = "length" if i == max_tokens - 1 else None
-            text = f" t{i}" + "." * self.token_padding
-            choice = (
-                {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
-            )
-            logprobs = logprobs_of(request, chat, [text], sent_chars, first=i)
-            if logprobs is not None and i == self.bad_logprobs_at:
-                logprobs = {"content": "not a list"} if chat else {"tokens": [text]}
-            sent_chars += len(text)
-            await event(
-                {
-                    "choices": [{**choice, "logprobs": logprobs, "finish_reason": finish}],
-                    "usage": usage(i + 1),
-                }
-            )
-        await event({"choices": [], "usage": usage(max_tokens)})
+            for index, answer in enumerate(answers):
+                if i >= len(answer.pieces):
+                    continue
+                piece = answer.pieces[i]
+                finish = answer.finish_reason if i == len(answer.pieces) - 1 else None
+                if not chat:
+                    choice = {"index": index, "text": piece.text}
+                elif piece.tool_call is not None:
+                    choice = {"index": index, "delta": {"tool_calls": [piece.tool_call]}}
+                else:
+                    choice = {"index": index, "delta": {"content": piece.text}}
+                logprobs = logprobs_of(request, chat, [piece.text], sent_chars[index], first=i)
+                if logprobs is not None and i == self.bad_logprobs_at:
+                    logprobs = {"content": "not a list"} if chat else {"tokens": [piece.text]}
+                if self.drop_logprobs:
+                    logprobs = None
+                sent_chars[index] += len(piece.text)
+                await event(
+                    {
+                        "choices": [{**choice, "logprobs": logprobs, "finish_reason": finish}],
+                        "usage": usage(i + 1),
+                    }
+                )
+        await event({"choices": [], "usage": usage(sum(len(a.pieces) for a in answers))})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    def _answer(self, request: dict[str, Any], chat: bool, choice: int) -> FakeAnswer:
+        """Choice ``choice``'s answer: its tokens " t0", " t1", ... (with a seed, each
+        " s{seed + choice}t{i}": its sample is the seed's), or, to a chat request with
+        tools, its calls (``tool_calls``) as this engine's tool parser streams them, or as
+        text where it has none."""
+        max_tokens = int(request.get("max_completion_tokens") or request.get("max_tokens") or 16)
+        seed = request.get("seed")
+        sample = "" if seed is None else f"s{seed + choice}"
+        calls = self._calls_for(request) if chat else []
+        if not calls:
+            pieces = [Piece(f" {sample}t{i}" + "." * self.token_padding) for i in range(max_tokens)]
+            return FakeAnswer(pieces, "length")
+        named = isinstance(request.get("tool_choice"), dict)
+        if self.tool_parser:
+            pieces = []
+            for call in calls:
+                function, arguments = call["function"], call["function"]["arguments"]
+                half = len(arguments) // 2
+                head = {"index": call["index"], "id": call["id"], "type": "function"}
+                bad = self.bad_tool_calls and call is calls[-1]
+                name = 42 if bad else function["name"]
+                pieces += [
+                    Piece("", {**head, "function": {"name": name, "arguments": ""}}),
+                    Piece(
+                        "", {"index": call["index"], "function": {"arguments": arguments[:half]}}
+                    ),
+                    Piece(
+                        "", {"index": call["index"], "function": {"arguments": arguments[half:]}}
+                    ),
+                ]
+            # (vLLM: "stop" after a named function's call, as OpenAI says)
+            finish = "stop" if named else "tool_calls"
+        else:
+            text = "\n".join(
+                "<tool_call>\n"
+                + json.dumps(
+                    {
+                        "name": call["function"]["name"],
+                        "arguments": json.loads(call["function"]["arguments"]),
+                    }
+                )
+                + "\n</tool_call>"
+                for call in calls
+            )
+            pieces = [Piece(text[i : i + 7]) for i in range(0, len(text), 7)]
+            finish = "stop"
+        if len(pieces) > max_tokens:
+            return FakeAnswer(pieces[:max_tokens], "length", calls)
+        return FakeAnswer(pieces, finish, calls)
+
+    def _calls_for(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+        """The calls its model makes to a request with tools (a named function's alone, as
+        vLLM's guided decoding forces; none with tool_choice "none", where its parser
+        would read them: without one, the model may still write a call-like block, text)."""
+        choice = request.get("tool_choice")
+        if not request.get("tools") or not self.tool_calls:
+            return []
+        if choice == "none" and self.tool_parser:
+            return []
+        wanted = self.tool_calls
+        if isinstance(choice, dict):
+            wanted = [(choice["function"]["name"], self.tool_calls[0][1])]
+        return [
+            {
+                "index": index,
+                "id": f"chatcmpl-tool-{index}{len(self.received)}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments)},
+            }
+            for index, (name, arguments) in enumerate(wanted)
+        ]
 
     def legs(self) -> list[dict[str, Any]]:
         return [body for body, _ in self.received]
+
+
+def choice_of(request_id: str) -> int:
+    """The choice a leg's X-Request-Id names: the router's ``{id}-{choice}`` for choice > 0
+    (an id of its own is ``{prefix}-{hex}``: one dash)."""
+    head, _, tail = request_id.rpartition("-")
+    return int(tail) if tail.isdigit() and "-" in head else 0
+
+
+@attrs.frozen
+class Piece:
+    """One token of a fake answer: its text, or a piece of a tool call its parser streams."""
+
+    text: str
+    tool_call: dict[str, Any] | None = None
+
+
+@attrs.frozen
+class FakeAnswer:
+    pieces: list[Piece]
+    finish_reason: str
+    calls: list[dict[str, Any]] = attrs.Factory(list)  # (the calls, whole)
 
 
 def token_logprob(i: int) -> float:

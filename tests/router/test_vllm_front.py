@@ -352,6 +352,25 @@ async def test_malformed_logprobs_from_decode_end_the_answer_with_a_clear_error(
     assert pool.instances[decode.url].failures_in_a_row >= 1  # a broken answer: suspended
 
 
+async def test_tokens_without_the_logprobs_asked_for_are_logged_once_per_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with fronted() as (url, _, [decode], _):
+        decode.drop_logprobs = True
+        async with httpx.AsyncClient(base_url=url) as client:
+            response = await client.post(
+                "/v1/chat/completions",
+                json={**CHAT, "max_tokens": 4, "logprobs": True, "stream": True},
+            )
+    assert response.status_code == 200, response.text
+    events = _events(response.text)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == (
+        " t0 t1 t2 t3"
+    )
+    said = [r for r in caplog.records if "decode sent logprobs for" in r.getMessage()]
+    assert len(said) == 1
+
+
 async def test_responses_in_front_of_engines_are_a_400_before_any_leg() -> None:
     # the engines are handed the client's own body, and a Responses body is no chat one
     async with fronted() as (url, [prefill], [decode], _):

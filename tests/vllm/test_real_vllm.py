@@ -176,6 +176,103 @@ async def test_the_openai_client_streams_a_chat(pair: tuple[VllmServer, VllmServ
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
 
+async def test_n_choices_through_the_router_are_a_pd_flow_each_and_leave_no_kv(
+    pair: tuple[VllmServer, VllmServer],
+) -> None:
+    async with front(pair) as fronted:
+
+        def call() -> list[Any]:
+            api = openai.OpenAI(base_url=f"{fronted.url}/v1", api_key="unused", max_retries=0)
+            return list(
+                api.chat.completions.create(
+                    model=SERVED_MODEL,
+                    messages=[{"role": "user", "content": "Name a fruit."}],
+                    max_tokens=8,
+                    n=2,
+                    temperature=0.8,
+                    seed=1,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    timeout=120,
+                )
+            )
+
+        chunks = await trio.to_thread.run_sync(call)
+        # each choice's decode pulled its own prefill's blocks (vLLM's lease would keep an
+        # unpulled one for 300 s here)
+        await _kv_becomes(fronted.prefill.url, held=False, within_s=30)
+    roles: list[int] = []
+    finishes: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            if choice.delta.role == "assistant":
+                roles.append(choice.index)
+            assert choice.delta.content is None or isinstance(choice.delta.content, str)
+            if choice.finish_reason is not None:
+                assert choice.index not in finishes  # one finish per choice
+                finishes[choice.index] = choice.finish_reason
+    assert sorted(roles) == [0, 1]
+    assert sorted(finishes) == [0, 1]
+    assert set(finishes.values()) <= {"stop", "length"}
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert 2 <= usage.completion_tokens <= 16  # both choices' tokens
+
+
+async def test_a_chat_with_tools_is_served_well_formed(pair: tuple[VllmServer, VllmServer]) -> None:
+    # the pair runs no tool parser, so tool_choice "auto" (the default with tools) is
+    # refused by vLLM itself; a named function is forced by its structured output instead
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+    fields: dict[str, Any] = {
+        "model": SERVED_MODEL,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 48,
+        "temperature": 0,
+        "timeout": 120,
+    }
+    async with front(pair) as fronted:
+
+        def call() -> tuple[Any, list[Any]]:
+            api = openai.OpenAI(base_url=f"{fronted.url}/v1", api_key="unused", max_retries=0)
+            whole = api.chat.completions.create(**fields)
+            chunks = list(api.chat.completions.create(stream=True, **fields))
+            return whole, chunks
+
+        whole, chunks = await trio.to_thread.run_sync(call)
+        await _kv_becomes(fronted.prefill.url, held=False, within_s=30)
+
+    def well_formed(calls: list[Any], finish_reason: str) -> None:
+        for call in calls:
+            assert call.type == "function" and call.id
+            assert call.function.name == "get_weather"
+            if finish_reason != "length":  # (a call cut short has half its arguments)
+                assert isinstance(json.loads(call.function.arguments), dict)
+        assert finish_reason in (("tool_calls", "length") if calls else ("stop", "length"))
+
+    [choice] = whole.choices
+    well_formed(choice.message.tool_calls or [], choice.finish_reason)
+    content = [c for c in chunks if c.choices]
+    streamed = [call for c in content for call in c.choices[0].delta.tool_calls or []]
+    assert [call.index for call in streamed] == list(range(len(streamed)))  # each call whole
+    [finish] = [c.choices[0].finish_reason for c in content if c.choices[0].finish_reason]
+    well_formed(streamed, finish)
+
+
 async def test_a_client_gone_between_the_legs_leaves_no_kv_on_prefill(
     pair: tuple[VllmServer, VllmServer],
 ) -> None:

@@ -378,6 +378,15 @@ class ToolCallParser:
     def finish_reason(self, reason: str) -> str:
         return tool_finish_reason(reason, self.called)
 
+    def adopt(self, call: ToolCall) -> ToolCall:
+        """A call the engine read out of its answer itself (vLLM's or SGLang's tool parser),
+        numbered among this answer's calls; its id kept (one made if it had none)."""
+        adopted = attrs.evolve(
+            call, index=self._calls, id=call.id or "call_" + secrets.token_hex(12)
+        )
+        self._calls += 1
+        return adopted
+
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buffer += text
         content: list[str] = []
