@@ -585,7 +585,6 @@ async def test_a_decode_worker_reports_its_room_when_a_local_prefills_lease_ends
     with a capacity report: the router must not keep those blocks counted as taken."""
     async with running_pair() as pair:
         async with trio_websocket.open_websocket_url(pair.ws_url) as ws:
-
             reports: list[tuple[int, int]] = []  # (free, total), as they came
 
             async def next_other() -> Any:
