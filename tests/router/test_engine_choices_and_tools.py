@@ -21,6 +21,7 @@ from pdtrio.router.app import RouterApp
 from pdtrio.router.engine_front import EnginePool
 from tests.cluster import wait_for_stats
 from tests.router.fake_vllm import MODEL, choice_of
+from tests.router.test_openai_choices import streamed_choices
 from tests.router.test_sglang_front import fronted as sglang_fronted
 from tests.router.test_vllm_front import _events, fronted
 
@@ -51,24 +52,6 @@ def _pool(app: RouterApp) -> EnginePool:
     pool = app.router.engines
     assert pool is not None
     return pool
-
-
-def _streamed_choices(chunks: list[Any]) -> dict[int, tuple[str, str]]:
-    """Each choice's (text, finish_reason) from an openai client's chat chunks, checking
-    each choice has one role chunk and one finish."""
-    texts: dict[int, str] = {}
-    finishes: dict[int, str] = {}
-    roles: list[int] = []
-    for chunk in chunks:
-        for choice in chunk.choices:
-            if choice.delta.role == "assistant":
-                roles.append(choice.index)
-            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
-            if choice.finish_reason is not None:
-                assert choice.index not in finishes  # one finish per choice
-                finishes[choice.index] = choice.finish_reason
-    assert sorted(roles) == sorted(texts) == sorted(finishes)
-    return {index: (texts[index], finishes[index]) for index in sorted(texts)}
 
 
 def _seeded(seed: int, tokens: int) -> str:
@@ -109,7 +92,7 @@ async def test_n_choices_are_a_pd_flow_each_with_seed_plus_index_through_the_ope
     assert [c.message.content for c in whole.choices] == want
     assert [c.finish_reason for c in whole.choices] == ["length"] * 3
     assert whole.usage.completion_tokens == 9  # summed over the choices
-    streamed = _streamed_choices(chunks)
+    streamed = streamed_choices(chunks)
     assert streamed == {i: (want[i], "length") for i in range(3)}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
     assert [c.index for c in completion.choices] == [0, 1, 2]
@@ -469,7 +452,7 @@ async def test_n_choices_in_front_of_sglang_are_a_room_each_streamed_or_not() ->
     assert [c.message.content for c in whole.choices] == want
     assert [c.finish_reason for c in whole.choices] == ["length", "length"]
     assert whole.usage.completion_tokens == 6
-    assert _streamed_choices(chunks) == {0: (want[0], "length"), 1: (want[1], "length")}
+    assert streamed_choices(chunks) == {0: (want[0], "length"), 1: (want[1], "length")}
     assert chunks[-1].usage.completion_tokens == 6
     # a room per choice, each on both its legs; no n on any leg
     assert len(prefill_legs) == len(decode_legs) == 4

@@ -42,12 +42,17 @@ def _chat_choices(api: openai.OpenAI, stream: bool, **fields: Any) -> list[tuple
         reply = api.chat.completions.create(model="synthetic", messages=CHAT, **fields)
         assert [c.index for c in reply.choices] == list(range(len(reply.choices)))
         return [(c.message.content or "", c.finish_reason) for c in reply.choices]
+    chunks = api.chat.completions.create(model="synthetic", messages=CHAT, stream=True, **fields)
+    return list(streamed_choices(list(chunks)).values())
+
+
+def streamed_choices(chunks: list[Any]) -> dict[int, tuple[str, str]]:
+    """Each choice's (text, finish_reason) from an openai client's chat chunks, checking
+    each choice has one role chunk and one finish."""
     texts: dict[int, str] = {}
     finishes: dict[int, str] = {}
     roles: list[int] = []
-    for chunk in api.chat.completions.create(
-        model="synthetic", messages=CHAT, stream=True, **fields
-    ):
+    for chunk in chunks:
         for choice in chunk.choices:
             if choice.delta.role == "assistant":
                 roles.append(choice.index)
@@ -55,8 +60,8 @@ def _chat_choices(api: openai.OpenAI, stream: bool, **fields: Any) -> list[tuple
             if choice.finish_reason is not None:
                 assert choice.index not in finishes  # one finish per choice
                 finishes[choice.index] = choice.finish_reason
-    assert sorted(roles) == sorted(texts)  # one role chunk per choice
-    return [(texts[index], finishes[index]) for index in sorted(texts)]
+    assert sorted(roles) == sorted(texts) == sorted(finishes)  # one role chunk per choice
+    return {index: (texts[index], finishes[index]) for index in sorted(texts)}
 
 
 @pytest.mark.parametrize("roles", TOPOLOGIES, ids=["pd", "colocated"])

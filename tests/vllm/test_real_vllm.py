@@ -34,6 +34,7 @@ from pdtrio.testing.vllm import (
     vllm_pd_pair,
 )
 from tests.cluster import serve_app
+from tests.router.test_openai_choices import streamed_choices
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -201,19 +202,9 @@ async def test_n_choices_through_the_router_are_a_pd_flow_each_and_leave_no_kv(
         # each choice's decode pulled its own prefill's blocks (vLLM's lease would keep an
         # unpulled one for 300 s here)
         await _kv_becomes(fronted.prefill.url, held=False, within_s=30)
-    roles: list[int] = []
-    finishes: dict[int, str] = {}
-    for chunk in chunks:
-        for choice in chunk.choices:
-            if choice.delta.role == "assistant":
-                roles.append(choice.index)
-            assert choice.delta.content is None or isinstance(choice.delta.content, str)
-            if choice.finish_reason is not None:
-                assert choice.index not in finishes  # one finish per choice
-                finishes[choice.index] = choice.finish_reason
-    assert sorted(roles) == [0, 1]
-    assert sorted(finishes) == [0, 1]
-    assert set(finishes.values()) <= {"stop", "length"}
+    choices = streamed_choices(chunks)  # one role chunk and one finish each
+    assert sorted(choices) == [0, 1]
+    assert {finish for _, finish in choices.values()} <= {"stop", "length"}
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage is not None
     assert 2 <= usage.completion_tokens <= 16  # both choices' tokens
