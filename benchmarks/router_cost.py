@@ -22,7 +22,10 @@ The rows:
    round when all have ended), on kept-alive connections, then with a new
    connection per request: router CPU per request, TTFT; then N requests of 1
    token (prefill's token is the whole answer: one worker exchange, the least
-   a request can cost pdtrio's router);
+   a request can cost pdtrio's router); beside each of the kept-alive rows, the
+   **link floor**: the same requests' link exchange alone (below), and the
+   trivial app's cost plus it as a share of the trivial app's: what pdtrio's
+   ratio would be if its router added nothing but the link work to hypercorn's;
 2. 128 and 512 streams of 128 tokens, decode paced at 10 ms per token, each
    client sending its next request when one ends, egress on and off: router
    CPU per token, ITL, TTFT, tokens delivered against those offered; then the
@@ -63,7 +66,14 @@ a tiny version of every row, for CI, whose figures mean nothing):
   against the decode worker's own time per token (100%: every token decode
   offered went out as fast as decode made it);
 - **failures**: a status other than 200, an error event, a connection closed
-  mid-response (warm-up included), and responses of another token count.
+  mid-response (warm-up included), and responses of another token count;
+- **link floor**: a process of its own on the servers' core (``--role
+  floor``) drives the short loads' requests straight over two ``WorkerLink``s
+  to the same workers, as the router's legs do (the prefill call, then decode's
+  start, its tokens and the release of prefill's KV at the first of them), in
+  rounds of as many at once, with no HTTP and no request pipeline: its CPU from
+  /proc over the same warm-up and window, per request ended in the window.  It
+  bounds from below what pdtrio's router can cost beyond hypercorn's own work.
 
 ``--plot PATH`` draws, as a PNG, the TTFT and per-read ITL CDFs of each paced
 load for pdtrio (egress on, off), the trivial app and decode's own, tokens/s
@@ -82,6 +92,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -119,6 +130,8 @@ DEFAULT_CAP_S = RouterConfig().egress_max_delay_s
 PACED_STEP_S = 0.01
 # the tokens an event carries when egress spaces a paced stream's sends by the cap
 GROUPED_TOKENS = max(1, round(DEFAULT_CAP_S / PACED_STEP_S))
+# the goal for a short request's router CPU, as a multiple of the trivial app's
+_SHORT_COST_GOAL = 1.3
 # the synthetic engine's context is 8192 tokens: a direct request of at most this many
 _DIRECT_MAX_TOKENS = 8000
 _KV_BLOCKS = 16384  # 512 streams x 9 blocks, the direct reader's 501, and room to spare
@@ -170,13 +183,23 @@ class Load:
     rounds: bool = False  # all clients at once, the next round when all have ended
 
 
+def _short_loads(sizes: Sizes) -> tuple[Load, Load]:
+    """The short requests on kept-alive connections: of ``short_tokens``, and of one token
+    (prefill's token is the whole answer: one worker exchange, the least a request can cost)."""
+    short = Load("short", sizes.short_clients, sizes.short_tokens, 0.0, rounds=True)
+    return short, dataclasses.replace(short, key="short_one", max_tokens=1)
+
+
+def floor_loads(sizes: Sizes) -> list[Load]:
+    """The loads whose link exchange alone is measured too (the link floor)."""
+    return list(_short_loads(sizes))
+
+
 def plan(sizes: Sizes) -> list[tuple[Server, list[Load]]]:
     """Every server, and the loads it takes, in the order they run."""
     small, large = sizes.paced_streams
-    short = Load("short", sizes.short_clients, sizes.short_tokens, 0.0, rounds=True)
+    short, short_one = _short_loads(sizes)
     short_new = dataclasses.replace(short, key="short_new_conn", keepalive=False)
-    # prefill's token is the whole answer: one worker exchange, the least a request can cost
-    short_one = dataclasses.replace(short, key="short_one", max_tokens=1)
     paced_small = Load("paced_small", small, sizes.paced_tokens, PACED_STEP_S)
     paced_large = Load("paced_large", large, sizes.paced_tokens, PACED_STEP_S)
     fast = Load("fast", sizes.fast_streams, sizes.fast_tokens, 0.0)
@@ -298,6 +321,144 @@ def direct_reader(spec: dict[str, Any]) -> None:
     print("RESULT " + json.dumps({"runs": runs, "error": error}), flush=True)
 
 
+def start_link_floor(
+    procs: Processes, workers: Workers, load: Load, sizes: Sizes, cpu: int
+) -> subprocess.Popen[bytes]:
+    """The ``--role floor`` process (below), on ``cpu``, driving ``load``'s requests."""
+    spec = {
+        "prefill": workers.prefill.url,
+        "decode": workers.decode.url,
+        "clients": load.clients,
+        "max_tokens": load.max_tokens,
+        "warmup_s": sizes.warmup_s,
+        "measure_s": sizes.measure_s,
+    }
+    command = [sys.executable, "-m", "benchmarks.router_cost", "--role", "floor"]
+    return procs.start(
+        [*command, "--spec", json.dumps(spec)], env=_env(), output="lines", cpus={cpu}
+    )
+
+
+def link_floor(spec: dict[str, Any]) -> None:
+    """The ``--role floor`` process: the link exchange of a short load's requests, alone.
+
+    Each request goes straight over two ``WorkerLink``s, as the router's legs
+    make it (the router's request, parsed once from the load's body; its id,
+    release token, decode start and block count), and nothing else: no HTTP,
+    no request pipeline, no metrics.  Rounds of ``clients`` requests at once,
+    the next when all have ended, as the load sends them.  Once both links are
+    up it prints ``WINDOW <start> <end>`` (perf_counter: the warm-up, then the
+    window), and after the window ``RESULT {"requests": ..., "failures": ...}``
+    for the requests that ended in it; the driver reads its CPU from /proc.
+    """
+    from benchmarks.token_path.sse_clients import completion_request
+    from pdtrio.protocol import wire
+    from pdtrio.protocol.kv_layout import choice_blocks_needed
+    from pdtrio.protocol.openai import parse_completion_request
+    from pdtrio.router.worker_link import WorkerLink, release_token
+
+    config = RouterConfig()
+    body = completion_request(LOOPBACK, spec["max_tokens"]).split(b"\r\n\r\n", 1)[1]
+    request = parse_completion_request(
+        body, served_models={"synthetic"}, max_tokens_limit=config.max_tokens_limit
+    )
+    numbers = itertools.count()
+    prefix = f"floor-{os.getpid()}-"
+    clients = spec["clients"]
+    counted = {"requests": 0, "failures": 0}
+    window = (0.0, 0.0)
+
+    def link(instance_id: str, url: str, on_capacity: Callable[[], None]) -> WorkerLink:
+        ws_url = "ws" + url.removeprefix("http") + "/pd/link"
+        return WorkerLink(
+            instance_id,
+            ws_url,
+            max_pending_tokens=config.stream_buffer_tokens,
+            on_capacity=on_capacity,
+            link_timeout_s=config.link_timeout_s,
+            heartbeat_s=config.link_heartbeat_s,
+            stream_idle_timeout_s=config.stream_idle_timeout_s,
+        )
+
+    async def exchange(prefill: WorkerLink, decode: WorkerLink) -> bool:
+        """One request's link work; whether it ended well."""
+        request_id = f"{prefix}{next(numbers):x}"
+        reply = await prefill.prefill(
+            wire.PrefillRequest(
+                request_id,
+                request.prompt,
+                request.sampling,
+                request.max_tokens,
+                release_token(request_id),
+            )
+        )
+        if not isinstance(reply, wire.PrefillReply):
+            return False
+        handle = reply.kv_handle
+        if handle is None:
+            return reply.finish_reason is not None  # prefill's token was the answer
+        start = wire.DecodeStart(
+            request_id=request_id,
+            prompt_token_ids=reply.prompt_token_ids,
+            first_token_id=reply.first_token_id,
+            sampling=request.sampling,
+            token_budget=reply.token_budget,
+            tokens_generated=1,
+            cached_tokens=reply.cached_tokens,
+            kv_handle=handle,
+        )
+        assert decode.capacity is not None
+        blocks = choice_blocks_needed(
+            reply.prompt_tokens,
+            reply.prompt_tokens + reply.token_budget,
+            1,
+            decode.capacity.block_size,
+        )
+        stream = await decode.start(start, blocks)
+        released = False
+        while True:
+            failure = stream.failure or stream.rejection
+            delta = stream.buffer.take()
+            if delta is not None:
+                if delta.num_tokens and not released:
+                    # the router frees prefill's KV at decode's first tokens
+                    prefill.release(request_id, handle.access_token)
+                    released = True
+                if delta.finish_reason is not None:
+                    return True
+            if failure is not None:
+                if not released:
+                    prefill.release(request_id, handle.access_token)
+                return False
+            await stream.wait_update()
+
+    async def one(prefill: WorkerLink, decode: WorkerLink) -> None:
+        ended_well = await exchange(prefill, decode)
+        if window[0] <= time.perf_counter() <= window[1]:
+            counted["requests" if ended_well else "failures"] += 1
+
+    async def main() -> None:
+        nonlocal window
+        reported = trio.Event()
+        prefill = link("prefill", spec["prefill"], lambda: None)
+        decode = link("decode", spec["decode"], reported.set)
+        async with trio.open_nursery() as links:
+            await links.start(prefill.run)
+            await links.start(decode.run)
+            await reported.wait()  # the router places nothing on decode before its report
+            start = time.perf_counter() + spec["warmup_s"]
+            window = (start, start + spec["measure_s"])
+            print(f"WINDOW {window[0]!r} {window[1]!r}", flush=True)
+            while time.perf_counter() < window[1]:
+                async with trio.open_nursery() as round_:
+                    for _ in range(clients):
+                        round_.start_soon(one, prefill, decode)
+            links.cancel_scope.cancel()
+
+    trio.run(main)
+    print("RESULT " + json.dumps(counted), flush=True)
+
+
 # --- one run ---------------------------------------------------------------------------
 
 
@@ -378,6 +539,50 @@ def measure(
         "decode_itl": [_ms(g) for g in own_gaps if g > 0],
     }
     return row, latencies
+
+
+def measure_link_floor(
+    procs: Processes, workers: Workers, load: Load, sizes: Sizes, cpus: tuple[int, int]
+) -> dict[str, Any]:
+    """The link floor of ``load``: the ``--role floor`` process on the servers' core, its
+    CPU from /proc over its window, as a server's is measured."""
+    router_cpu, load_cpu = cpus
+    process = start_link_floor(procs, workers, load, sizes, router_cpu)
+    try:
+        start, end = (float(t) for t in procs.read_line(process, b"WINDOW ", 60).split())
+        edges = []
+        for edge in (start, end):
+            time.sleep(max(0.0, edge - time.perf_counter()))
+            edges.append(
+                (
+                    time.perf_counter(),
+                    cpu_seconds([process.pid]),
+                    core_busy_ticks(router_cpu),
+                    core_busy_ticks(load_cpu),
+                )
+            )
+        counted = json.loads(procs.read_line(process, b"RESULT ", 30))
+    finally:
+        procs.stop(process, grace_s=5)
+    (t0, cpu0, core0, load0), (t1, cpu1, core1, load1) = edges
+    wall = t1 - t0
+    cpu_s = cpu1 - cpu0
+    requests = counted["requests"]
+    core_busy = (core1[0] - core0[0]) / max(1, core1[1] - core0[1])
+    return {
+        "load": load.key,
+        "clients": load.clients,
+        "max_tokens": load.max_tokens,
+        "window_s": wall,
+        "requests": requests,
+        "requests_per_s": requests / wall,
+        "failures": counted["failures"],
+        "cpu_s": cpu_s,
+        "util": cpu_s / wall,
+        "ms_per_request": _ratio(cpu_s * 1e3, requests),
+        "core_others": max(0.0, core_busy - cpu_s / wall),
+        "load_core_busy": (load1[0] - load0[0]) / max(1, load1[1] - load0[1]),
+    }
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
@@ -486,15 +691,30 @@ def summarise(
 Latencies = dict[tuple[str, str], dict[str, list[float]]]  # (server, load) -> raw ms
 
 
-def run(sizes: Sizes, progress: Callable[[str], None]) -> tuple[list[dict[str, Any]], Latencies]:
-    """The runs' rows, and each one's raw latencies (see :func:`measure`)."""
+def run(
+    sizes: Sizes, progress: Callable[[str], None]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Latencies]:
+    """The runs' rows, the link floor's rows (see :func:`measure_link_floor`), and each
+    run's raw latencies (see :func:`measure`)."""
     router_cpu, load_cpu = router_and_load_cpus()
     steps = plan(sizes)
-    total = sum(len(loads) for _, loads in steps)
+    floor = floor_loads(sizes)
+    total = sum(len(loads) for _, loads in steps) + len(floor)
     runs: list[dict[str, Any]] = []
+    floors: list[dict[str, Any]] = []
     latencies: Latencies = {}
     with Processes() as procs, tempfile.TemporaryDirectory() as tmp:
         workers = start_workers(procs, load_cpu)
+        # first: next to the short rows, against the same (fast) workers
+        for load in floor:
+            started = time.perf_counter()
+            floors.append(
+                measure_link_floor(procs, workers[0.0], load, sizes, (router_cpu, load_cpu))
+            )
+            progress(
+                f"[{len(floors)}/{total}] link floor {load.key}: "
+                f"{time.perf_counter() - started:.1f}s"
+            )
         for server, loads in steps:
             service = start_server(procs, server, workers[server.step_s], {router_cpu}, Path(tmp))
             for load in loads:
@@ -510,11 +730,11 @@ def run(sizes: Sizes, progress: Callable[[str], None]) -> tuple[list[dict[str, A
                 )
                 runs.append(row)
                 progress(
-                    f"[{len(runs)}/{total}] {server.key} {load.key}: "
+                    f"[{len(floors) + len(runs)}/{total}] {server.key} {load.key}: "
                     f"{time.perf_counter() - started:.1f}s"
                 )
             procs.stop(service.process)
-    return runs, latencies
+    return runs, floors, latencies
 
 
 # --- the report ------------------------------------------------------------------------
@@ -604,9 +824,15 @@ def _all_delivered(r: dict[str, Any]) -> bool | None:
     return _failures(r) == 0 and r["pace"] >= 0.98
 
 
-def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> dict[str, Any]:
-    """The table's rows, the goals and the notes, from the runs."""
+def report(
+    runs: list[dict[str, Any]],
+    link_floors: list[dict[str, Any]],
+    sizes: Sizes,
+    cpus: tuple[int, int],
+) -> dict[str, Any]:
+    """The table's rows, the goals and the notes, from the runs and the link floor's."""
     by = {(r["server"], r["load"]): r for r in runs}
+    floor_by = {f["load"]: f for f in link_floors}
     rows: list[list[str]] = []
     goals: list[dict[str, Any]] = []
 
@@ -616,6 +842,22 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
 
     def row(load: str, what: str, pdtrio: str, trivial: str, vs: str = "", g: str = "") -> None:
         rows.append([load, what, pdtrio, trivial, vs, g])
+
+    def floor_row(p: dict[str, Any], t: dict[str, Any], ratio: float | None) -> float | None:
+        """The link floor of ``p``'s load beside pdtrio's cost; trivial + floor, of trivial."""
+        floor_ms = floor_by[p["load"]]["ms_per_request"]
+        trivial_ms = t["router_ms_per_request"]
+        with_floor = None if floor_ms is None or trivial_ms is None else trivial_ms + floor_ms
+        floor_ratio = None if with_floor is None else _ratio(with_floor, trivial_ms)
+        row(
+            "",
+            "link floor (the link exchange alone); pdtrio above trivial + floor",
+            f"{_fmt(floor_ms, '.2f', ' ms')}; "
+            f"{_fmt(_minus(p['router_ms_per_request'], with_floor), '+.2f', ' ms')}",
+            f"{_fmt(with_floor, '.2f', ' ms')} with the floor",
+            f"{_fmt(floor_ratio, '.2f', '×')} (pdtrio {_fmt(ratio, '.2f', '×')})",
+        )
+        return floor_ratio
 
     # 1. short requests
     for key, label in (
@@ -631,11 +873,11 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
         met = ""
         if key == "short":
             met = goal(
-                "router CPU per short request <= 1.3x the trivial app's",
+                f"router CPU per short request <= {_SHORT_COST_GOAL:g}x the trivial app's",
                 ratio,
-                1.3,
+                _SHORT_COST_GOAL,
                 f"{_fmt(ratio, '.2f')}x",
-                _check(ratio, 1.3),
+                _check(ratio, _SHORT_COST_GOAL),
             )
         row(
             name,
@@ -643,7 +885,7 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
             _ms_per_request(p),
             _ms_per_request(t),
             _fmt(ratio, ".2f", "×"),
-            ("≤ 1.3×: " + met) if met else "",
+            (f"≤ {_SHORT_COST_GOAL:g}×: " + met) if met else "",
         )
         met = ""
         if key == "short":
@@ -668,6 +910,8 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
             _request_load(p),
             _request_load(t),
         )
+        if key == "short":
+            short_floor_ratio = floor_row(p, t, ratio)
 
     # prefill's token alone: one worker exchange, the least a request can cost
     p, t = by["pdtrio_fast", "short_one"], by["trivial_fast", "short_one"]
@@ -692,11 +936,25 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
         _request_load(p),
         _request_load(t),
     )
+    floor_row(p, t, one_ratio)
     short_trivial = by["trivial_fast", "short"]
+    short_floor = floor_by["short"]
+    below = (
+        ": the goal sits below this floor"
+        if short_floor_ratio is not None and short_floor_ratio > _SHORT_COST_GOAL
+        else ""
+    )
     floors = [
         f"the least a request costs (1 token, prefill's; one worker exchange): "
         f"{_fmt(p['router_ms_per_request'], '.2f', ' ms')} of router CPU, "
-        f"{_fmt(one_ratio, '.2f', '×')} the trivial app's (the goal, for 2 tokens: ≤ 1.3×)",
+        f"{_fmt(one_ratio, '.2f', '×')} the trivial app's (the goal, for 2 tokens: "
+        f"≤ {_SHORT_COST_GOAL:g}×)",
+        f"the link exchange alone (the prefill call, decode's start and tokens, the release, "
+        f"straight over two WorkerLinks: no HTTP, no pipeline) of a "
+        f"{short_floor['max_tokens']}-token request: "
+        f"{_fmt(short_floor['ms_per_request'], '.2f', ' ms')} of CPU; the trivial app's cost "
+        f"plus it: {_fmt(short_floor_ratio, '.2f', '×')} the trivial app's (the goal for "
+        f"pdtrio: ≤ {_SHORT_COST_GOAL:g}×{below})",
         f"the trivial app's own TTFT p50 for {short_trivial['clients']} concurrent "
         f"{short_trivial['max_tokens']}-token requests: "
         f"{_fmt(short_trivial['ttft_p50_ms'])} ms (the goal for pdtrio: ≤ 8 ms)",
@@ -931,11 +1189,24 @@ def report(runs: list[dict[str, Any]], sizes: Sizes, cpus: tuple[int, int]) -> d
         _stream_load(p),
         _stream_load(t),
     )
-    return {"rows": rows, "goals": goals, "floors": floors, "notes": notes(runs, large)}
+    return {
+        "rows": rows,
+        "goals": goals,
+        "floors": floors,
+        "notes": notes(runs, link_floors, large),
+    }
 
 
-def notes(runs: list[dict[str, Any]], large: int) -> list[str]:
+def notes(runs: list[dict[str, Any]], link_floors: list[dict[str, Any]], large: int) -> list[str]:
     out = []
+    for f in link_floors:
+        if f["failures"]:
+            out.append(f"link floor {f['load']}: {f['failures']} requests failed in the window")
+        if f["core_others"] > 0.05:
+            out.append(
+                f"link floor {f['load']}: other processes used {f['core_others']:.0%} of "
+                "the servers' core"
+            )
     for r in runs:
         if r["load"] == "paced_large" and r["decode_own_step_ms"] is not None:
             if r["decode_own_step_ms"] > 1.02 * r["step_ms"]:
@@ -1060,11 +1331,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plot", type=Path, default=None, help="draw the latency CDFs into this PNG (matplotlib)"
     )
-    parser.add_argument("--role", choices=["direct"], help=argparse.SUPPRESS)
+    parser.add_argument("--role", choices=["direct", "floor"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role == "direct":
         direct_reader(json.loads(args.spec))
+        return 0
+    if args.role == "floor":
+        link_floor(json.loads(args.spec))
         return 0
     if args.plot is not None:
         plotting.require_matplotlib()
@@ -1074,7 +1348,7 @@ def main(argv: list[str] | None = None) -> int:
     os.sched_setaffinity(0, {cpus[1]})
     sizes = QUICK if args.quick else FULL
     started = time.perf_counter()
-    runs, latencies = run(sizes, lambda line: print(line, file=sys.stderr, flush=True))
+    runs, link_floors, latencies = run(sizes, lambda line: print(line, file=sys.stderr, flush=True))
     summary: dict[str, Any] = {
         "quick": args.quick,
         "machine": (
@@ -1084,8 +1358,9 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "sizes": dataclasses.asdict(sizes),
         "default_egress_max_delay_s": DEFAULT_CAP_S,
-        **report(runs, sizes, cpus),
+        **report(runs, link_floors, sizes, cpus),
         "runs": runs,
+        "link_floor": link_floors,
     }
     summary["elapsed_s"] = time.perf_counter() - started
     print(render(summary))

@@ -157,7 +157,7 @@ _ROUTER_COST_RUN_KEYS = {
 
 
 def _router_cost(printed: str, report: Any) -> None:
-    from benchmarks.router_cost import QUICK, plan
+    from benchmarks.router_cost import QUICK, floor_loads, plan
 
     assert report["quick"] is True
     # one run per (server, load) of the plan, each with its figures
@@ -173,9 +173,18 @@ def _router_cost(printed: str, report: Any) -> None:
     paced = [r for r in runs if r["app"] == "pdtrio" and r["step_ms"] > 0]
     assert paced and all("decode_own_samples" in r for r in paced)
 
+    # the link exchange alone, for each short load: its process's CPU per request it ended
+    floors = report["link_floor"]
+    assert [f["load"] for f in floors] == [load.key for load in floor_loads(QUICK)]
+    for f in floors:
+        assert f["requests"] > 0 and f["failures"] == 0, f
+        assert f["cpu_s"] > 0 and f["ms_per_request"] > 0, f
+
     # the table: six columns, a row for every load of the issue
     rows = report["rows"]
     assert rows and all(len(cells) == 6 for cells in rows)
+    # the link floor beside each short load on kept-alive connections
+    assert sum(cells[1].startswith("link floor") for cells in rows) == len(floors)
     loads = [cells[0] for cells in rows if cells[0]]
     # short x2, one token, paced x2 x egress on/off, paced against grouped events, fast x2,
     # two routers
@@ -189,8 +198,8 @@ def _router_cost(printed: str, report: Any) -> None:
         assert g["goal"] and g["pass"] in (True, False, None)
         assert g["value"] is None or isinstance(g["value"], numbers.Real)
 
-    # what hypercorn-trio itself does, beside each goal (the trivial app's floor)
-    assert len(report["floors"]) == 3 and all(report["floors"])
+    # what hypercorn-trio itself does, beside each goal (the trivial app's floor), and the link's
+    assert len(report["floors"]) == 4 and all(report["floors"])
     grouped = next(r for r in runs if r["server"] == "trivial_grouped")
     assert grouped["tokens_per_event"] > 1
 

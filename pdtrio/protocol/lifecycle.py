@@ -26,6 +26,10 @@ from typing import Final, final
 
 
 class State(enum.Enum):
+    # members are singletons: hashed by identity, in C (Enum's own hash is a Python call,
+    # paid on every transition's lookup)
+    __hash__ = object.__hash__
+
     NEW = "new"
     """Nothing sent anywhere yet."""
     PREFILLING = "prefilling"
@@ -44,6 +48,8 @@ class State(enum.Enum):
 
 
 class Event(enum.Enum):
+    __hash__ = object.__hash__  # (see State's)
+
     PREFILL_SENT = "prefill_sent"
     PREFILL_NOT_SENT = "prefill_not_sent"
     """The instance was unreachable: it never saw the request (try another)."""

@@ -64,6 +64,10 @@ class Limits:
 
 
 class Deadline(enum.Enum):
+    # members are singletons: hashed by identity, in C (Enum's own hash is a Python call,
+    # paid on every lookup of the armed deadlines)
+    __hash__ = object.__hash__
+
     REQUEST = "request"  # the request's own timeout
     PREFILL = "prefill"  # one prefill call's
     KV_LEASE = "kv_lease"  # prefill frees the KV (less the margin): decode must be placed by it
@@ -428,6 +432,8 @@ Command: TypeAlias = (
 
 
 class Phase(enum.Enum):
+    __hash__ = object.__hash__  # (see Deadline's)
+
     NEW = "new"
     PREFILLING = "prefilling"  # SendPrefill is out (the call, once PrefillSent)
     PLACING_DECODE = "placing_decode"  # PlaceDecode is out: waiting for room, or a pick
@@ -465,6 +471,10 @@ class RequestMachine:
         self.phase = Phase.NEW
         self.lifecycle = RequestLifecycle()  # what cleanup owes (KV on prefill, decode's run)
         self._armed: dict[Deadline, float] = {}
+        # the earliest of them, kept until they change (the shell asks before every wait
+        # and after every event)
+        self._earliest: tuple[float, Deadline] | None = None
+        self._armed_changed = False
         self.prefill_instance: str | None = None
         self.decode_instance: str | None = None
         self._decode_connection: Hashable = None
@@ -489,17 +499,22 @@ class RequestMachine:
         """Apply ``event`` (at ``now``); returns the commands to carry out, in order."""
         if self.phase is Phase.DONE:
             return []  # a late answer or a stale timer: nothing follows the end
-        handler = _TABLE.get((self.phase, type(event)))
+        handler = _ENTRIES.get((self.phase, type(event)))
         if handler is None:
             raise MachineError(f"{type(event).__name__} cannot happen in phase {self.phase.name}")
         return handler(self, event, now)
 
     def next_deadline(self) -> tuple[float, Deadline] | None:
         """The earliest armed deadline: the shell's timer for whatever it awaits."""
-        if not self._armed:
-            return None
-        deadline = min(self._armed, key=self._armed.__getitem__)
-        return self._armed[deadline], deadline
+        if self._armed_changed:
+            self._armed_changed = False
+            armed = self._armed
+            if armed:
+                deadline = min(armed, key=armed.__getitem__)
+                self._earliest = armed[deadline], deadline
+            else:
+                self._earliest = None
+        return self._earliest
 
     @property
     def headers_sent(self) -> bool:
@@ -509,7 +524,12 @@ class RequestMachine:
 
     def _arm(self, deadline: Deadline, at: float, out: list[Command]) -> None:
         self._armed[deadline] = at
+        self._armed_changed = True
         out.append(WaitUntil(deadline, at))
+
+    def _disarm(self, deadline: Deadline) -> None:
+        if self._armed.pop(deadline, None) is not None:
+            self._armed_changed = True
 
     def _cleanup(self, out: list[Command]) -> None:
         owed = self.lifecycle.owed()
@@ -521,6 +541,7 @@ class RequestMachine:
 
     def _end(self, out: list[Command], ending: Ending, failure: AnyFailure | None = None) -> None:
         self._armed.clear()
+        self._armed_changed = True
         self.phase = Phase.DONE
         end = self.ended = End(ending, failure)
         out.append(end)
@@ -619,7 +640,7 @@ class RequestMachine:
         return self._fail(self._prefill_failure or _no_prefill())
 
     def _prefill_answered(self) -> None:
-        self._armed.pop(Deadline.PREFILL, None)
+        self._disarm(Deadline.PREFILL)
 
     def _on_prefill_not_sent(self, event: PrefillNotSent, now: float) -> list[Command]:
         self._prefill_answered()
@@ -669,7 +690,7 @@ class RequestMachine:
         return self._place_decode(now, out)
 
     def _on_decode_start_sent(self, event: DecodeStartSent, now: float) -> list[Command]:
-        self._armed.pop(Deadline.KV_LEASE, None)  # placed: the lease bounds the wait only
+        self._disarm(Deadline.KV_LEASE)  # placed: the lease bounds the wait only
         self.phase = Phase.DECODE_SENDING
         self.decode_instance = event.instance
         self._decode_connection = event.connection
@@ -808,7 +829,7 @@ class RequestMachine:
         return self._fail(_decode_failed(event.message))
 
     def _on_decode_connected(self, event: DecodeConnected, now: float) -> list[Command]:
-        self._armed.pop(Deadline.RECONNECT, None)
+        self._disarm(Deadline.RECONNECT)
         if self._awaiting_for_migration:
             return self._migrate()
         return self._place_decode(now, [])
@@ -841,7 +862,7 @@ class RequestMachine:
         armed = self._armed.get(event.deadline)
         if armed is None or armed > now:
             return []  # disarmed, or re-armed later since: stale
-        del self._armed[event.deadline]
+        self._disarm(event.deadline)
         if event.deadline is Deadline.REQUEST:
             message = TIMEOUT_MESSAGE.format(self.limits.request_timeout_s)
             return self._interrupted(Failure(Reason.TIMEOUT, message), event.torn)

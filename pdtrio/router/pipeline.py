@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -267,7 +268,7 @@ class RequestPipeline:
     async def _wait(self, wait: Wait) -> Wait | None:
         """Carry out one wait under the machine's earliest deadline; the next wait, if any."""
         armed = self.machine.next_deadline()
-        with trio.CancelScope(deadline=armed[0] if armed else float("inf")) as timer:
+        with trio.CancelScope(deadline=armed[0] if armed else math.inf) as timer:
             self._timer = timer
             try:
                 if type(wait) is rm.SendPrefill:
@@ -308,7 +309,9 @@ class RequestPipeline:
         self._emits = []
         wait = self._feed(event)
         armed = self.machine.next_deadline()
-        timer.deadline = armed[0] if armed else float("inf")
+        deadline = armed[0] if armed else math.inf
+        if timer.deadline != deadline:  # (most events leave it: a set is a context manager)
+            timer.deadline = deadline
         if fired and (armed is None or armed[0] > trio.current_time()):
             with trio.CancelScope(shield=True):  # the cut it fired for is no longer due
                 await self._write_emits()
