@@ -39,6 +39,13 @@ def _positive_or_none(
         raise FaultSpecError(f"{attribute.name} must be a finite number > 0 or None, not {value!r}")
 
 
+def _request_prefixes(
+    instance: object, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]
+) -> None:
+    if any(not prefix.strip() for prefix in value):
+        raise FaultSpecError(f"{attribute.name} takes request lines' starts, not {value!r}")
+
+
 def _count_or_none(
     instance: object, attribute: attrs.Attribute[int | None], value: int | None
 ) -> None:
@@ -66,6 +73,19 @@ class Fault:
     """A connection is reset (RST both sides) once it has forwarded this many bytes, both ways."""
     refuse: bool = False
     """The listener is closed: a new connection is refused; open ones go on."""
+    hold_requests: tuple[str, ...] = attrs.field(
+        default=(), converter=tuple, validator=_request_prefixes
+    )
+    """HTTP/1 requests whose request line starts with one of these (``"POST /v1/completions"``)
+    are held, with whatever follows them on their connection, client to target: the
+    target hears nothing of them until they are no longer held.  Every other request
+    and connection passes, so one kind of request can be stalled while a server's
+    health and metrics reads go on.  Seen where a chunk read from the client starts:
+    a request line of a client that does not pipeline."""
+
+    def holds(self, chunk: bytes) -> bool:
+        """Whether ``chunk``, read from a client, starts a request that is held."""
+        return any(chunk.startswith(prefix.encode()) for prefix in self.hold_requests)
 
     def chunk_bytes(self) -> int:
         """How much to read from one side at once: under a cap, a short send's worth."""
@@ -86,6 +106,8 @@ class Fault:
             parts.append(f"reset-after={self.reset_after_bytes}B")
         if self.refuse:
             parts.append("refuse")
+        if self.hold_requests:
+            parts.append("hold=" + "|".join(repr(prefix) for prefix in self.hold_requests))
         return " ".join(parts) or "no fault"
 
 

@@ -4,8 +4,9 @@ It forwards bytes both ways between each accepted connection and a fresh
 connection to the target, and applies the :class:`~pdtrio.faults.plan.Fault`
 in force: latency per chunk, a bandwidth cap per direction, a stall (sockets
 stay open, nothing moves: what a hung peer looks like from outside), a reset
-after N bytes, a refused listener. A change takes effect at once on new and,
-where it makes sense, open connections (:attr:`FaultProxy.fault`).
+after N bytes, a refused listener, HTTP requests of one kind held (told by the
+start of their request line) while the others pass. A change takes effect at
+once on new and, where it makes sense, open connections (:attr:`FaultProxy.fault`).
 
 A reset is a real RST (``SO_LINGER`` 0), and a reset from either peer is
 passed on as one, so each side sees what it would see on a broken network.
@@ -13,6 +14,7 @@ passed on as one, so each side sees what it would see on a broken network.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import socket
 import struct
@@ -48,6 +50,8 @@ class ProxyCounters:
     connections_open: int = 0
     connections_reset: int = 0
     """Closed by an RST: a fault, :meth:`FaultProxy.reset_all`, or a peer's own reset."""
+    requests_held: int = 0
+    """Requests held by :attr:`Fault.hold_requests` (counted when first held)."""
     bytes_to_target: int = 0
     bytes_to_client: int = 0
 
@@ -70,6 +74,10 @@ class _Connection:
         if self.reset_reason is None:
             self.reset_reason = reason
         self.scope.cancel()
+
+
+def _releases(chunk: bytes, fault: Fault) -> bool:
+    return not fault.holds(chunk)
 
 
 def _describe_peer(stream: trio.SocketStream) -> str:
@@ -296,6 +304,11 @@ class FaultProxy:
                 await trio.sleep_until(arrived_at + self._fault.latency_s)
                 await destination.send_eof()
                 return
+            if to_target and self._fault.holds(chunk):
+                self.counters.requests_held += 1
+                request_line = chunk.split(b"\r\n", 1)[0].decode("latin-1")
+                self._on_event(f"connection {connection.number} holds {request_line!r}")
+                await self._until(functools.partial(_releases, chunk))
             await trio.sleep_until(arrived_at + self._fault.latency_s)
             rate = self._fault.bandwidth_bytes_per_s
             if rate is not None:

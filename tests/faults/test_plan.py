@@ -87,6 +87,19 @@ def test_a_fault_describes_every_part_in_operator_units() -> None:
     assert fault.describe() == "latency=50ms bandwidth=100kbps stall reset-after=1000B refuse"
 
 
+def test_held_requests_are_told_by_the_start_of_their_request_line() -> None:
+    fault = Fault(hold_requests=["POST /v1/completions", "POST /v1/chat/completions"])
+    assert fault.hold_requests == ("POST /v1/completions", "POST /v1/chat/completions")
+    assert fault.holds(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n\r\n{}")
+    assert fault.holds(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    assert not fault.holds(b"GET /health HTTP/1.1\r\n")
+    assert not fault.holds(b"GET /metrics HTTP/1.1\r\n")
+    assert not Fault().holds(b"POST /v1/completions HTTP/1.1\r\n")
+    assert fault.describe() == "hold='POST /v1/completions'|'POST /v1/chat/completions'"
+    with pytest.raises(FaultSpecError):
+        Fault(hold_requests=(" ",))
+
+
 def test_under_a_cap_chunks_are_short_sends() -> None:
     assert Fault(bandwidth_bytes_per_s=20_000).chunk_bytes() == 1000
     assert Fault(bandwidth_bytes_per_s=1).chunk_bytes() == 1

@@ -146,6 +146,27 @@ async def test_a_stall_holds_open_and_new_connections_until_it_is_lifted() -> No
                     assert await _receive_exactly(fresh, 5) == b"fresh"
 
 
+async def test_held_requests_wait_while_other_requests_and_connections_pass() -> None:
+    completion = b"POST /v1/completions HTTP/1.1\r\ncontent-length: 0\r\n\r\n"
+    health = b"GET /health HTTP/1.1\r\n\r\n"
+    async with proxied_echo(Fault(hold_requests=("POST /v1/completions",))) as proxy:
+        async with await _connect(proxy) as held, await _connect(proxy) as reads:
+            with trio.fail_after(DEADLINE_S):
+                assert await _round_trip(held, health) == health  # a read on it passes...
+            await held.send_all(completion)  # ...a completion on the same connection waits
+            await held.send_all(b"its body")  # and what follows it
+            with trio.move_on_after(0.5) as waited:
+                await held.receive_some(100)
+            assert waited.cancelled_caught
+            assert proxy.counters.requests_held == 1
+            with trio.fail_after(DEADLINE_S):  # another connection's reads go on meanwhile
+                assert await _round_trip(reads, health) == health
+                assert await _round_trip(reads, health) == health
+            proxy.fault = Fault()
+            with trio.fail_after(DEADLINE_S):
+                assert await _receive_exactly(held, len(completion) + 8) == completion + b"its body"
+
+
 async def test_a_connection_is_reset_after_the_bytes_it_may_forward() -> None:
     async with proxied_echo(Fault(reset_after_bytes=1000)) as proxy:
         async with await _connect(proxy) as stream:
