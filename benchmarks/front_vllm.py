@@ -5,25 +5,37 @@ each, ``pdtrio.testing.vllm``; PDTRIO_VLLM_PYTHON and PDTRIO_VLLM_MODEL as for
 ``nox -s vllm``), and pdtrio's router (hypercorn, trio, its own process) over
 them, decode behind a ``pdtrio.faults`` proxy:
 
-1. latency: ``--requests`` sequential streamed completions (a 64-token prompt,
+1. latency: ``--requests`` sequential streamed completions (a 64-word prompt,
    ``--tokens`` tokens, greedy) on each path, the paths taken in turn (the
    machine's noise falls on each alike): decode alone (it prefills itself: the
-   baseline) and through each router (prefill leg, KV by NIXL, decode leg):
-   TTFT and ITL medians, and each router's CPU per request (its process
-   tree's CPU time over the whole run, its background work included);
-2. stranded KV: ``--storm`` clients that leave between the legs (the decode
-   proxy holds decode's connection until the client has gone): how long
-   prefill's KV stays in use after each left, from prefill's ``/metrics``, and
-   how many tokens decode generated for it (decode's ``/metrics``); against the
-   same prefill leg left with no decode (what a proxy that does
-   nothing on a disconnect leaves: held until vLLM's lease, 300 s here);
+   baseline; through the same proxy as the routers' decode legs, so that the
+   proxy's cost is not counted as a router's) and through each router (prefill
+   leg, KV by NIXL, decode leg): TTFT and ITL medians, and each router's CPU
+   per request (its process tree's CPU time over the whole run, its background
+   work included).  Every prompt starts with its own words, so no request finds
+   another's KV in a prefix cache;
+2. stranded KV: a storm of ``--storm`` clients at once that leave between the
+   legs: the proxy holds each decode leg (``POST /v1/completions``; health and
+   metrics reads pass) and each client leaves once its decode leg is held, so
+   once prefill has answered and holds its KV.  Then prefill's KV in use, above
+   what it was before the storm, over ``--watch`` seconds (prefill's
+   ``/metrics``), when it was back to before, and how many tokens decode
+   generated for the clients that left (decode's ``/metrics``); against the
+   same prefill legs sent straight to prefill and left alone (what a proxy that
+   does nothing on a disconnect leaves: held until vLLM's lease, 300 s here);
 3. vllm-router (PyPI ``vllm-router``, Rust; ``--vllm-pd-disaggregation``) over
    the same pair, decode behind the same proxy: in the same latency run and
    the same storm, after pdtrio's.  Found beside the vLLM interpreter
    (``nox -s vllm`` installs it there) or named by ``PDTRIO_VLLM_ROUTER``; the
-   rows are left out, saying so, where it is not installed.  A proxy that does
-   not free the KV leaves it for vLLM's lease: each such client is watched for
-   ``--watch`` seconds, and the KV still held then is reported.
+   rows are left out, saying so, where it is not installed.
+
+Each router is stopped with SIGTERM at the end; one that has not stopped 30 s
+later is killed, its log's tail printed, and the table says so.
+
+Every wait is bounded by time: on two cores each vLLM instance's NIXL thread
+spins a core, a request takes seconds and a ``/metrics`` read can too.  The
+defaults (10 requests of 32 tokens a path, a storm of 5, 30 s watched) take
+about 15 minutes there, the pair's start included.
 
 ``python -m benchmarks.front_vllm [--quick] [--json PATH]``
 """
@@ -31,14 +43,17 @@ them, decode behind a ``pdtrio.faults`` proxy:
 from __future__ import annotations
 
 import argparse
-import functools
+import itertools
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import trio
@@ -56,13 +71,28 @@ from pdtrio.testing.processes import (
 )
 from pdtrio.testing.vllm import NIXL_LEASED_KV_CONFIG, SERVED_MODEL, vllm_pd_pair
 
-_LEFT_ALONE_WATCH_S = 10.0
+COMPLETION_LEGS: Final = ("POST /v1/completions", "POST /v1/chat/completions")
+"""What the decode proxy holds during the storm: the legs, not the health or metrics reads."""
+STORM_TOKENS: Final = 16
+STORM_WORDS: Final = 120
+_REACH_DECODE_S: Final = 240.0
+"""How long the storm's clients are given to reach decode (prefill's answers, on one core)."""
+_STOP_S: Final = 30.0
+_CHECKPOINTS_S: Final = (5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+_started = time.monotonic()
+_tags = itertools.count(1)
+
+
+def _progress(line: str) -> None:
+    print(f"[front_vllm {time.monotonic() - _started:6.0f} s] {line}", file=sys.stderr, flush=True)
 
 
 def _body(tokens: int, words: int = 64) -> dict[str, Any]:
+    """A completion whose prompt starts with words of its own: no prefix cache hit."""
     return {
         "model": SERVED_MODEL,
-        "prompt": "one two three four " * (words // 4),
+        "prompt": f"request {next(_tags)} of {os.getpid()}: "
+        + "one two three four " * (words // 4),
         "max_tokens": tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -78,7 +108,7 @@ async def _interleaved_latency(
     tree's CPU over the whole run (its background work included) per request."""
     ttft: dict[str, list[float]] = {name: [] for name in urls}
     itl: dict[str, list[float]] = {name: [] for name in urls}
-    clients = {name: httpx.AsyncClient(base_url=url, timeout=600) for name, url in urls.items()}
+    clients = {name: httpx.AsyncClient(base_url=url, timeout=300) for name, url in urls.items()}
     try:
 
         async def one(name: str) -> None:
@@ -92,12 +122,14 @@ async def _interleaved_latency(
             await one(name)
             ttft[name].clear()
             itl[name].clear()
+        _progress("latency: warmed up")
         trees = {name: [pid, *descendants(pid)] for name, pid in pids.items()}
         cpu_before = {name: cpu_seconds(tree) for name, tree in trees.items()}
         order = list(urls)
         for i in range(requests):
             for name in order[i % len(order) :] + order[: i % len(order)]:
                 await one(name)
+            _progress(f"latency: round {i + 1} of {requests}")
         cpu = {name: cpu_seconds(tree) - cpu_before[name] for name, tree in trees.items()}
     finally:
         for client in clients.values():
@@ -114,9 +146,12 @@ async def _interleaved_latency(
     return report
 
 
+# --- an engine's figures ------------------------------------------------------------------
+
+
 def _engine_figures(url: str) -> tuple[float, float, int]:
     """KV usage (0..1), generation tokens so far, requests running or waiting."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = httpx.get(f"{url}/metrics", timeout=60).text
     load = parse_engine_metrics(text)
     generated = sum(
         float(line.rsplit(" ", 1)[1])
@@ -124,6 +159,19 @@ def _engine_figures(url: str) -> tuple[float, float, int]:
         if line.startswith("vllm:generation_tokens_total")
     )
     return load.kv_usage, generated, load.running + load.waiting
+
+
+def _cache_blocks(url: str) -> tuple[int, int] | None:
+    """The KV cache's blocks (those usage counts: the null block left out) and tokens
+    a block, from vLLM's ``vllm:cache_config_info`` (None: not shown)."""
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            blocks = re.search(r'num_gpu_blocks="(\d+)"', line)
+            size = re.search(r'block_size="(\d+)"', line)
+            if blocks and size:
+                return int(blocks.group(1)) - 1, int(size.group(1))
+    return None
 
 
 async def _figures(url: str) -> tuple[float, float, int]:
@@ -134,29 +182,36 @@ async def _kv(url: str) -> float:
     return (await _figures(url))[0]
 
 
-async def _kv_above(url: str, level: float, within_s: float) -> bool:
-    """Whether prefill's KV usage rises above ``level`` within the time."""
-    with trio.move_on_after(within_s):
-        while await _kv(url) <= level:  # noqa: ASYNC110 - /metrics is all there is to watch
-            await trio.sleep(0.1)
-        return True
-    return False
-
-
-async def _kv_back_to(url: str, level: float, within_s: float) -> float | None:
-    """Seconds until prefill's KV usage is back to ``level`` (None: not within)."""
-    started = trio.current_time()
-    with trio.move_on_after(within_s):
-        while await _kv(url) > level:  # noqa: ASYNC110 - as above
-            await trio.sleep(0.1)
-        return trio.current_time() - started
-    return None
-
-
 async def _decode_idle(url: str, within_s: float) -> None:
     with trio.move_on_after(within_s):
-        while (await _figures(url))[2]:  # noqa: ASYNC110 - as above
-            await trio.sleep(0.2)
+        while (await _figures(url))[2]:  # noqa: ASYNC110 - /metrics is all there is to watch
+            await trio.sleep(0.5)
+
+
+async def _kv_over_time(prefill_url: str, watch_s: float) -> list[list[float]]:
+    """Prefill's KV usage, read over ``watch_s`` seconds: [seconds since the start, usage]
+    (a read's time is when its answer came: a starved engine's can take seconds)."""
+    samples: list[list[float]] = []
+    started = trio.current_time()
+    while trio.current_time() - started < watch_s:
+        kv = await _kv(prefill_url)
+        samples.append([trio.current_time() - started, kv])
+        await trio.sleep(0.5)
+    return samples
+
+
+def _back_to(samples: list[list[float]], before: float) -> float | None:
+    """When the KV in use was first back to ``before`` (None: not while watched)."""
+    return next((t for t, kv in samples if kv <= before + 1e-9), None)
+
+
+# --- the storm ----------------------------------------------------------------------------
+
+
+async def _until(condition: Callable[[], bool], within_s: float) -> None:
+    with trio.move_on_after(within_s):
+        while not condition():  # noqa: ASYNC110 - counters to watch
+            await trio.sleep(0.1)
 
 
 async def _storm(
@@ -166,43 +221,78 @@ async def _storm(
     proxy: FaultProxy,
     clients: int,
     watch_s: float,
-) -> dict[str, list[Any]]:
-    """Each client leaves once prefill holds its KV (decode's connection held by the
-    proxy until then): how long prefill holds the KV after (None: still held after
-    ``watch_s``; the next client starts from what is held), and how many tokens decode
-    generated for the client that left."""
-    freed_after: list[float | None] = []
-    spent: list[float] = []
-    async with httpx.AsyncClient(timeout=600) as http:
-        for _ in range(clients):
-            await _decode_idle(decode_url, watch_s)
-            before = await _kv(prefill_url)
-            generated_before = (await _figures(decode_url))[1]
-            proxy.fault = Fault(stall=True)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(
-                    functools.partial(
-                        http.post, f"{router_url}/v1/completions", json=_body(16, 120)
-                    )
-                )
-                if not await _kv_above(prefill_url, before, within_s=120):
-                    raise RuntimeError("prefill never held the request's KV")
-                nursery.cancel_scope.cancel()  # the client leaves
-            proxy.fault = Fault()
-            freed_after.append(await _kv_back_to(prefill_url, before, within_s=watch_s))
-            await _decode_idle(decode_url, watch_s)
-            spent.append((await _figures(decode_url))[1] - generated_before)
-    return {"kv_freed_after_s": freed_after, "decode_tokens_for_gone_clients": spent}
+) -> dict[str, Any]:
+    """``clients`` at once, each gone once its decode leg is held at the proxy (prefill
+    has answered: it holds the KV); prefill's KV in use over ``watch_s`` after, and the
+    tokens decode generated for them."""
+    await _decode_idle(decode_url, 120)
+    generated_before = (await _figures(decode_url))[1]
+    before = await _kv(prefill_url)
+    held_before = proxy.counters.requests_held
+    answered: list[str] = []  # clients answered (or failed) before they could leave
+
+    async def client(http: httpx.AsyncClient) -> None:
+        try:
+            response = await http.post(
+                f"{router_url}/v1/completions", json=_body(STORM_TOKENS, STORM_WORDS)
+            )
+            answered.append(str(response.status_code))
+        except httpx.HTTPError as exc:
+            answered.append(type(exc).__name__)
+
+    proxy.fault = Fault(hold_requests=COMPLETION_LEGS)
+    try:
+        async with httpx.AsyncClient(timeout=600) as http, trio.open_nursery() as nursery:
+            for _ in range(clients):
+                nursery.start_soon(client, http)
+            await _until(
+                lambda: proxy.counters.requests_held - held_before + len(answered) >= clients,
+                _REACH_DECODE_S,
+            )
+            reached = proxy.counters.requests_held - held_before
+            at_leaving = await _kv(prefill_url)
+            nursery.cancel_scope.cancel()  # the clients leave
+    finally:
+        proxy.fault = Fault()
+    _progress(f"storm: {reached} of {clients} held at decode's door, gone; watching prefill's KV")
+    samples = await _kv_over_time(prefill_url, watch_s)
+    await _decode_idle(decode_url, 120)
+    generated = (await _figures(decode_url))[1] - generated_before
+    return {
+        "clients": clients,
+        "reached_decode": reached,
+        "answered_before_leaving": answered,
+        "kv_before": before,
+        "kv_at_leaving": at_leaving,
+        "kv_over_time": samples,
+        "kv_freed_after_s": _back_to(samples, before),
+        "decode_tokens_for_gone_clients": generated,
+    }
 
 
-async def _left_alone(prefill_url: str) -> float | None:
-    """A prefill leg nobody decodes: seconds until its KV is freed (None: not in the watch)."""
+async def _left_alone(prefill_url: str, legs: int, watch_s: float) -> dict[str, Any]:
+    """``legs`` prefill legs at once, straight to prefill, that nobody decodes."""
     before = await _kv(prefill_url)
     async with httpx.AsyncClient(timeout=600) as http:
-        leg = prefill_body({**_body(16, 120), "stream": False})
-        response = await http.post(f"{prefill_url}/v1/completions", json=leg)
-        response.raise_for_status()
-    return await _kv_back_to(prefill_url, before, within_s=_LEFT_ALONE_WATCH_S)
+
+        async def leg() -> None:
+            body = prefill_body({**_body(STORM_TOKENS, STORM_WORDS), "stream": False})
+            (await http.post(f"{prefill_url}/v1/completions", json=body)).raise_for_status()
+
+        with trio.fail_after(_REACH_DECODE_S):
+            async with trio.open_nursery() as nursery:
+                for _ in range(legs):
+                    nursery.start_soon(leg)
+    at_leaving = await _kv(prefill_url)
+    _progress(f"left alone: {legs} prefill legs answered; watching prefill's KV")
+    samples = await _kv_over_time(prefill_url, watch_s)
+    return {
+        "clients": legs,
+        "kv_before": before,
+        "kv_at_leaving": at_leaving,
+        "kv_over_time": samples,
+        "kv_freed_after_s": _back_to(samples, before),
+    }
 
 
 async def _until_healthy(url: str, what: str) -> None:
@@ -214,7 +304,7 @@ async def _until_healthy(url: str, what: str) -> None:
                         return
                 except httpx.HTTPError:
                     pass
-                await trio.sleep(0.2)
+                await trio.sleep(0.5)
     raise RuntimeError(f"{what} at {url} was not healthy within 300 s")
 
 
@@ -230,17 +320,22 @@ async def _run(
         await nursery.start(proxy.run)
         for name, (_, url) in routers.items():
             await _until_healthy(url, name)
+        _progress(f"routers healthy: {', '.join(routers)}")
+        blocks = await trio.to_thread.run_sync(_cache_blocks, prefill_url)
         report: dict[str, Any] = await _interleaved_latency(
-            {"decode_alone": decode_url} | {name: url for name, (_, url) in routers.items()},
+            {"decode_alone": f"http://{LOOPBACK}:{proxy_port}"}
+            | {name: url for name, (_, url) in routers.items()},
             {name: process.pid for name, (process, _) in routers.items()},
             args.requests,
             args.tokens,
         )
+        report["prefill_cache_blocks"] = blocks
         for name, (_, url) in routers.items():
+            _progress(f"storm through {name}")
             report[name]["storm"] = await _storm(
                 url, prefill_url, decode_url, proxy, args.storm, args.watch
             )
-        report["left_alone_freed_after_s"] = await _left_alone(prefill_url)
+        report["left_alone"] = await _left_alone(prefill_url, args.storm, args.watch)
         nursery.cancel_scope.cancel()
     return report
 
@@ -248,7 +343,9 @@ async def _run(
 def _measure(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     if args.prefill_url and args.decode_url:  # a pair already running (the tests')
         return _measure_on(args, logs, args.prefill_url, args.decode_url)
+    _progress("starting the vLLM pair")
     with vllm_pd_pair(logs, kv_config=NIXL_LEASED_KV_CONFIG) as (prefill, decode):
+        _progress("the vLLM pair is ready")
         return _measure_on(args, logs, prefill.url, decode.url)
 
 
@@ -262,19 +359,23 @@ def vllm_router_binary() -> Path | None:
     return beside if beside is not None and beside.exists() else None
 
 
-def _stopped(process: subprocess.Popen[bytes], name: str, log: Path) -> bool:
-    """SIGTERM, then whether it stopped within 30 s (if not: killed, its log's tail printed)."""
+def _stop(process: subprocess.Popen[bytes], name: str, log: Path) -> float | None:
+    """SIGTERM; the seconds it took to stop, or None: not within :data:`_STOP_S` (then
+    killed, its log's tail printed: a router that does not stop is a finding)."""
+    started = time.monotonic()
     process.terminate()
     try:
-        process.wait(timeout=30)
-        return True
+        process.wait(timeout=_STOP_S)
+        return time.monotonic() - started
     except subprocess.TimeoutExpired:
-        # a router that does not stop on SIGTERM is a finding: its log says where it is
         process.kill()
         process.wait()
         tail = log.read_bytes()[-6000:].decode("utf-8", "replace")
-        print(f"{name} did not stop within 30 s of SIGTERM; its log ends:\n{tail}", file=sys.stderr)
-        return False
+        print(
+            f"{name} did not stop within {_STOP_S:g} s of SIGTERM (killed); its log ends:\n{tail}",
+            file=sys.stderr,
+        )
+        return None
 
 
 def _measure_on(
@@ -309,61 +410,53 @@ def _measure_on(
             f"http://{LOOPBACK}:{port}",
         )
     routers: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+    stopped: dict[str, float | None] = {}
     try:
         for name, (command, env, url) in commands.items():
             with (logs / f"{name}.log").open("wb") as log:
                 process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
             routers[name] = (process, url)
-        return trio.run(_run, args, prefill_url, decode_url, proxy_port, routers)
+        report = trio.run(_run, args, prefill_url, decode_url, proxy_port, routers)
     finally:
-        stuck: list[str] = []
         for name, (process, _) in routers.items():
-            if not _stopped(process, name, logs / f"{name}.log"):
-                stuck.append(name)
-        if stuck:
-            raise RuntimeError(f"did not stop within 30 s of SIGTERM: {', '.join(stuck)}")
+            stopped[name] = _stop(process, name, logs / f"{name}.log")
+    report["stopped_after_sigterm_s"] = stopped
+    return report
 
 
-def _freed(seconds: list[float | None], watch_s: float) -> str:
-    freed = [s for s in seconds if s is not None]
-    held = len(seconds) - len(freed)
-    text = (
-        f"freed after {statistics.median(freed):.1f} s median, {max(freed):.1f} s max"
-        if freed
-        else ""
-    )
-    if held:
-        text += ("; " if text else "") + f"{held} still held after {watch_s:g} s"
-    return text
+# --- the report ---------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few requests: a smoke run")
-    parser.add_argument("--requests", type=int, default=20)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--storm", type=int, default=5)
-    parser.add_argument(
-        "--watch", type=float, default=20.0, help="seconds a left client's KV is watched"
-    )
-    parser.add_argument("--no-vllm-router", action="store_true", help="pdtrio's router only")
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument(
-        "--prefill-url", default="", help="a running vLLM prefill (with --decode-url)"
-    )
-    parser.add_argument(
-        "--decode-url", default="", help="a running vLLM decode (with --prefill-url)"
-    )
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.requests, args.tokens, args.storm, args.watch = 3, 8, 1, 10.0
-    with tempfile.TemporaryDirectory() as tmp:
-        report = _measure(args, Path(tmp))
+def _held(kv: float, before: float, blocks: tuple[int, int] | None) -> str:
+    """KV in use above ``before``: blocks where the cache's size is known, else percent."""
+    if blocks is None:
+        return f"{(kv - before) * 100:+.2f}%"
+    return f"{round((kv - before) * blocks[0]):d}"
+
+
+def _storm_row(
+    label: str, storm: dict[str, Any], blocks: tuple[int, int] | None, watch_s: float
+) -> list[str]:
+    before = storm["kv_before"]
+    samples = storm["kv_over_time"]
+    cells = [label, f"{storm.get('reached_decode', storm['clients'])}/{storm['clients']}"]
+    cells.append(_held(storm["kv_at_leaving"], before, blocks))
+    for checkpoint in (c for c in _CHECKPOINTS_S if c <= watch_s):
+        seen = [kv for t, kv in samples if t <= checkpoint] or [samples[0][1]]
+        cells.append(_held(seen[-1], before, blocks))
+    freed = storm["kv_freed_after_s"]
+    cells.append(f"{freed:.1f} s" if freed is not None else f"not in {watch_s:g} s")
+    spent = storm.get("decode_tokens_for_gone_clients")
+    cells.append("-" if spent is None else f"{spent:.0f}")
+    return cells
+
+
+def _print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
+    names = {"pdtrio": "pdtrio router, PD", "vllm_router": "vllm-router, PD"}
     alone = report["decode_alone"]
     rows = [
         ["decode alone (no PD)", f"{alone['ttft_ms']:.0f}", "-", f"{alone['itl_ms']:.1f}", "-", "-"]
     ]
-    names = {"pdtrio": "pdtrio router, PD", "vllm_router": "vllm-router, PD"}
     for name, label in names.items():
         if name in report:
             front = report[name]
@@ -378,32 +471,80 @@ def main(argv: list[str] | None = None) -> int:
                 ]
             )
     print(
+        f"{args.requests} streamed completions a path ({args.tokens} tokens, greedy), "
+        "the paths in turn; decode through the same proxy on every path:"
+    )
+    print(
         aligned_table(
             ["path", "TTFT p50 ms", "added", "ITL p50 ms", "added", "router CPU ms/req"],
             rows,
             align="lrrrrr",
         )
     )
-    print("\nclients gone between the legs, prefill's KV after each left:")
-    for name, label in names.items():
-        if name in report:
-            storm = report[name]["storm"]
-            stranded = storm["kv_freed_after_s"]
-            spent = storm["decode_tokens_for_gone_clients"]
-            print(
-                f"  {label} ({len(stranded)}): {_freed(stranded, args.watch)}; decode generated "
-                f"{statistics.median(spent):.0f} tokens (median) for each gone client "
-                f"(its request: 16)"
-            )
-    left = report["left_alone_freed_after_s"]
+    blocks = report["prefill_cache_blocks"]
+    unit = (
+        f"blocks of {blocks[1]} tokens, of prefill's {blocks[0]}"
+        if blocks
+        else "% of prefill's KV cache"
+    )
     print(
-        "  a prefill leg left alone (no decode, no release): "
-        + (
-            f"still held after {_LEFT_ALONE_WATCH_S:g} s (vLLM's lease: 300 s here, 30 s by default)"
-            if left is None
-            else f"freed after {left:.1f} s"
+        f"\n{args.storm} clients at once, each gone between the legs (once its decode leg was "
+        f"held at decode's door):\nprefill's KV in use above before ({unit}), after they left:"
+    )
+    checkpoints = [f"+{c:g} s" for c in _CHECKPOINTS_S if c <= args.watch]
+    storm_rows = [
+        _storm_row(label, report[name]["storm"], blocks, args.watch)
+        for name, label in names.items()
+        if name in report
+    ]
+    storm_rows.append(
+        _storm_row("left alone (no decode, no release)", report["left_alone"], blocks, args.watch)
+    )
+    print(
+        aligned_table(
+            ["path", "gone", "on leaving", *checkpoints, "back to before", "decode tokens"],
+            storm_rows,
+            align="l" + "r" * (len(checkpoints) + 4),
         )
     )
+    print(
+        f"(decode tokens: generated by decode for the gone clients; each asked {STORM_TOKENS}. "
+        "vLLM's lease on unpulled KV: 300 s here, 30 s by default)"
+    )
+    for name, label in names.items():
+        answered = report[name]["storm"]["answered_before_leaving"] if name in report else []
+        if answered:
+            print(f"{label}: clients answered (or failed) before they left: {answered}")
+    stops = ", ".join(
+        f"{names[name]}: " + (f"not within {_STOP_S:g} s (killed)" if s is None else f"{s:.1f} s")
+        for name, s in report["stopped_after_sigterm_s"].items()
+    )
+    print(f"stopped after SIGTERM: {stops}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a few requests: a smoke run")
+    parser.add_argument("--requests", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--storm", type=int, default=5, help="clients in the storm")
+    parser.add_argument(
+        "--watch", type=float, default=30.0, help="seconds prefill's KV is watched after a storm"
+    )
+    parser.add_argument("--no-vllm-router", action="store_true", help="pdtrio's router only")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--prefill-url", default="", help="a running vLLM prefill (with --decode-url)"
+    )
+    parser.add_argument(
+        "--decode-url", default="", help="a running vLLM decode (with --prefill-url)"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.tokens, args.storm, args.watch = 2, 8, 2, 10.0
+    with tempfile.TemporaryDirectory() as tmp:
+        report = _measure(args, Path(tmp))
+    _print_report(report, args)
     write_json(args.json, report)
     return 0
 

@@ -9,6 +9,7 @@ parsers for the command line's addresses and the control port's lines.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Final, final
 
 import attrs
@@ -37,6 +38,10 @@ def _positive_or_none(
 ) -> None:
     if value is not None and (not value > 0 or math.isinf(value)):
         raise FaultSpecError(f"{attribute.name} must be a finite number > 0 or None, not {value!r}")
+
+
+def _as_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
 
 
 def _request_prefixes(
@@ -74,7 +79,7 @@ class Fault:
     refuse: bool = False
     """The listener is closed: a new connection is refused; open ones go on."""
     hold_requests: tuple[str, ...] = attrs.field(
-        default=(), converter=tuple, validator=_request_prefixes
+        default=(), converter=_as_tuple, validator=_request_prefixes
     )
     """HTTP/1 requests whose request line starts with one of these (``"POST /v1/completions"``)
     are held, with whatever follows them on their connection, client to target: the
