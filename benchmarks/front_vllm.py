@@ -16,8 +16,10 @@ them, decode behind a ``pdtrio.faults`` proxy:
    another's KV in a prefix cache;
 2. stranded KV: a storm of ``--storm`` clients at once that leave between the
    legs: the proxy holds each decode leg (``POST /v1/completions``; health and
-   metrics reads pass) and each client leaves once its decode leg is held, so
-   once prefill has answered and holds its KV.  Then prefill's KV in use, above
+   metrics reads pass) and the clients leave once every decode leg is held and
+   prefill has answered them all (nothing running or waiting there, their KV
+   held: vllm-router 0.1.17 sends the decode leg along with the prefill leg,
+   pdtrio once prefill has answered).  Then prefill's KV in use, above
    what it was before the storm, over ``--watch`` seconds (prefill's
    ``/metrics``), when it was back to before, and how many tokens decode
    generated for the clients that left (decode's ``/metrics``); against the
@@ -78,6 +80,7 @@ STORM_WORDS: Final = 120
 _REACH_DECODE_S: Final = 240.0
 """How long the storm's clients are given to reach decode (prefill's answers, on one core)."""
 _STOP_S: Final = 30.0
+_IDLE_S: Final = 15.0
 _CHECKPOINTS_S: Final = (5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 _started = time.monotonic()
 _tags = itertools.count(1)
@@ -214,6 +217,17 @@ async def _until(condition: Callable[[], bool], within_s: float) -> None:
             await trio.sleep(0.1)
 
 
+async def _prefill_done(prefill_url: str, before: float, within_s: float) -> bool:
+    """Whether prefill has nothing running or waiting and holds KV above ``before``."""
+    with trio.move_on_after(within_s):
+        while True:
+            kv, _, busy = await _figures(prefill_url)
+            if not busy and kv > before:
+                return True
+            await trio.sleep(0.5)
+    return False
+
+
 async def _storm(
     router_url: str,
     prefill_url: str,
@@ -222,9 +236,9 @@ async def _storm(
     clients: int,
     watch_s: float,
 ) -> dict[str, Any]:
-    """``clients`` at once, each gone once its decode leg is held at the proxy (prefill
-    has answered: it holds the KV); prefill's KV in use over ``watch_s`` after, and the
-    tokens decode generated for them."""
+    """``clients`` at once, gone once each decode leg is held at the proxy and prefill has
+    answered them all (it holds their KV); prefill's KV in use over ``watch_s`` after, and
+    the tokens decode generated for them."""
     await _decode_idle(decode_url, 120)
     generated_before = (await _figures(decode_url))[1]
     before = await _kv(prefill_url)
@@ -250,17 +264,25 @@ async def _storm(
                 _REACH_DECODE_S,
             )
             reached = proxy.counters.requests_held - held_before
+            # a router may send the decode leg with the prefill leg (vllm-router 0.1.17
+            # does): the clients leave once prefill has also answered every one
+            prefill_done = await _prefill_done(prefill_url, before, _REACH_DECODE_S)
             at_leaving = await _kv(prefill_url)
             nursery.cancel_scope.cancel()  # the clients leave
     finally:
         proxy.fault = Fault()
-    _progress(f"storm: {reached} of {clients} held at decode's door, gone; watching prefill's KV")
+    _progress(
+        f"storm: {reached} of {clients} held at decode's door, prefill "
+        + ("done" if prefill_done else "not done")
+        + "; gone; watching prefill's KV"
+    )
     samples = await _kv_over_time(prefill_url, watch_s)
     await _decode_idle(decode_url, 120)
     generated = (await _figures(decode_url))[1] - generated_before
     return {
         "clients": clients,
         "reached_decode": reached,
+        "prefill_done_before_leaving": prefill_done,
         "answered_before_leaving": answered,
         "kv_before": before,
         "kv_at_leaving": at_leaving,
@@ -308,6 +330,16 @@ async def _until_healthy(url: str, what: str) -> None:
     raise RuntimeError(f"{what} at {url} was not healthy within 300 s")
 
 
+async def _idle_cpu(pids: dict[str, int]) -> dict[str, float]:
+    """Each router's process tree's CPU with no request, ms a second: its background work."""
+    trees = {name: [pid, *descendants(pid)] for name, pid in pids.items()}
+    before = {name: cpu_seconds(tree) for name, tree in trees.items()}
+    await trio.sleep(_IDLE_S)
+    return {
+        name: (cpu_seconds(tree) - before[name]) / _IDLE_S * 1000 for name, tree in trees.items()
+    }
+
+
 async def _run(
     args: argparse.Namespace,
     prefill_url: str,
@@ -322,6 +354,7 @@ async def _run(
             await _until_healthy(url, name)
         _progress(f"routers healthy: {', '.join(routers)}")
         blocks = await trio.to_thread.run_sync(_cache_blocks, prefill_url)
+        idle = await _idle_cpu({name: process.pid for name, (process, _) in routers.items()})
         report: dict[str, Any] = await _interleaved_latency(
             {"decode_alone": f"http://{LOOPBACK}:{proxy_port}"}
             | {name: url for name, (_, url) in routers.items()},
@@ -330,6 +363,8 @@ async def _run(
             args.tokens,
         )
         report["prefill_cache_blocks"] = blocks
+        for name, ms_per_s in idle.items():
+            report[name]["idle_cpu_ms_per_s"] = ms_per_s
         for name, (_, url) in routers.items():
             _progress(f"storm through {name}")
             report[name]["storm"] = await _storm(
@@ -455,7 +490,15 @@ def _print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
     names = {"pdtrio": "pdtrio router, PD", "vllm_router": "vllm-router, PD"}
     alone = report["decode_alone"]
     rows = [
-        ["decode alone (no PD)", f"{alone['ttft_ms']:.0f}", "-", f"{alone['itl_ms']:.1f}", "-", "-"]
+        [
+            "decode alone (no PD)",
+            f"{alone['ttft_ms']:.0f}",
+            "-",
+            f"{alone['itl_ms']:.1f}",
+            "-",
+            "-",
+            "-",
+        ]
     ]
     for name, label in names.items():
         if name in report:
@@ -468,17 +511,28 @@ def _print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
                     f"{front['itl_ms']:.1f}",
                     f"{front['itl_ms'] - alone['itl_ms']:+.1f}",
                     f"{front['router_cpu_ms_per_request']:.1f}",
+                    f"{front['idle_cpu_ms_per_s']:.1f}",
                 ]
             )
     print(
         f"{args.requests} streamed completions a path ({args.tokens} tokens, greedy), "
-        "the paths in turn; decode through the same proxy on every path:"
+        "the paths in turn; decode through the same proxy on every path\n"
+        "(router CPU: its processes' over the whole run a request, background work included; "
+        f"idle: the same with no request, over {_IDLE_S:g} s before):"
     )
     print(
         aligned_table(
-            ["path", "TTFT p50 ms", "added", "ITL p50 ms", "added", "router CPU ms/req"],
+            [
+                "path",
+                "TTFT p50 ms",
+                "added",
+                "ITL p50 ms",
+                "added",
+                "router CPU ms/req",
+                "idle ms/s",
+            ],
             rows,
-            align="lrrrrr",
+            align="lrrrrrr",
         )
     )
     blocks = report["prefill_cache_blocks"]
@@ -488,8 +542,9 @@ def _print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
         else "% of prefill's KV cache"
     )
     print(
-        f"\n{args.storm} clients at once, each gone between the legs (once its decode leg was "
-        f"held at decode's door):\nprefill's KV in use above before ({unit}), after they left:"
+        f"\n{args.storm} clients at once, gone between the legs (their decode legs held at "
+        "decode's door, prefill done):\n"
+        f"prefill's KV in use above before ({unit}), after they left:"
     )
     checkpoints = [f"+{c:g} s" for c in _CHECKPOINTS_S if c <= args.watch]
     storm_rows = [
@@ -512,9 +567,12 @@ def _print_report(report: dict[str, Any], args: argparse.Namespace) -> None:
         "vLLM's lease on unpulled KV: 300 s here, 30 s by default)"
     )
     for name, label in names.items():
-        answered = report[name]["storm"]["answered_before_leaving"] if name in report else []
-        if answered:
+        storm = report[name]["storm"] if name in report else {}
+        if storm.get("answered_before_leaving"):
+            answered = storm["answered_before_leaving"]
             print(f"{label}: clients answered (or failed) before they left: {answered}")
+        if storm and not storm["prefill_done_before_leaving"]:
+            print(f"{label}: prefill had not answered every client within {_REACH_DECODE_S:g} s")
     stops = ", ".join(
         f"{names[name]}: " + (f"not within {_STOP_S:g} s (killed)" if s is None else f"{s:.1f} s")
         for name, s in report["stopped_after_sigterm_s"].items()
