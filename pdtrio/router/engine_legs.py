@@ -118,8 +118,9 @@ _PrefillFailure: TypeAlias = rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFail
 @final
 class EngineLegs:
     """The pipeline's ``make_legs`` for a request on ``pool``'s engines: ``client_body``
-    is the client's request as it came (what pdtrio validated), the legs' fields set
-    on it."""
+    is the client's request as it came (what pdtrio validated; a ``/v1/responses`` one
+    as the chat request it stands for, ``responses.engine_chat_body``), the legs' fields
+    set on it."""
 
     def __init__(
         self,
