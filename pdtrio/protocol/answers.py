@@ -105,16 +105,19 @@ class AnswerShape:
         usage: Usage,
         logprobs: Sequence[TokenLogprob] | None,
         top_logprobs: int,
+        tool_calls: Sequence[ToolCall] | None = None,
     ) -> dict[str, Any]:
         """The whole, non-streamed ``Response`` (logprobs are not asked on this endpoint):
         its text as a message (none when the model only called), then its calls, read
-        out of the text as chat's are."""
+        out of the text as chat's are (``tool_calls``: read already, ``text`` their
+        content, the calls an engine read out itself among them)."""
         request = self.request
         assert isinstance(request, ResponsesRequest)
         item_status: MessageStatus = "incomplete" if finish_reason == "length" else "completed"
-        calls: list[ToolCall] = []
+        calls = [] if tool_calls is None else list(tool_calls)
         tools = request.chat.tools
-        if tools is not None and tools.shown:  # ("none": a call-like block stays text)
+        if tool_calls is None and tools is not None and tools.shown:
+            # ("none": a call-like block stays text)
             text, calls = parse_tool_calls(text, [function.name for function in tools.functions])
         output = (
             []

@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Final, Literal, final
+from typing import Any, Final, Literal, final
 
 import trio
 
@@ -32,10 +32,7 @@ from pdtrio.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdtrio.protocol.answers import AnswerKind, AnyRequest
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.openai import (
-    ChatCompletionRequest,
-    CompletionRequest,
     OpenAIError,
-    bad_request,
     body_timeout,
     error_for,
     is_json_content_type,
@@ -48,7 +45,11 @@ from pdtrio.protocol.openai import (
     unauthorized,
     unsupported_media_type,
 )
-from pdtrio.protocol.openai.responses import ResponsesRequest, parse_responses_request
+from pdtrio.protocol.openai.responses import (
+    ResponsesRequest,
+    engine_chat_body,
+    parse_responses_request,
+)
 from pdtrio.protocol.registration import ROUTER_HEADER
 from pdtrio.protocol.routes import RouteTable
 from pdtrio.router.core import Router
@@ -261,21 +262,16 @@ class RouterApp:
             else:
                 request = parse()
             if router.engines is not None and not isinstance(request, OpenAIError):
-                if kind == "responses":
-                    # the engines are given the client's own body, which is no chat one
-                    raise bad_request(
-                        "/v1/responses is not served in front of vLLM or SGLang engines yet; "
-                        "use /v1/chat/completions.",
-                        param="input",
-                    )
-                assert not isinstance(request, ResponsesRequest)
                 # an engine gets the client's own request (what pdtrio validated), its legs'
-                # fields set on it
+                # fields set on it; a Responses one as the chat request it stands for
+                engine_body = json.loads(body)
+                if isinstance(request, ResponsesRequest):
+                    engine_body = engine_chat_body(engine_body, request)
                 await _front_engines(
                     router,
                     request,
-                    bytes(body),
-                    kind == "chat",
+                    kind,
+                    engine_body,
                     receive,
                     send,
                     functools.partial(hang_up, scope),
@@ -302,20 +298,21 @@ class RouterApp:
 
 async def _front_engines(
     router: Router,
-    request: ChatCompletionRequest | CompletionRequest,
-    body: bytes,
-    chat: bool,
+    request: AnyRequest,
+    kind: AnswerKind,
+    engine_body: dict[str, Any],
     receive: Receive,
     send: Send,
     hang_up_client: Callable[[], bool],
 ) -> None:
     """The request on the vLLM or SGLang instances the router fronts: the same pipeline,
-    with the engines' HTTP legs."""
+    with the engines' HTTP legs (``engine_body``: what they are sent, a chat or a
+    completions body)."""
     from pdtrio.router.engine_legs import EngineLegs
     from pdtrio.router.pipeline import RequestPipeline
 
-    kind: Literal["chat", "completion"] = "chat" if chat else "completion"
     assert router.engines is not None  # (the caller's test)
+    engine_kind: Literal["chat", "completion"] = "completion" if kind == "completion" else "chat"
     await RequestPipeline(
         router,
         request,
@@ -323,7 +320,7 @@ async def _front_engines(
         receive,
         send,
         hang_up_client,
-        make_legs=EngineLegs(router.engines, json.loads(body), kind),
+        make_legs=EngineLegs(router.engines, engine_body, engine_kind),
     ).run()
 
 

@@ -220,14 +220,20 @@ class ClientResponse:
         assert usage is not None  # the shell refuses a finish without it
         if self._body_of is not None:  # an endpoint's own body (/v1/responses; one choice)
             (answer,) = self._answers
+            # its calls read as a chat answer's: out of the text, and an engine's own
+            text = answer.text
+            calls: list[ToolCall] = []
+            if self._tool_names is not None or answer.engine_called:
+                text, calls = answer.content_and_calls(self._tool_names or ())
             payload = self._body_of(
                 request_id=self.request_id,
                 created=self.created,
-                text=answer.text,
+                text=text,
                 finish_reason=answer.finish_reason,
                 usage=usage,
                 logprobs=answer.logprobs,
                 top_logprobs=self._top_logprobs or 0,
+                tool_calls=calls,
             )
             await send_json(self._send, 200, payload)
             return

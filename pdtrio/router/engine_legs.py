@@ -30,9 +30,11 @@ stream: a prefill failing before decode's first token closes the decode leg
 Several choices (``n`` > 1): a PD flow per choice (its prefill, its leg on the decode
 placed), streamed back as the choices of one answer by the shared
 :func:`pdtrio.router.legs.stream_choices` (:class:`EngineDecodeLeg` says how;
-``vllm_pd.choice_body`` why the engines are never sent ``n``).  A client that leaves,
-or any choice failing, closes every leg; each choice's unpulled KV is freed as one
-request's is.
+``vllm_pd.choice_body`` why the engines are never sent ``n``).  A choice failing
+before its own first token once other choices' went out runs again alone (a new
+prefill and decode leg, :meth:`EngineDecodeLeg._rerun_choice`).  A client that leaves,
+or a choice failing otherwise, closes every leg; each choice's unpulled KV is freed as
+one request's is.
 
 Tools: the legs carry the client's ``tools`` and ``tool_choice``, and the engine
 renders them with its chat template.  The calls its tool parser read out of the answer
@@ -118,8 +120,9 @@ _PrefillFailure: TypeAlias = rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFail
 @final
 class EngineLegs:
     """The pipeline's ``make_legs`` for a request on ``pool``'s engines: ``client_body``
-    is the client's request as it came (what pdtrio validated), the legs' fields set
-    on it."""
+    is the client's request as it came (what pdtrio validated; a ``/v1/responses`` one
+    as the chat request it stands for, ``responses.engine_chat_body``), the legs' fields
+    set on it."""
 
     def __init__(
         self,
@@ -180,6 +183,13 @@ class EnginePrefillLeg:
         self.bootstraps: list[dict[str, Any]] | None = None
         self.decode: EngineInstance | None = None  # the decode it was placed on, if any
         self._last_failure = ""
+        # what the engines know each choice's legs by (a choice started again alone: a
+        # new id, its old legs' may still be held)
+        self._request_ids = [
+            host.request_id if choice == 0 else f"{host.request_id}-{choice}"
+            for choice in range(choices)
+        ]
+        self._reruns = 0
         # the prompt's keys in the pool's approximate prefix index (decode's leg's too)
         self.prefix_keys = self._pool.prefix_keys(host.request.prompt)
 
@@ -220,9 +230,13 @@ class EnginePrefillLeg:
         self.unpulled = [None] * choices
         # each choice's prefill at once (a PD flow per choice: ``vllm_pd.choice_body``)
         failures: list[_PrefillFailure | None] = [None] * choices
+
+        async def prefill_choice(choice: int) -> None:
+            failures[choice] = await self.prefill_choice(instance, choice)
+
         async with trio.open_nursery() as calls:
             for choice in range(choices):
-                calls.start_soon(self._prefill_choice, instance, choice, failures)
+                calls.start_soon(prefill_choice, choice)
         failed = [failure for failure in failures if failure is not None]
         if failed:
             self.release()  # the choices it did prefill: no decode pulls them now
@@ -242,32 +256,33 @@ class EnginePrefillLeg:
         """What the engines know choice ``choice``'s legs by (choice 0: the request's own
         id; the others: ids of their own, as requests running at once on one engine must
         have, and as vLLM names their KV transfers by)."""
-        request_id = self._host.request_id
-        return request_id if choice == 0 else f"{request_id}-{choice}"
+        return self._request_ids[choice]
 
-    async def _prefill_choice(
-        self,
-        instance: EngineInstance,
-        choice: int,
-        failures: list[_PrefillFailure | None],
-    ) -> None:
+    def rerun_request_id(self, choice: int) -> str:
+        """A new id for choice ``choice``, started again alone (``{id}-rerun{k}-{choice}``)."""
+        self._reruns += 1
+        request_id = f"{self._host.request_id}-rerun{self._reruns}-{choice}"
+        self._request_ids[choice] = request_id
+        return request_id
+
+    async def prefill_choice(self, instance: EngineInstance, choice: int) -> _PrefillFailure | None:
         """vLLM: choice ``choice``'s prefill call; its answer (and KV) recorded as it comes,
-        so a request cut meanwhile frees what the calls that answered kept."""
+        so a request cut meanwhile frees what the calls that answered kept.  What failed,
+        if it did."""
         answered = await self._call(
             instance, prefill_body(self.choice_bodies[choice]), self.choice_request_id(choice)
         )
         if not isinstance(answered, httpx.Response):
-            failures[choice] = answered
-            return
+            return answered
         try:
             answer = parse_prefill_answer(answered.json())
         except (ValueError, EngineAnswerError) as exc:
             why = f"prefill's answer: {exc}"
             self._failed(instance, why)
-            failures[choice] = rm.PrefillLost(why)
-            return
+            return rm.PrefillLost(why)
         self.answers[choice] = answer
         self.unpulled[choice] = answer.kv_transfer_params
+        return None
 
     async def _call(
         self, instance: EngineInstance, body: Mapping[str, Any], request_id: str
@@ -303,11 +318,11 @@ class EnginePrefillLeg:
         self._pool.failed(instance, why)
         self._last_failure = f"{instance.instance_id}: {why}"
 
-    async def call_beside(self, body: Mapping[str, Any], request_id: str) -> _PrefillFailure | None:
-        """SGLang: a choice's prefill call (``body``: its room's), beside its decode stream
-        (bounded by the prefill timeout); what failed, if it did."""
-        instance = self.instance
-        assert instance is not None
+    async def call_beside(
+        self, instance: EngineInstance, body: Mapping[str, Any], request_id: str
+    ) -> _PrefillFailure | None:
+        """SGLang: a choice's prefill call on ``instance`` (``body``: its room's), beside its
+        decode stream (bounded by the prefill timeout); what failed, if it did."""
         started = time.perf_counter()
         with trio.move_on_after(self._host.router.config.router.prefill_timeout_s):
             answered = await self._call(instance, prefill_leg_body(body), request_id)
@@ -336,8 +351,14 @@ class EnginePrefillLeg:
             (choice, params) for choice, params in enumerate(self.unpulled) if params is not None
         ]
         self.unpulled = [None] * len(self.unpulled)
-        if not unpulled:
-            return
+        if unpulled:
+            self._release_all(unpulled)
+
+    def release_params(self, choice: int, params: Mapping[str, Any]) -> None:
+        """Free choice ``choice``'s blocks that ``params`` names (it starts again alone)."""
+        self._release_all([(choice, params)])
+
+    def _release_all(self, unpulled: Sequence[tuple[int, Mapping[str, Any]]]) -> None:
         pool = self._pool
         host = self._host
         # the decode this request was going to (it may only be slow), else any
@@ -404,14 +425,20 @@ class EnginePrefillLeg:
 @final
 @attrs.define(eq=False)
 class _ChoiceLeg:
-    """One choice of the request on decode: its stream, and (SGLang) its prefill call's body
-    (its room's)."""
+    """One choice of the request on decode: its stream, the decode it runs on, and (SGLang)
+    its prefill call's body (its room's) and instance."""
 
     choice: int
     body: dict[str, Any]
     stream: EngineStream
+    decode: EngineInstance
+    request_id: str
     prefill_body: dict[str, Any] | None = None
+    prefill: EngineInstance | None = None
     decoded: bool = False  # decode produced a token of it (it has its KV)
+    # its decode leg and (SGLang) its prefill call: closed when it is started again alone
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    prefill_scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
 
 
 @final
@@ -423,7 +450,10 @@ class EngineDecodeLeg:
     beside its decode stream) and its leg on the decode placed, all at once, streamed
     back as the choices of one answer by the shared :func:`stream_choices`.  The request
     is one to the machine: a choice failing before any token went out sends the whole
-    request again from new prefills, one failing after it fails the request.
+    request again from new prefills.  One failing before its own first token, once other
+    choices' went out, is started again alone (:meth:`_rerun_choice`: a new prefill, a new
+    decode leg, under the request's limits: ``rm.ChoiceRetry``) while the others stream
+    on; one failing after its first token, or out of retries, fails the request.
     """
 
     def __init__(self, host: LegHost, legs: EngineLegs, prefill: EnginePrefillLeg) -> None:
@@ -436,7 +466,10 @@ class EngineDecodeLeg:
         self._streaming = False  # counted in the router's active streams
         # SGLang: what a prefill call beside decode failed with (before any decode's token)
         self._prefill_failed: _PrefillFailure | None = None
-        self._choices: list[_ChoiceLeg] = []  # the current run's
+        self._choices: list[_ChoiceLeg] = []  # the current run's, by choice
+        self._reader: trio.Nursery | None = None  # the current run's legs, while streaming
+        # the choices started again alone, each with its retries' bookkeeping
+        self._retries: dict[int, rm.ChoiceRetry] = {}
 
     @property
     def instance_id(self) -> str | None:
@@ -476,23 +509,31 @@ class EngineDecodeLeg:
         prefill = self._prefill
         max_pending = host.router.config.router.stream_buffer_tokens
         with_logprobs = host.request.sampling.wants_logprobs
+        decode = self.instance
+        assert decode is not None
         legs = []
         for choice, client_body in enumerate(prefill.choice_bodies):
             stream = EngineStream(max_pending, with_logprobs=with_logprobs)
+            request_id = prefill.choice_request_id(choice)
             if prefill.bootstraps is not None:  # SGLang: its room, on both legs
                 room_body = prefill.bootstraps[choice]
                 legs.append(
                     _ChoiceLeg(
-                        choice, decode_body(room_body, None), stream, prefill_leg_body(room_body)
+                        choice,
+                        decode_body(room_body, None),
+                        stream,
+                        decode,
+                        request_id,
+                        prefill_leg_body(room_body),
+                        prefill.instance,
                     )
                 )
             else:  # vLLM: each choice's leg pulls its own prefill's KV
                 params = prefill.unpulled[choice]
-                legs.append(_ChoiceLeg(choice, decode_body(client_body, params), stream))
+                legs.append(
+                    _ChoiceLeg(choice, decode_body(client_body, params), stream, decode, request_id)
+                )
         return legs
-
-    def _request_id(self, leg: _ChoiceLeg) -> str:
-        return self._prefill.choice_request_id(leg.choice)
 
     async def run(self, wait: RunDecode) -> Wait | None:
         """Decode's legs (and SGLang's prefill calls beside them), streamed to the client."""
@@ -530,8 +571,10 @@ class EngineDecodeLeg:
         return outcome
 
     async def _prefill_beside(self, decode_scope: trio.CancelScope, leg: _ChoiceLeg) -> None:
-        assert leg.prefill_body is not None
-        failed = await self._prefill.call_beside(leg.prefill_body, self._request_id(leg))
+        assert leg.prefill_body is not None and leg.prefill is not None
+        failed = None
+        with leg.prefill_scope:  # (cancelled: its choice started again alone)
+            failed = await self._prefill.call_beside(leg.prefill, leg.prefill_body, leg.request_id)
         if failed is None or leg.decoded or self._scope is not decode_scope:
             return
         if any(other.decoded for other in self._choices):
@@ -550,6 +593,7 @@ class EngineDecodeLeg:
         host = self._host
         answers = _LegAnswers(len(self._choices))
         async with trio.open_nursery() as reader:
+            self._reader = reader
             for leg in self._choices:
                 reader.start_soon(self._leg, leg, answers)
             await answers.all_in.wait()
@@ -567,23 +611,159 @@ class EngineDecodeLeg:
                 )
             else:
                 runs = EngineChoices([leg.stream for leg in self._choices])
-                outcome = await stream_choices(host, runs, self._served, self._failed)
+                outcome = await stream_choices(
+                    host, runs, self._served, self._failed, retry_alone=self._retry_choice
+                )
+            self._reader = None
             reader.cancel_scope.cancel()
         return outcome
+
+    # --- a choice started again alone ------------------------------------------------
+
+    def _retry_choice(self, choice: int, failure: str) -> bool:
+        """:func:`stream_choices`' ``retry_alone``: choice ``choice`` failed (``failure``)
+        before any of its tokens went out, once other choices' had.  Start it again alone
+        (a new prefill, a new decode leg, into its stream: the client sees nothing of
+        it); False once its retries ran out, and its failure is the request's."""
+        leg = self._choices[choice]
+        stream = leg.stream
+        reader = self._reader
+        if reader is None or stream.cut_off:
+            return False
+        retry = self._retries.get(choice)
+        if retry is None:
+            retry = self._retries[choice] = rm.ChoiceRetry(self._host.machine.limits)
+            if self._prefill.instance is not None:
+                retry.prefill_sent(self._prefill.instance.instance_id)
+        if retry.given_up:
+            return False
+        if stream.failure_reason == _DECODE_FAILED:
+            self._pool.failed(leg.decode, failure)
+            retry.decode_failed(leg.decode.instance_id)
+        log.info(
+            "request %s: choice %d failed before its first token (%s): started again alone",
+            self._host.request_id,
+            choice,
+            failure,
+        )
+        # (its legs, if still open, are closed: aborted in the engines)
+        leg.scope.cancel()
+        leg.prefill_scope.cancel()
+        stream.restart()
+        reader.start_soon(self._rerun_choice, leg, retry, failure)
+        return True
+
+    async def _rerun_choice(self, failed: _ChoiceLeg, retry: rm.ChoiceRetry, failure: str) -> None:
+        """Choice ``failed.choice`` again: a prefill (not one this round tried) and a decode
+        leg (not on a decode it failed on), streamed into its stream as its first run's
+        would have been; what fails is its stream's failure (:meth:`_retry_choice` is then
+        asked again)."""
+        host = self._host
+        pool = self._pool
+        prefill = self._prefill
+        choice = failed.choice
+        stream = failed.stream
+        model = host.request.model
+        # vLLM: its unpulled KV on the prefill it had is freed (a new prefill computes it)
+        unpulled = prefill.unpulled[choice]
+        prefill.unpulled[choice] = None
+        if unpulled is not None:
+            prefill.release_params(choice, unpulled)
+        # its decode first: with none left, no prefill is computed for nothing
+        decode = pool.pick("decode", model, frozenset(retry.excluded_decodes), prefill.prefix_keys)
+        if decode is None:
+            retry.given_up = True
+            stream.fail(
+                f"choice {choice}: no decode instance is available (last: {failure})",
+                blame=False,
+            )
+            return
+        request_id = prefill.rerun_request_id(choice)
+        client_body = prefill.choice_bodies[choice]
+        while True:
+            instance = None
+            if retry.may_prefill():
+                instance = pool.pick(
+                    "prefill", model, frozenset(retry.tried_prefills), prefill.prefix_keys
+                )
+            if instance is None:
+                retry.given_up = True
+                stream.fail(f"choice {choice}: {prefill.no_instance_reason()}", blame=False)
+                return
+            retry.prefill_sent(instance.instance_id)
+            host.router.metrics.retries.labels("prefill").inc()
+            if pool.kind == "sglang":
+                room_body = bootstrap_body(
+                    client_body,
+                    httpx.URL(instance.url).host,
+                    instance.config.bootstrap_port,
+                    secrets.randbits(ROOM_BITS),
+                )
+                body = decode_body(room_body, None)
+                prefill_call: dict[str, Any] | None = prefill_leg_body(room_body)
+                break
+            prefill_failed = await prefill.prefill_choice(instance, choice)
+            if prefill_failed is None:
+                body = decode_body(client_body, prefill.unpulled[choice])
+                prefill_call = None
+                break
+            if isinstance(prefill_failed, rm.PrefillFailed) and prefill_failed.failure.status < 500:
+                retry.given_up = True  # the request's own (a 4xx): not retried
+                stream.fail(prefill_failed.failure.message, blame=False)
+                return
+        host.router.metrics.retries.labels("decode").inc()
+        leg = _ChoiceLeg(choice, body, stream, decode, request_id, prefill_call, instance)
+        self._choices[choice] = leg
+        answers = _LegAnswers(1)
+        async with trio.open_nursery() as beside:
+            if prefill_call is not None:
+                beside.start_soon(self._prefill_beside_alone, leg, retry)
+            await self._leg(leg, answers)
+            if answers.refusal is not None or stream.failure is not None:
+                beside.cancel_scope.cancel()  # (its prefill would wait for a fetch)
+        refusal = answers.refusal
+        if refusal is None:
+            return
+        if isinstance(refusal, rm.DecodeRejected):  # the client's own (a 4xx)
+            retry.given_up = True
+        else:  # (the decode is out of rotation already: never again for this choice)
+            retry.decode_failed(decode.instance_id)
+        stream.fail(refusal.message, blame=False)
+
+    async def _prefill_beside_alone(self, leg: _ChoiceLeg, retry: rm.ChoiceRetry) -> None:
+        """SGLang: a choice started again alone's prefill call, beside its decode leg."""
+        assert leg.prefill is not None and leg.prefill_body is not None
+        failed = None
+        with leg.prefill_scope:  # (cancelled: its decode leg failed first)
+            failed = await self._prefill.call_beside(leg.prefill, leg.prefill_body, leg.request_id)
+        if failed is None or leg.decoded or leg.scope.cancel_called:
+            return
+        leg.scope.cancel()  # its decode would wait for KV that never comes
+        if isinstance(failed, rm.PrefillFailed) and failed.failure.status < 500:
+            retry.given_up = True  # the request's own (a 4xx): not retried
+        why = _prefill_failure_message(failed)
+        leg.stream.fail(f"prefill failed choice {leg.choice}: {why}", blame=False)
 
     async def _leg(self, leg: _ChoiceLeg, answers: _LegAnswers) -> None:
         """Choice ``leg.choice``'s leg on the decode placed: its answer to ``answers``, then
         its events into its stream."""
-        pool = self._pool
-        instance = self.instance
-        assert instance is not None
+        instance = leg.decode
         instance.in_flight += 1
+        try:
+            with leg.scope:
+                await self._leg_call(leg, answers)
+        finally:
+            instance.in_flight -= 1
+
+    async def _leg_call(self, leg: _ChoiceLeg, answers: _LegAnswers) -> None:
+        pool = self._pool
+        instance = leg.decode
         try:
             async with pool.http.stream(
                 "POST",
                 instance.url + PATHS[self._legs.kind],
                 json=leg.body,
-                headers=instance.headers(self._request_id(leg)),
+                headers=instance.headers(leg.request_id),
             ) as response:
                 if response.status_code != 200:
                     content = await response.aread()
@@ -604,8 +784,6 @@ class EngineDecodeLeg:
             why = f"decode on {instance.instance_id} lost: {_why(exc)}"
             pool.failed(instance, why)
             answers.refused(rm.DecodeFailed(why))
-        finally:
-            instance.in_flight -= 1
 
     async def _read(self, response: httpx.Response, leg: _ChoiceLeg) -> None:
         """A leg's server-sent events into its choice's stream: text, tool calls and token
@@ -703,8 +881,7 @@ class EngineDecodeLeg:
         """Decode produced ``leg``'s first token: it has the KV (prefill freed its blocks,
         decode caches them)."""
         leg.decoded = True
-        assert self.instance is not None
-        self._pool.served_prefix(self.instance, self._prefill.prefix_keys)
+        self._pool.served_prefix(leg.decode, self._prefill.prefix_keys)
         self._prefill.unpulled[leg.choice] = None
 
     def _usage(self, choice: int, final: Usage | None, completion_tokens: int) -> Usage:
@@ -727,9 +904,14 @@ class EngineDecodeLeg:
         host = self._host
         if stream.cut_off:
             return await host.report(rm.DecodeFailed(CUT_OFF_MESSAGE, cut_off=True))
-        assert self.instance is not None
         if stream.failure_reason == _DECODE_FAILED:
-            self._pool.failed(self.instance, failure)
+            # (the decode its choice's leg ran on: a choice started again alone may be on
+            # another)
+            decode = next((leg.decode for leg in self._choices if leg.stream is stream), None)
+            if decode is None:
+                decode = self.instance
+            assert decode is not None
+            self._pool.failed(decode, failure)
         return await host.report(rm.DecodeFailed(failure))
 
     def abort(self) -> None:
@@ -836,6 +1018,11 @@ class EngineStream:
         if not blame:
             self.failure_reason = "decode_not_to_blame"
         self._notify()
+
+    def restart(self) -> None:
+        """Its choice starts again alone (nothing of it went out): no failure now."""
+        self.failure = None
+        self.failure_reason = _DECODE_FAILED
 
     async def push(
         self,

@@ -730,21 +730,27 @@ async def stream_choices(
     stream: ChoiceRuns,
     served: Callable[[], None],
     failed: Callable[[DecodeRun, str], Awaitable[Wait | None]],
+    *,
+    retry_alone: Callable[[int, str], bool] | None = None,
 ) -> Wait | None:
     """:func:`stream_tokens` for a request with ``n`` > 1: each choice's deltas as they
     come, with its index; the response ends with the last choice's finish.  No egress
     spacing (a choice's stream is not a client's): every wake-up sends what came.
-    A failure of any choice is the request's (``failed``: the machine aborts the rest).
+    A failure of any choice is the request's (``failed``: the machine aborts the rest),
+    but for one of a choice none of whose tokens went out, once other choices' had (the
+    request cannot go again whole), that ``retry_alone`` started again (True).
     """
     assert stream.choices is not None
     running = dict(sorted(stream.choices.items()))
     machine = host.machine
+    started: set[int] = set()  # the choices some delta of went out
     while True:
         for choice, run in list(running.items()):
             # read before the take: every token pushed before a failure goes out first
             failure = run.failure
             delta = run.buffer.take()
             if delta is not None:
+                started.add(choice)
                 finished = delta.finish_reason is not None
                 if finished and delta.usage is None:
                     raise ShellFailure(NO_COUNTS)
@@ -769,6 +775,13 @@ async def stream_choices(
                     served()
                     return await host.report(rm.DecodeTokens(final=True))
             if failure is not None and choice in running:
+                if (
+                    retry_alone is not None
+                    and choice not in started
+                    and machine.lifecycle.state is State.DECODING
+                    and retry_alone(choice, failure)
+                ):
+                    continue
                 return await failed(run, failure)
         await stream.wait_choices_update()
 

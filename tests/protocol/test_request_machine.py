@@ -25,6 +25,7 @@ from pdtrio.protocol.request_machine import (
     AbortDecode,
     AnyFailure,
     Arrived,
+    ChoiceRetry,
     ClientGone,
     ClientStalled,
     Command,
@@ -730,3 +731,16 @@ def test_a_prefill_sampling_the_first_token_never_fails_beside_its_decode() -> N
         machine.handle(PrefillLost("?"), 0.0)
     with pytest.raises(ValueError, match="cannot migrate"):
         RequestMachine(LIMITS, streaming=True, keep_tokens=True, first_token_from_prefill=False)
+
+
+def test_a_choice_retried_alone_keeps_the_requests_limits() -> None:
+    retry = ChoiceRetry(LIMITS)
+    retry.prefill_sent("p0")
+    retry.decode_failed("d0")  # a new round: any prefill again, never d0
+    assert retry.tried_prefills == set() and retry.excluded_decodes == {"d0"}
+    for instance in ("p0", "p1", "p2"):  # prefills failing in a round
+        assert retry.may_prefill()
+        retry.prefill_sent(instance)
+    assert not retry.may_prefill()  # LIMITS.prefill_attempts of them
+    retry.decode_failed("d1")
+    assert retry.may_prefill() and retry.excluded_decodes == {"d0", "d1"}

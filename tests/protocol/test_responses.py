@@ -12,7 +12,11 @@ from pydantic import TypeAdapter
 
 from pdtrio.protocol.answers import answer_shape
 from pdtrio.protocol.openai import OpenAIError, bad_request, parse_chat_completion_request
-from pdtrio.protocol.openai.responses import ResponsesRequest, parse_responses_request
+from pdtrio.protocol.openai.responses import (
+    ResponsesRequest,
+    engine_chat_body,
+    parse_responses_request,
+)
 from pdtrio.protocol.responses_sse import ResponsesStreamShaper
 from pdtrio.protocol.sampling import StructuredOutput
 from pdtrio.protocol.wire import Usage
@@ -125,6 +129,7 @@ def test_text_format_is_parsed_as_the_chat_response_format_is() -> None:
         ({"max_output_tokens": "5"}, "max_output_tokens"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
+        ({"seed": "7"}, "seed"),
         (
             {"text": {"format": {"type": "json_schema", "name": "bad name", "schema": {}}}},
             "text.format.name",
@@ -176,6 +181,80 @@ def test_accepted_no_op_values() -> None:
     )
     assert request.store is False and request.tool_choice == "none"
     assert request.chat.stream and request.chat.user == "u"
+
+
+def test_a_seed_samples_as_on_chat() -> None:
+    assert _parse(seed=7).chat.sampling.seed == 7
+    assert _parse().chat.sampling.seed is None
+
+
+def _engine_body(**fields: Any) -> dict[str, Any]:
+    body = {"model": "m", "input": "hi", **fields}
+    return engine_chat_body(body, _parse(**fields))
+
+
+def test_an_engine_is_sent_the_chat_body_the_response_stands_for() -> None:
+    body = _engine_body(
+        instructions="sys",
+        max_output_tokens=5,
+        temperature=0.3,
+        seed=2,
+        user="u",
+        stream=True,
+        stream_options={"include_obfuscation": False},
+        metadata={"a": "b"},
+        store=False,
+        text={"format": {"type": "json_schema", "name": "x", "schema": SCHEMA, "strict": True}},
+    )
+    assert body == {
+        "model": "m",
+        "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": 5,
+        "temperature": 0.3,
+        "seed": 2,
+        "user": "u",
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+        },
+    }
+    assert _engine_body(text={"format": {"type": "json_object"}})["response_format"] == {
+        "type": "json_object"
+    }
+    plain = _engine_body(text={"format": {"type": "text"}}, tools=[], tool_choice="auto")
+    assert plain == {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": False}
+
+
+def test_an_engine_is_sent_chats_tools_and_the_calls_history() -> None:
+    tool = {"type": "function", "name": "f", "parameters": SCHEMA, "strict": True}
+    body = _engine_body(
+        input=[
+            {"role": "developer", "content": "rules"},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "done"},
+        ],
+        tools=[tool],
+        tool_choice={"type": "function", "name": "f"},
+        parallel_tool_calls=False,
+    )
+    assert body["messages"] == [
+        {"role": "developer", "content": "rules"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+            ],
+        },
+        {"role": "tool", "content": "done", "tool_call_id": "c1"},
+    ]
+    assert body["tools"] == [
+        {"type": "function", "function": {"name": "f", "parameters": SCHEMA, "strict": True}}
+    ]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert body["parallel_tool_calls"] is False
+    assert _engine_body(tools=[tool], tool_choice="none")["tool_choice"] == "none"
 
 
 def test_the_whole_body_parses_as_the_clients_response() -> None:

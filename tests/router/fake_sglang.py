@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import trio
 
-from tests.router.fake_vllm import CACHED_TOKENS, FakeVllm, _json, logprobs_of
+from tests.router.fake_vllm import CACHED_TOKENS, FakeVllm, _json, choice_of, logprobs_of
 
 
 @attrs.define(eq=False)
@@ -66,6 +66,10 @@ class FakeSglang(FakeVllm):
                 "finish_reason": "length",
             }
             await _json(send, 200, {"choices": [choice], "usage": usage})
+            return
+        choice = choice_of(headers.get("x-request-id", "")) if request.get("stream") else None
+        if choice in self.early_failed_choices:
+            await self._fail_before_first_token(choice, receive, send)
             return
         # a decode: wait for the room's KV (forever, as SGLang would), unless the router hangs up
         self.decode_waiting_for_kv.set()

@@ -68,6 +68,11 @@ class FakeVllm:
     # the prefill legs and the streamed decode legs of these choices answer 500 (a decode
     # leg pulling nothing)
     failed_choices: frozenset[int] = frozenset()
+    # the streamed decode legs of these choices answer 200, then (once
+    # ``early_failure_gate`` is set, when given) an error event before any token, pulling
+    # nothing: a choice failing before its first token while the others stream
+    early_failed_choices: frozenset[int] = frozenset()
+    early_failure_gate: trio.Event | None = None
     decode_waiting: trio.Event = attrs.Factory(trio.Event)  # a decode leg is at the gate
     decode_aborted: trio.Event = attrs.Factory(trio.Event)  # one was aborted there
     _held_changed: trio.Event = attrs.Factory(trio.Event)
@@ -210,6 +215,9 @@ class FakeVllm:
         if choice in self.failed_choices:
             await _json(send, 500, {"error": {"message": f"{self.name} fails choice {choice}"}})
             return
+        if choice in self.early_failed_choices:
+            await self._fail_before_first_token(choice, receive, send)
+            return
         if self.decode_gate is not None and (
             self.gated_choices is None or choice in self.gated_choices
         ):
@@ -237,6 +245,40 @@ class FakeVllm:
             for _ in children:  # (each child pulls the same blocks: prefill frees them)
                 source.pulled(params["remote_request_id"])
         await self._stream(request, chat, prompt_tokens, receive, send)
+
+    async def _fail_before_first_token(self, choice: int, receive: Any, send: Any) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        gate = self.early_failure_gate
+        if gate is not None:
+            gone = False
+            async with trio.open_nursery() as nursery:
+
+                async def watch() -> None:
+                    nonlocal gone
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    gone = True
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch)
+                await gate.wait()
+                nursery.cancel_scope.cancel()
+            if gone:  # the router hung up: nothing more
+                return
+        error = {"error": {"message": f"{self.name} broke choice {choice}", "type": "Internal"}}
+        await send(
+            {
+                "type": "http.response.body",
+                "body": f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode(),
+                "more_body": False,
+            }
+        )
 
     async def _stream(
         self, request: dict[str, Any], chat: bool, prompt_tokens: int, receive: Any, send: Any

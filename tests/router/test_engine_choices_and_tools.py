@@ -254,6 +254,84 @@ async def test_a_choice_failing_before_any_token_sends_the_request_again_from_ne
             await prefill.wait_until(holding=False)  # and the first prefills' KV freed
 
 
+async def test_a_choice_failing_before_its_first_token_once_others_streamed_runs_again_alone() -> (
+    None
+):
+    async with fronted(decodes=2) as (url, [prefill], [failing, working], app):
+        pool = _pool(app)
+        # the first placement goes to the failing decode (the other is out of rotation:
+        # taken only once it is the one left)
+        pool.failed(pool.instances[working.url], "kept out of the first placement")
+        failing.early_failed_choices = frozenset({1})  # 200, then an error before a token
+        gate = failing.early_failure_gate = trio.Event()
+
+        def call() -> list[Any]:
+            chunks = []
+            with _openai(url) as api:
+                for chunk in api.chat.completions.create(
+                    model=MODEL,
+                    messages=MESSAGES,
+                    max_tokens=3,
+                    n=2,
+                    seed=3,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                ):
+                    chunks.append(chunk)
+                    if any(c.index == 0 and c.delta.content for c in chunk.choices):
+                        # choice 0's tokens reached the client: choice 1 fails now
+                        trio.from_thread.run_sync(gate.set)
+            return chunks
+
+        chunks = await trio.to_thread.run_sync(call)
+        with trio.fail_after(10):
+            # choice 1's first KV pulled by a one-token leg, its second by its new leg
+            await prefill.wait_until(holding=False)
+        await wait_for_stats(lambda: all(i.in_flight == 0 for i in pool.instances.values()))
+
+    # both choices whole, each with one role chunk and one finish, no error
+    assert streamed_choices(chunks) == {0: (_seeded(3, 3), "length"), 1: (_seeded(4, 3), "length")}
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].usage.prompt_tokens > 0
+    # choice 1 alone again: a third prefill with an id of its own, its leg on the other
+    # decode; choice 0's legs once each
+    ids = [headers["x-request-id"] for _, headers in prefill.received]
+    assert len(ids) == 3 and len(set(ids)) == 3
+    assert sorted(choice_of(i) for i in ids) == [0, 1, 1]
+    [(rerun, rerun_headers)] = [(b, h) for b, h in working.received if b["stream"]]
+    assert choice_of(rerun_headers["x-request-id"]) == 1 and rerun["seed"] == 4
+    assert rerun_headers["x-request-id"] == ids[-1]
+    assert rerun["kv_transfer_params"]["remote_request_id"] == ids[-1]
+    streamed_on_failing = [h["x-request-id"] for b, h in failing.received if b["stream"]]
+    assert sorted(choice_of(i) for i in streamed_on_failing) == [0, 1]
+    assert prefill.unrecognized_pulls == []
+
+
+async def test_a_choice_out_of_retries_ends_the_answer_with_an_error_event() -> None:
+    async with fronted() as (url, [prefill], [decode], _):
+        # one decode: choice 1, failing there once choice 0 streamed, has none left to go to
+        decode.early_failed_choices = frozenset({1})
+        gate = decode.early_failure_gate = trio.Event()
+        async with httpx.AsyncClient(base_url=url) as client:
+            async with client.stream(
+                "POST",
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "a b", "max_tokens": 3, "n": 2, "stream": True},
+            ) as response:
+                text = ""
+                async for line in response.aiter_lines():
+                    text += line + "\n"
+                    if '"text": " t0"' in line or '"text":" t0"' in line:
+                        gate.set()
+        with trio.fail_after(10):
+            await prefill.wait_until(holding=False)
+    events = _events(text)
+    assert events[-1] == "[DONE]"
+    message = events[-2]["error"]["message"]
+    assert "choice 1: no decode instance is available" in message and "broke choice 1" in message
+    assert len(prefill.legs()) == 2  # (no prefill again: no decode to pull it)
+
+
 async def test_a_choices_prefill_failing_frees_the_others_kv_and_another_prefill_takes_it() -> None:
     async with fronted(prefills=2) as (url, [failing, working], [decode], app):
         pool = _pool(app)
@@ -488,6 +566,52 @@ async def test_a_client_leaving_mid_stream_with_n_closes_every_sglang_leg() -> N
         with trio.fail_after(10):
             await decode.wait_for_stalls(stalled=2, hung_up=2)
         assert len(prefill.legs()) == 2  # (each answered once its room was fetched)
+
+
+async def test_an_sglang_choice_failing_before_its_first_token_runs_again_alone_in_a_new_room() -> (
+    None
+):
+    async with sglang_fronted(decodes=2) as (url, [prefill], decodes):
+        gate = trio.Event()
+        for decode in decodes:
+            decode.early_failed_choices = frozenset({1})
+            decode.early_failure_gate = gate
+
+        def call() -> list[Any]:
+            chunks = []
+            with _openai(url) as api:
+                for chunk in api.chat.completions.create(
+                    model=MODEL,
+                    messages=MESSAGES,
+                    max_tokens=3,
+                    n=2,
+                    seed=8,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                ):
+                    chunks.append(chunk)
+                    if any(c.index == 0 and c.delta.content for c in chunk.choices):
+                        trio.from_thread.run_sync(let_choice_1_fail)
+            return chunks
+
+        def let_choice_1_fail() -> None:
+            # choice 0's tokens reached the client: choice 1 fails on the decode placed,
+            # and the other (the one its retry goes to) serves it
+            for decode in decodes:
+                if not decode.received:
+                    decode.early_failed_choices = frozenset()
+            gate.set()
+
+        chunks = await trio.to_thread.run_sync(call)
+        prefill_legs = prefill.legs()
+        decode_legs = [leg for decode in decodes for leg in decode.legs()]
+    assert streamed_choices(chunks) == {0: (_seeded(8, 3), "length"), 1: (_seeded(9, 3), "length")}
+    assert chunks[-1].usage.completion_tokens == 6
+    # choice 1's second run: a room of its own on both its legs
+    assert len(prefill_legs) == len(decode_legs) == 3
+    rooms = [leg["bootstrap_room"] for leg in prefill_legs]
+    assert len(set(rooms)) == 3
+    assert sorted(leg["bootstrap_room"] for leg in decode_legs) == sorted(rooms)
 
 
 async def test_an_sglang_engines_tool_calls_reach_the_client_streamed_or_not() -> None:

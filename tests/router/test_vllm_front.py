@@ -371,20 +371,6 @@ async def test_tokens_without_the_logprobs_asked_for_are_logged_once_per_request
     assert len(said) == 1
 
 
-async def test_responses_in_front_of_engines_are_a_400_before_any_leg() -> None:
-    # the engines are handed the client's own body, and a Responses body is no chat one
-    async with fronted() as (url, [prefill], [decode], _):
-        tools = [{"type": "function", "name": "f"}]
-        async with httpx.AsyncClient(base_url=url) as client:
-            for extra in ({}, {"tools": tools, "tool_choice": "required"}):
-                refused = await client.post(
-                    "/v1/responses", json={"model": MODEL, "input": "hi", **extra}
-                )
-                assert refused.status_code == 400
-                assert refused.json()["error"]["param"] == "input"
-        assert prefill.received == [] and decode.received == []
-
-
 async def test_a_prefill_failing_with_a_5xx_is_suspended_and_another_takes_it() -> None:
     async with fronted(prefills=2) as (url, prefills, [decode], app):
         prefills[0].fail_status = 500

@@ -55,6 +55,7 @@ __all__ = [
     "INPUT_ROLES",
     "MessageStatus",
     "ResponsesRequest",
+    "engine_chat_body",
     "function_call_item",
     "message_item",
     "parse_responses_request",
@@ -126,7 +127,9 @@ def parse_responses_request(
     _reject_unserved(obj)
     max_output_tokens = _token_limit(obj, "max_output_tokens", max_tokens_limit)
     # the chat path's sampling checks, on the fields both APIs name alike
-    shared: dict[str, Any] = {key: obj[key] for key in ("temperature", "top_p") if key in obj}
+    shared: dict[str, Any] = {
+        key: obj[key] for key in ("temperature", "top_p", "seed") if key in obj
+    }
     sampling, _ = _sampling(shared, max_tokens_limit, allow_completion_alias=False, logprobs=-1)
     text_format, structured = _text_format(obj)
     forced = None if tools is None else tools.structured()
@@ -219,6 +222,16 @@ class _ChatHistory:
             for message, where in self._messages
         )
 
+    def chat_messages(self, items: list[Any]) -> list[dict[str, Any]]:
+        """The items as chat-completions messages (OpenAI's shapes: a ``tool`` message
+        answers its ``tool_call_id``)."""
+        for i, item in enumerate(items):
+            self._item(item, f"input.[{i}]")
+        messages = [message for message, _ in self._messages]
+        for message in messages:
+            message.pop("name", None)  # (the function's name: chat's tool message has none)
+        return messages
+
     def _item(self, item: Any, where: str) -> None:
         if not isinstance(item, dict):
             raise invalid_type(where, "an object", item)
@@ -290,6 +303,61 @@ def _item_str(item: dict[str, Any], key: str, where: str) -> str:
     return _check_text(value, f"{where}.{key}")
 
 
+# --- in front of engines ---------------------------------------------------------
+
+# what a chat body carries as the Responses body has it (validated by the parse)
+_SAME_IN_CHAT: Final = ("temperature", "top_p", "seed", "parallel_tool_calls", "user")
+
+
+def engine_chat_body(obj: Mapping[str, Any], request: ResponsesRequest) -> dict[str, Any]:
+    """The chat-completions body a vLLM or SGLang engine is sent for the ``/v1/responses``
+    body ``obj``, which :func:`parse_responses_request` validated into ``request``.
+
+    ``instructions`` is a leading system message and ``input`` chat's messages (as
+    pdtrio's own path runs them), ``max_output_tokens`` is ``max_tokens``,
+    ``text.format`` is ``response_format``, and flat function ``tools`` and a named
+    ``tool_choice`` take chat's nested shape.  What only the ``Response`` echoes
+    (``metadata``, ``store``) stays with the router.
+    """
+    raw_input = obj["input"]
+    history = (
+        [{"role": "user", "content": raw_input}]
+        if isinstance(raw_input, str)
+        else _ChatHistory().chat_messages(raw_input)
+    )
+    if request.instructions is not None:
+        history.insert(0, {"role": "system", "content": request.instructions})
+    body: dict[str, Any] = {
+        "model": request.chat.model,
+        "messages": history,
+        "stream": request.chat.stream,
+    }
+    if request.max_output_tokens is not None:
+        body["max_tokens"] = request.max_output_tokens
+    body.update({key: obj[key] for key in _SAME_IN_CHAT if obj.get(key) is not None})
+    if request.text_format.get("type") != "text":
+        body["response_format"] = _chat_response_format(request.text_format)
+    if request.tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    key: tool[key]
+                    for key in ("name", "description", "parameters", "strict")
+                    if tool.get(key) is not None
+                },
+            }
+            for tool in obj["tools"]
+        ]
+        # (none without tools: vLLM refuses an explicit "auto" where it runs no tool parser)
+        choice = obj.get("tool_choice")
+        if isinstance(choice, dict):
+            body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        elif choice is not None:
+            body["tool_choice"] = choice
+    return body
+
+
 # --- the other fields --------------------------------------------------------------
 
 
@@ -349,15 +417,20 @@ def _text_format(obj: dict[str, Any]) -> tuple[Mapping[str, Any], Any]:
         return {"type": "text"}, None
     if not isinstance(fmt, dict):
         raise invalid_type("text.format", "an object", fmt)
+    structured = response_format_output(
+        _chat_response_format(fmt), where="text.format", json_schema_where="text.format"
+    )
+    return fmt, structured
+
+
+def _chat_response_format(fmt: Mapping[str, Any]) -> dict[str, Any]:
+    """A flat Responses ``text.format`` in chat's ``response_format`` shape."""
     translated: dict[str, Any] = {"type": fmt.get("type")}
     if fmt.get("type") == "json_schema":
         translated["json_schema"] = {
             key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt
         }
-    structured = response_format_output(
-        translated, where="text.format", json_schema_where="text.format"
-    )
-    return fmt, structured
+    return translated
 
 
 def _metadata(obj: dict[str, Any]) -> Mapping[str, str]:
