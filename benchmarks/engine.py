@@ -32,7 +32,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -278,6 +278,70 @@ def memory_floor(plan: Plan) -> dict[str, Any]:
     return floors
 
 
+# --- the compute floor ----------------------------------------------------------------------
+
+
+def matmul_gflops(rows: int, inner: int, outer: int) -> float:
+    """GFLOPS of torch's fastest float32 product here for ``[rows, inner] x [inner, outer]``
+    (its own and oneDNN's on a packed weight, the engine's two; best of several), on its
+    default threads.  A CPU without bf16 instructions (AVX2) widens bfloat16 products to
+    float32 (pdtrio's engine and vLLM's alike), so this bounds both dtypes."""
+    import torch
+
+    x = torch.randn(rows, inner)
+    weight = torch.randn(outer, inner)
+    products: list[Callable[[], object]] = [lambda: torch.nn.functional.linear(x, weight)]
+    if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+    best = float("inf")
+    for product in products:
+        product()
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(10):
+                product()
+            best = min(best, (time.perf_counter() - started) / 10)
+    return 2 * rows * inner * outer / best / 1e9
+
+
+def prefill_flops(model: str, isl: int) -> tuple[float, tuple[int, int]]:
+    """Floating-point operations of one ``isl``-token prompt's prefill (every layer's matrix
+    products over each token, causal attention's two products, the output layer over the
+    last token; the embedding lookup reads, it does not multiply), and the model's
+    (hidden, intermediate) sizes: its MLP product is a step's largest."""
+    from pdtrio.config import EngineConfig
+    from pdtrio.engine.torch.engine import load_model
+
+    loaded = load_model(EngineConfig(model=model, dtype="float32"))
+    config = loaded.config
+    layer_weights = sum(
+        p.numel()
+        for name, p in loaded.model.named_parameters()
+        if ".layers." in name and p.dim() == 2
+    )
+    attention = config.num_layers * 2 * 2 * config.num_heads * config.head_dim * isl * (isl + 1) / 2
+    output_layer = 2 * config.vocab_size * config.hidden_size
+    flops = 2 * layer_weights * isl + attention + output_layer
+    return flops, (config.hidden_size, config.intermediate_size)
+
+
+def compute_floor(plan: Plan) -> dict[str, Any]:
+    """The least time a c=1 prefill of ``plan.isl`` tokens takes here: its operations at
+    the rate of this machine's fastest float32 product of the prompt's MLP shape."""
+    import torch
+
+    flops, (hidden, intermediate) = prefill_flops(plan.model, plan.isl)
+    gflops = matmul_gflops(plan.isl, hidden, intermediate)
+    return {
+        "prefill_gflop": flops / 1e9,
+        "matmul_gflops": gflops,
+        "prefill_ms": flops / gflops / 1e6,
+        # without bf16 instructions (AVX-512 BF16, AMX) a bfloat16 product is widened: no faster
+        "bf16_instructions": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    }
+
+
 # --- the run --------------------------------------------------------------------------------
 
 
@@ -358,6 +422,18 @@ def print_report(report: dict[str, Any]) -> None:
             f"memory floor of one decode step at c=1, {dtype}: {f['c1_step_ms']:.2f} ms "
             f"({f['weights_bytes'] / 1e6:.1f} MB of weights + {f['kv_bytes'] / 1e6:.2f} MB KV)"
         )
+    compute = report["compute_floor"]
+    print(
+        f"compute floor of a c=1 prefill of {plan['isl']} tokens (the least TTFT): "
+        f"{compute['prefill_ms']:.0f} ms ({compute['prefill_gflop']:.1f} GFLOP at "
+        f"{compute['matmul_gflops']:.0f} GFLOPS, this machine's fastest float32 product of "
+        f"that shape; "
+        + (
+            "this CPU has bf16 instructions: a bfloat16 product may beat it)"
+            if compute["bf16_instructions"]
+            else "this CPU has no bf16 instructions: a bfloat16 product is no faster)"
+        )
+    )
 
 
 def plot(path: Path, report: dict[str, Any]) -> None:
@@ -433,6 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         vllm_command = vllm_on_every_cpu(args.vllm_ready.read_text().strip())
     report: dict[str, Any] = {"benchmark": "engine", "plan": attrs.asdict(plan)}
     report["memory_floor"] = memory_floor(plan)
+    report["compute_floor"] = compute_floor(plan)
     report.update(run(plan, vllm_command, vllm_absent))
     print_report(report)
     write_json(args.json, report)

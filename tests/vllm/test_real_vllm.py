@@ -177,6 +177,43 @@ async def test_the_openai_client_streams_a_chat(pair: tuple[VllmServer, VllmServ
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
 
 
+async def test_the_openai_client_streams_a_response(pair: tuple[VllmServer, VllmServer]) -> None:
+    """/v1/responses in front of the pair: the router sends both legs the chat request it
+    stands for, and shapes decode's stream as Responses events."""
+    async with front(pair) as fronted:
+
+        def call() -> tuple[list[Any], Any]:
+            api = openai.OpenAI(base_url=f"{fronted.url}/v1", api_key="unused", max_retries=0)
+            events = list(
+                api.responses.create(
+                    model=SERVED_MODEL,
+                    instructions="Answer in one short sentence.",
+                    input="What is the capital of France?",
+                    max_output_tokens=12,
+                    temperature=0,
+                    stream=True,
+                    timeout=120,
+                )
+            )
+            whole = api.responses.create(
+                model=SERVED_MODEL,
+                input="What is the capital of France?",
+                max_output_tokens=12,
+                temperature=0,
+                timeout=120,
+            )
+            return events, whole
+
+        events, whole = await trio.to_thread.run_sync(call)
+        assert await _kv(fronted.prefill.url) == 0.0  # every leg's KV pulled and freed
+    kinds = [event.type for event in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert "Paris" in text
+    assert events[-1].response.usage.output_tokens > 0
+    assert whole.status in ("completed", "incomplete") and "Paris" in whole.output_text
+
+
 async def test_n_choices_through_the_router_are_a_pd_flow_each_and_leave_no_kv(
     pair: tuple[VllmServer, VllmServer],
 ) -> None:
