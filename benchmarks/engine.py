@@ -207,6 +207,13 @@ def vllm_on_every_cpu(command: str) -> str:
     return f"{every} {command}"
 
 
+def vllm_dtype(command: str) -> str:
+    """The ``--dtype`` of vLLM's start command (its default, ``auto``, is the checkpoint's:
+    bfloat16 for SmolLM2)."""
+    found = re.search(r"--dtype[= ](\w+)", command)
+    return found.group(1) if found and found.group(1) != "auto" else "bfloat16"
+
+
 def vllm_port(command: str) -> int:
     """The ``--port`` of vLLM's start command (its default: 8000)."""
     found = re.search(r"--port[= ](\d+)", command)
@@ -378,7 +385,7 @@ def run(plan: Plan, vllm_command: str | None, vllm_absent: str) -> dict[str, Any
                 seed += 1
                 print(f"  vLLM c={c} ...", file=sys.stderr, flush=True)
                 row = measure(url, served, plan, c, seed)
-                rows.append({"server": "vLLM CPU", "dtype": "bfloat16", **row})
+                rows.append({"server": "vLLM CPU", "dtype": vllm_dtype(vllm_command), **row})
                 _progress(rows[-1])
     return {"rows": rows, "vllm": vllm}
 
@@ -480,6 +487,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="measured requests per client")
     parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
     parser.add_argument(
+        "--no-pdtrio",
+        action="store_true",
+        help="vLLM's rows only (another vLLM command beside an earlier run's rows)",
+    )
+    parser.add_argument(
         "--vllm-ready",
         type=Path,
         default=VLLM_READY,
@@ -493,6 +505,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = attrs.evolve(plan, concurrency=args.concurrency)
     if args.dtypes:
         plan = attrs.evolve(plan, dtypes=args.dtypes)
+    if args.no_pdtrio:
+        plan = attrs.evolve(plan, dtypes=())
     if args.rounds:
         plan = attrs.evolve(plan, rounds=args.rounds)
     if args.no_vllm:
