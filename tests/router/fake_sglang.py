@@ -15,7 +15,14 @@ from typing import Any
 import attrs
 import trio
 
-from tests.router.fake_vllm import CACHED_TOKENS, FakeVllm, _json, choice_of, logprobs_of
+from tests.router.fake_vllm import (
+    CACHED_TOKENS,
+    FakeVllm,
+    _json,
+    choice_of,
+    logprobs_of,
+    wait_unless_hung_up,
+)
 
 
 @attrs.define(eq=False)
@@ -73,20 +80,7 @@ class FakeSglang(FakeVllm):
             return
         # a decode: wait for the room's KV (forever, as SGLang would), unless the router hangs up
         self.decode_waiting_for_kv.set()
-        gone = False
-        async with trio.open_nursery() as nursery:
-
-            async def watch() -> None:
-                nonlocal gone
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                gone = True
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(watch)
-            await room.prefilled.wait()
-            nursery.cancel_scope.cancel()
-        if gone:
+        if not await wait_unless_hung_up(room.prefilled, receive):
             self.decode_aborted.set()
             return
         room.fetched.set()

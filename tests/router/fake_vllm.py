@@ -224,20 +224,7 @@ class FakeVllm:
             self.decode_waiting.set()
             # as vLLM does, a request whose client (the router) hung up is aborted: it
             # pulls nothing
-            gone = False
-            async with trio.open_nursery() as nursery:
-
-                async def watch() -> None:
-                    nonlocal gone
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    gone = True
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(watch)
-                await self.decode_gate.wait()
-                nursery.cancel_scope.cancel()
-            if gone:
+            if not await wait_unless_hung_up(self.decode_gate, receive):
                 self.decode_aborted.set()
                 return
         if params.get("do_remote_prefill"):
@@ -256,20 +243,7 @@ class FakeVllm:
         )
         gate = self.early_failure_gate
         if gate is not None:
-            gone = False
-            async with trio.open_nursery() as nursery:
-
-                async def watch() -> None:
-                    nonlocal gone
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    gone = True
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(watch)
-                await gate.wait()
-                nursery.cancel_scope.cancel()
-            if gone:  # the router hung up: nothing more
+            if not await wait_unless_hung_up(gate, receive):  # the router hung up: nothing more
                 return
         error = {"error": {"message": f"{self.name} broke choice {choice}", "type": "Internal"}}
         await send(
@@ -470,6 +444,24 @@ class FakeVllm:
 
     def legs(self) -> list[dict[str, Any]]:
         return [body for body, _ in self.received]
+
+
+async def wait_unless_hung_up(event: trio.Event, receive: Any) -> bool:
+    """Wait for ``event`` unless the client (the router) hangs up first: whether it came."""
+    gone = False
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        await event.wait()
+        nursery.cancel_scope.cancel()
+    return not gone
 
 
 def choice_of(request_id: str) -> int:

@@ -11,6 +11,7 @@ by pdtrio's parser, as on its own workers.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -52,6 +53,32 @@ def _pool(app: RouterApp) -> EnginePool:
     pool = app.router.engines
     assert pool is not None
     return pool
+
+
+async def _two_choices_streamed(
+    url: str, seed: int, *, once_choice_0_out: Callable[[], object]
+) -> list[Any]:
+    """A streamed chat of two 3-token choices through the openai client (in a thread);
+    ``once_choice_0_out`` runs (in trio) as each chunk carrying choice 0's text arrives."""
+
+    def call() -> list[Any]:
+        chunks = []
+        with _openai(url) as api:
+            for chunk in api.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                max_tokens=3,
+                n=2,
+                seed=seed,
+                stream=True,
+                stream_options={"include_usage": True},
+            ):
+                chunks.append(chunk)
+                if any(c.index == 0 and c.delta.content for c in chunk.choices):
+                    trio.from_thread.run_sync(once_choice_0_out)
+        return chunks
+
+    return await trio.to_thread.run_sync(call)
 
 
 def _seeded(seed: int, tokens: int) -> str:
@@ -265,25 +292,8 @@ async def test_a_choice_failing_before_its_first_token_once_others_streamed_runs
         failing.early_failed_choices = frozenset({1})  # 200, then an error before a token
         gate = failing.early_failure_gate = trio.Event()
 
-        def call() -> list[Any]:
-            chunks = []
-            with _openai(url) as api:
-                for chunk in api.chat.completions.create(
-                    model=MODEL,
-                    messages=MESSAGES,
-                    max_tokens=3,
-                    n=2,
-                    seed=3,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                ):
-                    chunks.append(chunk)
-                    if any(c.index == 0 and c.delta.content for c in chunk.choices):
-                        # choice 0's tokens reached the client: choice 1 fails now
-                        trio.from_thread.run_sync(gate.set)
-            return chunks
-
-        chunks = await trio.to_thread.run_sync(call)
+        # choice 0's tokens reached the client: choice 1 fails now
+        chunks = await _two_choices_streamed(url, 3, once_choice_0_out=gate.set)
         with trio.fail_after(10):
             # choice 1's first KV pulled by a one-token leg, its second by its new leg
             await prefill.wait_until(holding=False)
@@ -577,23 +587,6 @@ async def test_an_sglang_choice_failing_before_its_first_token_runs_again_alone_
             decode.early_failed_choices = frozenset({1})
             decode.early_failure_gate = gate
 
-        def call() -> list[Any]:
-            chunks = []
-            with _openai(url) as api:
-                for chunk in api.chat.completions.create(
-                    model=MODEL,
-                    messages=MESSAGES,
-                    max_tokens=3,
-                    n=2,
-                    seed=8,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                ):
-                    chunks.append(chunk)
-                    if any(c.index == 0 and c.delta.content for c in chunk.choices):
-                        trio.from_thread.run_sync(let_choice_1_fail)
-            return chunks
-
         def let_choice_1_fail() -> None:
             # choice 0's tokens reached the client: choice 1 fails on the decode placed,
             # and the other (the one its retry goes to) serves it
@@ -602,7 +595,7 @@ async def test_an_sglang_choice_failing_before_its_first_token_runs_again_alone_
                     decode.early_failed_choices = frozenset()
             gate.set()
 
-        chunks = await trio.to_thread.run_sync(call)
+        chunks = await _two_choices_streamed(url, 8, once_choice_0_out=let_choice_1_fail)
         prefill_legs = prefill.legs()
         decode_legs = [leg for decode in decodes for leg in decode.legs()]
     assert streamed_choices(chunks) == {0: (_seeded(8, 3), "length"), 1: (_seeded(9, 3), "length")}

@@ -18,22 +18,12 @@ import trio
 from tests.cluster import wait_for_stats
 from tests.router.fake_vllm import CACHED_TOKENS, MODEL
 from tests.router.test_engine_choices_and_tools import CALLS, _openai, _pool, _seeded
+from tests.router.test_engine_choices_and_tools import TOOLS as CHAT_TOOLS
 from tests.router.test_sglang_front import fronted as sglang_fronted
 from tests.router.test_vllm_front import fronted
 
-TOOLS = [
-    {
-        "type": "function",
-        "name": name,
-        "description": f"the {what}",
-        "parameters": {
-            "type": "object",
-            "properties": {key: {"type": "string"}},
-            "required": [key],
-        },
-    }
-    for name, what, key in (("get_weather", "weather", "city"), ("get_time", "time", "tz"))
-]
+# the chat tests' tools in the Responses API's flat shape
+TOOLS = [{"type": "function", **tool["function"]} for tool in CHAT_TOOLS]
 INPUT: list[Any] = [
     {"role": "user", "content": "hi"},
     {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "yo"}]},
