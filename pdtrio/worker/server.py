@@ -26,7 +26,11 @@ from pdtrio.config import WorkerConfig
 from pdtrio.engine.api import Engine, EngineOutput
 from pdtrio.kv.api import KvTransport
 from pdtrio.kv.selection import kv_transport_for
-from pdtrio.memory import limit_heap_retention
+from pdtrio.memory import (
+    WORKER_MMAP_THRESHOLD_BYTES,
+    WORKER_TRIM_THRESHOLD_BYTES,
+    limit_heap_retention,
+)
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.registration import Registration
 from pdtrio.security import (
@@ -138,7 +142,8 @@ class Worker:
         from hypercorn.config import Config as HypercornConfig
 
         config = self.config
-        limit_heap_retention()  # huge prompts' memory goes back to the OS (pdtrio.memory)
+        # huge prompts' memory goes back to the OS; the engine's step buffers stay (pdtrio.memory)
+        limit_heap_retention(WORKER_MMAP_THRESHOLD_BYTES, WORKER_TRIM_THRESHOLD_BYTES)
         outputs_send, outputs_receive = trio.open_memory_channel[EngineOutput](64)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run, outputs_send)
