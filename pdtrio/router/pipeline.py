@@ -157,7 +157,7 @@ class RequestPipeline:
         self._error: OpenAIError | None = None  # what the client is told, after the nursery
         self._recorded = False
         self._scope: trio.CancelScope | None = None
-        self._timer: trio.CancelScope | None = None  # the current wait's deadline
+        self._timer: trio.CancelScope | None = None  # the waits' deadline
         self._emits: list[rm.EmitFirstToken | rm.Finish] = []  # what report writes
 
     # --- entry ------------------------------------------------------------------
@@ -167,7 +167,10 @@ class RequestPipeline:
         queue_full = False
         if not router.requests.draining:
             queue_full = not self.decode.reserve_place()
-        wait = self._feed(rm.Arrived(draining=router.requests.draining, queue_full=queue_full))
+        wait = self._feed(
+            rm.Arrived(draining=router.requests.draining, queue_full=queue_full),
+            trio.current_time(),
+        )
         scope: trio.CancelScope | None = None
         try:
             if wait is not None:
@@ -208,23 +211,25 @@ class RequestPipeline:
                 self.machine.phase.name,
             )
             event = rm.Failed(_STRANDED, torn=self._torn())
-        self._feed(event)
+        now = trio.current_time()
+        self._feed(event, now)
         if self.machine.phase is not rm.Phase.DONE:  # (cannot be: every cut ends it)
-            self._feed(rm.ClientGone())
+            self._feed(rm.ClientGone(), now)
 
     def _torn(self) -> bool:
         return self.response.torn
 
     # --- the machine's commands -----------------------------------------------------
 
-    def _feed(self, event: rm.Event) -> Wait | None:
-        """Report ``event``; do what the machine answers; return the wait it starts, if any.
+    def _feed(self, event: rm.Event, now: float) -> Wait | None:
+        """Report ``event`` (at ``now``); do what the machine answers; return the wait it
+        starts, if any.
 
         The machine ends its answer with at most one wait.  The client's first token and
         the response's end are written by :meth:`_step` (awaited) from ``_emits``.
         """
         wait: Wait | None = None
-        for command in self.machine.handle(event, trio.current_time()):
+        for command in self.machine.handle(event, now):
             kind = type(command)
             if kind is rm.WaitUntil:
                 continue  # the machine's next_deadline bounds every wait
@@ -251,9 +256,10 @@ class RequestPipeline:
 
     async def _step(self, event: rm.Event) -> Wait | None:
         """:meth:`_feed`, then write what it emitted to the client."""
-        self._emits = []
-        wait = self._feed(event)
-        await self._write_emits()
+        self._emits.clear()
+        wait = self._feed(event, trio.current_time())
+        if self._emits:
+            await self._write_emits()
         return wait
 
     async def _write_emits(self) -> None:
@@ -266,21 +272,38 @@ class RequestPipeline:
                 await self._emit_first_token(command.final)
 
     async def _wait(self, wait: Wait) -> Wait | None:
-        """Carry out one wait under the machine's earliest deadline; the next wait, if any."""
-        armed = self.machine.next_deadline()
+        """Carry out waits, one after the next, under a timer of the machine's earliest
+        deadline; the wait that follows one the timer cut, or that it fired beside, if any.
+
+        One timer for the waits, not one each (a cancel scope is dear on the request
+        path): it follows the deadlines as they change, and is new only after it fired
+        (a cancelled scope stays cancelled).
+        """
+        machine = self.machine
+        armed = machine.next_deadline()
         with trio.CancelScope(deadline=armed[0] if armed else math.inf) as timer:
             self._timer = timer
-            try:
-                if type(wait) is rm.SendPrefill:
-                    return await self.prefill.send(wait)
-                if type(wait) is rm.PlaceDecode:
-                    return await self.decode.place(wait)
-                if type(wait) is RunDecode:
-                    return await self.decode.run(wait)
-                assert isinstance(wait, rm.WaitForDecode)
-                return await self.decode.wait_for_link(wait)
-            except ShellFailure as failure:
-                return await self._step(rm.Failed(failure.failure, torn=self._torn()))
+            while True:
+                try:
+                    if type(wait) is rm.SendPrefill:
+                        wait = await self.prefill.send(wait)
+                    elif type(wait) is rm.PlaceDecode:
+                        wait = await self.decode.place(wait)
+                    elif type(wait) is RunDecode:
+                        wait = await self.decode.run(wait)
+                    else:
+                        assert isinstance(wait, rm.WaitForDecode)
+                        wait = await self.decode.wait_for_link(wait)
+                except ShellFailure as failure:
+                    wait = await self._step(rm.Failed(failure.failure, torn=self._torn()))
+                if wait is None:
+                    return None
+                armed = machine.next_deadline()
+                deadline = armed[0] if armed else math.inf
+                if timer.deadline != deadline:
+                    timer.deadline = deadline
+                if timer.cancel_called:
+                    return wait  # (it fired as the wait ended) the next, under a new timer
         assert timer.cancelled_caught
         armed = self.machine.next_deadline()
         if self.machine.phase is rm.Phase.DONE:
@@ -306,13 +329,17 @@ class RequestPipeline:
         timer = self._timer
         assert timer is not None  # (set by _wait)
         fired = timer.cancel_called
-        self._emits = []
-        wait = self._feed(event)
+        emits = self._emits
+        emits.clear()
+        now = trio.current_time()
+        wait = self._feed(event, now)
         armed = self.machine.next_deadline()
         deadline = armed[0] if armed else math.inf
         if timer.deadline != deadline:  # (most events leave it: a set is a context manager)
             timer.deadline = deadline
-        if fired and (armed is None or armed[0] > trio.current_time()):
+        if not emits:
+            return wait  # (most events write nothing)
+        if fired and (armed is None or armed[0] > now):
             with trio.CancelScope(shield=True):  # the cut it fired for is no longer due
                 await self._write_emits()
         else:
