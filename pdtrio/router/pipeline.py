@@ -193,6 +193,10 @@ class RequestPipeline:
             if scope is not None:
                 # only now: a drain waits for the error event to be out
                 router.requests.ended(scope)
+            # the legs hold this shell (their host), a cycle: broken here, the request's
+            # objects go with its last reference, not at a garbage collection (each one
+            # alive until then is traversed, and promoted, by the collections it meets)
+            del self.prefill, self.decode
 
     def _cut(self) -> None:
         """The nursery was cut short (or raised): tell the machine by whom."""
