@@ -42,6 +42,7 @@ from typing import final
 import trio
 
 from pdtrio.asgi import Receive, Send
+from pdtrio.config import RouterConfig
 from pdtrio.protocol import request_machine as rm
 from pdtrio.protocol.answers import AnswerKind, AnyRequest, Shaper, answer_shape
 from pdtrio.protocol.errors import Reason, status_for_worker_failure
@@ -121,13 +122,7 @@ class RequestPipeline:
         else:
             self.prefill, self.decode, first_token_from_prefill = make_legs(self)
         self.machine = rm.RequestMachine(
-            rm.Limits(
-                request_timeout_s=config.request_timeout_s,
-                prefill_timeout_s=config.prefill_timeout_s,
-                migration_limit=config.migration_limit,
-                decode_reconnect_wait_s=config.decode_reconnect_wait_s,
-                lease_margin_s=_LEASE_MARGIN_S,
-            ),
+            _limits(config),
             streaming=request.stream,
             keep_tokens=migrates and first_token_from_prefill,
             first_token_from_prefill=first_token_from_prefill,
@@ -475,6 +470,25 @@ class RequestPipeline:
             prefill="-" if prefill is None else prefill,
             decode="-" if decode is None else decode,
         )
+
+
+_limits_of: tuple[RouterConfig, rm.Limits] | None = None
+
+
+def _limits(config: RouterConfig) -> rm.Limits:
+    """The machine's limits from the router's settings (made once for them, not per
+    request)."""
+    global _limits_of
+    if _limits_of is None or _limits_of[0] is not config:
+        limits = rm.Limits(
+            request_timeout_s=config.request_timeout_s,
+            prefill_timeout_s=config.prefill_timeout_s,
+            migration_limit=config.migration_limit,
+            decode_reconnect_wait_s=config.decode_reconnect_wait_s,
+            lease_margin_s=_LEASE_MARGIN_S,
+        )
+        _limits_of = config, limits
+    return _limits_of[1]
 
 
 def _tool_names(request: ChatCompletionRequest | CompletionRequest) -> list[str] | None:
