@@ -153,6 +153,8 @@ class RequestPipeline:
         self._recorded = False
         self._scope: trio.CancelScope | None = None
         self._timer: trio.CancelScope | None = None  # the waits' deadline
+        # the timer's deadline, as set (read here: the scope's property is a call)
+        self._timer_deadline = math.inf
         self._emits: list[rm.EmitFirstToken | rm.Finish] = []  # what report writes
 
     # --- entry ------------------------------------------------------------------
@@ -280,7 +282,8 @@ class RequestPipeline:
         """
         machine = self.machine
         armed = machine.next_deadline()
-        with trio.CancelScope(deadline=armed[0] if armed else math.inf) as timer:
+        self._timer_deadline = armed[0] if armed else math.inf
+        with trio.CancelScope(deadline=self._timer_deadline) as timer:
             self._timer = timer
             while True:
                 try:
@@ -299,8 +302,8 @@ class RequestPipeline:
                     return None
                 armed = machine.next_deadline()
                 deadline = armed[0] if armed else math.inf
-                if timer.deadline != deadline:
-                    timer.deadline = deadline
+                if self._timer_deadline != deadline:
+                    timer.deadline = self._timer_deadline = deadline
                 if timer.cancel_called:
                     return wait  # (it fired as the wait ended) the next, under a new timer
         assert timer.cancelled_caught
@@ -334,8 +337,8 @@ class RequestPipeline:
         wait = self._feed(event, now)
         armed = self.machine.next_deadline()
         deadline = armed[0] if armed else math.inf
-        if timer.deadline != deadline:  # (most events leave it: a set is a context manager)
-            timer.deadline = deadline
+        if self._timer_deadline != deadline:  # (most events leave it: a set is dear)
+            timer.deadline = self._timer_deadline = deadline
         if not emits:
             return wait  # (most events write nothing)
         if fired and (armed is None or armed[0] > now):
