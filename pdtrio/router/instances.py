@@ -219,9 +219,11 @@ class InstanceTable(Mapping[str, Instance]):
         return PromptBlocks(prompt, self._prompt_chains)
 
     def _some_cache_reports(self) -> bool:
-        return any(
-            i.link is not None and i.link.cached_blocks.reporting for i in self._instances.values()
-        )
+        for instance in self._instances.values():  # (a loop: no generator per request)
+            link = instance.link
+            if link is not None and link.cached_blocks.reporting:
+                return True
+        return False
 
     def learn_prompt(
         self, prompt: PromptBlocks, instance: Instance, prompt_token_ids: tuple[int, ...]
