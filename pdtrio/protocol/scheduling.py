@@ -61,7 +61,7 @@ def cache_favoured(usable: Sequence[Candidate], cache_weight: float) -> list[Can
     ``active_requests - cache_weight * cached_blocks / most_cached`` (the most cached
     prefix is worth ``cache_weight`` requests of load, a shorter one its share); all
     of them when none holds any of the request's blocks or ``cache_weight`` is 0."""
-    if cache_weight <= 0:
+    if cache_weight <= 0 or len(usable) == 1:
         return list(usable)
     most = max((c.cached_blocks for c in usable), default=0)
     if most <= 0:
@@ -136,6 +136,9 @@ class Scheduler:
         return usable[after % len(usable)]
 
     def _least_loaded(self, usable: list[Candidate]) -> Candidate:
+        if len(usable) == 1:
+            self._turn += 1  # (as a tie of one: the turn goes on)
+            return usable[0]
         least = min(_load_key(c) for c in usable)
         tied = [c for c in usable if _load_key(c) == least]
         chosen = tied[self._turn % len(tied)]
