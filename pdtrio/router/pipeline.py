@@ -286,20 +286,22 @@ class RequestPipeline:
         with trio.CancelScope(deadline=self._timer_deadline) as timer:
             self._timer = timer
             while True:
+                after: Wait | None
                 try:
                     if type(wait) is rm.SendPrefill:
-                        wait = await self.prefill.send(wait)
+                        after = await self.prefill.send(wait)
                     elif type(wait) is rm.PlaceDecode:
-                        wait = await self.decode.place(wait)
+                        after = await self.decode.place(wait)
                     elif type(wait) is RunDecode:
-                        wait = await self.decode.run(wait)
+                        after = await self.decode.run(wait)
                     else:
                         assert isinstance(wait, rm.WaitForDecode)
-                        wait = await self.decode.wait_for_link(wait)
+                        after = await self.decode.wait_for_link(wait)
                 except ShellFailure as failure:
-                    wait = await self._step(rm.Failed(failure.failure, torn=self._torn()))
-                if wait is None:
+                    after = await self._step(rm.Failed(failure.failure, torn=self._torn()))
+                if after is None:
                     return None
+                wait = after
                 armed = machine.next_deadline()
                 deadline = armed[0] if armed else math.inf
                 if self._timer_deadline != deadline:
