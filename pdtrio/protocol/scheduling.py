@@ -30,6 +30,7 @@ the policy's alone, as before.
 from __future__ import annotations
 
 import bisect
+import operator
 import random
 from collections.abc import Sequence
 from typing import Final, Literal, final, get_args
@@ -60,12 +61,17 @@ def cache_favoured(usable: Sequence[Candidate], cache_weight: float) -> list[Can
     ``active_requests - cache_weight * cached_blocks / most_cached`` (the most cached
     prefix is worth ``cache_weight`` requests of load, a shorter one its share); all
     of them when none holds any of the request's blocks or ``cache_weight`` is 0."""
+    if cache_weight <= 0 or len(usable) == 1:
+        return list(usable)
     most = max((c.cached_blocks for c in usable), default=0)
-    if most <= 0 or cache_weight <= 0:
+    if most <= 0:
         return list(usable)
     scores = [c.active_requests - cache_weight * c.cached_blocks / most for c in usable]
     best = min(scores)
     return [c for c, score in zip(usable, scores, strict=True) if score == best]
+
+
+_instance_id = operator.attrgetter("instance_id")
 
 
 def _load_key(candidate: Candidate) -> tuple[int, bool, int]:
@@ -107,8 +113,8 @@ class Scheduler:
         """The id of the instance to use, or None when no candidate is usable."""
         # sorted by id: the choice depends on who the candidates are, not how they were listed
         usable = sorted(
-            (c for c in candidates if c.healthy and c.instance_id not in exclude),
-            key=lambda c: c.instance_id,
+            [c for c in candidates if c.healthy and c.instance_id not in exclude],
+            key=_instance_id,
         )
         if not usable:
             return None
@@ -130,6 +136,9 @@ class Scheduler:
         return usable[after % len(usable)]
 
     def _least_loaded(self, usable: list[Candidate]) -> Candidate:
+        if len(usable) == 1:
+            self._turn += 1  # (as a tie of one: the turn goes on)
+            return usable[0]
         least = min(_load_key(c) for c in usable)
         tied = [c for c in usable if _load_key(c) == least]
         chosen = tied[self._turn % len(tied)]

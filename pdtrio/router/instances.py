@@ -11,7 +11,7 @@ in.  Links are opened, kept and retired by ``pdtrio.router.link_supervisor``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, ValuesView
 from typing import cast, final
 
 import attrs
@@ -176,6 +176,14 @@ class InstanceTable(Mapping[str, Instance]):
     def __len__(self) -> int:
         return len(self._instances)
 
+    # the dict's own (Mapping's mixins go through __iter__ and __getitem__ per item: dear
+    # on the request path, which looks at every instance a few times)
+    def values(self) -> ValuesView[Instance]:
+        return self._instances.values()
+
+    def get(self, instance_id: str, default: Instance | None = None) -> Instance | None:  # type: ignore[override]
+        return self._instances.get(instance_id, default)
+
     def put(self, instance: Instance) -> Instance | None:
         """Add ``instance``; the one it replaces (same id), if any."""
         old = self._instances.get(instance.instance_id)
@@ -211,7 +219,11 @@ class InstanceTable(Mapping[str, Instance]):
         return PromptBlocks(prompt, self._prompt_chains)
 
     def _some_cache_reports(self) -> bool:
-        return any(i.link is not None and i.link.cached_blocks.reporting for i in self.values())
+        for instance in self._instances.values():  # (a loop: no generator per request)
+            link = instance.link
+            if link is not None and link.cached_blocks.reporting:
+                return True
+        return False
 
     def learn_prompt(
         self, prompt: PromptBlocks, instance: Instance, prompt_token_ids: tuple[int, ...]

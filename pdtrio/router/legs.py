@@ -501,13 +501,15 @@ class DecodeLeg:
         reconnected since), waiting in FIFO order for one."""
         router = self._host.router
         instances = router.instances
-        links = instances.decode_links(self._not_on(tried), handle.layout)
+        not_on = self._not_on(tried)
+        links = instances.decode_links(not_on, handle.layout)
         if not links and await self._a_decode_connects(tried, handle.layout, handle):
-            links = instances.decode_links(self._not_on(tried), handle.layout)
+            not_on = self._not_on(tried)  # (asked again after a wait)
+            links = instances.decode_links(not_on, handle.layout)
         num_tokens = self._kv_tokens(reply)
         unplaceable = instances.decode_unplaceable(
             links,
-            self._not_on(tried),
+            not_on,
             handle.layout,
             num_tokens,
             reply.prompt_tokens - self._prefill.leg_generated,
@@ -799,6 +801,8 @@ def _tool_calls_of(run: DecodeRun) -> list[ToolCall]:
 def _running_choices(reply: PrefillReply) -> tuple[tuple[int, int], ...]:
     """The choices decode runs, as (choice, first token id): those prefill did not finish."""
     choices = ((0, reply.first_token_id),) if reply.finish_reason is None else ()
+    if type(reply) is PrefillReply:  # (n = 1: no more choices, nothing to look through)
+        return choices
     return choices + tuple(
         (first.choice, first.token_id)
         for first in reply_choices(reply)

@@ -433,7 +433,7 @@ class RouterMetrics:
                 if figures is None or figures.prefill_at is None
                 else figures.prefill_at,
             }
-            log_access(" ".join(f"{key}={value}" for key, value in fields.items()), fields)
+            log_access(" ".join([f"{key}={value}" for key, value in fields.items()]), fields)
 
     def render(self) -> bytes:
         """``/metrics``: this router's, or with multiprocess mode every process's."""

@@ -42,6 +42,7 @@ from typing import final
 import trio
 
 from pdtrio.asgi import Receive, Send
+from pdtrio.config import RouterConfig
 from pdtrio.protocol import request_machine as rm
 from pdtrio.protocol.answers import AnswerKind, AnyRequest, Shaper, answer_shape
 from pdtrio.protocol.errors import Reason, status_for_worker_failure
@@ -121,13 +122,7 @@ class RequestPipeline:
         else:
             self.prefill, self.decode, first_token_from_prefill = make_legs(self)
         self.machine = rm.RequestMachine(
-            rm.Limits(
-                request_timeout_s=config.request_timeout_s,
-                prefill_timeout_s=config.prefill_timeout_s,
-                migration_limit=config.migration_limit,
-                decode_reconnect_wait_s=config.decode_reconnect_wait_s,
-                lease_margin_s=_LEASE_MARGIN_S,
-            ),
+            _limits(config),
             streaming=request.stream,
             keep_tokens=migrates and first_token_from_prefill,
             first_token_from_prefill=first_token_from_prefill,
@@ -157,7 +152,9 @@ class RequestPipeline:
         self._error: OpenAIError | None = None  # what the client is told, after the nursery
         self._recorded = False
         self._scope: trio.CancelScope | None = None
-        self._timer: trio.CancelScope | None = None  # the current wait's deadline
+        self._timer: trio.CancelScope | None = None  # the waits' deadline
+        # the timer's deadline, as set (read here: the scope's property is a call)
+        self._timer_deadline = math.inf
         self._emits: list[rm.EmitFirstToken | rm.Finish] = []  # what report writes
 
     # --- entry ------------------------------------------------------------------
@@ -167,7 +164,10 @@ class RequestPipeline:
         queue_full = False
         if not router.requests.draining:
             queue_full = not self.decode.reserve_place()
-        wait = self._feed(rm.Arrived(draining=router.requests.draining, queue_full=queue_full))
+        wait = self._feed(
+            rm.Arrived(draining=router.requests.draining, queue_full=queue_full),
+            trio.current_time(),
+        )
         scope: trio.CancelScope | None = None
         try:
             if wait is not None:
@@ -190,6 +190,10 @@ class RequestPipeline:
             if scope is not None:
                 # only now: a drain waits for the error event to be out
                 router.requests.ended(scope)
+            # the legs hold this shell (their host), a cycle: broken here, the request's
+            # objects go with its last reference, not at a garbage collection (each one
+            # alive until then is traversed, and promoted, by the collections it meets)
+            del self.prefill, self.decode
 
     def _cut(self) -> None:
         """The nursery was cut short (or raised): tell the machine by whom."""
@@ -208,23 +212,25 @@ class RequestPipeline:
                 self.machine.phase.name,
             )
             event = rm.Failed(_STRANDED, torn=self._torn())
-        self._feed(event)
+        now = trio.current_time()
+        self._feed(event, now)
         if self.machine.phase is not rm.Phase.DONE:  # (cannot be: every cut ends it)
-            self._feed(rm.ClientGone())
+            self._feed(rm.ClientGone(), now)
 
     def _torn(self) -> bool:
         return self.response.torn
 
     # --- the machine's commands -----------------------------------------------------
 
-    def _feed(self, event: rm.Event) -> Wait | None:
-        """Report ``event``; do what the machine answers; return the wait it starts, if any.
+    def _feed(self, event: rm.Event, now: float) -> Wait | None:
+        """Report ``event`` (at ``now``); do what the machine answers; return the wait it
+        starts, if any.
 
         The machine ends its answer with at most one wait.  The client's first token and
         the response's end are written by :meth:`_step` (awaited) from ``_emits``.
         """
         wait: Wait | None = None
-        for command in self.machine.handle(event, trio.current_time()):
+        for command in self.machine.handle(event, now):
             kind = type(command)
             if kind is rm.WaitUntil:
                 continue  # the machine's next_deadline bounds every wait
@@ -251,9 +257,10 @@ class RequestPipeline:
 
     async def _step(self, event: rm.Event) -> Wait | None:
         """:meth:`_feed`, then write what it emitted to the client."""
-        self._emits = []
-        wait = self._feed(event)
-        await self._write_emits()
+        self._emits.clear()
+        wait = self._feed(event, trio.current_time())
+        if self._emits:
+            await self._write_emits()
         return wait
 
     async def _write_emits(self) -> None:
@@ -266,21 +273,41 @@ class RequestPipeline:
                 await self._emit_first_token(command.final)
 
     async def _wait(self, wait: Wait) -> Wait | None:
-        """Carry out one wait under the machine's earliest deadline; the next wait, if any."""
-        armed = self.machine.next_deadline()
-        with trio.CancelScope(deadline=armed[0] if armed else math.inf) as timer:
+        """Carry out waits, one after the next, under a timer of the machine's earliest
+        deadline; the wait that follows one the timer cut, or that it fired beside, if any.
+
+        One timer for the waits, not one each (a cancel scope is dear on the request
+        path): it follows the deadlines as they change, and is new only after it fired
+        (a cancelled scope stays cancelled).
+        """
+        machine = self.machine
+        armed = machine.next_deadline()
+        self._timer_deadline = armed[0] if armed else math.inf
+        with trio.CancelScope(deadline=self._timer_deadline) as timer:
             self._timer = timer
-            try:
-                if type(wait) is rm.SendPrefill:
-                    return await self.prefill.send(wait)
-                if type(wait) is rm.PlaceDecode:
-                    return await self.decode.place(wait)
-                if type(wait) is RunDecode:
-                    return await self.decode.run(wait)
-                assert isinstance(wait, rm.WaitForDecode)
-                return await self.decode.wait_for_link(wait)
-            except ShellFailure as failure:
-                return await self._step(rm.Failed(failure.failure, torn=self._torn()))
+            while True:
+                after: Wait | None
+                try:
+                    if type(wait) is rm.SendPrefill:
+                        after = await self.prefill.send(wait)
+                    elif type(wait) is rm.PlaceDecode:
+                        after = await self.decode.place(wait)
+                    elif type(wait) is RunDecode:
+                        after = await self.decode.run(wait)
+                    else:
+                        assert isinstance(wait, rm.WaitForDecode)
+                        after = await self.decode.wait_for_link(wait)
+                except ShellFailure as failure:
+                    after = await self._step(rm.Failed(failure.failure, torn=self._torn()))
+                if after is None:
+                    return None
+                wait = after
+                armed = machine.next_deadline()
+                deadline = armed[0] if armed else math.inf
+                if self._timer_deadline != deadline:
+                    timer.deadline = self._timer_deadline = deadline
+                if timer.cancel_called:
+                    return wait  # (it fired as the wait ended) the next, under a new timer
         assert timer.cancelled_caught
         armed = self.machine.next_deadline()
         if self.machine.phase is rm.Phase.DONE:
@@ -306,13 +333,17 @@ class RequestPipeline:
         timer = self._timer
         assert timer is not None  # (set by _wait)
         fired = timer.cancel_called
-        self._emits = []
-        wait = self._feed(event)
+        emits = self._emits
+        emits.clear()
+        now = trio.current_time()
+        wait = self._feed(event, now)
         armed = self.machine.next_deadline()
         deadline = armed[0] if armed else math.inf
-        if timer.deadline != deadline:  # (most events leave it: a set is a context manager)
-            timer.deadline = deadline
-        if fired and (armed is None or armed[0] > trio.current_time()):
+        if self._timer_deadline != deadline:  # (most events leave it: a set is dear)
+            timer.deadline = self._timer_deadline = deadline
+        if not emits:
+            return wait  # (most events write nothing)
+        if fired and (armed is None or armed[0] > now):
             with trio.CancelScope(shield=True):  # the cut it fired for is no longer due
                 await self._write_emits()
         else:
@@ -444,6 +475,25 @@ class RequestPipeline:
             prefill="-" if prefill is None else prefill,
             decode="-" if decode is None else decode,
         )
+
+
+_limits_of: tuple[RouterConfig, rm.Limits] | None = None
+
+
+def _limits(config: RouterConfig) -> rm.Limits:
+    """The machine's limits from the router's settings (made once for them, not per
+    request)."""
+    global _limits_of
+    if _limits_of is None or _limits_of[0] is not config:
+        limits = rm.Limits(
+            request_timeout_s=config.request_timeout_s,
+            prefill_timeout_s=config.prefill_timeout_s,
+            migration_limit=config.migration_limit,
+            decode_reconnect_wait_s=config.decode_reconnect_wait_s,
+            lease_margin_s=_LEASE_MARGIN_S,
+        )
+        _limits_of = config, limits
+    return _limits_of[1]
 
 
 def _tool_names(request: ChatCompletionRequest | CompletionRequest) -> list[str] | None:
