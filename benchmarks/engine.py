@@ -173,9 +173,19 @@ def measure(url: str, model: str, plan: Plan, concurrency: int, seed: int) -> di
 # --- servers --------------------------------------------------------------------------------
 
 
+INT4_SUFFIX = "+int4"  # a dtype row whose decode steps read 4-bit weights (engine.int4_weights)
+
+
 def _worker_config(role: str, model: str, dtype: str) -> dict[str, Any]:
     # the defaults otherwise: what a user of the README gets
-    return {"role": role, "engine": {"kind": "torch", "model": model, "dtype": dtype}}
+    engine: dict[str, Any] = {
+        "kind": "torch",
+        "model": model,
+        "dtype": dtype.removesuffix(INT4_SUFFIX),
+    }
+    if dtype.endswith(INT4_SUFFIX):
+        engine["int4_weights"] = "on"
+    return {"role": role, "engine": engine}
 
 
 @contextmanager
@@ -265,10 +275,24 @@ def decode_bytes(model: str, dtype: str, context: int) -> dict[str, int]:
     from pdtrio.config import EngineConfig
     from pdtrio.engine.torch.engine import load_model
 
-    loaded = load_model(EngineConfig(model=model, dtype=dtype))
+    wide = dtype.removesuffix(INT4_SUFFIX)
+    int4 = "on" if dtype.endswith(INT4_SUFFIX) else "off"
+    loaded = load_model(EngineConfig(model=model, dtype=wide, int4_weights=int4))
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    for layer in loaded.model.model.layers:  # a 4-bit copy is read instead of its weight
+        attn, mlp = layer.self_attn, layer.mlp
+        for weight, copy in (
+            (attn.qkv_weight, attn.qkv_int4),
+            (attn.o_proj.weight, attn.o_int4),
+            (mlp.gate_up_weight, mlp.gate_up_int4),
+            (mlp.down_proj.weight, mlp.down_int4),
+        ):
+            if copy is not None:
+                weights -= weight.numel() * weight.element_size()
+                for part in (copy.packed, copy.scales_and_zeros):
+                    weights += part.numel() * part.element_size()
     config = loaded.config
-    element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    element = torch.empty((), dtype=getattr(torch, wide)).element_size()
     kv = context * config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
     return {"weights": weights, "kv": kv}
 
@@ -483,7 +507,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=None, help="draw the figures into this PNG")
     parser.add_argument("--quick", action="store_true", help="tiny-random, c=1 and 4, no vLLM")
     parser.add_argument("--concurrency", type=_levels, default=None, help="e.g. 1,8,32")
-    parser.add_argument("--dtypes", type=_names, default=None, help="e.g. float32,bfloat16")
+    parser.add_argument(
+        "--dtypes",
+        type=_names,
+        default=None,
+        help=f"e.g. float32,bfloat16; float32{INT4_SUFFIX}: decode in 4 bits (engine.int4_weights)",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="measured requests per client")
     parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
     parser.add_argument(

@@ -94,10 +94,18 @@ def load_model(config: EngineConfig) -> LoadedModel:
     _check_device(config.device)
     name = config.model
     if name.endswith(".gguf"):
-        return load_gguf(name, device=config.device, dtype=dtype)
-    if "/" in name:
-        return load_hf_checkpoint(name, device=config.device, dtype=dtype)
-    return load_builtin(name, device=config.device, dtype=dtype)
+        loaded = load_gguf(name, device=config.device, dtype=dtype)
+    elif "/" in name:
+        loaded = load_hf_checkpoint(name, device=config.device, dtype=dtype)
+    else:
+        loaded = load_builtin(name, device=config.device, dtype=dtype)
+    wanted = config.int4_weights == "on" or (config.int4_weights == "auto" and loaded.int4_layers)
+    if wanted:
+        if loaded.model.quantize_int4():
+            log.info("decode steps read 4-bit copies of the layer weights (engine.int4_weights)")
+        elif config.int4_weights == "on":
+            log.warning("engine.int4_weights = 'on': torch here has no 4-bit kernel for them")
+    return loaded
 
 
 def _check_device(device: str) -> None:

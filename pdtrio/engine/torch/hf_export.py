@@ -19,7 +19,7 @@ def export(gguf_path: Path, out_dir: Path, dtype_name: str = "bfloat16") -> None
     from pdtrio.engine.tokenizer import Tokenizer
     from pdtrio.engine.torch import loaders
 
-    fields, tensors = loaders._read_gguf_fields_and_tensors(gguf_path)
+    fields, tensors, _ = loaders._read_gguf_fields_and_tensors(gguf_path)
     arch = fields.get("general.architecture")
     if arch not in _ARCH_CLASSES:
         raise SystemExit(f"{gguf_path}: GGUF architecture {arch!r} is not supported")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import attrs
 import numpy as np
@@ -61,6 +61,8 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     fingerprint: str
     name: str
+    # the file stores every layer's linear weights in 4 bits (engine.int4_weights = "auto")
+    int4_layers: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -291,8 +293,9 @@ def _hf_name(gguf_name: str) -> str:
 
 def _read_gguf_fields_and_tensors(
     path: Path,
-) -> tuple[dict[str, Any], dict[str, Callable[[], np.ndarray]]]:
-    """The file's metadata, and for each tensor a function giving its float32 values."""
+) -> tuple[dict[str, Any], dict[str, Callable[[], np.ndarray]], dict[str, int]]:
+    """The file's metadata, for each tensor a function giving its float32 values, and
+    each tensor's GGML type."""
     from pdtrio.engine.torch.gguf_file import GGUFFormatError, dequantize, read_gguf
 
     try:
@@ -303,12 +306,13 @@ def _read_gguf_fields_and_tensors(
     values = {
         name: functools.partial(dequantize, tensor) for name, tensor in parsed.tensors.items()
     }
-    return parsed.fields, values
+    types = {name: tensor.ggml_type for name, tensor in parsed.tensors.items()}
+    return parsed.fields, values, types
 
 
 def _read_gguf_with_gguf(
     path: Path,
-) -> tuple[dict[str, Any], dict[str, Callable[[], np.ndarray]]]:
+) -> tuple[dict[str, Any], dict[str, Callable[[], np.ndarray]], dict[str, int]]:
     from gguf import GGUFReader
 
     try:
@@ -316,7 +320,27 @@ def _read_gguf_with_gguf(
     except ValueError as exc:  # what gguf raises for a file that is not GGUF it can read
         raise UnsupportedModel(f"{path} is not a GGUF file this engine reads: {exc}") from exc
     fields = {key: _native(field.contents()) for key, field in reader.fields.items()}
-    return fields, {t.name: functools.partial(_gguf_tensor, t) for t in reader.tensors}
+    values = {t.name: functools.partial(_gguf_tensor, t) for t in reader.tensors}
+    return fields, values, {t.name: int(t.tensor_type) for t in reader.tensors}
+
+
+_GGUF_Q4_1: Final = 3
+_GGUF_LAYER_LINEARS = frozenset(
+    {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+)
+
+
+def _layers_in_q4_1(types: Mapping[str, int]) -> bool:
+    """Whether every layer's linear weight is stored as GGUF Q4_1 (4-bit codes, groups of
+    32 with a scale and a minimum each: what CausalLM.quantize_int4 finds again)."""
+    linears = [
+        ggml_type
+        for name, ggml_type in types.items()
+        if name.startswith("blk.")
+        and name.endswith(".weight")
+        and name.split(".")[2] in _GGUF_LAYER_LINEARS
+    ]
+    return bool(linears) and all(t == _GGUF_Q4_1 for t in linears)
 
 
 def load_gguf(
@@ -329,7 +353,7 @@ def load_gguf(
 ) -> LoadedModel:
     """Load a llama/qwen2 GGUF, dequantising every tensor to ``dtype``."""
     path = Path(path)
-    fields, tensors = _read_gguf_fields_and_tensors(path)
+    fields, tensors, types = _read_gguf_fields_and_tensors(path)
     arch = fields.get("general.architecture")
     if arch not in _GGUF_ARCHS:
         raise UnsupportedModel(
@@ -367,4 +391,5 @@ def load_gguf(
         tokenizer=tokenizer,
         fingerprint=fingerprint_of(config, _file_identity(path)),
         name=name or path.stem,
+        int4_layers=_layers_in_q4_1(types),
     )
