@@ -276,8 +276,8 @@ def decode_bytes(model: str, dtype: str, context: int) -> dict[str, int]:
     from pdtrio.engine.torch.engine import load_model
 
     wide = dtype.removesuffix(INT4_SUFFIX)
-    int4 = "on" if dtype.endswith(INT4_SUFFIX) else "off"
-    loaded = load_model(EngineConfig(model=model, dtype=wide, int4_weights=int4))
+    int4 = dtype.endswith(INT4_SUFFIX)
+    loaded = load_model(EngineConfig(model=model, dtype=wide, int4_weights="on" if int4 else "off"))
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     for layer in loaded.model.model.layers:  # a 4-bit copy is read instead of its weight
         attn, mlp = layer.self_attn, layer.mlp
