@@ -279,18 +279,11 @@ def decode_bytes(model: str, dtype: str, context: int) -> dict[str, int]:
     int4 = dtype.endswith(INT4_SUFFIX)
     loaded = load_model(EngineConfig(model=model, dtype=wide, int4_weights="on" if int4 else "off"))
     weights = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    for layer in loaded.model.model.layers:  # a 4-bit copy is read instead of its weight
-        attn, mlp = layer.self_attn, layer.mlp
-        for weight, copy in (
-            (attn.qkv_weight, attn.qkv_int4),
-            (attn.o_proj.weight, attn.o_int4),
-            (mlp.gate_up_weight, mlp.gate_up_int4),
-            (mlp.down_proj.weight, mlp.down_int4),
-        ):
-            if copy is not None:
-                weights -= weight.numel() * weight.element_size()
-                for part in (copy.packed, copy.scales_and_zeros):
-                    weights += part.numel() * part.element_size()
+    for weight, copy in loaded.model.int4_weights():  # a 4-bit copy is read instead
+        if copy is not None:
+            weights -= weight.numel() * weight.element_size()
+            for part in (copy.packed, copy.scales_and_zeros):
+                weights += part.numel() * part.element_size()
     config = loaded.config
     element = torch.empty((), dtype=getattr(torch, wide)).element_size()
     kv = context * config.num_layers * 2 * config.num_kv_heads * config.head_dim * element

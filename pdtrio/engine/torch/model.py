@@ -104,15 +104,10 @@ def _attention(
     against 1.3 ms in 4-D, 2.3 against 0.8 ms for a second 128-token chunk (2 threads,
     AVX2 EPYC), and in 4-D flash takes grouped key heads as they are (``enable_gqa``)."""
     if q.dim() == 3:
-        out = _attention(
-            q[None],
-            k[None],
-            v[None],
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            enable_gqa=enable_gqa,
-        )
-        return out[0]
+        batched = (q[None], k[None], v[None])
+        return _attention(
+            *batched, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa
+        )[0]
     dtype = q.dtype
     if q.device.type == "cpu" and dtype in _REDUCED:
         out = F.scaled_dot_product_attention(
@@ -311,10 +306,6 @@ class Attention(nn.Module):
             x, self.o_proj.weight, packed=self.o_packed, int4=self.o_int4 if int4 else None
         )
 
-    def quantize_int4(self) -> None:
-        self.qkv_int4 = quantize_int4(self.qkv_weight)
-        self.o_int4 = quantize_int4(self.o_proj.weight)
-
     def qkv(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, int4: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -368,10 +359,6 @@ class MLP(nn.Module):
         self.gate_up_weight, _ = _stack_linears((self.gate_proj, self.up_proj))
         self.gate_up_packed = pack_weight(self.gate_up_weight)
         self.down_packed = pack_weight(self.down_proj.weight)
-
-    def quantize_int4(self) -> None:
-        self.gate_up_int4 = quantize_int4(self.gate_up_weight)
-        self.down_int4 = quantize_int4(self.down_proj.weight)
 
     def forward(self, x: torch.Tensor, int4: bool = False) -> torch.Tensor:
         gate_up_int4, down_int4 = (self.gate_up_int4, self.down_int4) if int4 else (None, None)
@@ -487,25 +474,30 @@ class CausalLM(nn.Module):
         """Every layer's products of a few rows in 4 bits from now on (``quantize_int4``; the
         output layer stays as it is: the next token is picked from its logits); False where
         torch has no 4-bit kernel for these weights here (nothing changed then)."""
-        layers = list(self.model.layers)
-        for layer in layers:
-            layer.self_attn.quantize_int4()
-            layer.mlp.quantize_int4()
-        if all(
-            w is not None
-            for layer in layers
-            for w in (
-                layer.self_attn.qkv_int4,
-                layer.self_attn.o_int4,
-                layer.mlp.gate_up_int4,
-                layer.mlp.down_int4,
-            )
-        ):
-            return True
-        for layer in layers:
-            layer.self_attn.qkv_int4 = layer.self_attn.o_int4 = None
-            layer.mlp.gate_up_int4 = layer.mlp.down_int4 = None
-        return False
+        linears = self._int4_linears()
+        copies = [quantize_int4(weight) for _, _, weight in linears]
+        if any(copy is None for copy in copies):
+            return False
+        for (owner, name, _), copy in zip(linears, copies, strict=True):
+            setattr(owner, name, copy)
+        return True
+
+    def int4_weights(self) -> list[tuple[torch.Tensor, Int4Weight | None]]:
+        """Each layer weight with its 4-bit copy (None: it has none)."""
+        return [(weight, getattr(owner, name)) for owner, name, weight in self._int4_linears()]
+
+    def _int4_linears(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        """(module, the attribute of its 4-bit copy, the weight) of every layer product."""
+        linears: list[tuple[nn.Module, str, torch.Tensor]] = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears += [
+                (attn, "qkv_int4", attn.qkv_weight),
+                (attn, "o_int4", attn.o_proj.weight),
+                (mlp, "gate_up_int4", mlp.gate_up_weight),
+                (mlp, "down_int4", mlp.down_proj.weight),
+            ]
+        return linears
 
     @property
     def device(self) -> torch.device:
