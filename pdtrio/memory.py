@@ -104,6 +104,23 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+# young objects the router may gain, net, before the collector walks them: its request
+# path leaves no cycles (its young collections free nothing), while each walks every
+# object of the requests in flight (~270 us, one every ~10 short requests, at
+# Python's 700); at this, one in ~90 requests
+ROUTER_YOUNG_COLLECTION_THRESHOLD: Final = 10_000
+
+
+def collect_young_less_often(threshold: int) -> None:
+    """Raise the garbage collector's threshold for its youngest generation only.
+
+    For a process whose objects are freed by their reference counts (no cycles
+    made per request): what a young collection would walk is alive anyway.
+    """
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(threshold, older, oldest)
+
+
 def can_trim() -> bool:
     """Whether this process can hand freed heap memory back (Linux with glibc)."""
     return _malloc_trim is not None

@@ -27,7 +27,13 @@ from pdtrio.asgi import (
     send_json,
 )
 from pdtrio.config import PdtrioConfig
-from pdtrio.memory import HeapTrimmer, freeze_startup_objects, limit_heap_retention
+from pdtrio.memory import (
+    ROUTER_YOUNG_COLLECTION_THRESHOLD,
+    HeapTrimmer,
+    collect_young_less_often,
+    freeze_startup_objects,
+    limit_heap_retention,
+)
 from pdtrio.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdtrio.protocol.answers import AnswerKind, AnyRequest
 from pdtrio.protocol.errors import Reason
@@ -164,6 +170,7 @@ class RouterApp:
             await send(message)
             if message["type"] == "lifespan.startup.complete":
                 freeze_startup_objects()  # the heap trimmer's collections skip them
+                collect_young_less_often(ROUTER_YOUNG_COLLECTION_THRESHOLD)
 
         await run_lifespan(scope, receive, send_then_freeze, self._config)
 

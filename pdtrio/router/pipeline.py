@@ -332,17 +332,20 @@ class RequestPipeline:
         """
         timer = self._timer
         assert timer is not None  # (set by _wait)
-        fired = timer.cancel_called
         emits = self._emits
         emits.clear()
         now = trio.current_time()
+        deadline_before = self._timer_deadline
         wait = self._feed(event, now)
         armed = self.machine.next_deadline()
         deadline = armed[0] if armed else math.inf
-        if self._timer_deadline != deadline:  # (most events leave it: a set is dear)
+        if deadline_before != deadline:  # (most events leave it: a set is dear)
             timer.deadline = self._timer_deadline = deadline
         if not emits:
             return wait  # (most events write nothing)
+        # whether the timer had fired before the event: its deadline had passed (a fired
+        # scope stays cancelled whatever its deadline is set to after)
+        fired = deadline_before <= now or timer.cancel_called
         if fired and (armed is None or armed[0] > now):
             with trio.CancelScope(shield=True):  # the cut it fired for is no longer due
                 await self._write_emits()
