@@ -39,7 +39,7 @@ from pdtrio.logs import (
     parse_format,
     parse_level,
 )
-from pdtrio.memory import freeze_startup_objects
+from pdtrio.memory import freeze_startup_objects, trim_heap
 from pdtrio.protocol.registration import Registration
 from pdtrio.security import derive_key, resolve_worker_secret
 from pdtrio.worker.launch import ready_line
@@ -402,6 +402,9 @@ async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> N
             # what exists now lives as long as the process: the heap trimmer's collections
             # (after big messages) skip it, and take a fraction of a ms instead of ~50
             freeze_startup_objects()
+            # what loading the model freed stays in glibc's heap under the worker's
+            # thresholds (~500 MB of a SmolLM2 worker's resident set): given back once
+            await trio.to_thread.run_sync(trim_heap)
             deregistered = trio.Event()
             if config.discovery.uses_etcd:
                 nursery.start_soon(
