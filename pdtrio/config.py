@@ -95,7 +95,7 @@ class EngineConfig:
     # however many share its step, and a prompt's rows never do; "auto": where the model
     # file stores them in 4 bits (GGUF Q4_1: the copies hold the file's own codes), "on": any
     # model, "off": never
-    int4_weights: Int4Weights = "off"
+    int4_weights: Int4Weights = "auto"
     seed: int = 0
     # torch engine on the CPU: intra-op threads (0: torch's default, one per core)
     num_threads: int = attrs.field(default=0, validator=_non_negative)
