@@ -177,14 +177,14 @@ INT4_SUFFIX = "+int4"  # a dtype row whose decode steps read 4-bit weights (engi
 
 
 def _worker_config(role: str, model: str, dtype: str) -> dict[str, Any]:
-    # the defaults otherwise: what a user of the README gets
+    # the defaults otherwise: what a user of the README gets; but a row is the dtype it
+    # names, so a plain one keeps its weights wide (4 bits is engine.int4_weights' default)
     engine: dict[str, Any] = {
         "kind": "torch",
         "model": model,
         "dtype": dtype.removesuffix(INT4_SUFFIX),
+        "int4_weights": "on" if dtype.endswith(INT4_SUFFIX) else "off",
     }
-    if dtype.endswith(INT4_SUFFIX):
-        engine["int4_weights"] = "on"
     return {"role": role, "engine": engine}
 
 

@@ -91,11 +91,11 @@ class EngineConfig:
     default_max_tokens: int = attrs.field(default=2048, validator=_positive)
     device: str = "cpu"
     dtype: str = "float32"
-    # torch engine on the CPU: decode steps of up to 16 sequences read 4-bit copies of the
-    # layer weights; "auto": where the model file stores them in 4 bits (GGUF Q4_1: the copies
-    # hold the file's own codes), "on": any model, "off" (the default): never.  Off by
-    # default: with it, a seeded choice of n > 1 no longer equals its single request
-    int4_weights: Int4Weights = "off"
+    # torch engine on the CPU: every decode row reads 4-bit copies of the layer weights,
+    # however many share its step, and a prompt's rows never do; "auto": where the model
+    # file stores them in 4 bits (GGUF Q4_1: the copies hold the file's own codes), "on": any
+    # model, "off": never
+    int4_weights: Int4Weights = "auto"
     seed: int = 0
     # torch engine on the CPU: intra-op threads (0: torch's default, one per core)
     num_threads: int = attrs.field(default=0, validator=_non_negative)

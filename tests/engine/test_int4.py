@@ -11,7 +11,6 @@ from pdtrio.engine.torch.engine import load_model
 from pdtrio.engine.torch.loaders import LoadedModel
 from pdtrio.engine.torch.model import (
     INT4_GROUP,
-    INT4_ROWS,
     SeqInput,
     int4_codes,
     quantize_int4,
@@ -63,25 +62,77 @@ def test_a_weight_the_groups_do_not_divide_is_left_as_it_is() -> None:
     assert quantize_int4(torch.randn(8, 48)) is None
 
 
-def test_a_decode_step_of_few_sequences_reads_the_4_bit_copies_and_a_prompt_never() -> None:
+def test_every_decode_row_reads_the_4_bit_copies_and_a_prompt_never() -> None:
     quantized = load_model(EngineConfig(model="tiny-random", int4_weights="on"))
     wide = load_model(EngineConfig(model="tiny-random", int4_weights="off"))
     prompt = list(range(10, 30))
 
-    def logits(model: LoadedModel, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cache = model.new_kv_cache(num_blocks=4 * rows, block_size=16)
+    def logits(model: LoadedModel, rows: int) -> tuple[torch.Tensor, ...]:
+        cache = model.new_kv_cache(num_blocks=4 * rows + 2, block_size=16)
         tables = [[4 * i + b for b in range(4)] for i in range(rows)]
         first = model.model.forward_paged([SeqInput(prompt, 0, t) for t in tables], cache)
         steps = [SeqInput([7], len(prompt), t) for t in tables]
-        return first, model.model.forward_paged(steps, cache)
+        step = model.model.forward_paged(steps, cache)
+        # a prompt of one token (or a last one after a cached start) is a prompt
+        alone = [4 * rows, 4 * rows + 1]
+        one = model.model.forward_paged([SeqInput([7], 0, alone, prompt=True)], cache)
+        return first, step, one
 
-    for rows in (1, INT4_ROWS, INT4_ROWS + 1):
-        (prompt_int4, step_int4), (prompt_wide, step_wide) = (
+    for rows in (1, 16, 17, 40):  # any number of rows: a row's tokens must not depend on it
+        (prompt_int4, step_int4, one_int4), (prompt_wide, step_wide, one_wide) = (
             logits(quantized, rows),
             logits(wide, rows),
         )
         assert torch.equal(prompt_int4, prompt_wide)  # a prompt: never in 4 bits
-        assert torch.equal(step_int4, step_wide) == (rows > INT4_ROWS), rows
+        assert torch.equal(one_int4, one_wide)
+        assert not torch.equal(step_int4, step_wide), rows
+
+
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_a_sequence_decodes_the_same_bits_whatever_shares_its_step(setting: str) -> None:
+    """A decode row alone, beside other decodes (fewer or more than the threads, longer
+    contexts, over 16 rows) and beside prompts: the same logits and KV to the bit.  With
+    4-bit copies a step with a prompt, or of over 16 rows, once ran its decodes in float32,
+    and torch's attention gave a lone row other last bits, which the 4-bit product's
+    bfloat16 inputs grow: a seeded choice of n > 1 then drew other tokens than its single
+    request."""
+    loaded = load_model(EngineConfig(model="tiny-random", int4_weights=setting))
+    model = loaded.model
+    cache = loaded.new_kv_cache(num_blocks=200, block_size=16)
+    lengths = [61, 5, 130, 17, 33, 64, 200, 90, 12, 45, 77, 3, 150, 60, 31, 99, 16, 120, 8, 70]
+    tables: list[list[int]] = []
+    for length in lengths:
+        start = sum(len(t) for t in tables)
+        tables.append(list(range(start, start + length // 16 + 2)))
+    generator = torch.Generator().manual_seed(3)
+    vocab = loaded.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+    model.forward_paged([SeqInput(p, 0, t) for p, t in zip(prompts, tables, strict=True)], cache)
+    before = cache.kv.clone()
+    others = [190, 191, 192]  # blocks of a prompt that shares a step
+
+    def step(rows: list[int], prompt: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+        cache.kv.copy_(before)
+        seqs = [SeqInput([5 + row], lengths[row], tables[row]) for row in rows]
+        if prompt is not None:
+            seqs.insert(1, SeqInput(prompt, 0, others, prompt=True))
+        logits = model.forward_paged(seqs, cache)
+        return logits[0], cache.kv[tables[0][-2]].clone()  # (row 0's new KV is in there)
+
+    alone = step([0])
+    for rows, prompt in [
+        ([0, 1, 2], None),
+        ([0, 6, 2, 12], None),
+        (list(range(17)), None),
+        (list(range(20)), None),
+        ([0], list(range(40, 60))),
+        ([0], [9]),
+        ([0, 1, 2, 3], list(range(40, 60))),
+        (list(range(20)), list(range(40, 47))),
+    ]:
+        shared = step(rows, prompt)
+        assert torch.equal(shared[0], alone[0]), (rows, prompt)
+        assert torch.equal(shared[1], alone[1]), (rows, prompt)
 
 
 def _greedy(loaded: LoadedModel, prompt: list[int], steps: int) -> list[int]:
@@ -103,7 +154,7 @@ def _smollm2(int4_weights: str) -> LoadedModel:
 
 
 def test_smollm2_decodes_in_4_bits_where_asked_with_the_same_greedy_answer() -> None:
-    quantized, wide = _smollm2("auto"), _smollm2(EngineConfig().int4_weights)
+    quantized, wide = _smollm2("auto"), _smollm2("off")
     assert quantized.int4_layers  # its GGUF stores the layers in Q4_1
     assert quantized.model.model.layers[0].mlp.down_int4 is not None
     assert wide.model.model.layers[0].mlp.down_int4 is None

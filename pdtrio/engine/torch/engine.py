@@ -714,7 +714,10 @@ class TorchEngine:
                 end = job.computed + take
                 seqs.append(
                     SeqInput(
-                        job.prompt_token_ids[job.computed : end], job.computed, job.block_table
+                        job.prompt_token_ids[job.computed : end],
+                        job.computed,
+                        job.block_table,
+                        prompt=True,
                     )
                 )
                 if end == len(job.prompt_token_ids):

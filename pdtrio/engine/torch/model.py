@@ -27,11 +27,16 @@ class StepAbandoned(Exception):
 @final
 @attrs.frozen
 class SeqInput:
-    """New tokens of one sequence at positions ``start_pos ..``; KV goes to ``block_table``."""
+    """New tokens of one sequence at positions ``start_pos ..``; KV goes to ``block_table``.
+
+    One token is a decode step unless ``prompt`` says it is (the last of a prompt whose
+    start was cached, a one-token chunk): a prompt's tokens are computed as one, so its KV
+    is the same however it was split."""
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
+    prompt: bool = False
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -124,6 +129,43 @@ def _attention(
     )
 
 
+def _decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, padding: torch.Tensor
+) -> torch.Tensor:
+    """One query token per sequence: q [B, Hq, D] over keys and values [B, W, Hkv, D];
+    ``padding`` [B, 1, W] is 0, or -inf at a key past the sequence's end; [B, Hq, D].
+
+    A row's result is the same bits whatever the other rows and the width W (its blocks
+    padded to the longest row's): a sequence's tokens must not depend on what shares its
+    step.  torch's CPU flash attention is not so: with fewer rows than threads it takes
+    another path (last-bit differences, which a 4-bit step's bfloat16 inputs grow into
+    other tokens), and keys cut to a row's length sum in another order than padded ones.
+    So each key head's group of query heads is one batched product, its operands strided
+    the same way for any B: measured equal bits for 1 to 32 rows, widths to 2112 and 1 to
+    8 threads.  Cost, SmolLM2's 9 heads on 2 threads (AVX2 EPYC): 1 row of 64 keys 0.11
+    against flash's 0.03 ms, 16 rows of 512 1.0 against 1.0 ms, 32 rows of 1024 7.8
+    against 6.2 ms."""
+    rows, heads, head_dim = q.shape
+    kv_heads = keys.shape[2]
+    dtype = q.dtype
+    wide = q.device.type == "cpu" and dtype in _REDUCED  # (as _attention)
+    if wide:
+        q, keys, values = q.float(), keys.float(), values.float()
+    padding = padding.to(q.dtype)  # (made in float32; a no-op then)
+    grouped = q.reshape(rows, kv_heads, heads // kv_heads, head_dim)
+    scale = head_dim**-0.5
+    scores = torch.stack(
+        [
+            torch.baddbmm(padding, grouped[:, h], keys[:, :, h].transpose(1, 2), alpha=scale)
+            for h in range(kv_heads)
+        ]
+    )  # [Hkv, B, group, W]
+    probs = scores.softmax(dim=-1)
+    out = torch.stack([torch.bmm(probs[h], values[:, :, h]) for h in range(kv_heads)], dim=1)
+    out = out.reshape(rows, heads, head_dim)
+    return out.to(dtype) if wide else out
+
+
 # A matrix product of at least this many rows, in a reduced dtype on a CPU whose torch has
 # no fast kernel for it, is computed in float32 (see _linear).
 _WIDEN_ROWS = 16
@@ -164,12 +206,14 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 # 4-bit weights: groups of this many input features share a scale and a zero point
 INT4_GROUP = 32
-# A decode step of at most this many sequences reads the 4-bit weights where the model has
-# them (see quantize_int4); more rows are faster in float32.  Measured on an AVX2 EPYC, 2
-# threads, SmolLM2-135M's 120 layer weights each read once: packed float32 22.1 / 32.7 /
-# 63.2 ms for 1 / 8 / 32 rows, 4-bit 8.6 / 22.3 / 85.6 ms.  A prompt's tokens never do: a
-# prompt computes the same KV whether its start came from the prefix cache or not.
-INT4_ROWS = 16
+# Where the model has 4-bit copies (see quantize_int4) every decode row reads them, however
+# many share its step, and a prompt's rows never do: a sequence's tokens must not depend on
+# what else is in its step (a seeded choice equals the single request with its seed), and
+# a prompt computes the same KV whether its start came from the prefix cache or not.  The
+# kernel gives a row the same bits in any number of rows; it is faster than float32 only
+# for a few.  Measured on an AVX2 EPYC, 2 threads, SmolLM2-135M's 120 layer weights each
+# read once: packed float32 22.1 / 32.7 / 63.2 ms for 1 / 8 / 32 rows, 4-bit 8.6 / 22.3 /
+# 85.6 ms.
 
 
 @attrs.frozen(eq=False)
@@ -223,9 +267,11 @@ def _linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
     int4: Int4Weight | None = None,
+    int4_from: int = 0,
 ) -> torch.Tensor:
-    """``F.linear``; in 4 bits where given the weight's 4-bit copy (``quantize_int4``; its
-    kernel takes bfloat16 inputs: in float32 it was 5-10x slower), through oneDNN where
+    """``F.linear``; the rows from ``int4_from`` on (a step's decode rows: they come last)
+    in 4 bits where given the weight's 4-bit copy (``quantize_int4``; its kernel takes
+    bfloat16 inputs: in float32 it was 5-10x slower), through oneDNN where
     the weight was packed for it (``pack_weight``),
     else torch's own product, where a bfloat16/float16 product of many rows (a prefill) on
     a CPU without fast kernels for that dtype is widened to float32 and rounded back.
@@ -236,6 +282,16 @@ def _linear(
     8 / 32 rows against packed float32 40 / 56 / 90 ms; [256, 576] x [576, 1536] bfloat16
     26 ms, float32 3.4 ms."""
     dtype = x.dtype
+    if int4 is not None and int4_from >= x.shape[0]:
+        int4 = None  # no decode rows
+    if int4 is not None and int4_from > 0:
+        # a step with prompt rows too: they keep the weight's dtype
+        return torch.cat(
+            (
+                _linear(x[:int4_from], weight, bias, packed),
+                _linear(x[int4_from:], weight, bias, int4=int4),
+            )
+        )
     if int4 is not None:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), int4.packed, INT4_GROUP, int4.scales_and_zeros
@@ -300,20 +356,21 @@ class Attention(nn.Module):
         self.qkv_packed = pack_weight(self.qkv_weight)
         self.o_packed = pack_weight(self.o_proj.weight)
 
-    def output(self, x: torch.Tensor, int4: bool = False) -> torch.Tensor:
-        """``int4``: through the 4-bit copy where there is one."""
+    def output(self, x: torch.Tensor, int4_from: int | None = None) -> torch.Tensor:
+        """The rows from ``int4_from`` on through the 4-bit copy where there is one."""
+        quantized = None if int4_from is None else self.o_int4
         return _linear(
-            x, self.o_proj.weight, packed=self.o_packed, int4=self.o_int4 if int4 else None
+            x, self.o_proj.weight, packed=self.o_packed, int4=quantized, int4_from=int4_from or 0
         )
 
     def qkv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, int4: bool = False
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, int4_from: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q [T, Hq, D], rotated k [T, Hkv, D] and v [T, Hkv, D]."""
         t = x.shape[0]
         heads = self.num_heads + 2 * self.num_kv_heads
-        quantized = self.qkv_int4 if int4 else None
-        qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed, quantized)
+        quantized = None if int4_from is None else self.qkv_int4
+        qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed, quantized, int4_from or 0)
         qkv = qkv.view(t, heads, self.head_dim)
         rotated = self.num_heads + self.num_kv_heads
         qk = _apply_rope(qkv[:, :rotated], cos, sin)  # q and k in one go
@@ -360,12 +417,22 @@ class MLP(nn.Module):
         self.gate_up_packed = pack_weight(self.gate_up_weight)
         self.down_packed = pack_weight(self.down_proj.weight)
 
-    def forward(self, x: torch.Tensor, int4: bool = False) -> torch.Tensor:
-        gate_up_int4, down_int4 = (self.gate_up_int4, self.down_int4) if int4 else (None, None)
-        gate_up = _linear(x, self.gate_up_weight, packed=self.gate_up_packed, int4=gate_up_int4)
+    def forward(self, x: torch.Tensor, int4_from: int | None = None) -> torch.Tensor:
+        """The rows from ``int4_from`` on through the 4-bit copies where there are some."""
+        gate_up_int4, down_int4 = (
+            (None, None) if int4_from is None else (self.gate_up_int4, self.down_int4)
+        )
+        start = int4_from or 0
+        gate_up = _linear(
+            x, self.gate_up_weight, packed=self.gate_up_packed, int4=gate_up_int4, int4_from=start
+        )
         gate, up = gate_up.chunk(2, dim=-1)
         return _linear(
-            F.silu(gate) * up, self.down_proj.weight, packed=self.down_packed, int4=down_int4
+            F.silu(gate) * up,
+            self.down_proj.weight,
+            packed=self.down_packed,
+            int4=down_int4,
+            int4_from=start,
         )
 
 
@@ -401,12 +468,12 @@ class _PagedPlan:
     positions: torch.Tensor  # [T]
     write_base: torch.Tensor  # [T] row of layer 0's K slot in the flat cache view
     last_index: torch.Tensor  # [B] row of each sequence's last new token
-    decode_rows: torch.Tensor | None  # [Bd] token rows of the one-token sequences; None: all
+    # the first row of the decode sequences (one token each): the prompts' rows come first
+    decode_start: int
     # [Bd * Lblocks] the blocks of their contexts, row after row, a short one padded
     decode_blocks: torch.Tensor | None
     decode_width: int  # slots of a decode row's blocks (Lblocks * block_size)
-    decode_context: int  # of which it attends over the first (one sequence: its own length)
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, decode_context] True where a key is real
+    decode_padding: torch.Tensor | None  # [Bd, 1, decode_width] -inf past a row's end, else 0
     # (row0, n_new, start_pos, blocks of positions 0 .. start_pos + n_new)
     prefill: list[tuple[int, int, int, torch.Tensor]]
 
@@ -554,13 +621,18 @@ class CausalLM(nn.Module):
         all_ids: list[int] = []
         positions: list[int] = []
         write_base: list[int] = []
-        last_index: list[int] = []
-        decode_rows: list[int] = []
+        last_index = [0] * len(seqs)
         decode_tables: list[list[int]] = []
         decode_ends: list[int] = []
         prefill: list[tuple[int, int, int, list[int]]] = []
+        # the prompts' rows first, then the decodes': a contiguous run that the 4-bit
+        # products take (forward_paged)
+        decodes = [i for i, seq in enumerate(seqs) if len(seq.token_ids) == 1 and not seq.prompt]
+        prompts = [i for i, seq in enumerate(seqs) if len(seq.token_ids) != 1 or seq.prompt]
+        decode_start = sum(len(seqs[i].token_ids) for i in prompts)
         row = 0
-        for seq in seqs:
+        for index in prompts + decodes:
+            seq = seqs[index]
             n = len(seq.token_ids)
             if n == 0:
                 raise ValueError("a sequence needs at least one new token")
@@ -582,44 +654,36 @@ class CausalLM(nn.Module):
             write_base.extend(
                 table[pos // bs] * block_stride + pos % bs for pos in range(seq.start_pos, end)
             )
-            last_index.append(row + n - 1)
-            if n == 1:
-                decode_rows.append(row)
+            last_index[index] = row + n - 1
+            if row >= decode_start:
                 decode_tables.append(table)
                 decode_ends.append(end)
             else:
                 prefill.append((row, n, seq.start_pos, table))
             row += n
         device = cache.device
-        decode_blocks = decode_mask = None
-        decode_width = decode_context = 0
+        decode_blocks = decode_padding = None
+        decode_width = 0
         if decode_tables:
             widest = max(len(t) for t in decode_tables)
             decode_width = widest * bs
-            # a short table is padded with its own first block: read, then masked out
+            # a short table is padded with its own first block: read, then masked out (a lone
+            # row too: its keys are not cut to length, see _decode_attention)
             padded = [t + [t[0]] * (widest - len(t)) for t in decode_tables]
             decode_blocks = torch.tensor(padded, dtype=torch.long).view(-1).to(device)
-            if len(decode_tables) == 1:
-                decode_context = decode_ends[0]  # its keys cut to length: no mask
-            else:
-                decode_context = decode_width
-                ends = torch.tensor(decode_ends)
-                mask = torch.arange(decode_width)[None, :] < ends[:, None]
-                decode_mask = mask[:, None, None, :].to(device)
+            ends = torch.tensor(decode_ends)
+            past = torch.arange(decode_width)[None, :] >= ends[:, None]
+            padding = torch.zeros(past.shape, dtype=torch.float32).masked_fill_(past, -math.inf)
+            decode_padding = padding[:, None, :].to(device)
         return _PagedPlan(
             token_ids=self._token_tensor(all_ids),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             write_base=torch.tensor(write_base, dtype=torch.long, device=device),
             last_index=torch.tensor(last_index, dtype=torch.long, device=device),
-            decode_rows=(
-                None
-                if len(decode_rows) == row
-                else torch.tensor(decode_rows, dtype=torch.long, device=device)
-            ),
+            decode_start=decode_start,
             decode_blocks=decode_blocks,
             decode_width=decode_width,
-            decode_context=decode_context,
-            decode_mask=decode_mask,
+            decode_padding=decode_padding,
             prefill=[
                 (row0, n, start, torch.tensor(table, dtype=torch.long, device=device))
                 for row0, n, start, table in prefill
@@ -638,7 +702,8 @@ class CausalLM(nn.Module):
         ``should_stop`` is asked after each layer; when it says so, StepAbandoned is raised
         (the KV written so far is the caller's to drop).
 
-        Linear layers run once over the tokens of all sequences; one-token (decode)
+        Linear layers run once over the tokens of all sequences (the decode rows, last,
+        in 4 bits where the model has copies); one-token (decode)
         sequences share one attention call per layer over their blocks, gathered whole
         (a block's slots of one layer are contiguous) and padded to the longest; a
         prompt's first chunk attends over its own k and v, a later chunk over its
@@ -668,10 +733,11 @@ class CausalLM(nn.Module):
         cos, sin = self._rope(plan.positions)
         h = self.model.embed_tokens(plan.token_ids)
         total = h.shape[0]
-        int4 = not plan.prefill and total <= INT4_ROWS  # (the layers without copies ignore it)
+        # the decode rows through the 4-bit copies (the layers without them ignore it)
+        int4_from = plan.decode_start
         for layer_idx, layer in enumerate(self.model.layers):
             attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin, int4)
+            q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin, int4_from)
             k_off = layer_idx * 2 * bs
             flat.index_copy_(0, plan.write_base + k_off, k)
             flat.index_copy_(0, plan.write_base + k_off + bs, v)
@@ -679,24 +745,17 @@ class CausalLM(nn.Module):
             layer_keys = cache.kv[:, layer_idx, 0].view(num_blocks, -1)
             layer_values = cache.kv[:, layer_idx, 1].view(num_blocks, -1)
             out: torch.Tensor | None = None
-            if plan.decode_blocks is not None:
+            if plan.decode_blocks is not None and plan.decode_padding is not None:
                 shape = (-1, plan.decode_width, kv_heads, head_dim)
-                context = plan.decode_context
-                keys = layer_keys.index_select(0, plan.decode_blocks).view(shape)[:, :context]
-                values = layer_values.index_select(0, plan.decode_blocks).view(shape)[:, :context]
-                dq = q if plan.decode_rows is None else q.index_select(0, plan.decode_rows)
-                dout = _attention(
-                    dq[:, :, None, :],  # [Bd, Hq, 1, D]
-                    keys.transpose(1, 2),
-                    values.transpose(1, 2),
-                    attn_mask=plan.decode_mask,
-                    enable_gqa=True,
-                )[:, :, 0, :]
-                if plan.decode_rows is None:
+                keys = layer_keys.index_select(0, plan.decode_blocks).view(shape)
+                values = layer_values.index_select(0, plan.decode_blocks).view(shape)
+                start = plan.decode_start
+                dout = _decode_attention(q[start:], keys, values, plan.decode_padding)
+                if start == 0:
                     out = dout
                 else:
                     out = torch.empty(total, heads, head_dim, dtype=h.dtype, device=h.device)
-                    out.index_copy_(0, plan.decode_rows, dout)
+                    out[start:] = dout
             if out is None:
                 out = torch.empty(total, heads, head_dim, dtype=h.dtype, device=h.device)
             for row0, n, start, blocks in plan.prefill:
@@ -715,8 +774,8 @@ class CausalLM(nn.Module):
                     mask = torch.ones(n, end, dtype=torch.bool, device=h.device).tril(start)
                     sout = _attention(sq, keys, values, attn_mask=mask, enable_gqa=True)
                 out[row0 : row0 + n] = sout.transpose(0, 1)
-            h = h + attn.output(out.reshape(total, heads * head_dim), int4)
-            h = h + layer.mlp(layer.post_attention_layernorm(h), int4)
+            h = h + attn.output(out.reshape(total, heads * head_dim), int4_from)
+            h = h + layer.mlp(layer.post_attention_layernorm(h), int4_from)
             if should_stop is not None and should_stop():
                 raise StepAbandoned
         return self._logits(h.index_select(0, plan.last_index))
