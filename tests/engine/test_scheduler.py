@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdtrio.config import EngineConfig
 from pdtrio.engine.scheduler import SchedulerLimits, schedule
 
 # prompts are (name, tokens left to prefill); decodes are names
@@ -62,6 +63,22 @@ def test_a_long_prompt_goes_a_chunk_a_step_ahead_of_those_behind() -> None:
         [("a", 128), ("b", 128)],
         [("a", 44), ("b", 44)],
     ]
+
+
+def test_the_default_limits_prefill_a_256_token_prompt_in_one_step() -> None:
+    # a later chunk costs more than prefilling with the first (pdtrio.config's comment), so
+    # by default the engine benchmark's 256-token prompts go whole, 8 of them a step, with
+    # the running decodes; a longer prompt still goes a chunk a step
+    config = EngineConfig()
+    limits = SchedulerLimits(
+        max_batch_size=config.max_batch_size,
+        max_prefill_tokens=config.max_prefill_tokens,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
+    )
+    waiting = [(f"p{i}", 256) for i in range(10)]
+    plan, decodes, left_out = _plan(waiting, ["d0"], limits)
+    assert plan == [(f"p{i}", 256) for i in range(8)] and decodes == ["d0"] and left_out == 2
+    assert _plan([("long", 1000)], [], limits)[0] == [("long", 256)]
 
 
 def test_limits_and_prompts_are_checked() -> None:
