@@ -130,40 +130,25 @@ def _attention(
 
 
 def _decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, padding: torch.Tensor
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
     """One query token per sequence: q [B, Hq, D] over keys and values [B, W, Hkv, D];
-    ``padding`` [B, 1, W] is 0, or -inf at a key past the sequence's end; [B, Hq, D].
+    ``mask`` [B, 1, 1, W] True where a key is real; [B, Hq, D].
 
     A row's result is the same bits whatever the other rows and the width W (its blocks
     padded to the longest row's): a sequence's tokens must not depend on what shares its
-    step.  torch's CPU flash attention is not so: with fewer rows than threads it takes
-    another path (last-bit differences, which a 4-bit step's bfloat16 inputs grow into
-    other tokens), and keys cut to a row's length sum in another order than padded ones.
-    So each key head's group of query heads is one batched product, its operands strided
-    the same way for any B: measured equal bits for 1 to 32 rows, widths to 2112 and 1 to
-    8 threads.  Cost, SmolLM2's 9 heads on 2 threads (AVX2 EPYC): 1 row of 64 keys 0.11
-    against flash's 0.03 ms, 16 rows of 512 1.0 against 1.0 ms, 32 rows of 1024 7.8
-    against 6.2 ms."""
-    rows, heads, head_dim = q.shape
-    kv_heads = keys.shape[2]
-    dtype = q.dtype
-    wide = q.device.type == "cpu" and dtype in _REDUCED  # (as _attention)
-    if wide:
-        q, keys, values = q.float(), keys.float(), values.float()
-    padding = padding.to(q.dtype)  # (made in float32; a no-op then)
-    grouped = q.reshape(rows, kv_heads, heads // kv_heads, head_dim)
-    scale = head_dim**-0.5
-    scores = torch.stack(
-        [
-            torch.baddbmm(padding, grouped[:, h], keys[:, :, h].transpose(1, 2), alpha=scale)
-            for h in range(kv_heads)
-        ]
-    )  # [Hkv, B, group, W]
-    probs = scores.softmax(dim=-1)
-    out = torch.stack([torch.bmm(probs[h], values[:, :, h]) for h in range(kv_heads)], dim=1)
-    out = out.reshape(rows, heads, head_dim)
-    return out.to(dtype) if wide else out
+    step.  torch's CPU flash attention takes another path when a batch has fewer rows than
+    threads (last-bit differences, which a 4-bit step's bfloat16 inputs grow into other
+    tokens), so the plan pads a smaller batch with copies of its first row up to the
+    thread count (``_PagedPlan.decode_extra``); the keys are always padded and masked,
+    never cut to a lone row's length."""
+    return _attention(
+        q[:, :, None, :],  # [B, Hq, 1, D]
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask,
+        enable_gqa=True,
+    )[:, :, 0, :]
 
 
 # A matrix product of at least this many rows, in a reduced dtype on a CPU whose torch has
@@ -473,7 +458,10 @@ class _PagedPlan:
     # [Bd * Lblocks] the blocks of their contexts, row after row, a short one padded
     decode_blocks: torch.Tensor | None
     decode_width: int  # slots of a decode row's blocks (Lblocks * block_size)
-    decode_padding: torch.Tensor | None  # [Bd, 1, decode_width] -inf past a row's end, else 0
+    # [Bd + decode_extra, 1, 1, decode_width] True where a key is real
+    decode_mask: torch.Tensor | None
+    # rows after the decodes' that copy the first (see _decode_attention)
+    decode_extra: int
     # (row0, n_new, start_pos, blocks of positions 0 .. start_pos + n_new)
     prefill: list[tuple[int, int, int, torch.Tensor]]
 
@@ -662,19 +650,22 @@ class CausalLM(nn.Module):
                 prefill.append((row, n, seq.start_pos, table))
             row += n
         device = cache.device
-        decode_blocks = decode_padding = None
-        decode_width = 0
+        decode_blocks = decode_mask = None
+        decode_width = decode_extra = 0
         if decode_tables:
             widest = max(len(t) for t in decode_tables)
             decode_width = widest * bs
             # a short table is padded with its own first block: read, then masked out (a lone
-            # row too: its keys are not cut to length, see _decode_attention)
+            # row too: its keys are not cut to length); fewer rows than threads get copies
+            # of the first (see _decode_attention)
+            decode_extra = max(0, torch.get_num_threads() - len(decode_tables))
+            decode_tables += [decode_tables[0]] * decode_extra
+            decode_ends += [decode_ends[0]] * decode_extra
             padded = [t + [t[0]] * (widest - len(t)) for t in decode_tables]
             decode_blocks = torch.tensor(padded, dtype=torch.long).view(-1).to(device)
             ends = torch.tensor(decode_ends)
-            past = torch.arange(decode_width)[None, :] >= ends[:, None]
-            padding = torch.zeros(past.shape, dtype=torch.float32).masked_fill_(past, -math.inf)
-            decode_padding = padding[:, None, :].to(device)
+            real = torch.arange(decode_width)[None, :] < ends[:, None]
+            decode_mask = real[:, None, None, :].to(device)
         return _PagedPlan(
             token_ids=self._token_tensor(all_ids),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -683,7 +674,8 @@ class CausalLM(nn.Module):
             decode_start=decode_start,
             decode_blocks=decode_blocks,
             decode_width=decode_width,
-            decode_padding=decode_padding,
+            decode_mask=decode_mask,
+            decode_extra=decode_extra,
             prefill=[
                 (row0, n, start, torch.tensor(table, dtype=torch.long, device=device))
                 for row0, n, start, table in prefill
@@ -745,12 +737,18 @@ class CausalLM(nn.Module):
             layer_keys = cache.kv[:, layer_idx, 0].view(num_blocks, -1)
             layer_values = cache.kv[:, layer_idx, 1].view(num_blocks, -1)
             out: torch.Tensor | None = None
-            if plan.decode_blocks is not None and plan.decode_padding is not None:
+            if plan.decode_blocks is not None and plan.decode_mask is not None:
                 shape = (-1, plan.decode_width, kv_heads, head_dim)
                 keys = layer_keys.index_select(0, plan.decode_blocks).view(shape)
                 values = layer_values.index_select(0, plan.decode_blocks).view(shape)
                 start = plan.decode_start
-                dout = _decode_attention(q[start:], keys, values, plan.decode_padding)
+                dq = q[start:]
+                extra = plan.decode_extra
+                if extra:
+                    dq = torch.cat((dq, dq[:1].expand(extra, -1, -1)))
+                dout = _decode_attention(dq, keys, values, plan.decode_mask)
+                if extra:
+                    dout = dout[:-extra]
                 if start == 0:
                     out = dout
                 else:
