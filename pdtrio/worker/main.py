@@ -403,7 +403,7 @@ async def serve_worker(config: WorkerConfig, exit_with_stdin: bool = False) -> N
             # (after big messages) skip it, and take a fraction of a ms instead of ~50
             freeze_startup_objects()
             # what loading the model freed stays in glibc's heap under the worker's
-            # thresholds (~500 MB of a SmolLM2 worker's resident set): given back once
+            # thresholds (~80 MB of a SmolLM2 worker's resident set): given back once
             await trio.to_thread.run_sync(trim_heap)
             deregistered = trio.Event()
             if config.discovery.uses_etcd:

@@ -139,7 +139,7 @@ def _decode_attention(
     padded to the longest row's): a sequence's tokens must not depend on what shares its
     step.  torch's CPU flash attention takes another path when a batch has fewer rows than
     threads (last-bit differences, which a 4-bit step's bfloat16 inputs grow into other
-    tokens), so the plan pads a smaller batch with copies of its first row up to the
+    tokens), so a smaller batch comes padded with copies of its first row up to the
     thread count (``_PagedPlan.decode_extra``); the keys are always padded and masked,
     never cut to a lone row's length."""
     return _attention(
@@ -252,10 +252,10 @@ def _linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
     int4: Int4Weight | None = None,
-    int4_from: int = 0,
+    int4_from: int | None = None,
 ) -> torch.Tensor:
-    """``F.linear``; the rows from ``int4_from`` on (a step's decode rows: they come last)
-    in 4 bits where given the weight's 4-bit copy (``quantize_int4``; its kernel takes
+    """``F.linear``; the rows from ``int4_from`` on (a step's decode rows: they come last;
+    None: none) in 4 bits where given the weight's 4-bit copy (``quantize_int4``; its kernel takes
     bfloat16 inputs: in float32 it was 5-10x slower), through oneDNN where
     the weight was packed for it (``pack_weight``),
     else torch's own product, where a bfloat16/float16 product of many rows (a prefill) on
@@ -267,14 +267,14 @@ def _linear(
     8 / 32 rows against packed float32 40 / 56 / 90 ms; [256, 576] x [576, 1536] bfloat16
     26 ms, float32 3.4 ms."""
     dtype = x.dtype
-    if int4 is not None and int4_from >= x.shape[0]:
+    if int4_from is None or int4_from >= x.shape[0]:
         int4 = None  # no decode rows
-    if int4 is not None and int4_from > 0:
+    elif int4 is not None and int4_from > 0:
         # a step with prompt rows too: they keep the weight's dtype
         return torch.cat(
             (
                 _linear(x[:int4_from], weight, bias, packed),
-                _linear(x[int4_from:], weight, bias, int4=int4),
+                _linear(x[int4_from:], weight, bias, int4=int4, int4_from=0),
             )
         )
     if int4 is not None:
@@ -343,9 +343,8 @@ class Attention(nn.Module):
 
     def output(self, x: torch.Tensor, int4_from: int | None = None) -> torch.Tensor:
         """The rows from ``int4_from`` on through the 4-bit copy where there is one."""
-        quantized = None if int4_from is None else self.o_int4
         return _linear(
-            x, self.o_proj.weight, packed=self.o_packed, int4=quantized, int4_from=int4_from or 0
+            x, self.o_proj.weight, packed=self.o_packed, int4=self.o_int4, int4_from=int4_from
         )
 
     def qkv(
@@ -354,8 +353,7 @@ class Attention(nn.Module):
         """Rotated q [T, Hq, D], rotated k [T, Hkv, D] and v [T, Hkv, D]."""
         t = x.shape[0]
         heads = self.num_heads + 2 * self.num_kv_heads
-        quantized = None if int4_from is None else self.qkv_int4
-        qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed, quantized, int4_from or 0)
+        qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed, self.qkv_int4, int4_from)
         qkv = qkv.view(t, heads, self.head_dim)
         rotated = self.num_heads + self.num_kv_heads
         qk = _apply_rope(qkv[:, :rotated], cos, sin)  # q and k in one go
@@ -404,20 +402,20 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, int4_from: int | None = None) -> torch.Tensor:
         """The rows from ``int4_from`` on through the 4-bit copies where there are some."""
-        gate_up_int4, down_int4 = (
-            (None, None) if int4_from is None else (self.gate_up_int4, self.down_int4)
-        )
-        start = int4_from or 0
         gate_up = _linear(
-            x, self.gate_up_weight, packed=self.gate_up_packed, int4=gate_up_int4, int4_from=start
+            x,
+            self.gate_up_weight,
+            packed=self.gate_up_packed,
+            int4=self.gate_up_int4,
+            int4_from=int4_from,
         )
         gate, up = gate_up.chunk(2, dim=-1)
         return _linear(
             F.silu(gate) * up,
             self.down_proj.weight,
             packed=self.down_packed,
-            int4=down_int4,
-            int4_from=start,
+            int4=self.down_int4,
+            int4_from=int4_from,
         )
 
 
