@@ -88,15 +88,18 @@ def test_every_decode_row_reads_the_4_bit_copies_and_a_prompt_never() -> None:
         assert not torch.equal(step_int4, step_wide), rows
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("setting", ["on", "off"])
-def test_a_sequence_decodes_the_same_bits_whatever_shares_its_step(setting: str) -> None:
+def test_a_sequence_decodes_the_same_bits_whatever_shares_its_step(
+    setting: str, dtype: str
+) -> None:
     """A decode row alone, beside other decodes (fewer or more than the threads, longer
     contexts, over 16 rows) and beside prompts: the same logits and KV to the bit.  With
     4-bit copies a step with a prompt, or of over 16 rows, once ran its decodes in float32,
     and torch's attention gave a lone row other last bits, which the 4-bit product's
     bfloat16 inputs grow: a seeded choice of n > 1 then drew other tokens than its single
     request."""
-    loaded = load_model(EngineConfig(model="tiny-random", int4_weights=setting))
+    loaded = load_model(EngineConfig(model="tiny-random", dtype=dtype, int4_weights=setting))
     model = loaded.model
     cache = loaded.new_kv_cache(num_blocks=200, block_size=16)
     lengths = [61, 5, 130, 17, 33, 64, 200, 90, 12, 45, 77, 3, 150, 60, 31, 99, 16, 120, 8, 70]

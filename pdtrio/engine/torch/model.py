@@ -114,7 +114,7 @@ def _attention(
             *batched, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa
         )[0]
     dtype = q.dtype
-    if q.device.type == "cpu" and dtype in _REDUCED:
+    if q.device.type == "cpu" and dtype in _REDUCED and _slow_reduced_matmul(dtype):
         out = F.scaled_dot_product_attention(
             q.float(),
             k.float(),
@@ -178,12 +178,14 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return None
-    if weight.dtype in _REDUCED and not _slow_reduced_matmul(weight.dtype):
-        return None
     if weight.dtype not in (torch.float32, *_REDUCED):
         return None
+    # a reduced dtype this CPU has kernels for (AMX, AVX-512 BF16) is packed as it is
+    wide = weight.dtype in _REDUCED and _slow_reduced_matmul(weight.dtype)
     try:
-        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.float(), None)
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(
+            weight.float() if wide else weight, None
+        )
     except RuntimeError:
         return None  # a torch whose oneDNN refuses it: torch's own product then
     return packed
@@ -252,12 +254,13 @@ def _linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
     int4: Int4Weight | None = None,
-    int4_from: int | None = None,
+    decode_from: int | None = None,
 ) -> torch.Tensor:
-    """``F.linear``; the rows from ``int4_from`` on (a step's decode rows: they come last;
-    None: none) in 4 bits where given the weight's 4-bit copy (``quantize_int4``; its kernel takes
-    bfloat16 inputs: in float32 it was 5-10x slower), through oneDNN where
-    the weight was packed for it (``pack_weight``),
+    """``F.linear``; the rows from ``decode_from`` on (a step's decode rows: they come last;
+    None: none) apart from the others, in pieces a row's bits do not depend on
+    (``_decode_rows``), and in 4 bits where given the weight's 4-bit copy
+    (``quantize_int4``; its kernel takes bfloat16 inputs: in float32 it was 5-10x slower);
+    through oneDNN where the weight was packed for it (``pack_weight``),
     else torch's own product, where a bfloat16/float16 product of many rows (a prefill) on
     a CPU without fast kernels for that dtype is widened to float32 and rounded back.
 
@@ -266,22 +269,56 @@ def _linear(
     AVX2 EPYC, 2 threads, SmolLM2-135M's layer weights: bfloat16 19 / 104 / 410 ms for 1 /
     8 / 32 rows against packed float32 40 / 56 / 90 ms; [256, 576] x [576, 1536] bfloat16
     26 ms, float32 3.4 ms."""
-    dtype = x.dtype
-    if int4_from is None or int4_from >= x.shape[0]:
-        int4 = None  # no decode rows
-    elif int4 is not None and int4_from > 0:
-        # a step with prompt rows too: they keep the weight's dtype
-        return torch.cat(
-            (
-                _linear(x[:int4_from], weight, bias, packed),
-                _linear(x[int4_from:], weight, bias, int4=int4, int4_from=0),
-            )
+    if decode_from is not None and decode_from < x.shape[0]:
+        decodes = _decode_rows(
+            x[decode_from:], lambda rows: _product(rows, weight, bias, packed, int4)
         )
+        if decode_from == 0:
+            return decodes
+        # a step with prompt rows too: they keep the weight's dtype
+        return torch.cat((_product(x[:decode_from], weight, bias, packed), decodes))
+    return _product(x, weight, bias, packed)
+
+
+# A decode row's product is computed in pieces of 2 to this many rows, so that its bits do
+# not depend on what shares its step (a seeded choice of n > 1 must equal its single
+# request).  oneDNN's products on this kind of CPU (torch 2.13, 1 to 4 threads) give a row
+# other last bits in 1 row (float32, [576, 1536] weights) and in more than 32 rows
+# (bfloat16 on AMX); from 2 to 32 rows they agree to the bit.
+_DECODE_PIECE_ROWS = 32
+
+
+def _decode_rows(x: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``product(x)`` for decode rows, in pieces of 2 to _DECODE_PIECE_ROWS rows (a lone row
+    gets a copy beside it)."""
+    rows = x.shape[0]
+    if rows == 1:
+        return product(torch.cat((x, x)))[:1]  # (contiguous: the 4-bit kernel wants it so)
+    if rows <= _DECODE_PIECE_ROWS:
+        return product(x)
+    pieces = list(x.split(_DECODE_PIECE_ROWS))
+    if pieces[-1].shape[0] == 1:
+        pieces[-1] = torch.cat((pieces[-1], pieces[-1]))
+        return torch.cat([product(piece) for piece in pieces])[:rows]
+    return torch.cat([product(piece) for piece in pieces])
+
+
+def _product(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+    int4: Int4Weight | None = None,
+) -> torch.Tensor:
+    """One product of ``_linear``'s (see there)."""
+    dtype = x.dtype
     if int4 is not None:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), int4.packed, INT4_GROUP, int4.scales_and_zeros
         ).to(dtype)
         return out if bias is None else out + bias
+    if packed is not None and packed.dtype == dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if packed is not None and (dtype == torch.float32 or x.shape[0] >= _PACKED_ROWS_REDUCED):
         wide_bias = None if bias is None else bias.float()
         out = torch.ops.mkldnn._linear_pointwise(x.float(), packed, wide_bias, "none", [], "")
@@ -341,19 +378,21 @@ class Attention(nn.Module):
         self.qkv_packed = pack_weight(self.qkv_weight)
         self.o_packed = pack_weight(self.o_proj.weight)
 
-    def output(self, x: torch.Tensor, int4_from: int | None = None) -> torch.Tensor:
-        """The rows from ``int4_from`` on through the 4-bit copy where there is one."""
+    def output(self, x: torch.Tensor, decode_from: int | None = None) -> torch.Tensor:
+        """The rows from ``decode_from`` on are decode rows (see ``_linear``)."""
         return _linear(
-            x, self.o_proj.weight, packed=self.o_packed, int4=self.o_int4, int4_from=int4_from
+            x, self.o_proj.weight, packed=self.o_packed, int4=self.o_int4, decode_from=decode_from
         )
 
     def qkv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, int4_from: int | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, decode_from: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated q [T, Hq, D], rotated k [T, Hkv, D] and v [T, Hkv, D]."""
         t = x.shape[0]
         heads = self.num_heads + 2 * self.num_kv_heads
-        qkv = _linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed, self.qkv_int4, int4_from)
+        qkv = _linear(
+            x, self.qkv_weight, self.qkv_bias, self.qkv_packed, self.qkv_int4, decode_from
+        )
         qkv = qkv.view(t, heads, self.head_dim)
         rotated = self.num_heads + self.num_kv_heads
         qk = _apply_rope(qkv[:, :rotated], cos, sin)  # q and k in one go
@@ -400,14 +439,14 @@ class MLP(nn.Module):
         self.gate_up_packed = pack_weight(self.gate_up_weight)
         self.down_packed = pack_weight(self.down_proj.weight)
 
-    def forward(self, x: torch.Tensor, int4_from: int | None = None) -> torch.Tensor:
-        """The rows from ``int4_from`` on through the 4-bit copies where there are some."""
+    def forward(self, x: torch.Tensor, decode_from: int | None = None) -> torch.Tensor:
+        """The rows from ``decode_from`` on are decode rows (see ``_linear``)."""
         gate_up = _linear(
             x,
             self.gate_up_weight,
             packed=self.gate_up_packed,
             int4=self.gate_up_int4,
-            int4_from=int4_from,
+            decode_from=decode_from,
         )
         gate, up = gate_up.chunk(2, dim=-1)
         return _linear(
@@ -415,7 +454,7 @@ class MLP(nn.Module):
             self.down_proj.weight,
             packed=self.down_packed,
             int4=self.down_int4,
-            int4_from=int4_from,
+            decode_from=decode_from,
         )
 
 
@@ -567,7 +606,9 @@ class CausalLM(nn.Module):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = self.model.norm(hidden)
-        return _linear(hidden, self._lm_head_weight(), packed=self.lm_head_packed).float()
+        weight, packed = self._lm_head_weight(), self.lm_head_packed
+        # each row is a sequence's last token: its logits must not depend on the others
+        return _decode_rows(hidden, lambda rows: _linear(rows, weight, packed=packed)).float()
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.rope_inv_freq[None, :]
@@ -723,11 +764,11 @@ class CausalLM(nn.Module):
         cos, sin = self._rope(plan.positions)
         h = self.model.embed_tokens(plan.token_ids)
         total = h.shape[0]
-        # the decode rows through the 4-bit copies (the layers without them ignore it)
-        int4_from = plan.decode_start
+        # the decode rows apart, in pieces their bits do not depend on (see _linear)
+        decode_from = plan.decode_start
         for layer_idx, layer in enumerate(self.model.layers):
             attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin, int4_from)
+            q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin, decode_from)
             k_off = layer_idx * 2 * bs
             flat.index_copy_(0, plan.write_base + k_off, k)
             flat.index_copy_(0, plan.write_base + k_off + bs, v)
@@ -770,8 +811,8 @@ class CausalLM(nn.Module):
                     mask = torch.ones(n, end, dtype=torch.bool, device=h.device).tril(start)
                     sout = _attention(sq, keys, values, attn_mask=mask, enable_gqa=True)
                 out[row0 : row0 + n] = sout.transpose(0, 1)
-            h = h + attn.output(out.reshape(total, heads * head_dim), int4_from)
-            h = h + layer.mlp(layer.post_attention_layernorm(h), int4_from)
+            h = h + attn.output(out.reshape(total, heads * head_dim), decode_from)
+            h = h + layer.mlp(layer.post_attention_layernorm(h), decode_from)
             if should_stop is not None and should_stop():
                 raise StepAbandoned
         return self._logits(h.index_select(0, plan.last_index))
