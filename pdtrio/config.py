@@ -21,7 +21,7 @@ from pdtrio.protocol.scheduling import SchedulingPolicy
 
 Role = Literal["prefill", "decode", "both"]
 EngineKind = Literal["synthetic", "torch"]
-OmpWaitPolicy = Literal["passive", "active", ""]
+OmpWaitPolicy = Literal["brief", "passive", "active", ""]
 Int4Weights = Literal["auto", "on", "off"]
 # what an [[instances]] entry is: a pdtrio worker, or an engine the router fronts
 InstanceKind = Literal["pdtrio", "vllm", "sglang"]
@@ -94,7 +94,9 @@ class EngineConfig:
     # the budget of a request without max_tokens (capped by the context); decode reserves it
     default_max_tokens: int = attrs.field(default=2048, validator=_positive)
     device: str = "cpu"
-    dtype: str = "float32"
+    # torch engine: the model's and KV cache's dtype; "auto": bfloat16 where the device has
+    # fast kernels for it (a GPU, a CPU with AMX or AVX-512 BF16), else float32
+    dtype: str = "auto"
     # torch engine on the CPU: every decode row reads 4-bit copies of the layer weights,
     # however many share its step, and a prompt's rows never do; "auto": where the model
     # file stores them in 4 bits (GGUF Q4_1: the copies hold the file's own codes), "on": any
@@ -103,10 +105,12 @@ class EngineConfig:
     seed: int = 0
     # torch engine on the CPU: intra-op threads (0: torch's default, one per core)
     num_threads: int = attrs.field(default=0, validator=_non_negative)
-    # OMP_WAIT_POLICY for the worker's OpenMP threads, set before torch is imported (an
-    # OMP_WAIT_POLICY in the environment is kept): "passive" lets a thread with no work
-    # sleep at once, "active" spins, "" leaves libgomp's default (spin a while, then sleep)
-    omp_wait_policy: OmpWaitPolicy = "passive"
+    # how the worker's idle OpenMP threads wait, set before torch is imported (an
+    # OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment is kept): "brief" spins 10,000
+    # turns (~0.25 ms) then sleeps, "passive" sleeps at once (each of a step's parallel
+    # regions then wakes it: slower), "active" spins, "" leaves libgomp's default (spin
+    # 300,000 turns, ~5 ms, then sleep)
+    omp_wait_policy: OmpWaitPolicy = "brief"
     # the CPUs the worker runs on (sched_setaffinity); empty: every CPU it may use
     cpu_affinity: tuple[int, ...] = attrs.field(default=(), validator=_cpus)
     synthetic: SyntheticEngineConfig = SyntheticEngineConfig()

@@ -27,8 +27,8 @@ from tests.examples import PROFILE
 # hypothesis's example counts: the fast tier's by default, CI's under HYPOTHESIS_PROFILE=ci
 # (tests/examples.py)
 settings.load_profile(PROFILE)
-# torch's OpenMP threads in this process sleep when idle, as a worker's do
-# (pdtrio/engine/threads.py): spinning ones take the cores the trio tests wait for
+# torch's OpenMP threads in this process sleep at once when idle (a worker's spin briefly,
+# pdtrio/engine/threads.py): spinning ones take the cores the trio tests wait for
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 TESTS = Path(__file__).resolve().parent

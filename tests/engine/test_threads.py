@@ -8,20 +8,35 @@ import os
 import pytest
 
 from pdtrio.config import EngineConfig
-from pdtrio.engine.threads import WAIT_POLICY_ENV, prepare_process
+from pdtrio.engine.threads import (
+    BRIEF_SPIN_COUNT,
+    SPIN_COUNT_ENV,
+    WAIT_POLICY_ENV,
+    prepare_process,
+)
 
 
 def test_the_wait_policy_is_set_unless_the_environment_has_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(WAIT_POLICY_ENV, raising=False)
+    monkeypatch.delenv(SPIN_COUNT_ENV, raising=False)
     prepare_process(EngineConfig(omp_wait_policy=""))
+    assert WAIT_POLICY_ENV not in os.environ and SPIN_COUNT_ENV not in os.environ
+    prepare_process(EngineConfig())  # the default: brief, a short spin
+    assert os.environ[SPIN_COUNT_ENV] == str(BRIEF_SPIN_COUNT)
     assert WAIT_POLICY_ENV not in os.environ
-    prepare_process(EngineConfig())  # the default: passive
+    monkeypatch.delenv(SPIN_COUNT_ENV)
+    prepare_process(EngineConfig(omp_wait_policy="passive"))
     assert os.environ[WAIT_POLICY_ENV] == "PASSIVE"
+    assert SPIN_COUNT_ENV not in os.environ
     monkeypatch.setenv(WAIT_POLICY_ENV, "ACTIVE")
     prepare_process(EngineConfig(omp_wait_policy="passive"))
     assert os.environ[WAIT_POLICY_ENV] == "ACTIVE"
+    monkeypatch.delenv(WAIT_POLICY_ENV)
+    monkeypatch.setenv(SPIN_COUNT_ENV, "5")
+    prepare_process(EngineConfig(omp_wait_policy="passive"))  # GOMP_SPINCOUNT is kept too
+    assert WAIT_POLICY_ENV not in os.environ and os.environ[SPIN_COUNT_ENV] == "5"
 
 
 def test_the_affinity_is_set_on_every_thread(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,10 +88,16 @@ _DTYPES = {
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
-    dtype = _DTYPES.get(config.dtype)
-    if dtype is None:
-        raise EngineError(f"unsupported dtype {config.dtype!r} (one of {', '.join(_DTYPES)})")
     _check_device(config.device)
+    if config.dtype == "auto":
+        dtype = auto_dtype(config.device)
+        log.info("dtype auto: %s here", str(dtype).removeprefix("torch."))
+    else:
+        found = _DTYPES.get(config.dtype)
+        if found is None:
+            choices = ", ".join(["auto", *_DTYPES])
+            raise EngineError(f"unsupported dtype {config.dtype!r} (one of {choices})")
+        dtype = found
     name = config.model
     if name.endswith(".gguf"):
         loaded = load_gguf(name, device=config.device, dtype=dtype)
@@ -106,6 +112,17 @@ def load_model(config: EngineConfig) -> LoadedModel:
         elif config.int4_weights == "on":
             log.warning("engine.int4_weights = 'on': torch here has no 4-bit kernel for them")
     return loaded
+
+
+def auto_dtype(device: str) -> torch.dtype:
+    """``engine.dtype = "auto"``: bfloat16 where this device multiplies it fast (a GPU; a CPU
+    with AMX or AVX-512 BF16, where oneDNN's bfloat16 products beat float32's: a SmolLM2
+    256-token prefill 80 against 206 ms, 2 threads, Sapphire Rapids), else float32 (an
+    AVX2 CPU widens every bfloat16 product to float32: no faster, and rounded)."""
+    if torch.device(device).type == "cpu":
+        fast = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return torch.bfloat16 if fast else torch.float32
+    return torch.bfloat16
 
 
 def _check_device(device: str) -> None:
