@@ -59,7 +59,7 @@ from pdtrio.engine.torch.grammar import GrammarCompiler, TokenConstraint, apply_
 from pdtrio.engine.torch.loaders import LoadedModel, load_gguf, load_hf_checkpoint
 from pdtrio.engine.torch.model import SeqInput, StepAbandoned
 from pdtrio.engine.torch.sampler import RowLogprobs, TokenHistory, logprobs_of, sample
-from pdtrio.engine.torch.threads import apply_num_threads
+from pdtrio.engine.torch.threads import apply_num_threads, in_passing_thread, single_threaded
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
 from pdtrio.protocol.sampling import SamplingParams, choice_sampling
 from pdtrio.protocol.wire import (
@@ -209,6 +209,7 @@ class TorchEngine:
         self._loaded = loaded
         self._tokenizer: Tokenizer = loaded.tokenizer
         self._config = config
+        self._intra_op_threads = torch.get_num_threads()
         self._cache = loaded.new_kv_cache(
             num_blocks=config.num_kv_blocks, block_size=config.block_size
         )
@@ -240,7 +241,8 @@ class TorchEngine:
     def from_config(cls, config: EngineConfig) -> TorchEngine:
         apply_num_threads(config)
         try:
-            return cls(load_model(config), config)
+            # (not on this thread: see pdtrio.engine.torch.threads)
+            return in_passing_thread(lambda: cls(load_model(config), config))
         except torch.OutOfMemoryError as exc:
             # the model and its KV cache (engine.num_kv_blocks) do not fit the device
             raise EngineError(
@@ -430,11 +432,13 @@ class TorchEngine:
             return self._blocks.fork(request_id, choice_id, shared_tokens, num_tokens)
 
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
-        return await trio.to_thread.run_sync(self._cache.read_blocks, block_ids)
+        return await trio.to_thread.run_sync(single_threaded(self._cache.read_blocks), block_ids)
 
     async def write_blocks(self, block_ids: tuple[int, ...], data: bytes) -> None:
         try:
-            await trio.to_thread.run_sync(self._cache.write_blocks, block_ids, data)
+            await trio.to_thread.run_sync(
+                single_threaded(self._cache.write_blocks), block_ids, data
+            )
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
 
@@ -583,7 +587,7 @@ class TorchEngine:
         if prompt_tokens % block_size and copies:
             # each choice writes its next tokens into its own copy of the partial block
             await trio.to_thread.run_sync(
-                self._cache.copy_blocks, [parent[full]] * len(copies), copies
+                single_threaded(self._cache.copy_blocks), [parent[full]] * len(copies), copies
             )
         with self._lock:
             for seq in seqs:
@@ -605,7 +609,8 @@ class TorchEngine:
         thread (a first compile builds the grammar library's view of the vocabulary)."""
         if sampling.structured is None:
             return None
-        return await trio.to_thread.run_sync(self._grammars.start, sampling.structured, generated)
+        start = single_threaded(self._grammars.start)
+        return await trio.to_thread.run_sync(start, sampling.structured, generated)
 
     # --- the engine thread ----------------------------------------------------------------
 
@@ -628,6 +633,7 @@ class TorchEngine:
 
         def thread_main() -> None:
             try:
+                torch.set_num_threads(self._intra_op_threads)  # the loading thread's count
                 with torch.inference_mode():
                     self._loop(send_outputs, stop)
             except (trio.RunFinishedError, trio.Cancelled):
