@@ -4,6 +4,8 @@ torch is imported (unless the environment has one), the affinity onto every thre
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -63,3 +65,53 @@ def test_the_affinity_is_set_on_every_thread(monkeypatch: pytest.MonkeyPatch) ->
 def test_cpu_numbers_are_checked() -> None:
     with pytest.raises(ValueError, match="cpu_affinity"):
         EngineConfig(cpu_affinity=(-1,))
+
+
+_COUNT_THREADS = """
+import os, sys, time, trio
+os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+from pdtrio.config import EngineConfig
+from pdtrio.engine.torch.engine import TorchEngine
+from pdtrio.engine.torch.threads import apply_num_threads
+
+def threads(at_most):
+    # an ended thread's OpenMP helpers end soon after it, not at once
+    for _ in range(100):
+        if len(os.listdir("/proc/self/task")) <= at_most:
+            break
+        time.sleep(0.05)
+    return len(os.listdir("/proc/self/task"))
+
+config = EngineConfig(model="tiny-random", num_threads=int(sys.argv[1]), num_kv_blocks=512)
+apply_num_threads(config)  # (setting 2 starts a thread of torch's: not one of a team)
+before = threads(1000)
+engine = TorchEngine.from_config(config)
+loaded = threads(before)
+blocks = tuple(range(512))
+
+async def read_and_write():
+    data = await engine.read_blocks(blocks)
+    await engine.write_blocks(blocks, data)
+
+trio.run(read_and_write)
+print(loaded - before, threads(loaded + 1) - loaded)
+"""
+
+
+@pytest.mark.slow
+def test_only_the_engine_thread_starts_openmp_threads() -> None:
+    """The model loads in a thread that ends after it, and the KV cache's reads and writes
+    in trio's worker threads start no OpenMP team: a second team in a process makes libgomp
+    cut every thread's spin (pdtrio/engine/torch/threads.py).  The threads an engine on two
+    OpenMP threads leaves are those one on a single thread (no team at all) leaves."""
+
+    def threads_left(intra_op_threads: int) -> list[int]:
+        found = subprocess.run(
+            [sys.executable, "-c", _COUNT_THREADS, str(intra_op_threads)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return [int(count) for count in found.stdout.split()]
+
+    assert threads_left(2) == threads_left(1)
