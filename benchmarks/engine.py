@@ -305,15 +305,14 @@ def memory_floor(plan: Plan) -> dict[str, Any]:
 # --- the compute floor ----------------------------------------------------------------------
 
 
-def matmul_gflops(rows: int, inner: int, outer: int) -> float:
-    """GFLOPS of torch's fastest float32 product here for ``[rows, inner] x [inner, outer]``
-    (its own and oneDNN's on a packed weight, the engine's two; best of several), on its
-    default threads.  A CPU without bf16 instructions (AVX2) widens bfloat16 products to
-    float32 (pdtrio's engine and vLLM's alike), so this bounds both dtypes."""
+def matmul_gflops(rows: int, inner: int, outer: int, dtype: str = "float32") -> float:
+    """GFLOPS of torch's fastest ``dtype`` product here for ``[rows, inner] x [inner,
+    outer]`` (its own and oneDNN's on a packed weight, the engine's two; best of several),
+    on its default threads."""
     import torch
 
-    x = torch.randn(rows, inner)
-    weight = torch.randn(outer, inner)
+    x = torch.randn(rows, inner).to(getattr(torch, dtype))
+    weight = torch.randn(outer, inner).to(x.dtype)
     products: list[Callable[[], object]] = [lambda: torch.nn.functional.linear(x, weight)]
     if torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -352,17 +351,25 @@ def prefill_flops(model: str, isl: int) -> tuple[float, tuple[int, int]]:
 
 def compute_floor(plan: Plan) -> dict[str, Any]:
     """The least time a c=1 prefill of ``plan.isl`` tokens takes here: its operations at
-    the rate of this machine's fastest float32 product of the prompt's MLP shape."""
+    the rate of this machine's fastest product of the prompt's MLP shape, in float32 or,
+    where the CPU has bf16 instructions (AVX-512 BF16, AMX), bfloat16 (without them a
+    bfloat16 product is widened to float32, pdtrio's engine and vLLM's alike: no faster)."""
     import torch
 
     flops, (hidden, intermediate) = prefill_flops(plan.model, plan.isl)
-    gflops = matmul_gflops(plan.isl, hidden, intermediate)
+    bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    rates = {
+        dtype: matmul_gflops(plan.isl, hidden, intermediate, dtype)
+        for dtype in (("float32", "bfloat16") if bf16 else ("float32",))
+    }
+    fastest = max(rates, key=rates.__getitem__)
     return {
         "prefill_gflop": flops / 1e9,
-        "matmul_gflops": gflops,
-        "prefill_ms": flops / gflops / 1e6,
-        # without bf16 instructions (AVX-512 BF16, AMX) a bfloat16 product is widened: no faster
-        "bf16_instructions": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+        "matmul_gflops": rates[fastest],
+        "matmul_dtype": fastest,
+        "matmul_gflops_by_dtype": rates,
+        "prefill_ms": flops / rates[fastest] / 1e6,
+        "bf16_instructions": bf16,
     }
 
 
@@ -450,10 +457,11 @@ def print_report(report: dict[str, Any]) -> None:
     print(
         f"compute floor of a c=1 prefill of {plan['isl']} tokens (the least TTFT): "
         f"{compute['prefill_ms']:.0f} ms ({compute['prefill_gflop']:.1f} GFLOP at "
-        f"{compute['matmul_gflops']:.0f} GFLOPS, this machine's fastest float32 product of "
-        f"that shape; "
+        f"{compute['matmul_gflops']:.0f} GFLOPS, this machine's fastest product of that shape, "
+        f"in {compute['matmul_dtype']}; "
         + (
-            "this CPU has bf16 instructions: a bfloat16 product may beat it)"
+            "float32's: "
+            f"{compute['matmul_gflops_by_dtype']['float32']:.0f} GFLOPS)"
             if compute["bf16_instructions"]
             else "this CPU has no bf16 instructions: a bfloat16 product is no faster)"
         )
