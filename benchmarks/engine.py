@@ -460,8 +460,7 @@ def print_report(report: dict[str, Any]) -> None:
         f"{compute['matmul_gflops']:.0f} GFLOPS, this machine's fastest product of that shape, "
         f"in {compute['matmul_dtype']}; "
         + (
-            "float32's: "
-            f"{compute['matmul_gflops_by_dtype']['float32']:.0f} GFLOPS)"
+            f"float32's: {compute['matmul_gflops_by_dtype']['float32']:.0f} GFLOPS)"
             if compute["bf16_instructions"]
             else "this CPU has no bf16 instructions: a bfloat16 product is no faster)"
         )

@@ -179,7 +179,11 @@ _OPTIONS = (
         "file name without .gguf)",
     ),
     _Option("--device", ("engine", "device"), "torch device: cpu, cuda, cuda:1, ..."),
-    _Option("--dtype", ("engine", "dtype"), "torch dtype: float32, bfloat16, float16"),
+    _Option(
+        "--dtype",
+        ("engine", "dtype"),
+        "torch dtype: auto (the default), float32, bfloat16, float16",
+    ),
     _Option("--kv-blocks", ("engine", "num_kv_blocks"), "KV cache blocks", int),
 )
 
