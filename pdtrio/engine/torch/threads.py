@@ -62,7 +62,8 @@ def in_passing_thread(work: Callable[[], T]) -> T:
         except BaseException as exc:  # re-raised in the caller's thread below
             errors.append(exc)
 
-    thread = threading.Thread(target=run, name="pdtrio-engine-load")
+    # (a daemon: an interrupted caller's process need not wait for a load to finish)
+    thread = threading.Thread(target=run, name="pdtrio-engine-load", daemon=True)
     thread.start()
     thread.join()
     if errors:
