@@ -196,7 +196,9 @@ INT4_GROUP = 32
 # Where the model has 4-bit copies (see quantize_int4) every decode row reads them, however
 # many share its step, and a prompt's rows never do: a sequence's tokens must not depend on
 # what else is in its step (a seeded choice equals the single request with its seed), and
-# a prompt computes the same KV whether its start came from the prefix cache or not.  The
+# a prompt computes the same KV whether its start came from the prefix cache or not (in
+# float32; in bfloat16 on AMX, oneDNN's products of over 32 rows may give a prompt's rows
+# other last bits when its start was cached than when it is computed whole).  The
 # kernel gives a row the same bits in any number of rows; it is faster than float32 only
 # for a few.  Measured on an AVX2 EPYC, 2 threads, SmolLM2-135M's 120 layer weights each
 # read once: packed float32 22.1 / 32.7 / 63.2 ms for 1 / 8 / 32 rows, 4-bit 8.6 / 22.3 /
