@@ -432,12 +432,12 @@ class TorchEngine:
             return self._blocks.fork(request_id, choice_id, shared_tokens, num_tokens)
 
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
-        return await trio.to_thread.run_sync(single_threaded(self._cache.read_blocks), block_ids)
+        return await trio.to_thread.run_sync(single_threaded, self._cache.read_blocks, block_ids)
 
     async def write_blocks(self, block_ids: tuple[int, ...], data: bytes) -> None:
         try:
             await trio.to_thread.run_sync(
-                single_threaded(self._cache.write_blocks), block_ids, data
+                single_threaded, self._cache.write_blocks, block_ids, data
             )
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
@@ -587,7 +587,7 @@ class TorchEngine:
         if prompt_tokens % block_size and copies:
             # each choice writes its next tokens into its own copy of the partial block
             await trio.to_thread.run_sync(
-                single_threaded(self._cache.copy_blocks), [parent[full]] * len(copies), copies
+                single_threaded, self._cache.copy_blocks, [parent[full]] * len(copies), copies
             )
         with self._lock:
             for seq in seqs:
@@ -609,8 +609,9 @@ class TorchEngine:
         thread (a first compile builds the grammar library's view of the vocabulary)."""
         if sampling.structured is None:
             return None
-        start = single_threaded(self._grammars.start)
-        return await trio.to_thread.run_sync(start, sampling.structured, generated)
+        return await trio.to_thread.run_sync(
+            single_threaded, self._grammars.start, sampling.structured, generated
+        )
 
     # --- the engine thread ----------------------------------------------------------------
 

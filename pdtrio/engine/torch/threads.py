@@ -33,21 +33,19 @@ T = TypeVar("T")
 _OPENMP_RUNTIMES = ("libgomp", "libiomp", "libomp")
 
 
-def apply_num_threads(config: EngineConfig) -> int:
-    """torch's intra-op threads: ``engine.num_threads``, or torch's default for 0; the count."""
+def apply_num_threads(config: EngineConfig) -> None:
+    """torch's intra-op threads: ``engine.num_threads``, or torch's default for 0."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    count = torch.get_num_threads()
     log.info(
         "torch threads: %d intra-op, %s=%s, %s=%s, CPUs %s",
-        count,
+        torch.get_num_threads(),
         WAIT_POLICY_ENV,
         os.environ.get(WAIT_POLICY_ENV, "(unset)"),
         SPIN_COUNT_ENV,
         os.environ.get(SPIN_COUNT_ENV, "(unset)"),
         ",".join(str(c) for c in sorted(os.sched_getaffinity(0))),
     )
-    return count
 
 
 def in_passing_thread(work: Callable[[], T]) -> T:
@@ -71,21 +69,16 @@ def in_passing_thread(work: Callable[[], T]) -> T:
     return results[0]
 
 
-def single_threaded(work: Callable[..., T]) -> Callable[..., T]:
-    """``work`` for a worker thread (``trio.to_thread``): its torch work runs on that thread
-    alone, starting no OpenMP team beside the engine thread's (see the module's docstring).
-    Only the calling thread's OpenMP setting changes (``torch.set_num_threads`` would
-    change MKL's for every thread too)."""
-
-    @functools.wraps(work)
-    def run(*args: object) -> T:
-        set_threads = _omp_set_num_threads()
-        if set_threads is not None:
-            torch.get_num_threads()  # torch sets a new thread's count once, at its first use
-            set_threads(1)
-        return work(*args)
-
-    return run
+def single_threaded(work: Callable[..., T], *args: object) -> T:
+    """``work(*args)`` in a worker thread (``trio.to_thread``), its torch work on that
+    thread alone: it starts no OpenMP team beside the engine thread's (see the module's
+    docstring).  Only the calling thread's OpenMP setting changes (``torch.set_num_threads``
+    would change MKL's for every thread too)."""
+    set_threads = _omp_set_num_threads()
+    if set_threads is not None:
+        torch.get_num_threads()  # torch sets a new thread's count once, at its first use
+        set_threads(1)
+    return work(*args)
 
 
 @functools.cache
