@@ -98,6 +98,7 @@ class _ModelSeries:
         "e2e",
         "handoff",
         "itl",
+        "multiprocess",
         "pending",
         "prefill",
         "prompt_tokens",
@@ -116,6 +117,8 @@ class _ModelSeries:
         self.completion_tokens = metrics.completion_tokens.labels(model)
         # ended requests' figures, not in the children yet (see RouterMetrics.request_ended)
         self.pending = _PendingFigures()
+        # other processes' scrapes read only what is merged: merged as it comes
+        self.multiprocess = metrics.multiprocess is not None
 
     def merge_pending(self) -> None:
         pending = self.pending
@@ -127,15 +130,31 @@ class _ModelSeries:
         if pending.prompt_tokens:
             self.prompt_tokens.inc(pending.prompt_tokens)
             pending.prompt_tokens = 0
+        pending.itl.merge_into(self.itl)
+        if pending.completion_tokens:
+            self.completion_tokens.inc(pending.completion_tokens)
+            pending.completion_tokens = 0
 
 
 @final
 class _PendingFigures:
     """Per-request observations of one model, counted locally until the next scrape."""
 
-    __slots__ = ("e2e", "handoff", "prefill", "prompt_tokens", "queued", "ttft")
+    __slots__ = (
+        "completion_tokens",
+        "e2e",
+        "handoff",
+        "itl",
+        "prefill",
+        "prompt_tokens",
+        "queued",
+        "ttft",
+    )
 
     def __init__(self) -> None:
+        # every running request's gaps, as they come (not merged per request at its end)
+        self.itl = LocalHistogram(ITL_BUCKETS_S)
+        self.completion_tokens = 0
         self.e2e = LocalHistogram(LATENCY_BUCKETS_S)
         self.ttft = LocalHistogram(LATENCY_BUCKETS_S)
         self.prefill = LocalHistogram(LATENCY_BUCKETS_S)
@@ -174,7 +193,9 @@ class RequestFigures:
         self.first_token_at: float | None = None
         self._last_event_at = started
         self._next_flush = started + FLUSH_INTERVAL_S
-        self._itl = LocalHistogram(ITL_BUCKETS_S)
+        # the gaps go straight to the model's pending ones (a histogram a request, merged
+        # at its end, was a dozen calls a request)
+        self._itl = LocalHistogram(ITL_BUCKETS_S) if series is None else series.pending.itl
         self.completion_tokens = 0
         self._flushed_tokens = 0
         self.prompt_tokens: int | None = None
@@ -198,16 +219,19 @@ class RequestFigures:
         if now >= self._next_flush:
             self._next_flush = now + FLUSH_INTERVAL_S
             self.flush()
+            series = self._series
+            if series is not None and series.multiprocess:
+                series.merge_pending()
 
     def flush(self) -> None:
-        """What was counted locally goes to Prometheus (the gaps, the tokens)."""
+        """The tokens counted since the last flush go to the model's pending figures (its
+        gaps went there as they came): the next scrape gives them to Prometheus."""
         series = self._series
         if series is None:
             return
-        self._itl.merge_into(series.itl)
         tokens = self.completion_tokens - self._flushed_tokens
         if tokens:
-            series.completion_tokens.inc(tokens)
+            series.pending.completion_tokens += tokens
             self._flushed_tokens = self.completion_tokens
 
 
@@ -229,6 +253,8 @@ class RouterMetrics:
         )
         # each label set's child, looked up once: labels() costs microseconds a call
         self._requests_by_labels: dict[tuple[str, str, str, str], Any] = {}
+        # ended requests not counted in their child yet, by label set (see request_ended)
+        self._requests_pending: dict[tuple[str, str, str, str], int] = {}
         self.requests_active = Gauge(
             "pdtrio_requests_active",
             "Completion requests running now.",
@@ -333,6 +359,10 @@ class RouterMetrics:
         )
         # (resolved once: labels() costs as much as an observe)
         self._ttft_by_placement = {w: ttft_by_placement.labels(w) for w in PREFILL_PLACES}
+        # [sum, count] of the TTFTs not observed in those children yet (see request_ended)
+        self._ttft_by_placement_pending: dict[str, list[float]] = {
+            w: [0.0, 0] for w in PREFILL_PLACES
+        }
         self.queue_full = Counter(
             "pdtrio_queue_full_rejections",
             "Requests refused with 429 because the decode queue was full.",
@@ -348,7 +378,7 @@ class RouterMetrics:
         for reason in REJECTION_REASONS:
             self.registry_rejected.labels(reason)  # shown at 0 from the start
         self._series: dict[str, _ModelSeries] = {}
-        self._multiprocess = multiprocess_dir()
+        self.multiprocess = multiprocess_dir()
 
     def figures(self, model: str) -> RequestFigures:
         """A new request's figures, started now."""
@@ -375,10 +405,9 @@ class RouterMetrics:
         """
         status_class = "" if status is None else f"{status // 100}xx"
         labels = (endpoint, model, outcome.value, status_class)
-        counter = self._requests_by_labels.get(labels)
-        if counter is None:
-            counter = self._requests_by_labels[labels] = self.requests.labels(*labels)
-        counter.inc()
+        # counted at the next scrape, as the figures below (not a locked call each)
+        requests_pending = self._requests_pending
+        requests_pending[labels] = requests_pending.get(labels, 0) + 1
         if status == 429:
             self.queue_full.inc()
         now = time.perf_counter()
@@ -399,7 +428,9 @@ class RouterMetrics:
                 if ttft_ms is not None:
                     pending.ttft.observe(ttft_ms / 1000)
                     if figures.prefill_at is not None:
-                        self._ttft_by_placement[figures.prefill_at].observe(ttft_ms / 1000)
+                        placed = self._ttft_by_placement_pending[figures.prefill_at]
+                        placed[0] += ttft_ms / 1000
+                        placed[1] += 1
                 if figures.prompt_tokens is not None:
                     pending.prompt_tokens += figures.prompt_tokens
                 if figures.prefill_s is not None:
@@ -408,8 +439,10 @@ class RouterMetrics:
                     pending.queued.observe(figures.queued_s)
                 if figures.handoff_s is not None:
                     pending.handoff.observe(figures.handoff_s)
-                if self._multiprocess:
+                if self.multiprocess:
                     series.merge_pending()
+        if self.multiprocess:
+            self._merge_pending()
         if access_log.isEnabledFor(logging.INFO):
             if status is None:
                 status = 200 if outcome is Outcome.OK else CLIENT_CLOSED_STATUS
@@ -435,11 +468,29 @@ class RouterMetrics:
             }
             log_access(" ".join([f"{key}={value}" for key, value in fields.items()]), fields)
 
+    def _merge_pending(self) -> None:
+        """The ended requests' counts and TTFTs by placement, into their children."""
+        by_labels = self._requests_by_labels
+        for labels, count in self._requests_pending.items():
+            counter = by_labels.get(labels)
+            if counter is None:
+                counter = by_labels[labels] = self.requests.labels(*labels)
+            counter.inc(count)
+        self._requests_pending.clear()
+        for where, placed in self._ttft_by_placement_pending.items():
+            if placed[1]:
+                # a Summary's observe is these two additions; no public bulk one
+                summary = self._ttft_by_placement[where]
+                summary._count.inc(placed[1])  # noqa: SLF001
+                summary._sum.inc(placed[0])  # noqa: SLF001
+                placed[0] = placed[1] = 0
+
     def render(self) -> bytes:
         """``/metrics``: this router's, or with multiprocess mode every process's."""
+        self._merge_pending()
         for series in self._series.values():
             series.merge_pending()
-        return exposition(self.registry, (self.state,), multiprocess=self._multiprocess)
+        return exposition(self.registry, (self.state,), multiprocess=self.multiprocess)
 
 
 @final
