@@ -6,8 +6,9 @@ request ends :meth:`RouterMetrics.request_ended` counts it, observes its
 latencies and writes its one access line (``pdtrio.access``, INFO).
 
 Cost: per delivered event a clock read and a local bucket count (no
-``prometheus_client`` call); the inter-token gaps and tokens go to Prometheus
-when the request ends and at most once a second while it streams.  What
+``prometheus_client`` call); the inter-token gaps, tokens and the per-request
+figures go to Prometheus when ``/metrics`` is scraped (under multiprocess mode:
+when the request ends, and at most once a second while it streams).  What
 already lives in the router (instances, links, egress) is read at scrape time
 by :class:`RouterStateCollector`.
 """
