@@ -232,7 +232,7 @@ class PrefillLeg:
             # what the prefix index knows of this call's prompt (a migration's is new)
             self._prompt_blocks = instances.prompt_blocks(call.prompt)
             self._prompt_blocks_of = call
-        now = trio.current_time()
+        now = router.now()
         model = host.request.model
         # little of the prompt missing from a decode's cache: that decode prefills it
         instance = instances.pick_local_prefill(model, now, command.exclude, self._prompt_blocks)
@@ -258,12 +258,12 @@ class PrefillLeg:
             return await host.report(rm.PrefillNotSent())  # it never saw it: another may
         except BackendLost as exc:
             # the worker drops a lost link's prefills: another instance may try
-            instances.instance_failed(instance, trio.current_time())
+            instances.instance_failed(instance, router.now())
             return await host.report(rm.PrefillLost(str(exc)))
         finally:
             instance.prefill_ended()
         if type(answer) is PrefillFailed:
-            instances.prefill_failed(instance, answer, trio.current_time())
+            instances.prefill_failed(instance, answer, router.now())
             failure = rm.WorkerFailure(
                 answer.status, answer.error_type, answer.message, answer.param
             )
@@ -290,7 +290,7 @@ class PrefillLeg:
         instance.lease_taken()  # its link stays until this request ends
         self._check_choices(answer, instance)  # (its KV is released with the grant, if not)
         await self._check_kv_source(handle, instance)
-        ends_at = LEASES.ends_at(handle, trio.current_time())
+        ends_at = LEASES.ends_at(handle, router.now())
         return await host.report(rm.Prefilled(ends_at))
 
     def _check_choices(self, answer: PrefillReply, instance: Instance) -> None:
@@ -528,7 +528,7 @@ class DecodeLeg:
         def take() -> Instance | None:
             return instances.decode_with_room(
                 num_tokens,
-                trio.current_time(),
+                router.now(),
                 self._not_on(tried),
                 handle.layout,
                 prompt,
@@ -552,7 +552,7 @@ class DecodeLeg:
         """Whether a decode not in ``tried`` connects within ``decode_reconnect_wait_s``
         (and before the KV must be pulled)."""
         router = self._host.router
-        within_s = LEASES.left_s(handle, trio.current_time()) - self._lease_margin_s
+        within_s = LEASES.left_s(handle, router.now()) - self._lease_margin_s
         wait_s = min(router.config.router.decode_reconnect_wait_s, within_s)
         if wait_s <= 0:
             return False
@@ -636,7 +636,7 @@ class DecodeLeg:
         if decode is not None and reason not in _LINK_FAILURES:
             # a lost link is out of rotation until it reconnects: one loss fails all its
             # streams at once, and is not that many failures in a row
-            host.router.instances.instance_failed(decode, trio.current_time())
+            host.router.instances.instance_failed(decode, host.router.now())
         migratable = reason in MIGRATION_REASONS and stream.token_ids is not None
         generated = self._prefill.generated
         if migratable and generated is not None and host.machine.lifecycle.state is State.DECODING:
@@ -690,7 +690,7 @@ async def stream_tokens(
         spacing = egress.spacing_s
         held_until: float | None = None
         if spacing and not buffer.finished and stream.failure is None:
-            deadline = send_deadline(last_sent_at, spacing, trio.current_time())
+            deadline = send_deadline(last_sent_at, spacing, router.now())
             if deadline is not None:
                 await stream.hold_until(deadline, router.hold_timer)
                 held_until = deadline
@@ -721,7 +721,7 @@ async def stream_tokens(
             if spacing:
                 # spaced from the schedule, not from when the send returned: the
                 # send's own time and a late wake-up would add to every gap
-                last_sent_at = held_until if held_until is not None else trio.current_time()
+                last_sent_at = held_until if held_until is not None else router.now()
         if failure is not None:
             return await failed(stream, failure)
         await stream.wait_update()

@@ -95,6 +95,7 @@ class RequestPipeline:
         make_legs: MakeLegs | None = None,
     ) -> None:
         self.router = router
+        self._now = router.now
         # how the answer is named and shaped; what the instances run (a chat request
         # for /v1/responses)
         self.shape = shape = answer_shape(kind, request)
@@ -166,7 +167,7 @@ class RequestPipeline:
             queue_full = not self.decode.reserve_place()
         wait = self._feed(
             rm.Arrived(draining=router.requests.draining, queue_full=queue_full),
-            trio.current_time(),
+            self._now(),
         )
         scope: trio.CancelScope | None = None
         try:
@@ -212,7 +213,7 @@ class RequestPipeline:
                 self.machine.phase.name,
             )
             event = rm.Failed(_STRANDED, torn=self._torn())
-        now = trio.current_time()
+        now = self._now()
         self._feed(event, now)
         if self.machine.phase is not rm.Phase.DONE:  # (cannot be: every cut ends it)
             self._feed(rm.ClientGone(), now)
@@ -258,7 +259,7 @@ class RequestPipeline:
     async def _step(self, event: rm.Event) -> Wait | None:
         """:meth:`_feed`, then write what it emitted to the client."""
         self._emits.clear()
-        wait = self._feed(event, trio.current_time())
+        wait = self._feed(event, self._now())
         if self._emits:
             await self._write_emits()
         return wait
@@ -312,7 +313,7 @@ class RequestPipeline:
         armed = self.machine.next_deadline()
         if self.machine.phase is rm.Phase.DONE:
             return None  # it ended as the timer fired: what it owed is done
-        if armed is None or armed[0] > trio.current_time():
+        if armed is None or armed[0] > self._now():
             # a timer fired for a deadline that an event disarmed since, and cut a wait
             # that cannot resume: never a deadline's error, nor a drain's
             log.error(
@@ -334,7 +335,7 @@ class RequestPipeline:
         assert timer is not None  # (set by _wait)
         emits = self._emits
         emits.clear()
-        now = trio.current_time()
+        now = self._now()
         deadline_before = self._timer_deadline
         wait = self._feed(event, now)
         armed = self.machine.next_deadline()

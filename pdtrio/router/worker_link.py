@@ -347,6 +347,9 @@ class WorkerLink:
         # kv_events=1: its prefix cache's changes (a worker with the cache off sends none)
         self._connect_url = f"{url}?heartbeat_s={heartbeat_s!r}&batch=1&kv_events=1"
         self._last_read = 0.0  # when the reader last got frames (trio clock)
+        # the run's clock, read straight once run() knows it (trio.current_time() is two
+        # calls more, paid by every start and release)
+        self._now: Callable[[], float] = trio.current_time
         self._hung = False  # the watchdog dropped the current connection
         self.hangs = 0  # links dropped for silence
         self.connects = 0  # connections made (the ones after the first: reconnects)
@@ -418,6 +421,7 @@ class WorkerLink:
         """Connect, then read and write frames until the link breaks (the caller reconnects)."""
         ws: WebSocketClient | None = None
         lost = "the connection to the worker was lost"
+        self._now = trio.lowlevel.current_clock().current_time
         # a stopped worker's kernel still accepts TCP: only the handshake tells; once
         # the link has worked, a reconnect gets no longer than silence would
         connect_timeout_s = self.link_timeout_s if self.ever_connected else self._connect_timeout_s
@@ -544,7 +548,8 @@ class WorkerLink:
         decode = from_worker_decoder.decode_raw
         decode_batch = from_worker_batch_decoder.decode_raw
         dispatch_entries = self._dispatch_entries
-        clock = trio.current_time
+        # the run's clock, read straight (trio.current_time() is two calls more)
+        clock = trio.lowlevel.current_clock().current_time
         while True:
             try:
                 frames = await ws.receive_messages()
@@ -581,7 +586,7 @@ class WorkerLink:
                         if pending is not None:
                             if handle is not None:
                                 # its lease's TTL counts from here, on our clock
-                                LEASES.received(handle, trio.current_time())
+                                LEASES.received(handle, clock())
                             pending.settle(message)
                         elif handle is not None:
                             # its caller gave up (and sent a release, which may have crossed
@@ -776,7 +781,7 @@ class WorkerLink:
 
     def _post_release(self, request_id: str, token: str) -> None:
         """Queue the release, and keep it (for two link timeouts) in case the link is lost."""
-        now = trio.current_time()
+        now = self._now()
         recent = self._recent_releases
         recent.append((now, request_id, token))
         kept_since = now - 2 * self.link_timeout_s
@@ -819,7 +824,7 @@ class WorkerLink:
         self._promised[start.request_id] = blocks
         try:
             # decode counts the lease from its receipt: it gets what is left of it now
-            await self._post(encode(LEASES.to_send(start, trio.current_time())))
+            await self._post(encode(LEASES.to_send(start, self._now())))
         except BaseException:
             # not queued (the link is down, or cancelled while waiting for room)
             self._streams.pop(start.request_id, None)
