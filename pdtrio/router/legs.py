@@ -119,7 +119,7 @@ class LegHost(Protocol):
         """Tell the machine ``event``, write what it emits; the wait it starts, if any."""
         ...
 
-    async def deliver(
+    def deliver(
         self,
         text: str,
         num_tokens: int,
@@ -130,10 +130,11 @@ class LegHost(Protocol):
         logprobs: Sequence[TokenLogprob] | None = None,
         choice: int = 0,
         tool_calls: Sequence[ToolCall] = (),
-    ) -> None:
-        """Count a delta (of choice ``choice``) as delivered and hand it to the client
-        (``logprobs``: its tokens', when the request asked for them; ``tool_calls``: the
-        calls an engine read out of its answer, after the delta's text)."""
+    ) -> Awaitable[None]:
+        """Count a delta (of choice ``choice``) as delivered; what hands it to the client,
+        to await (``logprobs``: its tokens', when the request asked for them;
+        ``tool_calls``: the calls an engine read out of its answer, after the delta's
+        text)."""
         ...
 
 
