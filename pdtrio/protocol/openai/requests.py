@@ -42,6 +42,7 @@ _CHAT_PART_TYPES: Final = frozenset({"text"})
 MAX_STOP_SEQUENCES: Final = 4
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
+_JUST_INT: Final = frozenset({int})
 # top_k larger than any vocabulary is "off" in effect; the bound keeps it packable.
 _TOP_K_MAX: Final = 2**31 - 1
 # token ids in logit_bias and stop_token_ids: more than any sampler step should walk
@@ -476,7 +477,10 @@ def _token_prompt(
             param=where,
             code="context_length_exceeded",
         )
-    for i, token in enumerate(raw):
+    # every id a plain int in range (the usual prompt): checked in C, not two calls an id
+    if set(map(type, raw)) == _JUST_INT and 0 <= min(raw) and max(raw) <= _INT64_MAX:
+        return TokenPrompt(tuple(raw))
+    for i, token in enumerate(raw):  # (which id is wrong, for the error)
         if isinstance(token, bool) or not isinstance(token, int):
             raise _type_error(f"{where}.[{i}]", "an integer token id", token)
         if not 0 <= token <= _INT64_MAX:
