@@ -203,8 +203,12 @@ class RouterApp:
             ROUTES.check(method, path)
             key_id = _client_key(router, path, scope)
             if path in _COMPLETION_PATHS:
-                with router.client_limits.admit(key_id):
+                limits = router.client_limits
+                limits.admit(key_id)
+                try:
                     await self._completion(router, scope, receive, send, path)
+                finally:
+                    limits.release(key_id)
             elif path == "/v1/models":
                 await send_json(
                     send, 200, models_list_body(router.models, created=int(time.time()))

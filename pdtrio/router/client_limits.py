@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import final
 
 from pdtrio.protocol.openai import too_many_requests
@@ -18,26 +15,31 @@ class ClientLimits:
         self.per_key = per_key
         self.total = total
         self.running = 0
-        self._by_key: Counter[str] = Counter()
+        self._by_key: dict[str, int] = {}
 
-    @contextmanager
-    def admit(self, key_id: str) -> Iterator[None]:
-        """Hold a place for one request while it runs; a 429 when there is none."""
+    def admit(self, key_id: str) -> None:
+        """Hold a place for one request while it runs (the caller gives it back with
+        :meth:`release`, in a ``finally``: not a context manager, whose generator is
+        half a dozen calls a request); a 429 when there is none."""
         if self.total and self.running >= self.total:
             raise too_many_requests(
                 f"the server is running its limit of {self.total} requests; retry shortly"
             )
-        if self.per_key and self._by_key[key_id] >= self.per_key:
+        by_key = self._by_key
+        if self.per_key and by_key.get(key_id, 0) >= self.per_key:
             raise too_many_requests(
                 f"this API key already has {self.per_key} requests running, its limit; "
                 "retry shortly"
             )
         self.running += 1
-        self._by_key[key_id] += 1
-        try:
-            yield
-        finally:
-            self.running -= 1
-            self._by_key[key_id] -= 1
-            if not self._by_key[key_id]:
-                del self._by_key[key_id]
+        by_key[key_id] = by_key.get(key_id, 0) + 1
+
+    def release(self, key_id: str) -> None:
+        """The place :meth:`admit` held is free again."""
+        self.running -= 1
+        by_key = self._by_key
+        left = by_key[key_id] - 1
+        if left:
+            by_key[key_id] = left
+        else:
+            del by_key[key_id]
