@@ -26,8 +26,9 @@ freed (it is not known to be pullable twice).  SGLang's prefill runs beside
 its decode: its failure may be reported while decode starts.
 
 Deadlines are explicit: :class:`WaitUntil` arms one, :class:`DeadlinePassed`
-reports it; :meth:`RequestMachine.next_deadline` is the earliest armed, which
-is all the shell's timer needs.  Tokens streaming from decode do not pass
+reports it; :meth:`RequestMachine.next_deadline` is the earliest armed, and
+:attr:`RequestMachine.earliest_deadline_at` its time, which is all the shell's
+timer needs.  Tokens streaming from decode do not pass
 through here one by one: the shell reports the first batch from decode (prefill
 may then free the KV) and the last.
 
@@ -37,6 +38,7 @@ Pure (sans-IO): no I/O, no clock read (``now`` comes with each event).
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Hashable, Mapping
 from types import MappingProxyType
 from typing import Final, TypeAlias, final
@@ -504,6 +506,9 @@ class RequestMachine:
         # and after every event)
         self._earliest: tuple[float, Deadline] | None = None
         self._armed_changed = False
+        # the earliest armed deadline's time (inf: none), kept as they change: what the
+        # shell's timer follows, read after every event without a call
+        self.earliest_deadline_at = math.inf
         self.prefill_instance: str | None = None
         self.decode_instance: str | None = None
         self._decode_connection: Hashable = None
@@ -552,13 +557,17 @@ class RequestMachine:
     # --- helpers ----------------------------------------------------------------
 
     def _arm(self, deadline: Deadline, at: float, out: list[Command]) -> None:
-        self._armed[deadline] = at
+        armed = self._armed
+        armed[deadline] = at
         self._armed_changed = True
+        self.earliest_deadline_at = min(armed.values())
         out.append(WaitUntil(deadline, at))
 
     def _disarm(self, deadline: Deadline) -> None:
-        if self._armed.pop(deadline, None) is not None:
+        armed = self._armed
+        if armed.pop(deadline, None) is not None:
             self._armed_changed = True
+            self.earliest_deadline_at = min(armed.values(), default=math.inf)
 
     def _cleanup(self, out: list[Command]) -> None:
         owed = self.lifecycle.owed()
@@ -571,6 +580,7 @@ class RequestMachine:
     def _end(self, out: list[Command], ending: Ending, failure: AnyFailure | None = None) -> None:
         self._armed.clear()
         self._armed_changed = True
+        self.earliest_deadline_at = math.inf
         self.phase = Phase.DONE
         end = self.ended = End(ending, failure)
         out.append(end)

@@ -282,8 +282,7 @@ class RequestPipeline:
         (a cancelled scope stays cancelled).
         """
         machine = self.machine
-        armed = machine.next_deadline()
-        self._timer_deadline = armed[0] if armed else math.inf
+        self._timer_deadline = machine.earliest_deadline_at
         with trio.CancelScope(deadline=self._timer_deadline) as timer:
             self._timer = timer
             while True:
@@ -303,8 +302,7 @@ class RequestPipeline:
                 if after is None:
                     return None
                 wait = after
-                armed = machine.next_deadline()
-                deadline = armed[0] if armed else math.inf
+                deadline = machine.earliest_deadline_at
                 if self._timer_deadline != deadline:
                     timer.deadline = self._timer_deadline = deadline
                 if timer.cancel_called:
@@ -338,8 +336,7 @@ class RequestPipeline:
         now = self._now()
         deadline_before = self._timer_deadline
         wait = self._feed(event, now)
-        armed = self.machine.next_deadline()
-        deadline = armed[0] if armed else math.inf
+        deadline = self.machine.earliest_deadline_at
         if deadline_before != deadline:  # (most events leave it: a set is dear)
             timer.deadline = self._timer_deadline = deadline
         if not emits:
@@ -347,7 +344,7 @@ class RequestPipeline:
         # whether the timer had fired before the event: its deadline had passed (a fired
         # scope stays cancelled whatever its deadline is set to after)
         fired = deadline_before <= now or timer.cancel_called
-        if fired and (armed is None or armed[0] > now):
+        if fired and deadline > now:  # (none armed: inf)
             with trio.CancelScope(shield=True):  # the cut it fired for is no longer due
                 await self._write_emits()
         else:

@@ -11,6 +11,7 @@ client gone or a stream torn mid-write).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Hashable
 
@@ -251,6 +252,9 @@ def _drive(
             held.command(command)
         run.events.append(event)
         run.commands += commands
+        # the time the shell's timer follows is the earliest armed deadline's, always
+        earliest = machine.next_deadline()
+        assert machine.earliest_deadline_at == (math.inf if earliest is None else earliest[0])
         if machine.phase is not Phase.DONE and machine.phase is not Phase.NEW:
             # something always comes: at the least, the request's deadline is armed
             assert machine.next_deadline() is not None
