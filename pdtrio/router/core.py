@@ -201,6 +201,7 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
             await nursery.start(run_egress_control, router.egress)
             nursery.start_soon(router.hold_timer.run)
             nursery.start_soon(router.requests.hang_up_stalled_clients)
+            nursery.start_soon(router.requests.watch_lasting_requests)
             if router.engines is not None:
                 await nursery.start(router.engines.run)
                 if config.discovery.uses_etcd:

@@ -19,7 +19,10 @@ Deadlines: each wait (a prefill call, a decode placement and its stream, a wait
 for a decode to connect) runs under the machine's earliest armed deadline; when
 it passes, the shell reports which (``DeadlinePassed``).  A client that leaves,
 one that stops reading, and the drain's cut cancel the nursery, and are
-reported once it has unwound.  Cleanup (an abort on decode, a release on
+reported once it has unwound.  The watch for a client leaving is a task in the
+nursery that the router's watch sweep starts once the request has run
+``CLIENT_WATCH_AFTER_S`` (``pdtrio.router.running_requests``): a short answer
+ends before, without one.  Cleanup (an abort on decode, a release on
 prefill) is queued on the links, never awaited: it cannot hang.  Errors go to
 the client after the nursery, with nothing left to cut them.
 
@@ -153,6 +156,9 @@ class RequestPipeline:
         self._error: OpenAIError | None = None  # what the client is told, after the nursery
         self._recorded = False
         self._scope: trio.CancelScope | None = None
+        # the request's nursery while it is open (the client's watch starts in it)
+        self._nursery: trio.Nursery | None = None
+        self._watching = False
         self._timer: trio.CancelScope | None = None  # the waits' deadline
         # the timer's deadline, as set (read here: the scope's property is a call)
         self._timer_deadline = math.inf
@@ -165,23 +171,24 @@ class RequestPipeline:
         queue_full = False
         if not router.requests.draining:
             queue_full = not self.decode.reserve_place()
-        wait = self._feed(
-            rm.Arrived(draining=router.requests.draining, queue_full=queue_full),
-            self._now(),
-        )
+        now = self._now()
+        wait = self._feed(rm.Arrived(draining=router.requests.draining, queue_full=queue_full), now)
         scope: trio.CancelScope | None = None
         try:
             if wait is not None:
                 try:
                     async with trio.open_nursery() as nursery:
                         scope = self._scope = nursery.cancel_scope
-                        router.requests.started(scope, self)
-                        nursery.start_soon(
-                            self.response.watch_disconnect, self._receive, scope.cancel
-                        )
-                        while wait is not None:
-                            wait = await self._wait(wait)
-                        scope.cancel()
+                        # (its client is watched once it has run a while: watch_client)
+                        self._nursery = nursery
+                        try:
+                            router.requests.started(scope, self, now)
+                            while wait is not None:
+                                wait = await self._wait(wait)
+                            scope.cancel()
+                        finally:
+                            # a nursery closes to new tasks once its body is done
+                            self._nursery = None
                 finally:
                     self.decode.unreserve()
                     if self.machine.phase is not rm.Phase.DONE:
@@ -352,6 +359,15 @@ class RequestPipeline:
         return wait
 
     # --- the client ---------------------------------------------------------------
+
+    def watch_client(self) -> None:
+        """The router's watch sweep: from now on, a client that leaves cuts the request."""
+        nursery = self._nursery
+        if nursery is not None and not self._watching:
+            self._watching = True
+            nursery.start_soon(
+                self.response.watch_disconnect, self._receive, nursery.cancel_scope.cancel
+            )
 
     def hang_up_if_stalled(self, now: float, write_timeout: float, cut_grace: float) -> None:
         """The router's sweep: hang up on a client whose send has waited too long (see
