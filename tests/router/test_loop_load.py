@@ -1,10 +1,13 @@
-"""The loop's busy fraction, measured by a trio instrument, and the task that feeds it to
-the egress policy."""
+"""The loop's busy fraction, measured by the kernel's account of the loop's thread or by a
+trio instrument, and the task that feeds it to the egress policy."""
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import trio
@@ -13,8 +16,11 @@ import trio.testing
 from pdtrio.protocol.egress import EgressConfig, EgressController, next_spacing
 from pdtrio.router import loop_load
 from pdtrio.router.loop_load import (
+    BusyFractionSource,
     LoopLoadMeter,
+    ThreadSchedMeter,
     installed,
+    open_load_meter,
     run_egress_control,
     run_egress_sampler,
 )
@@ -72,6 +78,60 @@ async def test_a_spinning_loop_is_busier_than_a_sleeping_one() -> None:
     assert sleeping < 0.5 < spinning, (sleeping, spinning)
 
 
+def test_the_kernels_account_counts_time_on_a_cpu_and_waiting_for_one(tmp_path: Path) -> None:
+    schedstat = tmp_path / "schedstat"
+    schedstat.write_text("1000000000 500000000 10\n")
+    clock = FakeClock()
+    meter = ThreadSchedMeter(str(schedstat), clock)
+    try:
+        clock.now += 4.0
+        schedstat.write_text("2000000000 1000000000 30\n")  # 1 s on a CPU, 0.5 s waiting
+        assert meter.take_busy_fraction() == pytest.approx(1.5 / 4.0)
+        clock.now += 1.0
+        assert meter.take_busy_fraction() == 0.0  # a new window starts with each reading
+        assert meter.take_busy_fraction() == 0.0  # an empty window
+    finally:
+        meter.close()
+
+
+def test_a_file_that_is_not_a_schedstat_is_refused(tmp_path: Path) -> None:
+    other = tmp_path / "status"
+    other.write_text("Name: python\n")
+    with pytest.raises(OSError, match="not a schedstat"):
+        ThreadSchedMeter(str(other))
+    with pytest.raises(OSError):
+        ThreadSchedMeter(str(tmp_path / "missing"))
+
+
+async def test_the_kernels_account_of_a_spinning_loop_is_busier_than_a_sleeping_one() -> None:
+    try:
+        meter = ThreadSchedMeter.of_this_thread()
+    except OSError:
+        pytest.skip("this kernel gives no schedstat")
+    try:
+        meter.take_busy_fraction()
+        await trio.sleep(0.3)
+        sleeping = meter.take_busy_fraction()
+        await burn_cpu(0.3)
+        spinning = meter.take_busy_fraction()
+    finally:
+        meter.close()
+    assert sleeping < 0.5 < spinning, (sleeping, spinning)
+
+
+async def test_without_the_kernels_account_the_instrument_measures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unreadable() -> ThreadSchedMeter:
+        raise OSError("no schedstat here")
+
+    monkeypatch.setattr(ThreadSchedMeter, "of_this_thread", unreadable)
+    with open_load_meter() as meter:
+        assert isinstance(meter, LoopLoadMeter)
+    with pytest.raises(KeyError):
+        trio.lowlevel.remove_instrument(meter)  # removed on exit
+
+
 async def test_installed_removes_the_instrument_on_exit() -> None:
     meter = LoopLoadMeter()
     with installed(meter):
@@ -124,25 +184,41 @@ async def test_the_sampler_feeds_each_window_to_the_controller(
     assert published[-1] == 0.0 and max(published) > 0.0
 
 
-async def test_egress_control_off_installs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    made: list[LoopLoadMeter] = []
-    monkeypatch.setattr(loop_load, "LoopLoadMeter", lambda: made.append(LoopLoadMeter()))
+async def test_egress_control_off_opens_no_meter(monkeypatch: pytest.MonkeyPatch) -> None:
+    opened: list[object] = []
+
+    @contextmanager
+    def recorded() -> Iterator[BusyFractionSource]:
+        opened.append(object())
+        yield LoopLoadMeter()
+
+    monkeypatch.setattr(loop_load, "open_load_meter", recorded)
     controller = EgressController(EgressConfig(max_delay_s=0.0))
     async with trio.open_nursery() as nursery:
         await nursery.start(run_egress_control, controller)
-    assert made == []
+    assert opened == []
 
 
+@pytest.mark.parametrize("meter_kind", ["kernel", "instrument"])
 async def test_egress_control_spaces_sends_while_the_loop_is_busy_and_stops_after(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, meter_kind: str
 ) -> None:
-    made: list[LoopLoadMeter] = []
+    made: list[BusyFractionSource] = []
+    open_meter = loop_load.open_load_meter
+    if meter_kind == "instrument":
 
-    def make_meter() -> LoopLoadMeter:
-        made.append(LoopLoadMeter())
-        return made[-1]
+        def unreadable() -> ThreadSchedMeter:
+            raise OSError("no schedstat here")
 
-    monkeypatch.setattr(loop_load, "LoopLoadMeter", make_meter)
+        monkeypatch.setattr(ThreadSchedMeter, "of_this_thread", unreadable)
+
+    @contextmanager
+    def recorded() -> Iterator[BusyFractionSource]:
+        with open_meter() as meter:
+            made.append(meter)
+            yield meter
+
+    monkeypatch.setattr(loop_load, "open_load_meter", recorded)
     controller = EgressController(EgressConfig())
     async with trio.open_nursery() as nursery:
         await nursery.start(run_egress_control, controller)
@@ -160,5 +236,8 @@ async def test_egress_control_spaces_sends_while_the_loop_is_busy_and_stops_afte
         )
         nursery.cancel_scope.cancel()
     [meter] = made
+    if meter_kind == "kernel" and isinstance(meter, ThreadSchedMeter):
+        return  # (this kernel gives a schedstat)
+    assert isinstance(meter, LoopLoadMeter)
     with pytest.raises(KeyError):
         trio.lowlevel.remove_instrument(meter)  # removed when the task ended
