@@ -139,9 +139,10 @@ async def test_logprobs_through_the_router_are_decodes_own(
     want = alone["choices"][0]["logprobs"]
     got = plain.json()["choices"][0]["logprobs"]
     # the same greedy tokens; their logprobs computed from prefill's KV rather than decode's
-    # own, so equal up to the float noise of another batch
+    # own, so equal up to the float noise of another batch: in bfloat16 on a CPU with AMX
+    # (oneDNN's products change their last bits with the batch's shape) up to 0.07 was seen
     assert got["tokens"] == want["tokens"] and got["text_offset"] == want["text_offset"]
-    assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=0.05)
+    assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=0.1)
     assert [set(top) for top in got["top_logprobs"]] == [set(top) for top in want["top_logprobs"]]
     chunks = [
         json.loads(line[len("data: ") :])
