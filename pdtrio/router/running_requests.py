@@ -39,8 +39,9 @@ class RunningRequest(Protocol):
         """Give up a write that has waited on its client more than ``write_timeout`` by
         ``now`` (``cut_grace`` once the request was cut): hang up, and end the request."""
 
-    def watch_client(self) -> None:
-        """From now on, end the request when its client leaves (a no-op once it ended)."""
+    def watch_client(self, watches: trio.Nursery) -> None:
+        """From now on, end the request when its client leaves (a no-op once it ended):
+        the watch is a task in ``watches``, which it must never raise into."""
 
 
 @final
@@ -100,9 +101,6 @@ class RunningRequests:
             self._idle = trio.Event()
         if self.drain_over.is_set():
             scope.cancel()
-        if not self._watch_after_s:
-            request.watch_client()
-            return
         unwatched = self._unwatched
         unwatched.append((now + self._watch_after_s, request))
         if len(unwatched) == 1:
@@ -131,18 +129,21 @@ class RunningRequests:
         its client (:meth:`RunningRequest.watch_client`): in start order, each wake-up
         taking every request due by then."""
         unwatched = self._unwatched
-        while True:
-            if not unwatched:
-                await self._unwatched_arrived.park()
-                continue
-            due, _ = unwatched[0]
-            now = trio.current_time()
-            if due > now:
-                await trio.sleep_until(due)
+        # the watches run here, not in their requests: each request cancels its own as
+        # it ends (a nursery a request would cost every request, short ones too)
+        async with trio.open_nursery() as watches:
+            while True:
+                if not unwatched:
+                    await self._unwatched_arrived.park()
+                    continue
+                due, _ = unwatched[0]
                 now = trio.current_time()
-            while unwatched and unwatched[0][0] <= now:
-                _, request = unwatched.popleft()
-                request.watch_client()
+                if due > now:
+                    await trio.sleep_until(due)
+                    now = trio.current_time()
+                while unwatched and unwatched[0][0] <= now:
+                    _, request = unwatched.popleft()
+                    request.watch_client(watches)
 
     async def drain(self, drain_s: float) -> None:
         """Refuse new requests, give running ones ``drain_s`` to finish, then cut them.

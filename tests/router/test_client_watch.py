@@ -20,7 +20,7 @@ class _Request:
     def hang_up_if_stalled(self, now: float, write_timeout: float, cut_grace: float) -> None:
         pass
 
-    def watch_client(self) -> None:
+    def watch_client(self, watches: trio.Nursery) -> None:
         self._watched.append((self.name, trio.current_time()))
 
 
@@ -48,11 +48,17 @@ async def test_each_request_is_watched_once_after_its_time_in_start_order(
         nursery.cancel_scope.cancel()
 
 
-async def test_no_wait_watches_at_the_start() -> None:
+async def test_no_wait_watches_at_the_start(autojump_clock: trio.testing.MockClock) -> None:
     watched: list[tuple[str, float]] = []
     requests = RunningRequests(lambda _: None, 30.0, 1.0, watch_after_s=0)
-    requests.started(trio.CancelScope(), _Request("a", watched), trio.current_time())
-    assert [name for name, _ in watched] == ["a"]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(requests.watch_lasting_requests)
+        await trio.sleep(1)
+        t0 = trio.current_time()
+        requests.started(trio.CancelScope(), _Request("a", watched), t0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert watched == [("a", t0)]
+        nursery.cancel_scope.cancel()
 
 
 class _WatchTasks(trio.abc.Instrument):
@@ -60,10 +66,15 @@ class _WatchTasks(trio.abc.Instrument):
 
     def __init__(self) -> None:
         self.spawned = 0
+        self.exited = 0
 
     def task_spawned(self, task: trio.lowlevel.Task) -> None:
         if task.name.endswith("watch_disconnect"):
             self.spawned += 1
+
+    def task_exited(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith("watch_disconnect"):
+            self.exited += 1
 
 
 def _completion(max_tokens: int, *, stream: bool = True) -> dict[str, object]:
@@ -92,6 +103,10 @@ async def test_a_short_answer_spawns_no_watch_and_a_long_one_does() -> None:
                 assert response.status_code == 200
                 assert trio.current_time() - started > CLIENT_WATCH_AFTER_S
                 assert watches.spawned == 1
+                # the watch runs in the router's sweep, not in the request: none outlives
+                # its request (the client is still connected, kept alive)
+                await trio.testing.wait_all_tasks_blocked()
+                assert watches.exited == 1
     finally:
         trio.lowlevel.remove_instrument(watches)
 
