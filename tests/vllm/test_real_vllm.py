@@ -73,15 +73,37 @@ async def _kv(url: str) -> float:
     return await trio.to_thread.run_sync(kv_usage, url)
 
 
-async def _kv_becomes(url: str, held: bool, within_s: float) -> float:
+def _logs(*servers: VllmServer) -> str:
+    """What the servers last logged (for a failure's message)."""
+    return "".join(
+        f"\n--- {server.role}'s log, its end:\n{server.log_tail()}" for server in servers
+    )
+
+
+async def _kv_becomes(
+    server: VllmServer, held: bool, within_s: float, logs_of: tuple[VllmServer, ...] = ()
+) -> float:
     """Poll the instance's KV usage (its /metrics is all there is to watch) until it is
-    non-zero (``held``) or zero; how long that took."""
+    non-zero (``held``) or zero, for at most ``within_s`` seconds; how long that took.
+
+    A /metrics that times out (a vLLM busy on two cores answers it late) is asked again
+    until the time is up; the failure then carries the logs of ``logs_of`` (or the
+    server's)."""
     started = trio.current_time()
-    for _ in range(int(within_s / 0.1)):
-        if (await _kv(url) > 0.0) == held:
-            return trio.current_time() - started
+    deadline = started + within_s
+    last_error: Exception | None = None
+    while trio.current_time() < deadline:
+        try:
+            if (await _kv(server.url) > 0.0) == held:
+                return trio.current_time() - started
+        except httpx.TransportError as exc:
+            last_error = exc
         await trio.sleep(0.1)
-    raise AssertionError(f"{url}: KV usage not {'> 0' if held else '0'} in {within_s:g}s")
+    raise AssertionError(
+        f"{server.url}: KV usage not {'> 0' if held else '0'} in {within_s:g}s"
+        + (f" (last /metrics error: {last_error!r})" if last_error is not None else "")
+        + _logs(*(logs_of or (server,)))
+    )
 
 
 async def test_completions_streamed_and_not_match_decode_alone(
@@ -239,7 +261,7 @@ async def test_n_choices_through_the_router_are_a_pd_flow_each_and_leave_no_kv(
         chunks = await trio.to_thread.run_sync(call)
         # each choice's decode pulled its own prefill's blocks (vLLM's lease would keep an
         # unpulled one for 300 s here)
-        await _kv_becomes(fronted.prefill.url, held=False, within_s=30)
+        await _kv_becomes(fronted.prefill, held=False, within_s=30, logs_of=pair)
     choices = streamed_choices(chunks)  # one role chunk and one finish each
     assert sorted(choices) == [0, 1]
     assert {finish for _, finish in choices.values()} <= {"stop", "length"}
@@ -284,7 +306,7 @@ async def test_a_chat_with_tools_is_served_well_formed(pair: tuple[VllmServer, V
             return whole, chunks
 
         whole, chunks = await trio.to_thread.run_sync(call)
-        await _kv_becomes(fronted.prefill.url, held=False, within_s=30)
+        await _kv_becomes(fronted.prefill, held=False, within_s=30, logs_of=pair)
 
     def well_formed(calls: list[Any], finish_reason: str) -> None:
         for call in calls:
@@ -318,12 +340,12 @@ async def test_a_client_gone_between_the_legs_leaves_no_kv_on_prefill(
                         json={"model": SERVED_MODEL, "prompt": "hello " * 100, "max_tokens": 8},
                     )
                 )
-                await _kv_becomes(fronted.prefill.url, held=True, within_s=50)  # prefilled
+                await _kv_becomes(fronted.prefill, held=True, within_s=50, logs_of=pair)
                 nursery.cancel_scope.cancel()  # the client leaves
-        assert not waited.cancelled_caught, "prefill never held the prompt's KV"
+        assert not waited.cancelled_caught, "prefill never held the prompt's KV" + _logs(*pair)
         fronted.decode_proxy.fault = Fault()
         # vLLM alone holds it for its lease (300 s here) with no decode to pull it
-        freed_in = await _kv_becomes(fronted.prefill.url, held=False, within_s=60)
+        freed_in = await _kv_becomes(fronted.prefill, held=False, within_s=60, logs_of=pair)
         print(f"prefill's KV freed {freed_in:.1f}s after the client left")
 
 
