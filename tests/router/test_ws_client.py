@@ -8,6 +8,7 @@ how the connection ends.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Awaitable, Callable
 
@@ -237,3 +238,77 @@ async def test_a_message_given_in_pieces_arrives_whole_between_the_others() -> N
         await client.aclose()
     assert messages == [b"before", b"".join(pieces), b"after"]
     assert max(frames) <= 256 * 1024  # the big piece went out in fragments
+
+
+class _Steps(trio.abc.Instrument):
+    """Counts the steps of one task."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.steps += 1
+
+
+async def test_a_batch_the_kernel_takes_at_once_is_no_schedule_point_and_a_big_one_waits() -> None:
+    received = bytearray()
+    want = 0
+    reading = trio.Event()
+
+    async def handler(stream: trio.SocketStream, ws: wsproto.WSConnection) -> None:
+        await reading.wait()  # the big batch fills the socket's buffers first
+        messages = 0
+        while messages < want:
+            ws.receive_data(await stream.receive_some(1 << 20))
+            for event in ws.events():
+                if isinstance(event, BytesMessage):
+                    received.extend(event.data)
+                    messages += event.message_finished
+
+    small = [b"s%d" % i for i in range(10)]
+    big = [bytes([i]) * 200_000 for i in range(40)]  # 8 MB: more than loopback buffers
+    want = len(small) + len(big)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_serve_one, handler)
+        client = await connect_websocket(f"ws://127.0.0.1:{port}/", max_message_size=1 << 20)
+        steps = _Steps(trio.lowlevel.current_task())
+        trio.lowlevel.add_instrument(steps)
+        try:
+            await client.send_messages(small)
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        assert steps.steps == 0  # written without giving the loop a turn
+        reading.set()
+        await client.send_messages(big)  # the rest of what the kernel refused waits for room
+        await client.aclose()
+    assert bytes(received) == b"".join(small + big)
+
+
+async def test_a_send_after_the_stream_closed_under_it_raises() -> None:
+    async def handler(stream: trio.SocketStream, ws: wsproto.WSConnection) -> None:
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_serve_one, handler)
+        client = await connect_websocket(f"ws://127.0.0.1:{port}/", max_message_size=1024)
+        # the stream closed while the connection still reads as open (a reader that saw
+        # the drop closes it so): its descriptor's number may be another file's by now,
+        # so the write goes through the closed stream, which refuses it
+        stream = client._stream  # noqa: SLF001 - the state a drop leaves
+        assert isinstance(stream, trio.SocketStream)
+        number = stream.socket.fileno()
+        read_end, write_end = os.pipe()
+        await stream.aclose()
+        os.dup2(write_end, number)  # the number is a pipe's now
+        try:
+            with pytest.raises(ConnectionClosed):
+                await client.send_messages([b"late"])
+            os.set_blocking(read_end, False)
+            with pytest.raises(BlockingIOError):
+                os.read(read_end, 100)  # nothing went into the pipe
+        finally:
+            for fd in (read_end, write_end, number):
+                os.close(fd)
+        nursery.cancel_scope.cancel()
