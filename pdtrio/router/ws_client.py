@@ -17,8 +17,12 @@ socket (:func:`os.write` on its descriptor, which never waits): trio's
 ``send_all`` makes even a write the kernel takes at once a schedule point, a
 task step more for every batch (about 20 us of the router's CPU a short request
 under load, measured).  What the kernel does not take at once, and any error,
-goes through ``send_all``, which waits for room and raises trio's errors.  A
-TLS link always writes through its stream.
+goes through ``send_all``, which waits for room and raises trio's errors.
+:meth:`WebSocketClient.send_now` goes further for a caller that must not wait
+(a request posting its message to an idle link): it writes one small message
+at once, from the caller's task, or says it could not; what the kernel left of
+it is sent first by the next :meth:`WebSocketClient.send_messages` (the caller
+makes one).  A TLS link always writes through its stream.
 
 Dependencies: wsproto is one of the package's (``pyproject.toml``), for this
 client and for the frame cutter.  ``trio-websocket`` is not: it wraps wsproto
@@ -168,6 +172,10 @@ class WebSocketClient:
         self._send_lock = trio.Lock()
         # the socket, for writes the kernel takes at once (plain TCP only)
         self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
+        # what the kernel left of a message send_now wrote: the next bytes on the wire
+        self._unsent = b""
+        # masks for send_now's frames, drawn from the OS a few hundred at a time
+        self._masks = b""
         self._close_to_send: CloseConnection | None = None
         self._closed: ConnectionClosed | None = None
 
@@ -239,6 +247,51 @@ class WebSocketClient:
         """Send one binary message; raises :class:`ConnectionClosed` when closed."""
         await self.send_messages([data])
 
+    @property
+    def has_unsent(self) -> bool:
+        """Part of a message :meth:`send_now` wrote waits for :meth:`send_messages`."""
+        return bool(self._unsent)
+
+    def send_now(self, data: bytes) -> bool:
+        """Write the binary message ``data`` now, without waiting; False if it cannot be
+        (a send under way, a closed or TLS connection, a message to fragment, a socket
+        whose buffer is full): send it with :meth:`send_messages` then.
+
+        True: it is on its way, whole or, when the kernel took only its start, the
+        rest held for the next :meth:`send_messages` (see :attr:`has_unsent`), which
+        sends it before anything else: make one soon.
+        """
+        socket = self._socket
+        if (
+            socket is None
+            or self._unsent
+            or self._closed is not None
+            or self._send_lock.locked()
+            or len(data) > _FRAGMENT_BYTES
+            or self._ws.state is not ConnectionState.OPEN
+        ):
+            return False
+        fd = socket.fileno()  # -1 once closed (the number may be another file's by then)
+        if fd < 0:
+            return False
+        masks = self._masks
+        if not masks:
+            masks = os.urandom(4 * 256)
+        self._masks = masks[4:]
+        frame = masked_binary_frame(data, masks[:4])
+        try:
+            sent = os.write(fd, frame)
+        except OSError:  # full (nothing written), or gone: send_messages says how
+            return False
+        if sent < len(frame):
+            self._unsent = frame[sent:]
+        return True
+
+    async def _send_unsent(self) -> None:
+        """What the kernel left of send_now's message: first, before any other byte."""
+        unsent, self._unsent = self._unsent, b""
+        await self._stream.send_all(unsent)
+
     async def send_messages(self, messages: Sequence[bytes | Iterable[bytes]]) -> None:
         """Send binary messages, in order; :class:`ConnectionClosed` when closed.
 
@@ -257,6 +310,8 @@ class WebSocketClient:
             await self._send_lock.acquire()
         try:
             try:
+                if self._unsent:
+                    await self._send_unsent()
                 if self._ws.state is not ConnectionState.OPEN:
                     raise LocalProtocolError("the connection is closing")
                 # a fresh mask per frame, drawn for the whole batch at once
@@ -317,6 +372,8 @@ class WebSocketClient:
     async def _send_event(self, event: Event) -> None:
         async with self._send_lock:
             try:
+                if self._unsent:
+                    await self._send_unsent()
                 payload = self._ws.send(event)
                 await self._stream.send_all(payload)
             except (LocalProtocolError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:

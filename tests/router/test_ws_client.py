@@ -312,3 +312,49 @@ async def test_a_send_after_the_stream_closed_under_it_raises() -> None:
             for fd in (read_end, write_end, number):
                 os.close(fd)
         nursery.cancel_scope.cancel()
+
+
+async def test_send_now_writes_an_idle_connection_s_message_at_once_and_in_order() -> None:
+    got: list[bytes] = []
+    want = 0
+    reading = trio.Event()
+
+    async def handler(stream: trio.SocketStream, ws: wsproto.WSConnection) -> None:
+        await reading.wait()
+        parts: list[bytes] = []
+        while len(got) < want:
+            ws.receive_data(await stream.receive_some(1 << 20))
+            for event in ws.events():
+                if isinstance(event, BytesMessage):
+                    parts.append(event.data)
+                    if event.message_finished:
+                        got.append(b"".join(parts))
+                        parts = []
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_serve_one, handler)
+        client = await connect_websocket(f"ws://127.0.0.1:{port}/", max_message_size=1 << 20)
+        steps = _Steps(trio.lowlevel.current_task())
+        trio.lowlevel.add_instrument(steps)
+        try:
+            assert client.send_now(b"first")
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        assert steps.steps == 0 and not client.has_unsent
+        # the server reads nothing yet: fill the socket until the kernel takes a message
+        # only in part (the rest held) or not at all
+        sent = [b"first"]
+        while not client.has_unsent:
+            message = bytes([len(sent) % 256]) * 200_000
+            if not client.send_now(message):
+                break  # full: nothing of it was written
+            sent.append(message)
+        assert client.has_unsent  # (the kernel took a message in part: the case here)
+        assert not client.send_now(b"x")  # the held rest goes first
+        sent.append(b"after")
+        want = len(sent)
+        reading.set()
+        await client.send_messages([b"after"])  # the held rest, then this
+        assert not client.has_unsent
+        await client.aclose()
+    assert got == sent
