@@ -10,9 +10,13 @@ worker during a write comes as one message (``wire.is_batch``); a single
 message is read too.  The reader decodes each frame and hands each token
 entry to its stream's bounded buffer without ever awaiting the stream's
 consumer, so a slow client cannot stall the others; the stream's own task
-drains its buffer.  The writer sends whatever is queued in one write, so
-under load many messages share a syscall, and a request cancelled mid-way
-can never tear a frame (only the writer writes).
+drains its buffer.  A message posted to an idle link (nothing queued, no
+write under way) is written at once from the poster's task, a frame whole in
+one ``os.write`` that never waits (``WebSocketClient.send_now``): waking the
+writer for it was a task step more per message.  Otherwise the writer sends
+whatever is queued in one write, so a burst shares a syscall; what the kernel
+left of a message written at once goes first.  Either way no await falls
+inside a frame, so a request cancelled mid-way can never tear one.
 
 Cancellation: a prefill call whose request is cancelled sends a release,
 which stops the prefill on the worker (or frees the blocks it leased); a
