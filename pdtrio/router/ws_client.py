@@ -174,8 +174,6 @@ class WebSocketClient:
         self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
         # what the kernel left of a message send_now wrote: the next bytes on the wire
         self._unsent = b""
-        # masks for send_now's frames, drawn from the OS a few hundred at a time
-        self._masks = b""
         self._close_to_send: CloseConnection | None = None
         self._closed: ConnectionClosed | None = None
 
@@ -261,9 +259,8 @@ class WebSocketClient:
         rest held for the next :meth:`send_messages` (see :attr:`has_unsent`), which
         sends it before anything else: make one soon.
         """
-        socket = self._socket
         if (
-            socket is None
+            self._socket is None
             or self._unsent
             or self._closed is not None
             or self._send_lock.locked()
@@ -271,21 +268,26 @@ class WebSocketClient:
             or self._ws.state is not ConnectionState.OPEN
         ):
             return False
-        fd = socket.fileno()  # -1 once closed (the number may be another file's by then)
-        if fd < 0:
-            return False
-        masks = self._masks
-        if not masks:
-            masks = os.urandom(4 * 256)
-        self._masks = masks[4:]
-        frame = masked_binary_frame(data, masks[:4])
-        try:
-            sent = os.write(fd, frame)
-        except OSError:  # full (nothing written), or gone: send_messages says how
+        frame = masked_binary_frame(data, os.urandom(4))
+        sent = self._write_at_once(frame)
+        if not sent:
             return False
         if sent < len(frame):
             self._unsent = frame[sent:]
         return True
+
+    def _write_at_once(self, data: bytes) -> int:
+        """How much of ``data`` the kernel took at once, without waiting: 0 on a TLS or
+        closed connection, a full socket or an error (``send_all`` waits, or says how)."""
+        # the descriptor is asked now: -1 once the socket is closed (its number may be
+        # another file's by then)
+        fd = -1 if self._socket is None else self._socket.fileno()
+        if fd < 0:
+            return 0
+        try:
+            return os.write(fd, data)
+        except OSError:
+            return 0
 
     async def _send_unsent(self) -> None:
         """What the kernel left of send_now's message: first, before any other byte."""
@@ -336,18 +338,9 @@ class WebSocketClient:
 
     async def _send_at_once(self, data: bytes) -> None:
         """``send_all(data)``, without its schedule point when the kernel takes it all."""
-        # its descriptor asked now: -1 once the stream is closed (the number may be another
-        # file's by then)
-        fd = -1 if self._socket is None else self._socket.fileno()
-        if fd >= 0:
-            try:
-                sent = os.write(fd, data)
-            except OSError:  # full (BlockingIOError), or gone: send_all waits, or says how
-                sent = 0
-            if sent == len(data):
-                return
-            data = data[sent:]
-        await self._stream.send_all(data)
+        sent = self._write_at_once(data)
+        if sent < len(data):
+            await self._stream.send_all(data[sent:] if sent else data)
 
     async def _send_fragments(self, pieces: Iterable[bytes]) -> None:
         """One message from its pieces, in fragments of at most ``_FRAGMENT_BYTES``."""

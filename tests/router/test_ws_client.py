@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import trio
@@ -252,33 +253,49 @@ class _Steps(trio.abc.Instrument):
             self.steps += 1
 
 
+@contextmanager
+def _counting_steps() -> Iterator[_Steps]:
+    """The steps this task takes inside the block."""
+    steps = _Steps(trio.lowlevel.current_task())
+    trio.lowlevel.add_instrument(steps)
+    try:
+        yield steps
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+
+
+async def _receive_messages(
+    stream: trio.SocketStream, ws: wsproto.WSConnection, count: int
+) -> list[bytes]:
+    """The next ``count`` binary messages, each whole."""
+    messages: list[bytes] = []
+    parts: list[bytes] = []
+    while len(messages) < count:
+        ws.receive_data(await stream.receive_some(1 << 20))
+        for event in ws.events():
+            if isinstance(event, BytesMessage):
+                parts.append(event.data)
+                if event.message_finished:
+                    messages.append(b"".join(parts))
+                    parts = []
+    return messages
+
+
 async def test_a_batch_the_kernel_takes_at_once_is_no_schedule_point_and_a_big_one_waits() -> None:
     received = bytearray()
-    want = 0
     reading = trio.Event()
+    small = [b"s%d" % i for i in range(10)]
+    big = [bytes([i]) * 200_000 for i in range(40)]  # 8 MB: more than loopback buffers
 
     async def handler(stream: trio.SocketStream, ws: wsproto.WSConnection) -> None:
         await reading.wait()  # the big batch fills the socket's buffers first
-        messages = 0
-        while messages < want:
-            ws.receive_data(await stream.receive_some(1 << 20))
-            for event in ws.events():
-                if isinstance(event, BytesMessage):
-                    received.extend(event.data)
-                    messages += event.message_finished
+        received.extend(b"".join(await _receive_messages(stream, ws, len(small) + len(big))))
 
-    small = [b"s%d" % i for i in range(10)]
-    big = [bytes([i]) * 200_000 for i in range(40)]  # 8 MB: more than loopback buffers
-    want = len(small) + len(big)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(_serve_one, handler)
         client = await connect_websocket(f"ws://127.0.0.1:{port}/", max_message_size=1 << 20)
-        steps = _Steps(trio.lowlevel.current_task())
-        trio.lowlevel.add_instrument(steps)
-        try:
+        with _counting_steps() as steps:
             await client.send_messages(small)
-        finally:
-            trio.lowlevel.remove_instrument(steps)
         assert steps.steps == 0  # written without giving the loop a turn
         reading.set()
         await client.send_messages(big)  # the rest of what the kernel refused waits for room
@@ -320,26 +337,14 @@ async def test_send_now_writes_an_idle_connection_s_message_at_once_and_in_order
     reading = trio.Event()
 
     async def handler(stream: trio.SocketStream, ws: wsproto.WSConnection) -> None:
-        await reading.wait()
-        parts: list[bytes] = []
-        while len(got) < want:
-            ws.receive_data(await stream.receive_some(1 << 20))
-            for event in ws.events():
-                if isinstance(event, BytesMessage):
-                    parts.append(event.data)
-                    if event.message_finished:
-                        got.append(b"".join(parts))
-                        parts = []
+        await reading.wait()  # (want is known by then)
+        got.extend(await _receive_messages(stream, ws, want))
 
     async with trio.open_nursery() as nursery:
         port = await nursery.start(_serve_one, handler)
         client = await connect_websocket(f"ws://127.0.0.1:{port}/", max_message_size=1 << 20)
-        steps = _Steps(trio.lowlevel.current_task())
-        trio.lowlevel.add_instrument(steps)
-        try:
+        with _counting_steps() as steps:
             assert client.send_now(b"first")
-        finally:
-            trio.lowlevel.remove_instrument(steps)
         assert steps.steps == 0 and not client.has_unsent
         # the server reads nothing yet: fill the socket until the kernel takes a message
         # only in part (the rest held) or not at all
