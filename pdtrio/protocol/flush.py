@@ -52,7 +52,8 @@ from pdtrio.protocol.wire import TokenEntry, Usage
 @attrs.frozen
 class FlushConfig:
     window_s: float = attrs.field(default=0.002, validator=attrs.validators.ge(0.0))
-    """Longest a queued entry is held, once the link is free, to let others join."""
+    """Longest a queued entry is held, once the link is free, to let others join (and a
+    decode's notices, its accepts and capacity reports, for a frame to ride with)."""
     max_entries: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
     """Most entries in one frame."""
     max_bytes_hint: int = attrs.field(default=256 * 1024, validator=attrs.validators.ge(1))

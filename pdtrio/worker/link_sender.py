@@ -14,9 +14,18 @@ coalesce to the latest value and nothing polls.  The report a control message
 may change goes out just before it, so the router never sees an accept its
 report lacks.
 
+Notices: what the router reads only for its books and never waits on (a
+decode's accepts, and its capacity reports after the first) are held up to the
+flush window, to go out in the write of the next frame that goes anyway (its
+tokens, a reply, a rejection, a heartbeat), ahead of it: a write, and a wake-up
+of the router, of their own cost it more than everything else a short request
+does on its decode link.  A report goes out at once while the worker drains
+(no new work may be placed on it); the first one on a link, too.
+
 A router that asks for it (``?batch=1``) gets the frames that queued during
 a write in one message, a batch (``wire.is_batch``): one send through the
-websocket, and one wake-up of the router, for all of them.
+websocket, and one wake-up of the router, for all of them.  A frame and the
+notices ahead of it always share a write.
 
 A router that asks for them (``?kv_events=1``) gets the prefix cache's changes
 (``KvEvents``): the whole set when the link opens, then what changed, checked before
@@ -65,6 +74,8 @@ Control = DecodeAccepted | DecodeRejected | DecodeFailed | PrefillReply | Prefil
 # a control message, or None: a write finished.
 Outgoing = StepOutputs | StepLogprobs | Control | None
 _Frame = TokenFrame | TokenLogprobs | Control | DecodeCapacity | Heartbeat | KvEvents
+# the frames one write carries (in order; the writer may batch several groups)
+_Group = list[_Frame]
 
 
 @final
@@ -115,6 +126,10 @@ class LinkSender:
         self._heartbeats = faults is None or not faults.heartbeats_off
         self._kv_events = kv_events
         self._kv_cursor: int | None = None  # the prefix cache's changes reported (None: none)
+        # notices held for the next write (accepts; a dirty capacity is one too), and
+        # when they go on their own at the latest (inf: none held)
+        self._accepts_held: list[DecodeAccepted] = []
+        self._notices_due = math.inf
 
     def mark_capacity(self) -> None:
         """The engine's free blocks may have changed: report it soon (never blocks)."""
@@ -145,17 +160,36 @@ class LinkSender:
     async def send_control(self, message: Control) -> None:
         await self.outbox_send.send(message)
 
-    async def _send_kv_events(self, frames_send: trio.MemorySendChannel[_Frame]) -> bool:
+    def _kv_events_frame(self) -> KvEvents | None:
         """The prefix cache's changes since the last report, if the router reads them and
-        there are any (the first time: the whole set); whether a frame went."""
+        there are any (the first time: the whole set)."""
         if not self._kv_events:
-            return False
+            return None
         self._kv_cursor, events = self._engine.kv_events(self._kv_cursor)
-        if events is None:
-            return False
-        self._in_flight += 1
-        await frames_send.send(events)
-        return True
+        return events
+
+    def _hold_notices(self, now: float) -> None:
+        if self._notices_due == math.inf:
+            self._notices_due = now + self._flush.window_s
+
+    async def _send_group(
+        self, frames_send: trio.MemorySendChannel[_Group], frames: list[_Frame]
+    ) -> None:
+        """``frames`` in one write, after the notices held (the capacity report ahead of
+        the accepts: what an accept allocated is in the report ahead of it)."""
+        group: list[_Frame] = []
+        if self._capacity_dirty:
+            report = self._capacity_report()
+            if report is not None:
+                group.append(report)
+        if self._accepts_held:
+            group += self._accepts_held
+            self._accepts_held = []
+        self._notices_due = math.inf
+        group += frames
+        if group:
+            self._in_flight += len(group)
+            await frames_send.send(group)
 
     async def run(self) -> None:
         """Collect engine outputs under the flush policy; a writer task sends frames.
@@ -167,16 +201,18 @@ class LinkSender:
         """
         policy = FlushPolicy(self._flush)
         receive = self._outbox_receive
-        frames_send, frames_receive = trio.open_memory_channel[_Frame](4)
+        frames_send, frames_receive = trio.open_memory_channel[_Group](4)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._run_writer, frames_receive)
-            await self._send_kv_events(frames_send)  # the snapshot: the router's view anew
+            # the snapshot (the router's view anew), and the first capacity report
+            snapshot = self._kv_events_frame()
+            await self._send_group(frames_send, [snapshot] if snapshot is not None else [])
             while True:
                 if self._capacity_dirty:
-                    report = self._capacity_report()
-                    if report is not None:
-                        self._in_flight += 1
-                        await frames_send.send(report)
+                    if self._is_draining():
+                        await self._send_group(frames_send, [])  # placed nowhere from now
+                    else:
+                        self._hold_notices(trio.current_time())
                 decision = policy.decide(trio.current_time(), in_flight=self._in_flight > 0)
                 if isinstance(decision, FlushNow):
                     await self._send_tokens(frames_send, policy)
@@ -190,14 +226,17 @@ class LinkSender:
                 )
                 item: Outgoing = None
                 # only the wait is bounded: a hand-over cut by the deadline would lose a frame
-                with trio.move_on_at(min(deadline, beat_at)):
+                with trio.move_on_at(min(deadline, beat_at, self._notices_due)):
                     item = await receive.receive()
                 if item is None:
-                    if not self._in_flight and trio.current_time() >= beat_at:
+                    now = trio.current_time()
+                    if now >= self._notices_due:
+                        # nothing else went within the window: the notices on their own
+                        await self._send_group(frames_send, [])
+                    elif not self._in_flight and now >= beat_at:
                         # a report proves liveness as well as a heartbeat
-                        if not await self._send_kv_events(frames_send):
-                            self._in_flight += 1
-                            await frames_send.send(_HEARTBEAT)
+                        events = self._kv_events_frame()
+                        await self._send_group(frames_send, [events or _HEARTBEAT])
                     continue
                 if isinstance(item, list):
                     policy.add(item, trio.current_time())
@@ -207,52 +246,54 @@ class LinkSender:
                     for entry in item.entries:
                         held.setdefault(entry.request_id, []).extend(entry.items)
                     continue
+                if type(item) is DecodeAccepted:
+                    self._accepts_held.append(item)
+                    self._hold_notices(trio.current_time())
+                    continue
                 # control messages keep their order relative to tokens
                 while policy.has_pending:
                     await self._send_tokens(frames_send, policy)
                 # a prefill's stored blocks go ahead of its reply: the router that has the
                 # reply knows them
-                await self._send_kv_events(frames_send)
-                # what an accept allocated is in the report ahead of it
-                report = self._capacity_report() if self._reports_capacity else None
-                if report is not None:
-                    self._in_flight += 1
-                    await frames_send.send(report)
-                self._in_flight += 1
-                await frames_send.send(item)
+                events = self._kv_events_frame()
+                await self._send_group(frames_send, [item] if events is None else [events, item])
 
     async def _send_tokens(
-        self, frames_send: trio.MemorySendChannel[_Frame], policy: FlushPolicy
+        self, frames_send: trio.MemorySendChannel[_Group], policy: FlushPolicy
     ) -> None:
         """The next token frame, after the logprobs of its tokens (and of any later)."""
-        await self._send_kv_events(frames_send)
+        frames: list[_Frame] = []
+        events = self._kv_events_frame()
+        if events is not None:
+            frames.append(events)
         if self._logprobs:
             held, self._logprobs = self._logprobs, {}
-            for request_id, items in held.items():
-                self._in_flight += 1
-                await frames_send.send(TokenLogprobs(request_id, items))
-        self._in_flight += 1
-        await frames_send.send(TokenFrame(policy.take()))
+            frames += [TokenLogprobs(request_id, items) for request_id, items in held.items()]
+        frames.append(TokenFrame(policy.take()))
+        await self._send_group(frames_send, frames)
 
-    async def _run_writer(self, frames: trio.MemoryReceiveChannel[_Frame]) -> None:
+    async def _run_writer(self, groups: trio.MemoryReceiveChannel[_Group]) -> None:
         poke = self.outbox_send.clone()
         faults = self._faults
-        async for frame in frames:
-            batch = [frame]
+        async for group in groups:
+            batch = group
             if self._batches:
-                # the frames that queued during the last write go out with this one: one
+                # the groups that queued during the last write go out with this one: one
                 # send (and one wake-up of the router) for all of them; the channel's
                 # bound bounds a batch
                 while True:
                     try:
-                        batch.append(frames.receive_nowait())
+                        batch += groups.receive_nowait()
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
             if faults is not None:
                 for queued in batch:
                     await faults.before_frame(queued)  # a stall (testing only)
-            data = wire.encode(batch if self._batches else frame)
-            await self._send({"type": "websocket.send", "bytes": data})
+            if self._batches:
+                await self._send({"type": "websocket.send", "bytes": wire.encode(batch)})
+            else:
+                for frame in batch:
+                    await self._send({"type": "websocket.send", "bytes": wire.encode(frame)})
             self._last_write = trio.current_time()
             for sent in batch:
                 if isinstance(sent, PrefillReply):  # (a reply with a logprob too)

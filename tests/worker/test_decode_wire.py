@@ -20,6 +20,7 @@ import trio_websocket
 
 from pdtrio.config import WorkerFaultsConfig
 from pdtrio.engine.api import EngineOutput, StepFailed
+from pdtrio.protocol.flush import FlushConfig
 from pdtrio.worker.server import Worker
 from tests.cluster import synthetic_worker, wait_for_stats
 
@@ -241,6 +242,73 @@ async def test_a_router_that_asks_for_batches_gets_what_queued_in_one_message() 
                     assert entry[E_ID] in accepted  # no token ahead of its accept
                     tokens[entry[E_ID]] = tokens.get(entry[E_ID], 0) + len(entry[E_TOKENS])
         assert tokens == {reply[R_ID]: 11 for reply in replies}
+
+
+async def _batch(ws: trio_websocket.WebSocketConnection) -> list[list[Any]]:
+    """The messages of the link's next write (a router that reads batches: ``?batch=1``)."""
+    with trio.fail_after(10):
+        data = await ws.get_message()
+    assert isinstance(data, bytes)
+    batch = _strict_unpack(data)
+    assert isinstance(batch, list) and batch
+    return batch
+
+
+async def test_an_accept_and_its_report_ride_in_the_write_of_the_first_tokens() -> None:
+    """Notices (an accept, a capacity report after the link's first) wait for the next
+    frame that goes anyway, up to the flush window (a minute here), and share its write,
+    in order: the report, the accept, the tokens.  The link's first report goes at once."""
+    async with running_pair(decode_step_s=0.001, flush=FlushConfig(window_s=60.0)) as pair:
+        reply = await _prefill(pair.prefill_url, "r", "hello", 4)
+        async with trio_websocket.open_websocket_url(pair.ws_url + "?batch=1") as ws:
+            first = await _batch(ws)
+            assert [message[0] for message in first] == [CAPACITY]
+            free, total = first[0][1:3]
+            assert free == total
+            await ws.send_message(decode_start(reply))
+            write = await _batch(ws)
+            kinds = [message[0] for message in write]
+            assert kinds[:3] == [CAPACITY, ACCEPTED, TOKENS], kinds
+            assert write[0][1] < total  # what the accept allocated, ahead of the accept
+            assert write[1][1] == "r"
+            finished = any(
+                message[0] == TOKENS and any(e[E_FINISH] is not None for e in message[1])
+                for message in write
+            )
+            while not finished:
+                write = await _batch(ws)
+                assert ACCEPTED not in [message[0] for message in write]
+                finished = any(
+                    message[0] == TOKENS and any(e[E_FINISH] is not None for e in message[1])
+                    for message in write
+                )
+
+
+async def test_an_accept_with_no_tokens_behind_it_goes_out_at_the_flush_window() -> None:
+    """A notice waits for company no longer than the flush window: decode's first step is
+    half a minute away here, and the accept (with its report) comes long before."""
+    async with running_pair(decode_step_s=30.0) as pair:
+        reply = await _prefill(pair.prefill_url, "r", "hello", 4)
+        async with trio_websocket.open_websocket_url(pair.ws_url + "?batch=1") as ws:
+            assert [message[0] for message in await _batch(ws)] == [CAPACITY]
+            await ws.send_message(decode_start(reply))
+            kinds = [message[0] for message in await _batch(ws)]
+            assert kinds == [CAPACITY, ACCEPTED], kinds
+            await ws.send_message(msgpack.packb([ABORT, "r"]))
+        await wait_for_stats(lambda: pair.decode.engine.statistics().kv_blocks_in_use == 0)
+
+
+async def test_a_draining_decode_reports_no_room_at_once() -> None:
+    """The report that says a draining worker has no room is no notice: routers must stop
+    placing on it now, not a flush window (a minute here) later."""
+    async with running_pair(flush=FlushConfig(window_s=60.0)) as pair:
+        async with trio_websocket.open_websocket_url(pair.ws_url + "?batch=1") as ws:
+            first = await _batch(ws)
+            assert first[0][0] == CAPACITY and first[0][1] > 0
+            pair.decode.begin_drain()
+            report = await _batch(ws)
+            assert [message[0] for message in report] == [CAPACITY]
+            assert report[0][1] == 0
 
 
 async def test_a_stop_string_spanning_the_first_token_is_cut_and_counted() -> None:
