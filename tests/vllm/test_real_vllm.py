@@ -176,16 +176,24 @@ async def test_logprobs_through_the_router_are_decodes_own(
 
 
 async def test_the_openai_client_streams_a_chat(pair: tuple[VllmServer, VllmServer]) -> None:
-    async with front(pair) as fronted:
+    """The openai client's stream through the router says what decode says on its own
+    (greedy; what that is, is the model's business: vLLM's bfloat16 on this CPU answers
+    "L'Étoile, ..." where pdtrio's float32 engine says "Paris")."""
+    _, decode = pair
+    body: dict[str, Any] = {
+        "model": SERVED_MODEL,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    async with front(pair) as fronted, httpx.AsyncClient(timeout=120) as client:
+        alone = (await client.post(f"{decode.url}/v1/chat/completions", json=body)).json()
 
         def call() -> list[Any]:
             api = openai.OpenAI(base_url=f"{fronted.url}/v1", api_key="unused", max_retries=0)
             return list(
                 api.chat.completions.create(
-                    model=SERVED_MODEL,
-                    messages=[{"role": "user", "content": "What is the capital of France?"}],
-                    max_tokens=12,
-                    temperature=0,
+                    **body,
                     stream=True,
                     stream_options={"include_usage": True},
                     timeout=120,
@@ -195,14 +203,31 @@ async def test_the_openai_client_streams_a_chat(pair: tuple[VllmServer, VllmServ
         chunks = await trio.to_thread.run_sync(call)
     content = [c for c in chunks if c.choices]
     assert content[0].choices[0].delta.role == "assistant"
-    assert "Paris" in "".join(c.choices[0].delta.content or "" for c in content)
-    assert content[-1].choices[0].finish_reason in ("stop", "length")
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    text = "".join(c.choices[0].delta.content or "" for c in content)
+    assert text and text == alone["choices"][0]["message"]["content"]
+    assert content[-1].choices[0].finish_reason == alone["choices"][0]["finish_reason"]
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == alone["usage"]["completion_tokens"]
 
 
 async def test_the_openai_client_streams_a_response(pair: tuple[VllmServer, VllmServer]) -> None:
     """/v1/responses in front of the pair: the router sends both legs the chat request it
-    stands for, and shapes decode's stream as Responses events."""
+    stands for (``instructions`` a leading system message), and shapes decode's stream as
+    Responses events; the text is what decode answers that chat request with on its own."""
+    _, decode = pair
+    question = "What is the capital of France?"
+    instructions = "Answer in one short sentence."
+
+    async def decode_alone(messages: list[dict[str, str]]) -> str:
+        body = {"model": SERVED_MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
+        async with httpx.AsyncClient(timeout=120) as client:
+            answer = (await client.post(f"{decode.url}/v1/chat/completions", json=body)).json()
+        return str(answer["choices"][0]["message"]["content"])
+
+    instructed = await decode_alone(
+        [{"role": "system", "content": instructions}, {"role": "user", "content": question}]
+    )
+    plain = await decode_alone([{"role": "user", "content": question}])
     async with front(pair) as fronted:
 
         def call() -> tuple[list[Any], Any]:
@@ -210,8 +235,8 @@ async def test_the_openai_client_streams_a_response(pair: tuple[VllmServer, Vllm
             events = list(
                 api.responses.create(
                     model=SERVED_MODEL,
-                    instructions="Answer in one short sentence.",
-                    input="What is the capital of France?",
+                    instructions=instructions,
+                    input=question,
                     max_output_tokens=12,
                     temperature=0,
                     stream=True,
@@ -220,7 +245,7 @@ async def test_the_openai_client_streams_a_response(pair: tuple[VllmServer, Vllm
             )
             whole = api.responses.create(
                 model=SERVED_MODEL,
-                input="What is the capital of France?",
+                input=question,
                 max_output_tokens=12,
                 temperature=0,
                 timeout=120,
@@ -232,9 +257,9 @@ async def test_the_openai_client_streams_a_response(pair: tuple[VllmServer, Vllm
     kinds = [event.type for event in events]
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert "Paris" in text
+    assert text and text == instructed
     assert events[-1].response.usage.output_tokens > 0
-    assert whole.status in ("completed", "incomplete") and "Paris" in whole.output_text
+    assert whole.status in ("completed", "incomplete") and whole.output_text == plain
 
 
 async def test_n_choices_through_the_router_are_a_pd_flow_each_and_leave_no_kv(
