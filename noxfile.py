@@ -1,4 +1,5 @@
-"""nox sessions: `nox -s tests` (what CI and the README run) and `nox -s lint`."""
+"""nox sessions: `nox -s tests` (what CI and the README run), `nox -s lint`, and `nox -s vllm`
+(a real vLLM PD pair behind the router; CI runs it too)."""
 
 from __future__ import annotations
 
