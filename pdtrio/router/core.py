@@ -187,10 +187,18 @@ class Router:
         return self.metrics.render()
 
 
+_KEEPALIVE_S = 4.0
+
+
 @asynccontextmanager
 async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
     """Start everything the router needs; stop it all on exit."""
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    # an idle connection is dropped here before the server drops it (uvicorn, vLLM's and
+    # SGLang's server, and hypercorn close one after 5 s): a request sent on a connection as
+    # the server closes it fails unanswered
+    limits = httpx.Limits(
+        max_connections=1024, max_keepalive_connections=256, keepalive_expiry=_KEEPALIVE_S
+    )
     # workers behind TLS: verified against the configured CA
     tls = client_tls_context(config.security.worker_tls_ca_file)
     async with httpx.AsyncClient(

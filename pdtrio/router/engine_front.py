@@ -346,10 +346,10 @@ class EnginePool:
             with trio.fail_after(self._timeout_s):
                 if not instance.model:
                     await self._learn_model(instance)
-                health = await self.http.get(f"{instance.url}/health", headers=instance.headers())
+                health = await self._get(instance, "/health")
                 if health.status_code != 200:
                     raise _NotUp(f"/health answered {health.status_code}")
-                metrics = await self.http.get(f"{instance.url}/metrics", headers=instance.headers())
+                metrics = await self._get(instance, "/metrics")
                 if metrics.status_code == 200:
                     instance.load = parse_engine_metrics(metrics.text)
         except (httpx.HTTPError, OSError, trio.TooSlowError, _NotUp, ValueError) as exc:
@@ -383,8 +383,21 @@ class EnginePool:
                 instance.max_model_len,
             )
 
+    async def _get(self, instance: EngineInstance, path: str) -> httpx.Response:
+        """A GET of the engine's, asked again once on a connection it closed unanswered.
+
+        A kept-alive connection the server closes (idle too long) as a request goes out on
+        it fails with "Server disconnected without sending a response": not the engine's
+        health, and a GET is safe to send twice.
+        """
+        url = f"{instance.url}{path}"
+        try:
+            return await self.http.get(url, headers=instance.headers())
+        except httpx.RemoteProtocolError:
+            return await self.http.get(url, headers=instance.headers())
+
     async def _learn_model(self, instance: EngineInstance) -> None:
-        response = await self.http.get(f"{instance.url}/v1/models", headers=instance.headers())
+        response = await self._get(instance, "/v1/models")
         if response.status_code != 200:
             raise _NotUp(f"/v1/models answered {response.status_code}")
         listed = listed_models(response.json())  # (ValueError: not a models list)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import h11
 import httpx
 import openai
 import pytest
@@ -607,3 +608,68 @@ async def test_a_client_that_stops_reading_is_hung_up_on_by_the_shared_stall_swe
             assert value(metrics, "pdtrio_requests_total", outcome="failed", status="5xx") == 1
             pool = app.router.engines  # type: ignore[union-attr]
             assert all(i.in_flight == 0 for i in pool.instances.values())  # its legs ended
+
+
+async def _engine_closing_each_connection_after_one_answer(
+    *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """vLLM's GETs, served so that each connection answers once, keeps alive, then closes
+    as the next request comes: what an idle connection meets when the server's keep-alive
+    timeout strikes as the client sends on it."""
+
+    async def serve(stream: trio.SocketStream) -> None:
+        connection = h11.Connection(h11.SERVER)
+        async with stream:
+            while True:
+                event = connection.next_event()
+                if event is h11.NEED_DATA:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    connection.receive_data(data)
+                    continue
+                if not isinstance(event, h11.Request):
+                    continue
+                if event.target == b"/v1/models":
+                    body = json.dumps({"data": [{"id": MODEL, "max_model_len": 2048}]}).encode()
+                else:
+                    body = b""
+                headers = [("content-length", str(len(body)))]
+                await stream.send_all(
+                    connection.send(h11.Response(status_code=200, headers=headers)) or b""
+                )
+                await stream.send_all(connection.send(h11.Data(data=body)) or b"")
+                await stream.send_all(connection.send(h11.EndOfMessage()) or b"")
+                # kept alive (no "connection: close"), then closed unanswered as the next
+                # request arrives
+                await stream.receive_some(65536)
+                return
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, serve, listeners)
+        task_status.started(f"http://127.0.0.1:{port}")
+
+
+async def test_a_health_read_on_a_connection_the_engine_closed_is_asked_again() -> None:
+    """A GET that meets a kept-alive connection closed by the engine ("Server disconnected
+    without sending a response") is asked again on a new one: the engine stays up."""
+    async with trio.open_nursery() as nursery:
+        engine = await nursery.start(_engine_closing_each_connection_after_one_answer)
+        async with fake_engines(nursery, "d0") as engines:
+            config = PdtrioConfig(
+                instances=(
+                    InstanceConfig(role="prefill", url=engine, kind="vllm"),
+                    InstanceConfig(role="decode", url=engines["d0"].url, kind="vllm"),
+                )
+            )
+            app = RouterApp(config)
+            await serve_app(app, nursery)
+            pool = app.router.engines
+            assert pool is not None
+            [prefill] = [e for e in pool.instances.values() if e.url == engine]
+            for _ in range(3):  # scrapes, a second apart: each meets closed connections
+                await trio.sleep(1.0)
+                assert prefill.healthy, prefill.last_error
+        nursery.cancel_scope.cancel()
