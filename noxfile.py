@@ -1,5 +1,4 @@
-"""nox sessions: `nox -s tests` (what CI and the README run), `nox -s lint`, and `nox -s vllm`
-(a real vLLM PD pair behind the router; CI runs it too)."""
+"""nox sessions: `nox -s tests` (what CI and the README run) and `nox -s lint`."""
 
 from __future__ import annotations
 
