@@ -22,6 +22,13 @@ class ClientDisconnected(Exception):
     pass
 
 
+def declared_body_too_large(scope: Scope, limit: int) -> bool:
+    """The request declares a ``Content-Length`` over ``limit``: refuse it before reading
+    a byte (hypercorn has checked that the header is a number)."""
+    declared = header(scope, b"content-length")
+    return declared is not None and declared.isdigit() and int(declared) > limit
+
+
 async def read_body(receive: Receive, limit: int) -> bytearray:
     """The request body, at most ``limit`` bytes, grown chunk by chunk.
 

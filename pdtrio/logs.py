@@ -258,9 +258,54 @@ def configure_logging(
     logging.getLogger("httpx").setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
 
 
+@final
+class LogBudget:
+    """At most one record of a kind per ``interval_s``; the rest are counted, and the next
+    record of that kind says how many were left out.
+
+    For what peers cause (refused links, malformed bytes, connections that fail): an
+    attacker can make as many of those as it likes, and must not be able to fill a disk.
+    """
+
+    def __init__(self, interval_s: float = 10.0, *, max_kinds: int = 256) -> None:
+        self.interval_s = interval_s
+        # kinds are the caller's constants, but a bound keeps a mistake from growing it
+        self._max_kinds = max_kinds
+        self._last_logged: dict[str, float] = {}
+        self._left_out: dict[str, int] = {}
+
+    def admit(self, kind: str, now: float | None = None) -> int | None:
+        """None: leave this record out (counted). Else log it: the count left out since the
+        last one of this kind is returned (0: none)."""
+        now = time.monotonic() if now is None else now
+        last = self._last_logged.get(kind)
+        if last is not None and now - last < self.interval_s:
+            self._left_out[kind] = self._left_out.get(kind, 0) + 1
+            return None
+        if last is None and len(self._last_logged) >= self._max_kinds:
+            self._last_logged.clear()
+            self._left_out.clear()
+        self._last_logged[kind] = now
+        return self._left_out.pop(kind, 0)
+
+    def log(
+        self, logger: logging.Logger, level: int, kind: str, message: str, *args: object
+    ) -> bool:
+        """``logger.log(level, message, *args)`` if the budget allows; True if it logged."""
+        left_out = self.admit(kind)
+        if left_out is None:
+            return False
+        if left_out:
+            message += " (%d more like it in the last %.0f s were not logged)"
+            args = (*args, left_out, self.interval_s)
+        logger.log(level, message, *args)
+        return True
+
+
 def adopt_hypercorn_error_log() -> None:
     """hypercorn's error log (by default its own handler on stderr, another format) goes
-    through ours instead; a log file it was given (``--error-logfile``) stays."""
+    through ours instead; a log file it was given (``--error-logfile``) stays. Its
+    tracebacks are budgeted: at most one a kind (the exception's type) per 10 s."""
     logger = logging.getLogger("hypercorn.error")
     if not any(isinstance(f, _HypercornErrorLogAdopter) for f in logger.filters):
         logger.addFilter(_HypercornErrorLogAdopter())
@@ -272,8 +317,19 @@ class _HypercornErrorLogAdopter(logging.Filter):
     """hypercorn gives its logger a stderr handler lazily, after the app has started: this
     filter drops it as each record passes, before the logger's handlers run."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._budget = LogBudget()
+
     def filter(self, record: logging.LogRecord) -> bool:
         _drop_stderr_handlers(logging.getLogger(record.name))
+        if record.exc_info is None or record.exc_info[0] is None:
+            return True
+        left_out = self._budget.admit(record.exc_info[0].__qualname__, record.created)
+        if left_out is None:
+            return False
+        if left_out:
+            record.msg = f"{record.msg} ({left_out} more like it in the last 10 s were not logged)"
         return True
 
 

@@ -35,6 +35,7 @@ import trio
 
 from pdtrio.engine.api import EngineError
 from pdtrio.kv.api import KvBlockSink, KvBlockSource, KvTransferError
+from pdtrio.logs import LogBudget
 from pdtrio.protocol import wire
 from pdtrio.protocol.wire import (
     KvHandle,
@@ -159,8 +160,24 @@ async def serve_kv_port(
     # most), and authenticated ones; silent strangers can never take a peer's place
     strangers = trio.CapacityLimiter(MAX_KV_STRANGERS)
     peers = trio.CapacityLimiter(MAX_KV_CONNECTIONS)
+    # what peers cause is logged within a budget: strangers can cause it at will
+    budget = LogBudget()
 
     async def handle(tcp: trio.SocketStream) -> None:
+        try:
+            await handle_connection(tcp)
+        except* Exception as failures:
+            # whatever else a peer's bytes cause ends its connection, not the port
+            budget.log(
+                log,
+                logging.WARNING,
+                "unexpected",
+                "a KV transfer connection failed and was closed: %r",
+                failures.exceptions[0],
+            )
+            await trio.aclose_forcefully(tcp)
+
+    async def handle_connection(tcp: trio.SocketStream) -> None:
         stream: trio.abc.Stream = tcp
         if secret.server_tls is not None:
             stream = trio.SSLStream(tcp, secret.server_tls, server_side=True)
@@ -168,8 +185,12 @@ async def serve_kv_port(
             try:
                 with _slot(strangers) as admitted:
                     if not admitted:
-                        log.warning(
-                            "refused a KV connection: %d are yet to authenticate", MAX_KV_STRANGERS
+                        budget.log(
+                            log,
+                            logging.WARNING,
+                            "strangers",
+                            "refused a KV connection: %d are yet to authenticate",
+                            MAX_KV_STRANGERS,
                         )
                         return
                     session, proven = b"", False
@@ -179,16 +200,33 @@ async def serve_kv_port(
                             await stream.do_handshake()
                         session, proven = await _prove_peer(stream, secret)
                 if not proven:
-                    log.warning("refused a KV transfer connection without proof of the secret")
+                    budget.log(
+                        log,
+                        logging.WARNING,
+                        "unproven",
+                        "refused a KV transfer connection without proof of the secret",
+                    )
                     return
                 with _slot(peers) as admitted:
                     if not admitted:
-                        log.warning("refused a KV connection: %d are open", MAX_KV_CONNECTIONS)
+                        budget.log(
+                            log,
+                            logging.WARNING,
+                            "peers",
+                            "refused a KV connection: %d are open",
+                            MAX_KV_CONNECTIONS,
+                        )
                         return
                     await serve_session(stream, session)
             except (KvTransferError, WireError, trio.BrokenResourceError, ssl.SSLError) as exc:
                 # no ack: the lease, or the router's release, frees the blocks
-                log.warning("KV transfer to a decode instance failed: %s", exc)
+                budget.log(
+                    log,
+                    logging.WARNING,
+                    "failed",
+                    "KV transfer to a decode instance failed: %s",
+                    exc,
+                )
 
     async def serve_session(stream: trio.abc.Stream, session: bytes) -> None:
         if session == SESSION_BLOCKS:

@@ -13,6 +13,7 @@ from typing import Any, Final, Literal, final
 
 import trio
 
+from pdtrio import hypercorn_guard
 from pdtrio.asgi import (
     BodyTooLarge,
     ClientDisconnected,
@@ -20,6 +21,7 @@ from pdtrio.asgi import (
     Receive,
     Scope,
     Send,
+    declared_body_too_large,
     hang_up,
     header,
     read_body,
@@ -127,6 +129,8 @@ class RouterApp:
     """
 
     def __init__(self, config: PdtrioConfig | None = None) -> None:
+        # hypercorn serves this app: no peer's bytes may end its server (see the module)
+        hypercorn_guard.install()
         self._config = config
         # one big parse at a time: they hold the GIL in turns anyway, and this bounds memory
         self._parse_limiter = trio.CapacityLimiter(1)
@@ -240,6 +244,8 @@ class RouterApp:
         if content_type is not None and not is_json_content_type(content_type):
             raise unsupported_media_type(content_type)
         limit = router.config.router.max_request_bytes
+        if declared_body_too_large(scope, limit):
+            raise request_too_large(limit)
         timeout_s = router.config.router.body_read_timeout_s
         body: bytearray | None = None
         try:

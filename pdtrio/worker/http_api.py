@@ -24,11 +24,13 @@ from pdtrio.asgi import (
     Receive,
     Scope,
     Send,
+    declared_body_too_large,
     header,
     read_body,
     send_bytes,
     send_json,
 )
+from pdtrio.logs import LogBudget
 from pdtrio.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdtrio.protocol import wire
 from pdtrio.protocol.errors import Reason
@@ -117,6 +119,8 @@ class WorkerHttpApi:
         # one big decode at a time: bounds the memory of bodies being decoded at once
         self._decode_limiter = trio.CapacityLimiter(1)
         self._bodies_in_flight = trio.CapacityLimiter(_MAX_BODIES_IN_FLIGHT)
+        # what unauthenticated peers cause is logged within a budget: they cause it at will
+        self._refusals = LogBudget()
 
     @property
     def bodies_receiving(self) -> int:
@@ -141,7 +145,12 @@ class WorkerHttpApi:
         )
         if kind == "websocket":
             if not admitted:
-                log.warning("refused a router link that did not answer a challenge of ours")
+                self._refusals.log(
+                    log,
+                    logging.WARNING,
+                    "link",
+                    "refused a router link that did not answer a challenge of ours",
+                )
                 await send({"type": "websocket.close", "code": 1008})  # (an HTTP 403)
             elif path != "/pd/link":
                 await send({"type": "websocket.close", "code": 1008})  # policy: no such link
@@ -165,6 +174,8 @@ class WorkerHttpApi:
             )
             return
         try:
+            if declared_body_too_large(scope, _MAX_PREFILL_BODY):
+                raise BodyTooLarge  # refused before a byte of it is read
             if path == "/health" and method == "GET":
                 await send_json(send, 200, {"status": "ok"})
             elif path == "/metrics" and method == "GET":
@@ -182,7 +193,9 @@ class WorkerHttpApi:
                 send, error_for(Reason.REQUEST_TOO_LARGE, "the request body is too large")
             )
         except WireError as exc:
-            log.info("a malformed request to %s: %s", path, exc)
+            self._refusals.log(
+                log, logging.INFO, "malformed", "a malformed request to %s: %s", path, exc
+            )
             await _send_error(send, error_for(Reason.INVALID_REQUEST, f"malformed request: {exc}"))
 
     async def _route(self, method: str, path: str, receive: Receive, send: Send) -> None:

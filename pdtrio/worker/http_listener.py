@@ -128,6 +128,9 @@ async def serve_http(
     from hypercorn.trio.worker_context import WorkerContext
     from hypercorn.utils import parse_socket_addr, wrap_app
 
+    from pdtrio import hypercorn_guard
+
+    hypercorn_guard.install()
     wrapped = wrap_app(app, hyper_config.wsgi_max_body_size, "asgi")
     context = WorkerContext(None)
     ssl_context = hyper_config.create_ssl_context() if hyper_config.ssl_enabled else None
