@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 import traceback
@@ -531,10 +532,34 @@ def load_config_file(path: str | Path) -> PdtrioConfig:
     return config
 
 
+# the whole configuration as JSON: how ``pdtrio serve`` hands its processes what it
+# resolved from --config, its flags and the environment (no file to re-read, no pickle)
+CONFIG_JSON_ENV = "PDTRIO_CONFIG_JSON"
+
+
+def config_to_json(config: PdtrioConfig) -> str:
+    return json.dumps(_converter().unstructure(config))
+
+
+def config_from_json(text: str) -> PdtrioConfig:
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{CONFIG_JSON_ENV} is not valid JSON: {exc}") from None
+    config: PdtrioConfig = config_from_dict(raw)
+    return config
+
+
 def load_config_from_env(environ: dict[str, str] | None = None) -> PdtrioConfig:
     """The router's configuration: ``PDTRIO_CONFIG``'s file (else the default), then
-    ``PDTRIO_ETCD_ENDPOINTS`` (comma-separated URLs) over its ``discovery.etcd_endpoints``."""
+    ``PDTRIO_ETCD_ENDPOINTS`` (comma-separated URLs) over its ``discovery.etcd_endpoints``.
+
+    ``PDTRIO_CONFIG_JSON`` (set by ``pdtrio serve``) is the whole resolved configuration
+    and comes before both: nothing else applies over it."""
     environ = dict(os.environ) if environ is None else environ
+    inline = environ.get(CONFIG_JSON_ENV)
+    if inline:
+        return config_from_json(inline)
     path = environ.get("PDTRIO_CONFIG")
     config = load_config_file(path) if path else PdtrioConfig()
     endpoints = etcd_endpoints_from(environ)
