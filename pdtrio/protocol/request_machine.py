@@ -524,6 +524,9 @@ class RequestMachine:
         self._any_token_emitted = False  # (streaming: the headers went out with it)
         self._awaiting_for_migration = False  # what AWAITING_DECODE waits for
         self._early: DecodeFailed | None = None  # the failure an AWAITING_DECODE retries
+        # when the wait for a decode that followed the last loss ends: one wait per loss,
+        # whether the KV prefill holds or a new prefill goes to the decode that connects
+        self._reconnect_until = math.inf
         self.migrations: list[str] = []
         self.ended: End | None = None
 
@@ -635,16 +638,25 @@ class RequestMachine:
         out.append(WaitForDecode(MappingProxyType(dict(exclude)), any_layout=any_layout))
         return out
 
-    def _lost(self, failure: DecodeFailed, now: float, *, torn: bool = False) -> list[Command]:
-        """Decode was lost after the first token went out: migrate, or fail as before."""
+    def _lost(
+        self, failure: DecodeFailed, now: float, *, torn: bool = False, waited: bool = False
+    ) -> list[Command]:
+        """Decode was lost after the first token went out: migrate, or fail as before.
+
+        ``waited``: the request has waited for a decode since the loss was seen (to
+        retry on prefill's KV): it waits for what is left of that wait, not a new one.
+        """
         assert self.decode_instance is not None
         self._lost_on[self.decode_instance] = self._decode_connection
         if not self.keep_tokens or len(self.migrations) >= self.limits.migration_limit:
             return self._fail(_decode_failed(failure.message), torn=torn)
         self._early = failure
         self._awaiting_for_migration = True
+        if not waited:
+            self._reconnect_until = now + self.limits.decode_reconnect_wait_s
         request_deadline = self._armed[Deadline.REQUEST]
-        until = min(now + self.limits.decode_reconnect_wait_s, request_deadline)
+        # (a wait already spent: a decode connected now is still taken, none is waited for)
+        until = max(now, min(self._reconnect_until, request_deadline))
         return self._await_decode(until, self._lost_on, any_layout=True)
 
     def _interrupted(self, failure: AnyFailure, torn: bool) -> list[Command]:
@@ -800,7 +812,8 @@ class RequestMachine:
         self._awaiting_for_migration = False
         assert self._lease_ends_at is not None
         lease_left = self._lease_ends_at - self.limits.lease_margin_s
-        until = min(now + self.limits.decode_reconnect_wait_s, lease_left)
+        self._reconnect_until = now + self.limits.decode_reconnect_wait_s
+        until = min(self._reconnect_until, lease_left)
         return self._await_decode(until, self._tried, any_layout=False)
 
     def _again_from_prefill(self) -> list[Command]:
@@ -895,7 +908,9 @@ class RequestMachine:
         assert self.prefill_instance is not None
         out.append(ReleasePrefill(self.prefill_instance))
         self.lifecycle.handle(Kv.KV_GIVEN_UP)
-        return out + self._lost(early, now, torn=torn)
+        # what is left of the same wait: a decode lost with requests placed just before
+        # its loss was seen moves those when it moves the streams it had started
+        return out + self._lost(early, now, torn=torn, waited=True)
 
     def _on_deadline(self, event: DeadlinePassed, now: float) -> list[Command]:
         armed = self._armed.get(event.deadline)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +23,10 @@ from tests.cluster import eventually
 # generous: these bound liveness (the link timeout is 2 s), they do not measure it
 LIVENESS_S = 10.0
 LINK_TIMEOUT_S = 2.0
+RECONNECT_WAIT_S = 5.0  # the router's decode_reconnect_wait_s (its default)
+# generous for a loaded machine, yet below a second reconnect wait: what a request placed
+# on a stopped decode used to wait, on top of its streams' own
+SLACK_S = 3.0
 
 
 @pytest.fixture
@@ -40,7 +45,11 @@ def cluster(procs: Processes, tmp_path: Path) -> tuple[Service, Service, Service
     config = write_router_config(
         tmp_path / "router.toml",
         [("prefill", prefill.url), ("decode", decode.url)],
-        router={"link_timeout_s": LINK_TIMEOUT_S, "link_heartbeat_s": 0.5},
+        router={
+            "link_timeout_s": LINK_TIMEOUT_S,
+            "link_heartbeat_s": 0.5,
+            "decode_reconnect_wait_s": RECONNECT_WAIT_S,
+        },
     )
     return prefill, decode, procs.router(config, output="capture")
 
@@ -106,6 +115,67 @@ def test_a_stopped_decode_worker_fails_its_streams_and_comes_back(
             assert _health(router).json()["decode_instances"] == 0
         finally:
             os.kill(decode.pid, signal.SIGCONT)
+    assert _eventually(lambda: _health(router).status_code == 200)
+    assert _completes(router)
+
+
+def test_requests_sent_to_a_stopped_decode_end_with_the_streams_it_had(
+    cluster: tuple[Service, Service, Service],
+) -> None:
+    """Requests placed on the decode after it stopped, before its link is found silent,
+    do not wait for it to wake: with no other decode to move to, they end when the
+    stream it was running does, within the link timeout and one reconnect wait."""
+    _, decode, router = cluster
+    # name -> (when it ended, its events)
+    ended: dict[str, tuple[float, list[str]]] = {}
+    flowing = threading.Event()
+
+    def stream(name: str, max_tokens: int) -> None:
+        events: list[str] = []
+        with httpx.stream(
+            "POST",
+            f"{router.url}/v1/chat/completions",
+            json=_body(max_tokens),
+            # past every wait a request could make: the test measures, httpx does not cut
+            timeout=LINK_TIMEOUT_S + 2 * RECONNECT_WAIT_S + LIVENESS_S,
+        ) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line:
+                    events.append(line)
+                if len(events) == 5:
+                    flowing.set()
+        ended[name] = (time.monotonic(), events)
+
+    def start(name: str, max_tokens: int) -> threading.Thread:
+        thread = threading.Thread(target=stream, args=(name, max_tokens), daemon=True)
+        thread.start()
+        return thread
+
+    threads = [start("in flight", 4000)]  # 80 s of tokens: still running at the stop
+    assert flowing.wait(LIVENESS_S)
+    os.kill(decode.pid, signal.SIGSTOP)
+    try:
+        stopped_at = time.monotonic()
+        # placed on it while its link still looks alive (detection takes the link timeout)
+        for delay in (0.05, 0.15, 0.3, LINK_TIMEOUT_S / 2):
+            time.sleep(max(0.0, stopped_at + delay - time.monotonic()))
+            threads.append(start(f"sent {delay:g}s after the stop", 20))
+        for thread in threads:
+            thread.join(LINK_TIMEOUT_S + 2 * RECONNECT_WAIT_S + LIVENESS_S)
+    finally:
+        os.kill(decode.pid, signal.SIGCONT)
+    assert len(ended) == len(threads), sorted(ended)
+    in_flight_end = ended["in flight"][0]
+    print()
+    for name, (at, events) in ended.items():
+        print(f"{name}: ended {at - stopped_at:.2f}s after the stop")
+        # well-formed: an error event, then [DONE]
+        assert events[-1] == "data: [DONE]", (name, events[-3:])
+        error = json.loads(events[-2][6:])["error"]
+        assert error["code"] == "decode_failed" and "sent nothing" in error["message"], name
+        assert at - stopped_at < LINK_TIMEOUT_S + RECONNECT_WAIT_S + SLACK_S, name
+        assert at - in_flight_end < SLACK_S, name  # with the stream in flight, not after
     assert _eventually(lambda: _health(router).status_code == 200)
     assert _completes(router)
 

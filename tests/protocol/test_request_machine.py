@@ -553,9 +553,37 @@ def test_kv_no_decode_pulls_in_time_is_given_up_and_the_request_migrates() -> No
     machine, out = _play([*HAPPY[:6], DecodeFailed("worker died", "decode_failed")])
     out = machine.handle(DeadlinePassed(Deadline.RECONNECT), 2.0)
     assert out[0] == ReleasePrefill("p0")
-    out += machine.handle(DecodeConnected(), 2.5)
+    # (the wait is spent: a decode connected now still takes it)
+    out += machine.handle(DecodeConnected(), 2.0)
     assert Migrate("decode_failed", "d0") in out
     assert isinstance(out[-1], SendPrefill) and out[-1].continuation
+
+
+def test_a_decode_lost_before_its_first_token_is_waited_for_once() -> None:
+    """A request started on a decode just before its loss was seen (its first token out,
+    decode's not) ends with the streams the decode had started: the wait for a decode to
+    pull prefill's KV and the migration's after it are one wait, from the loss."""
+    early = [*HAPPY[:5], DecodeFailed("sent nothing", "link_timeout")]
+    machine, out = _play(early)
+    assert out[-2] == WaitUntil(Deadline.RECONNECT, 2.0) and isinstance(out[-1], WaitForDecode)
+    out = machine.handle(DeadlinePassed(Deadline.RECONNECT), 2.0)
+    assert out[0] == ReleasePrefill("p0") and isinstance(out[-1], WaitForDecode)
+    # no second wait: what it had waited is the whole of it
+    assert WaitUntil(Deadline.RECONNECT, 2.0) in out
+    end = _ending(machine.handle(DeadlinePassed(Deadline.RECONNECT), 2.0))
+    assert end.ending is Ending.FAILED
+    assert end.failure == Failure(
+        Reason.DECODE_FAILED, "decode failed: decode failed to start: sent nothing"
+    )
+
+    # a wait the KV lease cut short goes on for the rest of it, as a migration
+    machine, out = _play([Arrived(), PrefillSent("p0"), Prefilled(1.5), *early[3:]])
+    assert WaitUntil(Deadline.RECONNECT, 0.5) in out
+    out = machine.handle(DeadlinePassed(Deadline.RECONNECT), 0.5)
+    assert out[0] == ReleasePrefill("p0")
+    assert WaitUntil(Deadline.RECONNECT, 2.0) in out
+    out = machine.handle(DecodeConnected(), 1.0)
+    assert Migrate("link_timeout", "d0") in out
 
 
 def test_without_the_first_token_out_an_early_failure_is_a_502() -> None:
