@@ -1,5 +1,5 @@
 """``python -m pdtrio --help``, ``pdtrio worker --help`` and ``pdtrio register --help``:
-every option, with its default."""
+every option, with its default (``pdtrio serve``'s: tests/test_serve.py)."""
 
 from __future__ import annotations
 
@@ -10,21 +10,30 @@ from pdtrio.discovery.register_engine import argument_parser as register_argumen
 from pdtrio.worker.main import argument_parser
 
 
-def test_top_level_help_names_the_commands_the_router_and_the_environment() -> None:
+def test_top_level_help_names_the_commands_and_how_the_router_runs() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pdtrio", "--help"], capture_output=True, text=True, timeout=30
     )
     assert result.returncode == 0
     for text in (
+        "serve",
         "worker",
         "register",
+        "faults",
+        "--version",
+        "pdtrio serve --help",
+        # the way it ran before pdtrio serve still does
         "hypercorn -k trio -b 127.0.0.1:8000 pdtrio.app:app",
-        "PDTRIO_CONFIG",
-        "PDTRIO_ETCD_ENDPOINTS",
-        "PDTRIO_LOG_LEVEL",
-        "PDTRIO_LOG_FORMAT",
     ):
         assert text in result.stdout
+
+
+def test_an_unknown_command_is_refused_naming_the_commands() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pdtrio", "route"], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2
+    assert "invalid choice: 'route'" in result.stderr and "'serve'" in result.stderr
 
 
 def test_no_command_prints_the_usage_and_fails() -> None:

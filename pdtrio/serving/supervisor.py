@@ -97,7 +97,9 @@ class Supervisor:
             started_at = trio.current_time()
             status = await self._run_once(index)
             if self.stopping.is_set():
-                if status != 0:
+                if status == STARTUP_FAILED_STATUS:
+                    log.info("router process %d failed to start too", index)
+                elif status != 0:
                     log.error("router process %d %s while stopping", index, describe_exit(status))
                     self.exit_status = self.exit_status or 1
                 return
