@@ -120,7 +120,9 @@ def test_engine_instances_come_from_flags_alone() -> None:
     assert not built.config.uses_embedded_cluster
 
 
-def test_what_cannot_be_served_is_refused_with_the_reason() -> None:
+def test_what_cannot_be_served_is_refused_with_the_reason(tmp_path: Path) -> None:
+    listed = tmp_path / "router.toml"
+    listed.write_text('[[instances]]\nrole = "both"\nurl = "http://10.0.0.5:8100"\n')
     with pytest.raises(ConfigError, match="embedded cluster runs under one router process"):
         plan("--workers", "2")
     with pytest.raises(ConfigError, match="--backend vllm needs its instances"):
@@ -129,6 +131,8 @@ def test_what_cannot_be_served_is_refused_with_the_reason() -> None:
         plan("--prefill", "http://a:1", "--decode", "http://b:2", "--model", "m")
     with pytest.raises(ConfigError, match="config file not found"):
         plan("--config", "/nonexistent.toml")
+    with pytest.raises(ConfigError, match="are of kind 'pdtrio'"):
+        plan("--config", str(listed), "--backend", "sglang")
 
 
 def test_the_router_reads_the_resolved_configuration_whole() -> None:

@@ -289,6 +289,13 @@ def plan_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Serv
             f"--backend {backend} needs its instances: --prefill URL and --decode URL "
             "(or --etcd, or [[instances]] in --config)"
         )
+    elif backend is not None and not endpoints and base.instances:
+        if base.instances[0].kind != backend:
+            raise ConfigError(
+                f"--backend {backend}: the [[instances]] of {path} are of kind "
+                f"{base.instances[0].kind!r} (--backend names the kind of the instances "
+                "given by --prefill/--decode/--both, or found with --etcd)"
+            )
     if args.model:
         if instances and engine:
             pass  # on each instance, above
