@@ -83,6 +83,29 @@ def _token_path(printed: str, report: Any) -> None:
     assert all(row["samples"] > 0 for row in report["latency"])
 
 
+def _hostile_bytes(printed: str, report: Any) -> None:
+    assert "goals: all met" in printed or "goals: MISSED" in printed
+    # every process kept serving, every over-cap declaration got its 413, nothing logged a
+    # traceback
+    assert all(row["serves"] for row in report["upgrades"]), report["upgrades"]
+    assert {row["target"] for row in report["upgrades"]} == {
+        "router",
+        "prefill-0",
+        "decode-0",
+        "decode-1",
+    }
+    assert set(report["declared_20_mb"]["statuses"]) == {"413"}, report["declared_20_mb"]
+    assert all(row["tracebacks"] == 0 and row["serves"] for row in report["unsent_bodies"])
+    assert report["serves_at_the_end"]
+    # under a stopped decode, requests sent after the stop did not wait for its SIGCONT
+    for stopped in report["stopped_decode"].values():
+        for name, row in stopped["rows"].items():
+            assert row["requests"] > 0, (name, row)
+            assert row["stall_max_s"] < stopped["sigcont_after_s"] - 1, (name, row)
+    moved = report["stopped_decode"]["two decodes: streams move"]["rows"]
+    assert all(row["completed"] == row["requests"] for row in moved.values()), moved
+
+
 def _worker_limits(printed: str, report: Any) -> None:
     assert "unauthenticated: nothing but refusals" in printed
     unauth = report["unauthenticated"]
@@ -374,6 +397,7 @@ QUICK = [
     Quick("benchmarks.pd_vs_colocated", _pd_vs_colocated, 120),
     Quick("benchmarks.token_path", _token_path, 300),
     Quick("benchmarks.worker_limits", _worker_limits, 120),
+    Quick("benchmarks.hostile_bytes", _hostile_bytes, 240),
     Quick("benchmarks.discovery", _discovery, 240, needs_etcd=True),
     Quick("benchmarks.router_cost", _router_cost, 300),
     Quick("benchmarks.kv_transfer", _kv_transfer, 400),
