@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -86,6 +87,8 @@ ROUTES: Final = RouteTable(
         "/v1/responses": ("POST",),
         "/v1/models": ("GET",),
         "/health": ("GET",),
+        "/health/live": ("GET",),
+        "/health/ready": ("GET",),
         "/metrics": ("GET",),
     }
 )
@@ -110,6 +113,22 @@ def context_lengths(router: Router) -> dict[str, int]:
         if instance.serves_prefill:
             lengths[instance.model] = max(lengths.get(instance.model, 0), instance.max_model_len)
     return lengths
+
+
+_HEALTH_PATHS = frozenset({"/health", "/health/live", "/health/ready"})
+
+
+def readiness(router: Router) -> tuple[bool, str]:
+    """Whether the router takes requests now, and if not, why (for ``/health/ready``)."""
+    if router.requests.draining:
+        return False, "the router is draining: it takes no new requests"
+    health = router.health()
+    if health["status"] == "ok":
+        return True, ""
+    missing = [role for role in ("prefill", "decode") if not health.get(f"{role}_instances", 0)]
+    if missing:
+        return False, "no " + " and no ".join(missing) + " instance is up"
+    return False, f"the router's health is {health['status']!r}"
 
 
 def _running_on_trio() -> bool:
@@ -220,6 +239,15 @@ class RouterApp:
             elif path == "/health":
                 health = router.health()
                 await send_json(send, 200 if health["status"] == "ok" else 503, health)
+            elif path == "/health/live":
+                # the loop answers: nothing else is asked (a restart would not help it)
+                await send_json(send, 200, {"status": "live", "pid": os.getpid()})
+            elif path == "/health/ready":
+                ready, reason = readiness(router)
+                answer = {"status": "ready" if ready else "not ready", "pid": os.getpid()}
+                if reason:
+                    answer["reason"] = reason
+                await send_json(send, 200 if ready else 503, answer)
             else:
                 await send_bytes(send, 200, router.metrics_text(), METRICS_CONTENT_TYPE)
         except OpenAIError as exc:
@@ -351,7 +379,7 @@ def _client_key(router: Router, path: str, scope: Scope) -> str:
     if not keys.required:
         return ""
     security = router.config.security
-    if (path == "/health" and not security.protect_health) or (
+    if (path in _HEALTH_PATHS and not security.protect_health) or (
         path == "/metrics" and not security.protect_metrics
     ):
         return ""

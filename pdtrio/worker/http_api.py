@@ -96,6 +96,9 @@ class ServedWorker(Protocol):
     @property
     def http_connections(self) -> HttpConnections: ...
 
+    @property
+    def draining(self) -> bool: ...
+
     def info(self) -> dict[str, Any]: ...
 
     def stats(self) -> dict[str, Any]: ...
@@ -103,6 +106,18 @@ class ServedWorker(Protocol):
 
 # a bound on work in flight is reached, or the worker is starting: retry shortly
 _SOON = (("retry-after", "1"),)
+
+
+_HEALTH_PATHS = frozenset({"/health", "/health/live", "/health/ready"})
+
+
+def _not_ready_because(worker: ServedWorker) -> str:
+    """Why the worker takes no new work now ("" when it does)."""
+    if worker.link_server is None:
+        return "the worker is starting"
+    if worker.draining:
+        return "the worker is draining: it takes no new requests"
+    return ""
 
 
 @final
@@ -140,7 +155,7 @@ class WorkerHttpApi:
             worker.http_connections.authenticated(scope.get("client"))
         admitted = (
             authenticated
-            or path == "/health"
+            or path in _HEALTH_PATHS
             or (path == "/metrics" and bearer_matches(authorization, self._metrics_token))
         )
         if kind == "websocket":
@@ -176,8 +191,14 @@ class WorkerHttpApi:
         try:
             if declared_body_too_large(scope, _MAX_PREFILL_BODY):
                 raise BodyTooLarge  # refused before a byte of it is read
-            if path == "/health" and method == "GET":
-                await send_json(send, 200, {"status": "ok"})
+            if path in ("/health", "/health/live") and method == "GET":
+                await send_json(send, 200, {"status": "ok" if path == "/health" else "live"})
+            elif path == "/health/ready" and method == "GET":
+                reason = _not_ready_because(worker)
+                if reason:
+                    await send_json(send, 503, {"status": "not ready", "reason": reason})
+                else:
+                    await send_json(send, 200, {"status": "ready"})
             elif path == "/metrics" and method == "GET":
                 await send_bytes(send, 200, worker.metrics.render(), METRICS_CONTENT_TYPE)
             elif links is None:
