@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from typing import Any, NoReturn
 
 import httpx
@@ -315,15 +316,30 @@ async def _on_sigterm(
                 shutdown_event.set()
         else:
             return
-    # hypercorn -w 0: we are its only process and it only stops on SIGINT (from here on
-    # trio's again: a second one stops at once)
-    await router.requests.drain(drain_s)
+        # hypercorn -w 0: we are its only process and it only stops on SIGINT. The
+        # receiver stays open while draining: a second SIGTERM (also sent to the process
+        # group, say) is taken and ignored, where a closed receiver would hand it to the
+        # default action and end the process mid-drain; a second SIGINT (Ctrl-C twice)
+        # cuts the drain short
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cut_drain_on_a_second_interrupt, router, signals)
+            await router.requests.drain(drain_s)
+            nursery.cancel_scope.cancel()
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         # a shell that started us in the background made SIGINT ignored, so hypercorn
         # cannot be asked to stop: the drain is done, and our workers exit when our
         # pipes to them close
         _exit_now("pdtrio: drained after SIGTERM; exiting (SIGINT is ignored here)", 0)
     _interrupt_hypercorn()
+
+
+async def _cut_drain_on_a_second_interrupt(router: Router, signals: AsyncIterator[int]) -> None:
+    async for received in signals:
+        if received == signal.SIGINT:
+            log.info("SIGINT received again: cutting the drain short")
+            await router.requests.drain(0)
+            return
+        log.info("%s received again: already draining", signal.Signals(received).name)
 
 
 @trio.lowlevel.enable_ki_protection

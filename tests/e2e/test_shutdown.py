@@ -152,6 +152,35 @@ def test_sigterm_drains_streams(
         assert late_seen == "503"
 
 
+def test_a_second_sigterm_during_the_drain_does_not_end_it(
+    procs: Processes, tmp_path: Path
+) -> None:
+    # -w 0 (and pdtrio serve's single process): once draining, another SIGTERM (a process
+    # group's, a supervisor's retry) used to meet the default action and end the process
+    # mid-drain, streams cut without an error event, exit -15
+    router = _start(procs, _config(tmp_path / "c.toml", drain_s=3), "-w", "0")
+    results: list[list[str]] = [[] for _ in range(4)]
+    errors: list[BaseException] = []
+    threads = [
+        threading.Thread(target=_stream, args=(router.url, 40, out, errors)) for out in results
+    ]
+    for thread in threads:
+        thread.start()
+    assert eventually(lambda: all(len(r) >= 2 for r in results), 20), "not every stream started"
+    router.process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    router.process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    router.process.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(30)
+    assert router.process.wait(timeout=30) == 0
+    assert not errors, errors
+    # 2 s streams within a 3 s drain: each one finished
+    assert [_outcome(r) for r in results] == ["complete"] * 4
+    assert b"received again: already draining" in procs.output(router.process)
+
+
 GROUP_SIGTERM_RUNS = 20
 GROUP_STREAMS = 4
 
