@@ -78,7 +78,8 @@ class CapacityQueue(Generic[_T]):
         Call :meth:`take_now` first: this always queues.  ``take`` must not
         checkpoint; neither does this between its success and returning, so
         the caller claims the room before anyone else runs.  Raises
-        :class:`QueueFull` at the limit; cancellation leaves the queue.
+        :class:`QueueFull` at the limit; cancellation leaves the queue, and so
+        does what ``take`` raises (a waiter that stops waiting: the next looks).
         """
         if self.full:
             raise QueueFull

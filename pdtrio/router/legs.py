@@ -100,6 +100,11 @@ class ShellFailure(Exception):
         self.failure = failure
 
 
+class _NoDecodeLeft(Exception):
+    """No decode that could take the request is connected any more: it stops waiting
+    for room (the next in the queue then looks)."""
+
+
 NO_COUNTS = rm.Failure(Reason.INTERNAL, "the engine finished the request without its token counts")
 
 
@@ -499,27 +504,14 @@ class DecodeLeg:
         last_reason: str,
     ) -> Instance:
         """A decode instance with room for the request (not one of ``tried``, unless it has
-        reconnected since), waiting in FIFO order for one."""
+        reconnected since), waiting in FIFO order for one.
+
+        While it waits, the decodes that could take it may all go (a link lost, or
+        silent: a hung worker): it then waits for one to (re)connect as a newcomer does,
+        ``decode_reconnect_wait_s``, not for the worker to wake within the KV lease."""
         router = self._host.router
         instances = router.instances
-        not_on = self._not_on(tried)
-        links = instances.decode_links(not_on, handle.layout)
-        if not links and await self._a_decode_connects(tried, handle.layout, handle):
-            not_on = self._not_on(tried)  # (asked again after a wait)
-            links = instances.decode_links(not_on, handle.layout)
         num_tokens = self._kv_tokens(reply)
-        unplaceable = instances.decode_unplaceable(
-            links,
-            not_on,
-            handle.layout,
-            num_tokens,
-            reply.prompt_tokens - self._prefill.leg_generated,
-            reply.token_budget,
-            last_reason,
-        )
-        if unplaceable is not None:
-            raise ShellFailure(rm.Failure(*unplaceable))
-
         # prefilled on a decode (conditional disaggregation): decoded there while it has
         # room (its KV in place); another decode pulls it otherwise
         prefer = self._prefill.instance_id if self._prefill.local else None
@@ -527,25 +519,45 @@ class DecodeLeg:
         prompt = instances.prompt_blocks(TokenPrompt(reply.prompt_token_ids))
 
         def take() -> Instance | None:
-            return instances.decode_with_room(
-                num_tokens,
-                router.now(),
-                self._not_on(tried),
-                handle.layout,
-                prompt,
-                prefer,
+            not_on = self._not_on(tried)
+            instance = instances.decode_with_room(
+                num_tokens, router.now(), not_on, handle.layout, prompt, prefer
             )
-
-        # the reserved place becomes a waiter's (no checkpoint until wait_for holds it)
-        self.unreserve()
-        instance = router.decode_queue.take_now(take)
-        if instance is not None:
+            if instance is None and not instances.decode_links(not_on, handle.layout):
+                raise _NoDecodeLeft
             return instance
-        try:
-            # the machine's KV_LEASE deadline bounds the wait
-            return await router.decode_queue.wait_for(take)
-        except QueueFull as exc:
-            raise ShellFailure(rm.Failure(Reason.QUEUE_FULL, rm.QUEUE_FULL_MESSAGE)) from exc
+
+        while True:
+            not_on = self._not_on(tried)
+            links = instances.decode_links(not_on, handle.layout)
+            if not links and await self._a_decode_connects(tried, handle.layout, handle):
+                not_on = self._not_on(tried)  # (asked again after a wait)
+                links = instances.decode_links(not_on, handle.layout)
+            unplaceable = instances.decode_unplaceable(
+                links,
+                not_on,
+                handle.layout,
+                num_tokens,
+                reply.prompt_tokens - self._prefill.leg_generated,
+                reply.token_budget,
+                last_reason,
+            )
+            if unplaceable is not None:
+                raise ShellFailure(rm.Failure(*unplaceable))
+            # the reserved place becomes a waiter's (no checkpoint until wait_for holds it)
+            self.unreserve()
+            try:
+                instance = router.decode_queue.take_now(take)
+                if instance is not None:
+                    return instance
+                # the machine's KV_LEASE deadline bounds the wait
+                return await router.decode_queue.wait_for(take)
+            except _NoDecodeLeft:
+                # its place is its own again while it waits for a decode (it has just
+                # left it: nothing ran since)
+                self.reserve_place()
+            except QueueFull as exc:
+                raise ShellFailure(rm.Failure(Reason.QUEUE_FULL, rm.QUEUE_FULL_MESSAGE)) from exc
 
     async def _a_decode_connects(
         self, tried: Mapping[str, Hashable], layout: KvLayout, handle: KvHandle
