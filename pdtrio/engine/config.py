@@ -7,12 +7,39 @@ from typing import Any, final
 
 import attrs
 
-# HF model_type values whose checkpoints this decoder runs unchanged.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# HF model_type values whose checkpoints this decoder runs unchanged, with the
+# `architectures` class each names in config.json (what docs/engines.md lists).
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+SUPPORTED_MODEL_TYPES = frozenset(SUPPORTED_ARCHITECTURES)
 
 
 class UnsupportedModel(ValueError):
     """The checkpoint describes a model this engine cannot run correctly."""
+
+
+def supported_architectures() -> str:
+    """The architectures this engine runs, as a message names them."""
+    return ", ".join(
+        f"{name} (model_type {kind!r})" for kind, name in sorted(SUPPORTED_ARCHITECTURES.items())
+    )
+
+
+def check_supported_architecture(raw: Mapping[str, Any], source: str) -> None:
+    """Refuse a HF ``config.json`` of an architecture this engine cannot run, naming the
+    ones it can (before any weight is read or downloaded)."""
+    model_type = raw.get("model_type")
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return
+    named = raw.get("architectures") or []
+    described = ", ".join(str(a) for a in named) if isinstance(named, list) else str(named)
+    raise UnsupportedModel(
+        f"{source}: model_type {model_type!r}{f' ({described})' if described else ''} is not "
+        f"supported; this engine runs {supported_architectures()}"
+    )
 
 
 @final
@@ -91,11 +118,7 @@ class ModelConfig:
     def from_hf_config(cls, raw: Mapping[str, Any]) -> ModelConfig:
         """Read a Llama / Mistral / Qwen2 ``config.json``."""
         model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModel(
-                f"model_type {model_type!r} is not supported "
-                f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
-            )
+        check_supported_architecture(raw, "config.json")
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         # transformers >= 5 moves theta and scaling into rope_parameters

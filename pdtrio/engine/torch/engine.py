@@ -50,7 +50,9 @@ from pdtrio.engine.budget import (
     tokens_left,
 )
 from pdtrio.engine.detokenizer import IncrementalDetokenizer
+from pdtrio.engine.hub import is_repo_id, resolve_repo_id
 from pdtrio.engine.prefix_cache import PrefixCache, chain_root, layout_salt
+from pdtrio.engine.progress import LoadProgress
 from pdtrio.engine.scheduler import SchedulerLimits, schedule
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.engine.tokenizer import Tokenizer
@@ -99,10 +101,17 @@ def load_model(config: EngineConfig) -> LoadedModel:
             raise EngineError(f"unsupported dtype {config.dtype!r} (one of {choices})")
         dtype = found
     name = config.model
+    progress = LoadProgress()
     if name.endswith(".gguf"):
-        loaded = load_gguf(name, device=config.device, dtype=dtype)
+        loaded = load_gguf(name, device=config.device, dtype=dtype, progress=progress)
+    elif is_repo_id(name):
+        # a Hub repo id, served under that name (as vLLM and SGLang serve it)
+        directory = resolve_repo_id(name, progress=progress)
+        loaded = load_hf_checkpoint(
+            directory, device=config.device, dtype=dtype, name=name, progress=progress
+        )
     elif "/" in name:
-        loaded = load_hf_checkpoint(name, device=config.device, dtype=dtype)
+        loaded = load_hf_checkpoint(name, device=config.device, dtype=dtype, progress=progress)
     else:
         loaded = load_builtin(name, device=config.device, dtype=dtype)
     wanted = config.int4_weights == "on" or (config.int4_weights == "auto" and loaded.int4_layers)
@@ -214,6 +223,13 @@ class TorchEngine:
             num_blocks=config.num_kv_blocks, block_size=config.block_size
         )
         self._layout = self._cache.layout(loaded.fingerprint)
+        log.info(
+            "KV cache allocated: %d blocks of %d tokens (%.1f MiB) on %s",
+            config.num_kv_blocks,
+            config.block_size,
+            config.num_kv_blocks * self._layout.block_nbytes / (1 << 20),
+            loaded.device,
+        )
         self._lock = threading.Lock()
         # one free list: the cache's own allocator (its statistics stay true)
         prefix_cache = PrefixCache(

@@ -89,3 +89,58 @@ def export(gguf_path: Path, out_dir: Path, dtype_name: str = "bfloat16") -> None
         "chat_template": fields.get("tokenizer.chat_template"),
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+
+
+def install_in_hub_cache(
+    checkpoint_dir: Path, repo_id: str, cache_dir: Path, revision: str | None = None
+) -> Path:
+    """Lay ``checkpoint_dir`` out in a huggingface_hub cache as ``repo_id``'s ``main``: what
+    ``hf download`` leaves (``models--Org--Name/blobs``, ``snapshots/<revision>``,
+    ``refs/main``), so a machine that cannot reach the Hub serves the model by its name
+    with ``HF_HUB_OFFLINE=1``.  The files are hard-linked where the file system allows,
+    else copied.  Returns the snapshot directory."""
+    import hashlib
+    import os
+    import shutil
+
+    org, _, name = repo_id.partition("/")
+    if not org or not name or "/" in name:
+        raise SystemExit(f"{repo_id!r} is not a repo id (Org/Name)")
+    files = sorted(p for p in checkpoint_dir.iterdir() if p.is_file())
+    if revision is None:
+        digest = hashlib.sha1()
+        for path in files:
+            digest.update(path.name.encode())
+            digest.update(path.stat().st_size.to_bytes(8, "little"))
+        revision = digest.hexdigest()
+    repo = cache_dir / f"models--{org}--{name}"
+    blobs = repo / "blobs"
+    snapshot = repo / "snapshots" / revision
+    blobs.mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for path in files:
+        blob = blobs / _blob_name(path)
+        if not blob.exists():
+            try:
+                os.link(path, blob)
+            except OSError:
+                shutil.copyfile(path, blob)
+        link = snapshot / path.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+def _blob_name(path: Path) -> str:
+    """The Hub names a blob by its git object id (a sha256 for LFS files); any stable
+    content hash serves the cache's readers, which follow the snapshot's links."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pdtrio.engine.config import ModelConfig, RopeScaling, UnsupportedModel
+from pdtrio.engine.progress import LoadProgress
 from pdtrio.engine.torch.kv_cache import PagedKvCache
 from pdtrio.engine.torch.model import CausalLM
 
@@ -119,6 +120,16 @@ def _weight_files(directory: Path) -> list[Path]:
     return files
 
 
+def _count_safetensors(files: list[Path]) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    return total
+
+
 def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
@@ -126,6 +137,10 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def _mib(files: list[Path]) -> float:
+    return sum(p.stat().st_size for p in files) / (1 << 20)
 
 
 def _hf_tokenizer(directory: Path, extra_eos_token_ids: tuple[int, ...]) -> Tokenizer:
@@ -168,8 +183,10 @@ def load_hf_checkpoint(
     dtype: torch.dtype = torch.float32,
     name: str | None = None,
     load_tokenizer: bool = True,
+    progress: LoadProgress | None = None,
 ) -> LoadedModel:
     """Load config.json, the (possibly sharded) safetensors and the tokenizer files."""
+    progress = LoadProgress() if progress is None else progress
     directory = Path(directory)
     config_path = directory / "config.json"
     try:
@@ -183,7 +200,24 @@ def load_hf_checkpoint(
         # (from_hf_config reads the required keys with raw[...]: the file lacks one)
         raise UnsupportedModel(f"{config_path} has no {exc}") from exc
     files = _weight_files(directory)
-    model = CausalLM.build(config, _iter_safetensors(files), device=device, dtype=dtype)
+    total = _count_safetensors(files)
+    progress.stage(
+        "reading weights: %d tensors from %d safetensors file%s (%.1f MiB) into %s on %s",
+        total,
+        len(files),
+        "" if len(files) == 1 else "s",
+        _mib(files),
+        str(dtype).removeprefix("torch."),
+        device,
+    )
+    model = CausalLM.build(
+        config,
+        progress.track(_iter_safetensors(files), total, "tensors"),
+        device=device,
+        dtype=dtype,
+    )
+    if load_tokenizer:
+        progress.stage("reading the tokenizer")
     tokenizer = _hf_tokenizer(directory, generation_eos) if load_tokenizer else None
     return LoadedModel(
         config=config,
@@ -350,8 +384,10 @@ def load_gguf(
     dtype: torch.dtype = torch.float32,
     name: str | None = None,
     load_tokenizer: bool = True,
+    progress: LoadProgress | None = None,
 ) -> LoadedModel:
     """Load a llama/qwen2 GGUF, dequantising every tensor to ``dtype``."""
+    progress = LoadProgress() if progress is None else progress
     path = Path(path)
     fields, tensors, types = _read_gguf_fields_and_tensors(path)
     arch = fields.get("general.architecture")
@@ -377,9 +413,20 @@ def load_gguf(
                 values = _unpermute_rows(values, config.num_kv_heads)
             yield _hf_name(gguf_name), torch.from_numpy(np.ascontiguousarray(values))
 
-    model = CausalLM.build(config, weights(), device=device, dtype=dtype)
+    progress.stage(
+        "reading weights: %d tensors from %s (%.1f MiB) into %s on %s",
+        len(tensors),
+        path.name,
+        _mib([path]),
+        str(dtype).removeprefix("torch."),
+        device,
+    )
+    model = CausalLM.build(
+        config, progress.track(weights(), len(tensors), "tensors"), device=device, dtype=dtype
+    )
     tokenizer: Tokenizer | None = None
     if load_tokenizer:
+        progress.stage("reading the tokenizer")
         from pdtrio.engine.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf_metadata(
