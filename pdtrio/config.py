@@ -79,7 +79,12 @@ class EngineConfig:
     num_kv_blocks: int = attrs.field(default=1024, validator=_positive)
     block_size: int = attrs.field(default=16, validator=_positive)
     max_batch_size: int = attrs.field(default=32, validator=_positive)
-    max_prefill_tokens: int = attrs.field(default=2048, validator=_positive)
+    # tokens computed in one step, decode rows (one each) and prompt chunks together
+    # (vLLM's max_num_batched_tokens): a step never grows past it, so running decodes wait
+    # at most one such step for the prompts that share it.  512, not vLLM CPU's 2048: on a
+    # few CPU cores a step's time grows in proportion with its prompt tokens from a few
+    # dozen on, so a larger budget lengthens every decode's step without prefilling faster
+    max_num_batched_tokens: int = attrs.field(default=512, validator=_positive)
     # a longer prompt is prefilled this many tokens a step: an abort (its client left) or
     # the running decodes wait one chunk, not the whole prompt.  256, not 128: a later chunk
     # attends over its earlier blocks gathered and masked, which cost more than one causal

@@ -45,10 +45,9 @@ from pdtrio.engine.budget import (
     tokens_left,
 )
 from pdtrio.engine.prefix_cache import PrefixCache, chain_root, layout_salt
-from pdtrio.engine.scheduler import SchedulerLimits, schedule
+from pdtrio.engine.scheduler import Scheduler, SchedulerLimits, StepSchedule
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
-from pdtrio.protocol.sampling import SamplingParams, choice_sampling
 from pdtrio.protocol.wire import (
     MAX_TOP_LOGPROBS,
     ChatPrompt,
@@ -62,6 +61,7 @@ from pdtrio.protocol.wire import (
     Usage,
     choice_request_id,
 )
+from pdtrio.protocol.sampling import SamplingParams, choice_sampling
 
 SYNTHETIC_MODEL_NAME = "synthetic"
 _FIRST_WORD_ID = 300  # ids below are bytes and specials
@@ -200,19 +200,19 @@ class _Running:
 
 @attrs.define(eq=False)
 class _WaitingPrompt:
-    """A prompt waiting for its steps (scheduled prefill)."""
+    """A prompt waiting for its steps (scheduled prefill): set once its last chunk ran."""
 
-    remaining: int  # tokens still to prefill
     done: trio.Event = attrs.field(factory=trio.Event)
 
 
 @final
 class SyntheticEngine:
     """``scheduler_limits``: schedule steps as the torch engine does (pdtrio.engine.scheduler):
-    a prefill waits for steps that take its prompt a chunk at a time within the step's
-    prompt-token budget, and a step decodes at most ``max_batch_size`` sequences.  None
-    (the default): every prefill runs at once (``prefill_s_per_token``), every running
-    sequence decodes each step."""
+    a step decodes at most ``max_batch_size`` sequences, and a prefill waits for the
+    steps that take its prompt a chunk at a time with what the decodes leave of the
+    step's token budget; a step then lasts ``decode_step_s`` plus ``prefill_s_per_token``
+    for each prompt token in it.  None (the default): every prefill runs at once
+    (``prefill_s_per_token`` each token), every running sequence decodes each step."""
 
     def __init__(
         self,
@@ -227,8 +227,9 @@ class SyntheticEngine:
         prefix_cache_max_blocks: int = 0,
     ) -> None:
         self._config = config
-        self._limits = scheduler_limits
-        self._waiting: list[_WaitingPrompt] = []  # scheduled prefills, in arrival order
+        self._scheduler: Scheduler[_WaitingPrompt, _Running] | None = (
+            None if scheduler_limits is None else Scheduler(scheduler_limits)
+        )
         self._left_out = 0  # requests the last scheduled step left waiting
         self._default_max_tokens = default_max_tokens
         self._model_name = model_name
@@ -343,8 +344,8 @@ class SyntheticEngine:
         to_compute = len(prompt_token_ids) - cached
         self._prefilling += 1
         try:
-            if self._limits is not None:
-                await self._scheduled_prefill(to_compute)
+            if self._scheduler is not None:
+                await self._scheduled_prefill(self._scheduler, to_compute)
             elif self._config.prefill_s_per_token > 0:
                 await trio.sleep(self._config.prefill_s_per_token * to_compute)
             else:
@@ -445,7 +446,9 @@ class SyntheticEngine:
         )
 
     def free_request(self, request_id: str) -> None:
-        self._running.pop(request_id, None)
+        state = self._running.pop(request_id, None)
+        if state is not None and self._scheduler is not None:
+            self._scheduler.remove_decode(state)
         self._blocks.release(request_id)
 
     # --- KV blocks ----------------------------------------------------------------
@@ -540,17 +543,18 @@ class SyntheticEngine:
         # before it); a stop string may begin in them
         for earlier in (*prompt_token_ids[own:], first_token_id):
             processor.replay(earlier)
-        self._running[request_id] = _Running(
-            request_id=request_id,
-            digest=prompt_digest(prompt_token_ids[:own]),
-            seed=0 if sampling.seed is None else sampling.seed,
-            position=own + tokens_generated,
-            prompt_tokens=own,
-            cached_tokens=cached_tokens,
-            processor=processor,
-            logprobs=sampling.logprobs,
+        self._add_running(
+            _Running(
+                request_id=request_id,
+                digest=prompt_digest(prompt_token_ids[:own]),
+                seed=0 if sampling.seed is None else sampling.seed,
+                position=own + tokens_generated,
+                prompt_tokens=own,
+                cached_tokens=cached_tokens,
+                processor=processor,
+                logprobs=sampling.logprobs,
+            )
         )
-        self._work_arrived.set()
 
     async def _start_choices(
         self,
@@ -604,55 +608,60 @@ class SyntheticEngine:
             )
             processor.replay(first)  # its text went out from prefill
             choice_id = choice_request_id(request_id, choice)
-            self._running[choice_id] = _Running(
-                request_id=choice_id,
-                digest=digest,
-                seed=choice_seed(sampling, choice),
-                position=prompt_tokens + 1,
-                prompt_tokens=prompt_tokens,
-                cached_tokens=cached_tokens,
-                processor=processor,
-                logprobs=sampling.logprobs,
+            self._add_running(
+                _Running(
+                    request_id=choice_id,
+                    digest=digest,
+                    seed=choice_seed(sampling, choice),
+                    position=prompt_tokens + 1,
+                    prompt_tokens=prompt_tokens,
+                    cached_tokens=cached_tokens,
+                    processor=processor,
+                    logprobs=sampling.logprobs,
+                )
             )
         if all(choice != 0 for choice, _ in choices):
             # choice 0 ended at prefill: the shared blocks stay, held by the others
             self._blocks.release(request_id)
-        self._work_arrived.set()
 
     def abort(self, request_id: str) -> None:
         self.free_request(request_id)
 
-    async def _scheduled_prefill(self, num_tokens: int) -> None:
-        waiting = _WaitingPrompt(num_tokens)
-        self._waiting.append(waiting)
+    def _add_running(self, state: _Running) -> None:
+        self._running[state.request_id] = state
+        if self._scheduler is not None:
+            self._scheduler.add_decode(state)
+        self._work_arrived.set()
+
+    async def _scheduled_prefill(
+        self, scheduler: Scheduler[_WaitingPrompt, _Running], num_tokens: int
+    ) -> None:
+        waiting = _WaitingPrompt()
+        scheduler.add_prompt(waiting, num_tokens)
         self._work_arrived.set()
         try:
             await waiting.done.wait()
         finally:
-            if waiting in self._waiting:
-                self._waiting.remove(waiting)  # cancelled while it waited
+            scheduler.remove_prompt(waiting)  # (cancelled while it waited)
 
-    def _step(self) -> tuple[StepOutputs, StepLogprobs | None, int]:
+    def _step(
+        self, plan: StepSchedule[_WaitingPrompt, _Running] | None
+    ) -> tuple[StepOutputs, StepLogprobs | None, int]:
         """One step's outputs, their logprobs (None: no request in it asked), and how many
-        sequences (prompts and decodes) it ran."""
-        running = list(self._running.values())
-        if self._limits is not None:
-            plan = schedule(self._waiting, running, self._limits, lambda w: w.remaining)
-            running = list(plan.decodes)
-            for waiting, take in plan.prefills:
-                waiting.remaining -= take
-                if waiting.remaining == 0:
-                    self._waiting.remove(waiting)
-                    waiting.done.set()
-            batch = len(plan.prefills) + len(plan.decodes)
-            self._left_out = plan.waiting
-        else:
+        sequences (prompts and decodes) it ran: ``plan``'s (its requests freed since were
+        dropped), or every running sequence's."""
+        if plan is None:
+            running = list(self._running.values())
             batch = len(running)
+        else:
+            # a decode aborted while the step ran produces nothing
+            running = [s for s in plan.decodes if self._running.get(s.request_id) is s]
+            batch = len(plan.prefills) + len(plan.decodes)
         outputs: StepOutputs = []
         logprobs: list[TokenLogprobs] = []
         vocab = self._config.vocab_size
         per_step = self._config.tokens_per_step
-        finished: list[str] = []
+        finished: list[_Running] = []
         for state in running:
             processor = state.processor
             tokens: list[int] = []
@@ -674,10 +683,13 @@ class SyntheticEngine:
             usage: Usage | None = None
             if finish is not None:
                 usage = Usage(state.prompt_tokens, processor.num_generated, state.cached_tokens)
-                finished.append(state.request_id)
+                finished.append(state)
             outputs.append(TokenEntry(state.request_id, tokens, "".join(texts), finish, usage))
-        for request_id in finished:
-            self.free_request(request_id)
+        for state in finished:
+            self.free_request(state.request_id)
+        if plan is not None and self._scheduler is not None:
+            for waiting in self._scheduler.update_from_output(plan, finished):
+                waiting.done.set()
         return outputs, StepLogprobs(logprobs) if logprobs else None, batch
 
     async def run(
@@ -687,11 +699,13 @@ class SyntheticEngine:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         step = self._config.decode_step_s
+        per_prompt_token = self._config.prefill_s_per_token
+        scheduler = self._scheduler
         task_status.started()
         async with outputs:
             next_step = -math.inf
             while True:
-                if not self._running and not self._waiting:
+                if not self._running and (scheduler is None or not scheduler.has_work):
                     self._work_arrived = trio.Event()
                     await self._work_arrived.wait()
                     next_step = trio.current_time()
@@ -701,8 +715,19 @@ class SyntheticEngine:
                     await trio.sleep_until(next_step)
                 else:
                     await trio.lowlevel.checkpoint()
+                plan = None
+                if scheduler is not None:
+                    plan = scheduler.schedule()
+                    self._left_out = plan.waiting
+                    prompt_tokens = plan.num_tokens - len(plan.decodes)
+                    if prompt_tokens and per_prompt_token:
+                        # the step's prompt chunks take their time: what arrives meanwhile
+                        # waits for the next step
+                        next_step = max(next_step, trio.current_time())
+                        next_step += per_prompt_token * prompt_tokens
+                        await trio.sleep_until(next_step)
                 started = time.perf_counter()
-                produced, produced_logprobs, batch = self._step()
+                produced, produced_logprobs, batch = self._step(plan)
                 observer = self._step_observer
                 if observer is not None:
                     tokens = sum(len(entry.token_ids) for entry in produced)

@@ -14,8 +14,8 @@ from pdtrio.engine.budget import token_budget, tokens_left
 from pdtrio.engine.scheduler import SchedulerLimits
 from pdtrio.engine.stopping import OutputProcessor, StopStringHoldBack
 from pdtrio.engine.synthetic import SyntheticEngine, synthetic_text
-from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.protocol.wire import TextPrompt, TokenEntry, Usage
+from pdtrio.protocol.sampling import SamplingParams
 
 PROMPT = "the synthetic prompt"
 
@@ -315,18 +315,21 @@ async def test_a_continuation_with_nothing_left_to_generate_is_refused() -> None
 # --- scheduled steps (pdtrio.engine.scheduler), as the torch engine takes them ---------------
 
 
-def _scheduled(max_batch_size: int, max_prefill_tokens: int, chunk: int) -> SyntheticEngine:
+def _scheduled(
+    max_batch_size: int, max_num_batched_tokens: int, chunk: int, **config: float
+) -> SyntheticEngine:
     limits = SchedulerLimits(
         max_batch_size=max_batch_size,
-        max_prefill_tokens=max_prefill_tokens,
+        max_num_batched_tokens=max_num_batched_tokens,
         prefill_chunk_tokens=chunk,
     )
-    config = SyntheticEngineConfig(decode_step_s=0.0)
-    return SyntheticEngine(config, num_blocks=256, block_size=4, scheduler_limits=limits)
+    config.setdefault("decode_step_s", 0.0)
+    settings = SyntheticEngineConfig(**config)
+    return SyntheticEngine(settings, num_blocks=256, block_size=4, scheduler_limits=limits)
 
 
 async def test_scheduled_steps_decode_at_most_the_batch_limit() -> None:
-    target = _scheduled(max_batch_size=2, max_prefill_tokens=64, chunk=64)
+    target = _scheduled(max_batch_size=2, max_num_batched_tokens=64, chunk=64)
     sampling = SamplingParams(temperature=0, ignore_eos=True)
     decoded: list[int] = []  # sequences decoded, step by step
     send, receive = trio.open_memory_channel[EngineOutput](64)
@@ -353,7 +356,7 @@ async def test_scheduled_steps_decode_at_most_the_batch_limit() -> None:
 
 async def test_scheduled_prefills_take_their_chunks_within_the_step_budget() -> None:
     # 10-token prompts, 4 tokens of one a step, 6 tokens a step in all: 2 prompts share it
-    target = _scheduled(max_batch_size=8, max_prefill_tokens=6, chunk=4)
+    target = _scheduled(max_batch_size=8, max_num_batched_tokens=6, chunk=4)
     sampling = SamplingParams(temperature=0, ignore_eos=True)
     batches: list[int] = []
     target.observe_steps(lambda seconds, batch, tokens: batches.append(batch))
@@ -377,3 +380,48 @@ async def test_scheduled_prefills_take_their_chunks_within_the_step_budget() -> 
     assert done == ["a", "b"]
     assert batches == [2, 2, 2, 1]
     assert target.statistics().waiting_requests == 0
+
+
+async def test_decodes_go_on_every_step_while_a_long_prompt_is_prefilled_in_chunks(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # 10 tokens a step: the 2 decodes' rows, then 8 of the 20-token prompt (8, 8, 4); each
+    # step lasts 1 ms and 10 ms for each prompt token in it
+    target = _scheduled(
+        max_batch_size=8,
+        max_num_batched_tokens=10,
+        chunk=16,
+        decode_step_s=0.001,
+        prefill_s_per_token=0.01,
+    )
+    sampling = SamplingParams(temperature=0, ignore_eos=True)
+    steps: list[tuple[float, list[str]]] = []
+    send, receive = trio.open_memory_channel[EngineOutput](64)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(target.run, send)
+        for name in ("a", "b"):
+            ids = [5, 6, 7]
+            result = await target.prefill(name, ids, sampling, 40)
+            target.allocate_blocks(name, len(ids) + result.token_budget)
+            await target.start_decode(name, ids, result.first_token_id, sampling, 40, 1, 0)
+
+        async def record() -> None:
+            async for step in receive:
+                assert isinstance(step, list)
+                steps.append((trio.current_time(), [entry.request_id for entry in step]))
+
+        nursery.start_soon(record)
+        while not steps or steps[-1][1] != ["a", "b"]:
+            await trio.testing.wait_all_tasks_blocked()
+            await trio.sleep(0.001)
+        started = trio.current_time()
+        await target.prefill("long", list(range(5, 25)), sampling, 4)
+        prefilled = trio.current_time() - started
+        await trio.testing.wait_all_tasks_blocked()  # the last step's tokens recorded
+        nursery.cancel_scope.cancel()
+    # three steps of 8 + 8 + 4 prompt tokens (1 ms + 10 ms a prompt token each), each with
+    # both decodes
+    # (less the part of the first step's 1 ms that had passed when it came)
+    assert 0.202 - 1e-9 <= prefilled <= 0.203 + 1e-9
+    during = [ids for at, ids in steps if started < at <= started + prefilled]
+    assert during == [["a", "b"]] * 3

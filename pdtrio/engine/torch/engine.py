@@ -3,11 +3,12 @@
 The model runs on its own thread.  The trio side hands it work through a
 thread-safe queue and gets results back through ``trio.from_thread`` (prefill
 results) and the bounded outputs channel (decode steps), so the trio loop
-never waits on torch.  Each loop iteration is one forward pass over every
-waiting prefill (up to a token budget) and every running decode sequence;
-requests join and leave between steps.  Aborted requests leave before the
-next step, so no token is computed that nobody will receive; their blocks are
-freed then, and a ``BlocksFreed`` output says so.
+never waits on torch.  Each loop iteration is one forward pass over what the
+scheduler (``pdtrio.engine.scheduler``) puts in the step: the running decodes,
+then prompt chunks, within one token budget; requests join and leave between
+steps.  Aborted requests leave before the next step, so no token is computed
+that nobody will receive; their blocks are freed then, and a ``BlocksFreed``
+output says so.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from pdtrio.engine.detokenizer import IncrementalDetokenizer
 from pdtrio.engine.hub import is_repo_id, resolve_repo_id
 from pdtrio.engine.prefix_cache import PrefixCache, chain_root, layout_salt
 from pdtrio.engine.progress import LoadProgress
-from pdtrio.engine.scheduler import SchedulerLimits, schedule
+from pdtrio.engine.scheduler import Scheduler, SchedulerLimits
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.engine.tokenizer import Tokenizer
 from pdtrio.engine.torch.builtin import load_builtin
@@ -63,7 +64,6 @@ from pdtrio.engine.torch.model import SeqInput, StepAbandoned
 from pdtrio.engine.torch.sampler import RowLogprobs, TokenHistory, logprobs_of, sample
 from pdtrio.engine.torch.threads import apply_num_threads, in_passing_thread, single_threaded
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
-from pdtrio.protocol.sampling import SamplingParams, choice_sampling
 from pdtrio.protocol.wire import (
     MAX_TOP_LOGPROBS,
     ChatPrompt,
@@ -78,6 +78,7 @@ from pdtrio.protocol.wire import (
     Usage,
     choice_request_id,
 )
+from pdtrio.protocol.sampling import SamplingParams, choice_sampling
 
 log = logging.getLogger("pdtrio.engine")
 
@@ -675,12 +676,15 @@ class TorchEngine:
             raise EngineError(f"the engine thread crashed: {crashed[0]!r}") from crashed[0]
 
     def _loop(self, send_outputs: Callable[[EngineOutput], None], stop: _Stop) -> None:
-        prefills: list[_PrefillJob] = []
+        # the policy (pdtrio.engine.scheduler) holds the queues; these find a request by id
+        prefills: dict[str, _PrefillJob] = {}
         running: dict[str, _DecodeSeq] = {}
-        limits = SchedulerLimits(
-            max_batch_size=self._config.max_batch_size,
-            max_prefill_tokens=self._config.max_prefill_tokens,
-            prefill_chunk_tokens=self._config.prefill_chunk_tokens,
+        scheduler: Scheduler[_PrefillJob, _DecodeSeq] = Scheduler(
+            SchedulerLimits(
+                max_batch_size=self._config.max_batch_size,
+                max_num_batched_tokens=self._config.max_num_batched_tokens,
+                prefill_chunk_tokens=self._config.prefill_chunk_tokens,
+            )
         )
         # what the inbox brought during a step, for the next turn of the loop
         carried: list[object] = []
@@ -721,16 +725,19 @@ class TorchEngine:
                 if isinstance(item, _Stop):
                     continue  # an earlier run's, whose thread ended some other way
                 if isinstance(item, _PrefillJob):
-                    prefills.append(item)
+                    prefills[item.request_id] = item
+                    scheduler.add_prompt(item, item.remaining())
                 elif isinstance(item, _DecodeSeq):
                     running[item.request_id] = item
+                    scheduler.add_decode(item)
                 elif isinstance(item, _Abort):
-                    kept = [job for job in prefills if job.request_id != item.request_id]
-                    for job in prefills:
-                        if job.request_id == item.request_id:
-                            job.deliver(EngineError("aborted"))
-                    prefills = kept
-                    running.pop(item.request_id, None)
+                    job = prefills.pop(item.request_id, None)
+                    if job is not None:
+                        scheduler.remove_prompt(job)
+                        job.deliver(EngineError("aborted"))
+                    seq = running.pop(item.request_id, None)
+                    if seq is not None:
+                        scheduler.remove_decode(seq)
                     if self._forget(item.request_id):
                         freed.append(item.request_id)
             if freed:
@@ -739,7 +746,7 @@ class TorchEngine:
             if not prefills and not running:
                 continue
             # what this step runs is the scheduler's to say (pdtrio.engine.scheduler)
-            plan = schedule(prefills, list(running.values()), limits, _PrefillJob.remaining)
+            plan = scheduler.schedule()
             step_prefills, step_decodes = plan.prefills, plan.decodes
             self._waiting = plan.waiting
             step_started = time.perf_counter()
@@ -836,11 +843,12 @@ class TorchEngine:
                 log.exception("engine step failed")
                 for job, _ in step_prefills:
                     job.deliver(EngineError(f"prefill step failed: {exc}"))
+                    prefills.pop(job.request_id, None)
+                    scheduler.remove_prompt(job)
                     self._forget(job.request_id)
-                failed = {job.request_id for job, _ in step_prefills}
-                prefills = [job for job in prefills if job.request_id not in failed]
                 for s in step_decodes:
                     running.pop(s.request_id, None)
+                    scheduler.remove_decode(s)
                     self._forget(s.request_id)
                 if step_decodes:
                     lost = tuple(s.request_id for s in step_decodes)
@@ -848,9 +856,6 @@ class TorchEngine:
                 continue
             for job, take in step_prefills:
                 job.computed += take
-            if completing:
-                done = {job.request_id for job in completing}
-                prefills = [job for job in prefills if job.request_id not in done]
             complete = (
                 self._advance(constraints, tokens, constrained) if constrained else frozenset()
             )
@@ -869,6 +874,7 @@ class TorchEngine:
                 self._finish_prefills_with_choices(completing, tokens, row_logprobs, complete)
             entries: StepOutputs = []
             step_logprobs: list[TokenLogprobs] = []
+            finished: list[_DecodeSeq] = []
             for row, (seq, token_id) in enumerate(
                 zip(step_decodes, tokens[len(completing) :], strict=True), len(completing)
             ):
@@ -887,8 +893,11 @@ class TorchEngine:
                     generated = seq.processor.num_generated
                     usage = Usage(seq.prompt_tokens, generated, seq.cached_tokens)
                     running.pop(seq.request_id, None)
+                    finished.append(seq)
                     self._forget(seq.request_id)
                 entries.append(TokenEntry(seq.request_id, [token_id], text, finish, usage))
+            for job in scheduler.update_from_output(plan, finished):
+                prefills.pop(job.request_id, None)
             observer = self._step_observer
             if observer is not None:
                 batch = len(step_prefills) + len(step_decodes)
