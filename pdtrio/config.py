@@ -7,9 +7,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tomllib
 import traceback
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, final
 
@@ -241,7 +244,7 @@ class WorkerConfig:
     def __attrs_post_init__(self) -> None:
         if self.discovery.kind != "pdtrio":
             raise ValueError(
-                "discovery.kind is the router's (what it finds in etcd): a pdtrio worker "
+                "discovery.backend is the router's (what it finds in etcd): a pdtrio worker "
                 "registers as a pdtrio worker"
             )
         if self.host in WILDCARD_HOSTS and self.advertise_host in ("", *WILDCARD_HOSTS):
@@ -263,7 +266,8 @@ class WorkerConfig:
 class InstanceConfig:
     """An instance the router talks to, given by its HTTP base URL.
 
-    ``kind`` says what it is: a pdtrio worker (asked for ``/pd/info``, one link),
+    ``kind`` (``backend`` in a file) says what it is: a pdtrio worker (asked for
+    ``/pd/info``, one link),
     or an engine the router fronts over its own HTTP PD protocol (vLLM's KV
     connector protocol, SGLang's bootstrap protocol).
     """
@@ -282,11 +286,11 @@ class InstanceConfig:
     def __attrs_post_init__(self) -> None:
         if self.kind == "pdtrio" and (self.model or self.api_key):
             raise ValueError(
-                f'instance {self.url}: model and api_key are for engines (kind "vllm" or '
+                f'instance {self.url}: model and api_key are for engines (backend "vllm" or '
                 '"sglang"); a pdtrio worker reports its model and takes the worker secret'
             )
         if self.bootstrap_port and self.kind != "sglang":
-            raise ValueError(f'instance {self.url}: bootstrap_port is SGLang\'s (kind "sglang")')
+            raise ValueError(f'instance {self.url}: bootstrap_port is SGLang\'s (backend "sglang")')
         if self.kind == "sglang" and self.role != "decode" and not self.bootstrap_port:
             raise ValueError(
                 f"instance {self.url}: an SGLang prefill needs bootstrap_port (its "
@@ -440,9 +444,9 @@ class PdtrioConfig:
             )
         if kinds and self.discovery.uses_etcd and kinds[0] != self.discovery.kind:
             raise ValueError(
-                f"[[instances]] lists {_KIND_NAMES[kinds[0]]} instances but [discovery] kind "
+                f"[[instances]] lists {_KIND_NAMES[kinds[0]]} instances but [discovery] backend "
                 f"is {self.discovery.kind!r}: the listed instances and those in etcd pair with "
-                f'each other, so they are of one kind (set kind = "{kinds[0]}")'
+                f'each other, so they are of one backend (set backend = "{kinds[0]}")'
             )
         if kinds and kinds[0] in ENGINE_KINDS and not self.discovery.uses_etcd:
             # (with etcd the missing role may register later: /health says until then)
@@ -471,7 +475,12 @@ def _converter() -> cattrs.Converter:
     return converter
 
 
-def config_from_dict(raw: dict[str, Any], cls: type[Any] = PdtrioConfig) -> Any:
+def config_from_dict(
+    raw: dict[str, Any], cls: type[Any] = PdtrioConfig, *, file_keys: bool = False
+) -> Any:
+    """The configuration ``raw`` describes, in the classes' names (the form pdtrio's own
+    processes hand each other); ``file_keys``: a problem names its key as a file writes it
+    (``worker.worker_secret``, not ``embedded.worker.secret``)."""
     if not isinstance(raw, dict):
         raise ConfigError(f"invalid configuration: expected a table of keys, not {raw!r:.80}")
     try:
@@ -480,7 +489,7 @@ def config_from_dict(raw: dict[str, Any], cls: type[Any] = PdtrioConfig) -> Any:
         if any(_raised_by_our_code(leaf) for leaf in _leaves(exc)):
             raise  # a bug in a class check, not a bad key: every leaf's traceback goes along
         messages = transform_error(exc, path="config", format_exception=_format_exception)
-        problems = "; ".join(_describe(m) for m in messages)
+        problems = "; ".join(_describe(m, cls if file_keys else None) for m in messages)
         # the keys and what is wrong with each are all there is to say
         raise ConfigError(f"invalid configuration: {problems}") from None
     except (ValueError, TypeError) as exc:
@@ -517,12 +526,29 @@ def _format_exception(exc: BaseException, type_: type | None) -> str:
     return format_exception(exc, type_)
 
 
-def _describe(message: str) -> str:
+def _describe(message: str, file_keys_of: type[Any] | None = None) -> str:
     # cattrs says "... @ config.engine.port"; turn the path into a key name
     text, _, path = message.partition(" @ ")
     key = path.removeprefix("config.").removeprefix("config") or "(top level)"
     key = key.replace("['", ".").replace("']", "")
+    if file_keys_of is not None and key != "(top level)":
+        key = _file_key(key, file_keys_of)
     return f"key '{key}': {text}"
+
+
+def _file_key(key: str, cls: type[Any]) -> str:
+    """``embedded.worker.secret`` as a file writes it: ``worker.worker_secret``."""
+    written: list[str] = []
+    attributes: list[str] = []
+    current: type[Any] | None = cls
+    for part in key.split("."):
+        name, bracket, index = part.partition("[")
+        attributes.append(name)
+        written.append(file_name(current, name) + bracket + index if current else part)
+        current = _nested_class(current, name) if current else None
+    if cls is PdtrioConfig and attributes[:2] == ["embedded", "worker"]:
+        written = [WORKER_TABLE, *written[2:]]
+    return ".".join(written)
 
 
 def load_config_file(path: str | Path) -> PdtrioConfig:
@@ -533,8 +559,158 @@ def load_config_file(path: str | Path) -> PdtrioConfig:
         raise ConfigError(f"config file not found: {path}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    config: PdtrioConfig = config_from_dict(raw)
+    config: PdtrioConfig = config_from_dict(from_router_file(raw, str(path)), file_keys=True)
     return config
+
+
+# --- the names a file writes ------------------------------------------------------------
+# One name for one thing across the files, the flags and the environment.  The classes
+# keep the previous release's attribute names (pdtrio's own processes hand each other
+# the classes' form), and a file written with them still loads for one release, with a
+# WARNING naming the new key; a file that gives both is refused.
+
+# attribute -> the key a file writes, per class
+FILE_NAMES: dict[type[Any], dict[str, str]] = {
+    # what serves: pdtrio workers, vLLM or SGLang (pdtrio serve --backend); `kind` is
+    # left to the engine (engine.kind: torch or synthetic)
+    DiscoveryConfig: {"kind": "backend"},
+    InstanceConfig: {"kind": "backend"},
+    # the names [security] gives the same settings on the router's side
+    WorkerConfig: {
+        "secret": "worker_secret",
+        "secret_file": "worker_secret_file",
+        "tls_ca_file": "worker_tls_ca_file",
+    },
+}
+# The workers' table: [worker] in the router's file (its embedded workers; the classes'
+# embedded.worker) and in the file `pdtrio worker --config` reads.
+WORKER_TABLE = "worker"
+_OLD_WORKER_TABLE = "embedded.worker"
+
+config_log = logging.getLogger("pdtrio.config")
+
+
+def _warn(message: str) -> None:
+    config_log.warning("%s", message)
+
+
+def file_name(cls: type[Any], attribute: str) -> str:
+    """The key a file writes for ``cls``'s ``attribute``."""
+    return FILE_NAMES.get(cls, {}).get(attribute, attribute)
+
+
+def file_section(path: tuple[str, ...]) -> tuple[str, ...]:
+    """Where a file writes the classes' section at ``path`` (PdtrioConfig's attributes)."""
+    if path[:2] == ("embedded", "worker"):
+        return (WORKER_TABLE, *path[2:])
+    return path
+
+
+def _nested_class(cls: type[Any], attribute: str) -> type[Any] | None:
+    """The attrs class of ``cls``'s section ``attribute`` (or of its array's tables)."""
+    if not (isinstance(cls, type) and attrs.has(cls)):
+        return None
+    hint = typing.get_type_hints(cls).get(attribute)
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        hint = args[0]
+    return hint if isinstance(hint, type) and attrs.has(hint) else None
+
+
+def _from_file(table: Any, cls: type[Any], where: str, warn: Callable[[str], None]) -> Any:
+    """A file's table in ``cls``'s names: a new key taken, an old one taken with a warning,
+    both refused.  Anything not a table is left for the structuring to name."""
+    if not isinstance(table, dict):
+        return table
+    out = dict(table)
+    for attribute, name in FILE_NAMES.get(cls, {}).items():
+        if attribute in out and name in out:
+            raise ConfigError(
+                f"invalid configuration: {where}{attribute} and {where}{name} are one "
+                f"setting ({where}{attribute} is its old name): keep {where}{name} only"
+            )
+        if attribute in out:
+            warn(f"config key {where}{attribute} is deprecated: use {where}{name}")
+        elif name in out:
+            out[attribute] = out.pop(name)
+    for key, value in out.items():
+        nested = _nested_class(cls, key)
+        if nested is None:
+            continue
+        written = file_name(cls, key)
+        if isinstance(value, list):
+            out[key] = [
+                _from_file(item, nested, f"{where}{written}[{i}].", warn)
+                for i, item in enumerate(value)
+            ]
+        else:
+            out[key] = _from_file(value, nested, f"{where}{written}.", warn)
+    return out
+
+
+def from_router_file(
+    raw: Any, source: str = "the file", warn: Callable[[str], None] = _warn
+) -> Any:
+    """A router's file (``PDTRIO_CONFIG``, ``--config``) in the classes' names: its
+    ``[worker]`` table is the embedded workers' (``embedded.worker``)."""
+    if not isinstance(raw, dict):
+        return raw
+    raw = dict(raw)
+    embedded = raw.get("embedded")
+    if isinstance(embedded, dict) and "worker" in embedded:
+        if WORKER_TABLE in raw:
+            raise ConfigError(
+                f"invalid configuration: {source} has both [{_OLD_WORKER_TABLE}] and "
+                f"[{WORKER_TABLE}], one table ([{_OLD_WORKER_TABLE}] is its old name): keep "
+                f"[{WORKER_TABLE}] only"
+            )
+        warn(
+            f"config table [{_OLD_WORKER_TABLE}] in {source} is deprecated: use "
+            f"[{WORKER_TABLE}] (the table `pdtrio worker --config` reads too)"
+        )
+        embedded = dict(embedded)
+        raw[WORKER_TABLE] = embedded.pop("worker")
+        raw["embedded"] = embedded
+    worker = raw.pop(WORKER_TABLE, None)
+    converted = _from_file(raw, PdtrioConfig, "", warn)
+    if worker is not None:
+        embedded = converted.get("embedded", {})
+        if isinstance(embedded, dict):
+            converted["embedded"] = {
+                **embedded,
+                "worker": _from_file(worker, WorkerConfig, f"{WORKER_TABLE}.", warn),
+            }
+    return converted
+
+
+def from_worker_file(
+    raw: dict[str, Any], source: str = "the file", warn: Callable[[str], None] = _warn
+) -> dict[str, Any]:
+    """The file ``pdtrio worker --config`` reads, in WorkerConfig's names: its ``[worker]``
+    table, the same table as in a router's file (the router's own sections, should the
+    file be one deployment's whole configuration, are the router's and not read here).
+    A file of the previous release, with the worker's keys at its top level, still loads
+    for one release, with a warning."""
+    if WORKER_TABLE in raw:
+        router_sections = {field.name for field in attrs.fields(PdtrioConfig)}
+        stray = sorted(key for key in raw if key != WORKER_TABLE and key not in router_sections)
+        if stray:
+            raise ConfigError(
+                f"invalid configuration: {source} has [{WORKER_TABLE}] and also "
+                f"{', '.join(stray)} outside it: the worker's keys go under [{WORKER_TABLE}]"
+            )
+        table = raw[WORKER_TABLE]
+        if not isinstance(table, dict):
+            raise ConfigError(f"invalid configuration: [{WORKER_TABLE}] in {source} is not a table")
+    else:
+        table = raw
+        if raw:
+            warn(
+                f"the worker's keys at the top level of {source} are deprecated: put them "
+                f"under [{WORKER_TABLE}] (the table a router's file gives its embedded workers)"
+            )
+    converted: dict[str, Any] = _from_file(table, WorkerConfig, f"{WORKER_TABLE}.", warn)
+    return converted
 
 
 # the whole configuration as JSON: how ``pdtrio serve`` hands its processes what it

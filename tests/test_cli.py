@@ -3,6 +3,7 @@ every option, with its default (``pdtrio serve``'s: tests/test_serve.py)."""
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
@@ -48,15 +49,15 @@ def test_every_worker_option_is_described_with_its_default() -> None:
     parser = argument_parser()
     flags = set()
     for action in parser._actions:
-        if action.dest == "help":
-            continue
+        if action.dest == "help" or action.help == argparse.SUPPRESS:
+            continue  # (a suppressed one: a previous release's flag, hidden)
         assert action.help and "default" in action.help, action.option_strings
         flags.update(action.option_strings)
     for flag in (
         "--config",
         "--device",
         "--dtype",
-        "--kv-blocks",
+        "--num-kv-blocks",
         "--transfer-port",
         "--served-model-name",
         "--log-level",

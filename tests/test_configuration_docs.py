@@ -3,7 +3,9 @@
 The sections come from the config classes themselves: walking ``PdtrioConfig``'s
 attrs fields, a field that is an attrs class is a section ``[path.name]``, a tuple
 of one is an array of tables ``[[path.name]]``, and any other field is a key of its
-section. In the doc, a section is a heading whose whole text is its TOML header in
+section; each named as a file writes it (``pdtrio.config.file_section`` and
+``file_name``: ``[worker]`` for the classes' ``embedded.worker``, ``backend`` for
+an instance's ``kind``). In the doc, a section is a heading whose whole text is its TOML header in
 backticks (``### `[router]` ``), followed by one table: ``| key | type | default |
 meaning |``. Cells: the key as `` `name` ``; the type as ``float``, ``integer``,
 ``string``, ``boolean`` or ``one of `"a"`, `"b"` ``; the default as a TOML value in
@@ -22,7 +24,7 @@ from typing import Any, Literal
 import attrs
 import pytest
 
-from pdtrio.config import PdtrioConfig
+from pdtrio.config import PdtrioConfig, file_name, file_section
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 ROOT_SECTION = "(top level)"  # the heading text for keys outside any table, should one appear
@@ -68,7 +70,8 @@ def config_sections(
     cls: type[Any] = PdtrioConfig, path: tuple[str, ...] = (), array: bool = False
 ) -> dict[str, list[ConfigKey]]:
     """Every section's TOML header -> its keys, in the classes' order."""
-    header = ROOT_SECTION if not path else ("[[{}]]" if array else "[{}]").format(".".join(path))
+    written = file_section(path)
+    header = ROOT_SECTION if not path else ("[[{}]]" if array else "[{}]").format(".".join(written))
     hints = typing.get_type_hints(cls)
     sections: dict[str, list[ConfigKey]] = {header: []}
     for field in attrs.fields(cls):
@@ -80,7 +83,7 @@ def config_sections(
         default = field.default
         if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
             default = default.factory()
-        sections[header].append(ConfigKey(field.name, tp, default))
+        sections[header].append(ConfigKey(file_name(cls, field.name), tp, default))
     return sections
 
 
@@ -272,8 +275,9 @@ def test_the_doc_names_no_section_that_does_not_exist() -> None:
 
 
 def test_the_walk_finds_nested_and_array_sections() -> None:
-    assert {"[router]", "[[instances]]", "[embedded.worker.engine.synthetic]"} <= set(SECTIONS)
-    assert [k.name for k in SECTIONS["[[instances]]"]][:3] == ["role", "url", "kind"]
+    assert {"[router]", "[[instances]]", "[worker.engine.synthetic]"} <= set(SECTIONS)
+    assert [k.name for k in SECTIONS["[[instances]]"]][:3] == ["role", "url", "backend"]
+    assert "worker_secret" in [k.name for k in SECTIONS["[worker]"]]
     assert SECTIONS[ROOT_SECTION] == []  # PdtrioConfig holds only sections
 
 

@@ -91,7 +91,7 @@ def test_an_engine_entry_missing_what_it_needs_is_refused(
 
 def test_listed_engines_and_etcd_are_of_one_kind() -> None:
     etcd = {"etcd_endpoints": ["http://127.0.0.1:2379"]}
-    with pytest.raises(ConfigError, match="kind is 'pdtrio'.*set kind = \"vllm\""):
+    with pytest.raises(ConfigError, match="backend is 'pdtrio'.*set backend = \"vllm\""):
         config_from_dict(
             {**_pool({"role": "both", "url": "http://a", "kind": "vllm"}), "discovery": etcd}
         )
@@ -116,7 +116,7 @@ def test_etcd_discovery_of_engines_fronts_them() -> None:
 
 
 def test_a_worker_registers_as_a_pdtrio_worker() -> None:
-    with pytest.raises(ConfigError, match="discovery.kind is the router's"):
+    with pytest.raises(ConfigError, match="discovery.backend is the router's"):
         config_from_dict({"discovery": {"kind": "vllm"}}, WorkerConfig)
 
 

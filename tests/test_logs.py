@@ -101,7 +101,7 @@ def test_level_and_format_come_from_the_environment() -> None:
 
 
 def test_a_worker_says_what_it_does_at_start_in_its_own_name() -> None:
-    command = [sys.executable, "-m", "pdtrio", "worker", "--engine", "synthetic"]
+    command = [sys.executable, "-m", "pdtrio", "worker", "--engine-kind", "synthetic"]
     command += ["--instance-id", "decode-7", "--role", "decode", "--kv-transport", "tcp"]
     command += ["--log-format", "json", "--exit-with-stdin"]
     process = subprocess.Popen(

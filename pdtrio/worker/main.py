@@ -21,6 +21,7 @@ from pdtrio.config import (
     EngineConfig,
     WorkerConfig,
     config_from_dict,
+    from_worker_file,
 )
 from pdtrio.discovery.worker_registration import keep_registered
 from pdtrio.engine.api import Engine, EngineError
@@ -103,6 +104,9 @@ class _Option:
     type: Callable[[str], Any] = str
     choices: tuple[str, ...] | None = None
     env_name: str = ""  # "": PDTRIO_ and the flag's name
+    # the previous release's flag and variable: accepted for one release, with a warning
+    old_flag: str = ""
+    old_env: str = ""
 
     @property
     def env(self) -> str:
@@ -147,11 +151,11 @@ _OPTIONS = (
         env_name="PDTRIO_ETCD_ENDPOINTS",
     ),
     _Option(
-        "--secret-file",
+        "--worker-secret-file",
         ("secret_file",),
         "a file holding the secret routers and workers share (or set PDTRIO_WORKER_SECRET); "
         "none: no peer is asked for one",
-        env_name="PDTRIO_WORKER_SECRET_FILE",
+        old_flag="--secret-file",
     ),
     _Option(
         "--metrics-token-file",
@@ -162,15 +166,25 @@ _OPTIONS = (
     _Option("--tls-cert-file", ("tls_cert_file",), "serve HTTPS, WSS and the KV port over TLS"),
     _Option("--tls-key-file", ("tls_key_file",), "the TLS certificate's private key"),
     _Option(
-        "--tls-ca-file",
+        "--worker-tls-ca-file",
         ("tls_ca_file",),
-        "the CA to verify peers' KV ports with: pull KV over TLS",
+        "the CA that signed the workers' certificates: pull KV from their ports over TLS",
+        old_flag="--tls-ca-file",
+        old_env="PDTRIO_TLS_CA_FILE",
     ),
-    _Option("--engine", ("engine", "kind"), "the engine", choices=("synthetic", "torch")),
+    _Option(
+        "--engine-kind",
+        ("engine", "kind"),
+        "the engine",
+        choices=("synthetic", "torch"),
+        old_flag="--engine",
+        old_env="PDTRIO_ENGINE",
+    ),
     _Option(
         "--model",
         ("engine", "model"),
-        "the built-in model's name, a .gguf file or a Hugging Face directory",
+        "a Hugging Face repo id (Org/Name, from huggingface_hub's cache or downloaded into "
+        "it), a built-in model's name, a .gguf file or a checkpoint directory",
     ),
     _Option(
         "--served-model-name",
@@ -184,7 +198,14 @@ _OPTIONS = (
         ("engine", "dtype"),
         "torch dtype: auto (the default), float32, bfloat16, float16",
     ),
-    _Option("--kv-blocks", ("engine", "num_kv_blocks"), "KV cache blocks", int),
+    _Option(
+        "--num-kv-blocks",
+        ("engine", "num_kv_blocks"),
+        "KV cache blocks",
+        int,
+        old_flag="--kv-blocks",
+        old_env="PDTRIO_KV_BLOCKS",
+    ),
 )
 
 
@@ -209,8 +230,8 @@ def argument_parser() -> argparse.ArgumentParser:
         "--config",
         metavar="FILE",
         default=os.environ.get("PDTRIO_WORKER_CONFIG"),
-        help="a TOML file with the keys of the router's [embedded.worker] section "
-        "(env PDTRIO_WORKER_CONFIG; default: none)",
+        help="a TOML file whose [worker] table configures the worker, the same table as "
+        "in the router's file (env PDTRIO_WORKER_CONFIG; default: none)",
     )
     for option in _OPTIONS:
         parser.add_argument(
@@ -220,6 +241,15 @@ def argument_parser() -> argparse.ArgumentParser:
             default=None,
             help=f"{option.help} (env {option.env}; default: {_default_of(option.path)})",
         )
+        if option.old_flag:
+            parser.add_argument(
+                option.old_flag,
+                dest=_old_dest(option),
+                type=option.type,
+                choices=option.choices,
+                default=None,
+                help=argparse.SUPPRESS,
+            )
     parser.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
@@ -257,7 +287,7 @@ def parse_args(
     args = parser.parse_args(argv)
     raw: dict[str, Any] = {}
     if args.config:
-        raw = _read_toml(args.config)
+        raw = from_worker_file(_read_toml(args.config), args.config)
     if args.config_json:
         try:
             raw = json.loads(args.config_json)
@@ -265,22 +295,58 @@ def parse_args(
             # (the decoder's message says where: its traceback would add nothing)
             raise ConfigError(f"--config-json is not valid JSON: {exc}") from None
     for option in _OPTIONS:
-        value = getattr(args, _attribute_name(option.flag))
-        if value is None and option.env in environ:
-            try:
-                value = option.type(environ[option.env])
-            except ValueError:
-                raise ConfigError(f"{option.env}={environ[option.env]!r} is not valid") from None
-            if option.choices is not None and value not in option.choices:
-                raise ConfigError(f"{option.env} must be one of {', '.join(option.choices)}")
+        value = _flag_value(option, args)
+        if value is None:
+            value = _env_value(option, environ)
         if value is None:
             continue
         section = raw
         for key in option.path[:-1]:
             section = section.setdefault(key, {})
         section[option.path[-1]] = list(value) if isinstance(value, tuple) else value
-    config: WorkerConfig = config_from_dict(raw, WorkerConfig)
+    config: WorkerConfig = config_from_dict(raw, WorkerConfig, file_keys=True)
     return config, args.exit_with_stdin
+
+
+def _old_dest(option: _Option) -> str:
+    return "deprecated_" + _attribute_name(option.old_flag)
+
+
+def _flag_value(option: _Option, args: argparse.Namespace) -> Any:
+    value = getattr(args, _attribute_name(option.flag))
+    if not option.old_flag:
+        return value
+    old = getattr(args, _old_dest(option))
+    if old is None:
+        return value
+    if value is not None:
+        raise ConfigError(
+            f"{option.old_flag} and {option.flag} are one setting ({option.old_flag} is its "
+            f"old name): give {option.flag} only"
+        )
+    log.warning("flag %s is deprecated: use %s", option.old_flag, option.flag)
+    return old
+
+
+def _env_value(option: _Option, environ: Mapping[str, str]) -> Any:
+    name = option.env
+    if option.old_env and option.old_env in environ:
+        if name in environ:
+            raise ConfigError(
+                f"{option.old_env} and {name} are one setting ({option.old_env} is its old "
+                f"name): set {name} only"
+            )
+        log.warning("environment variable %s is deprecated: use %s", option.old_env, name)
+        name = option.old_env
+    if name not in environ:
+        return None
+    try:
+        value = option.type(environ[name])
+    except ValueError:
+        raise ConfigError(f"{name}={environ[name]!r} is not valid") from None
+    if option.choices is not None and value not in option.choices:
+        raise ConfigError(f"{name} must be one of {', '.join(option.choices)}")
+    return value
 
 
 def log_settings(
@@ -450,6 +516,8 @@ def _first(group: BaseExceptionGroup[KvTransportUnavailable]) -> BaseException:
 def main(argv: list[str]) -> int:
     try:
         level, fmt = log_settings(argv)
+        # (a deprecated key or flag is reported while the arguments are read)
+        configure_logging(level, fmt, "worker")
         config, exit_with_stdin = parse_args(argv)
         configure_logging(level, fmt, config.instance_id or config.role)
         trio.run(serve_worker, config, exit_with_stdin)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +16,12 @@ from pdtrio.worker.main import argument_parser, parse_args
 def test_flags_beat_the_environment_which_beats_the_config_file(tmp_path: Path) -> None:
     config_file = tmp_path / "worker.toml"
     config_file.write_text(
-        'role = "decode"\nhost = "10.0.0.1"\nport = 9000\n'
-        '[engine]\nkind = "synthetic"\nnum_kv_blocks = 64\n'
-        '[discovery]\netcd_endpoints = ["http://10.0.0.9:2379"]\nlease_ttl_s = 5\n'
+        '[worker]\nrole = "decode"\nhost = "10.0.0.1"\nport = 9000\n'
+        '[worker.engine]\nkind = "synthetic"\nnum_kv_blocks = 64\n'
+        '[worker.discovery]\netcd_endpoints = ["http://10.0.0.9:2379"]\nlease_ttl_s = 5\n'
     )
-    environ = {"PDTRIO_PORT": "9100", "PDTRIO_KV_BLOCKS": "128", "PDTRIO_DEVICE": "cuda:1"}
-    config, _ = parse_args(["--config", str(config_file), "--kv-blocks", "256"], environ)
+    environ = {"PDTRIO_PORT": "9100", "PDTRIO_NUM_KV_BLOCKS": "128", "PDTRIO_DEVICE": "cuda:1"}
+    config, _ = parse_args(["--config", str(config_file), "--num-kv-blocks", "256"], environ)
     assert config.role == "decode"  # from the file
     assert config.host == "10.0.0.1"
     assert config.port == 9100  # the environment over the file
@@ -67,6 +68,8 @@ def test_every_option_is_described_with_its_default() -> None:
     for action in parser._actions:
         if action.dest in ("help", "config_json", "exit_with_stdin", "config"):
             continue
+        if action.help == argparse.SUPPRESS:
+            continue  # a previous release's flag, hidden (tests/test_renamed_settings.py)
         assert action.help and "default:" in action.help and "env PDTRIO_" in action.help, (
             action.dest
         )
@@ -77,7 +80,8 @@ def test_help_runs() -> None:
         [sys.executable, "-m", "pdtrio", "worker", "--help"], capture_output=True, timeout=60
     )
     assert result.returncode == 0
-    for flag in (b"--advertise-host", b"--transfer-port", b"--kv-blocks", b"--device", b"--etcd"):
+    flags = (b"--advertise-host", b"--transfer-port", b"--num-kv-blocks", b"--device", b"--etcd")
+    for flag in flags:
         assert flag in result.stdout
 
 
