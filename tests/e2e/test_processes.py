@@ -121,10 +121,10 @@ def test_asyncio_worker_refuses_to_start_with_the_right_command(procs: Processes
 
 def test_bad_config_stops_startup_naming_the_key(procs: Processes, tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
-    bad.write_text('[embedded.worker.engine]\nnum_kv_blocks = "lots"\n')
+    bad.write_text('[worker.engine]\nnum_kv_blocks = "lots"\n')
     router = procs.start_router(bad, output="capture")
     router.process.wait(timeout=30)
-    assert b"embedded.worker.engine.num_kv_blocks" in procs.output(router.process)
+    assert b"worker.engine.num_kv_blocks" in procs.output(router.process)
 
 
 @pytest.mark.skipif(

@@ -43,9 +43,9 @@ def _config(
     path.write_text(
         f"[router]\ndrain_s = {drain_s}\n"
         "[embedded]\nprefill = 1\ndecode = 1\n"
-        f'[embedded.worker]\nkv_transport = "{kv_transport}"\n'
-        '[embedded.worker.engine]\nkind = "synthetic"\nnum_kv_blocks = 4096\n'
-        f"[embedded.worker.engine.synthetic]\ndecode_step_s = {decode_step_s}\n"
+        f'[worker]\nkv_transport = "{kv_transport}"\n'
+        '[worker.engine]\nkind = "synthetic"\nnum_kv_blocks = 4096\n'
+        f"[worker.engine.synthetic]\ndecode_step_s = {decode_step_s}\n"
     )
     return path
 
@@ -288,9 +288,9 @@ def test_a_worker_stops_on_sigterm_while_its_router_is_frozen(
     # router woke up
     config = tmp_path / "c.toml"
     config.write_text(
-        "[embedded]\nprefill = 1\ndecode = 1\n[embedded.worker]\ndrain_s = 1\n"
-        '[embedded.worker.engine]\nkind = "synthetic"\nnum_kv_blocks = 4096\n'
-        "[embedded.worker.engine.synthetic]\ndecode_step_s = 0.001\n"
+        "[embedded]\nprefill = 1\ndecode = 1\n[worker]\ndrain_s = 1\n"
+        '[worker.engine]\nkind = "synthetic"\nnum_kv_blocks = 4096\n'
+        "[worker.engine.synthetic]\ndecode_step_s = 0.001\n"
     )
     router = _start(procs, config, "-w", "0")
     decode = next(
@@ -341,15 +341,13 @@ def _wait_until_writes_stall(url: str) -> None:
 def test_startup_failure_is_one_line(procs: Processes, tmp_path: Path, case: str) -> None:
     config = tmp_path / "c.toml"
     if case == "bad key":
-        config.write_text('[embedded.worker.engine]\nnum_kv_blocks = "lots"\n')
-        expected = "embedded.worker.engine.num_kv_blocks"
+        config.write_text('[worker.engine]\nnum_kv_blocks = "lots"\n')
+        expected = "worker.engine.num_kv_blocks"
     elif case == "missing file":
         config = tmp_path / "absent.toml"
         expected = "config file not found"
     else:
-        config.write_text(
-            '[embedded.worker.engine]\nkind = "torch"\nmodel = "/nonexistent/model"\n'
-        )
+        config.write_text('[worker.engine]\nkind = "torch"\nmodel = "/nonexistent/model"\n')
         expected = "/nonexistent/model"
     command = [
         sys.executable, "-m", "hypercorn", "-k", "trio", "-w", "0",
@@ -373,7 +371,7 @@ def test_startup_failure_is_one_line(procs: Processes, tmp_path: Path, case: str
     ("args", "expected"),
     [
         (["--config-json", '{"engine": {"bogus": 1}}'], "bogus"),
-        (["--engine", "torch", "--model", "/nonexistent/model"], "/nonexistent/model"),
+        (["--engine-kind", "torch", "--model", "/nonexistent/model"], "/nonexistent/model"),
     ],
 )
 def test_worker_startup_failure_is_one_line(args: list[str], expected: str) -> None:
