@@ -105,15 +105,17 @@ def resolve_repo_id(
             local_files_only=offline,
         )
     except LocalEntryNotFoundError as exc:
+        # (a name of this shape that was meant as a path: say that it is not one either)
         if offline:
             raise ModelNotAvailable(
                 f"model {repo_id!r} is not in the Hugging Face cache ({where}) and "
                 "HF_HUB_OFFLINE=1 forbids downloading it: download it where the Hub is "
-                f"reachable (hf download {repo_id}) into that cache, or unset HF_HUB_OFFLINE"
+                f"reachable (hf download {repo_id}) into that cache, or unset HF_HUB_OFFLINE "
+                f"(nor is there a directory {repo_id!r} here)"
             ) from exc
         raise ModelNotAvailable(
             f"model {repo_id!r} is not in the Hugging Face cache ({where}) and could not "
-            f"be downloaded: {exc}"
+            f"be downloaded (nor is there a directory {repo_id!r} here): {exc}"
         ) from exc
     except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as exc:
         raise ModelNotAvailable(

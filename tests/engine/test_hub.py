@@ -11,6 +11,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -157,3 +160,43 @@ def test_smollm2_by_its_hub_name_from_a_cache_laid_out_from_the_shipped_weights(
         logits = loaded.model.forward_reference(prompt + answer)
         answer.append(int(logits[-1].argmax()))
     assert "Paris" in loaded.tokenizer.decode(answer)
+
+
+def _worker(hub: Path, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "pdtrio", "worker", "--num-kv-blocks", "8", *args]
+    return subprocess.Popen(
+        command,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.slow  # starts a worker process
+def test_a_worker_serves_a_model_by_repo_id_from_the_cache_offline(
+    tmp_path: Path, hub: Path
+) -> None:
+    _tiny_repo(tmp_path, hub)
+    worker = _worker(hub, "--model", REPO, "--dtype", "float32", "--exit-with-stdin")
+    try:
+        assert worker.stdout is not None
+        ready = next(line for line in worker.stdout if line.startswith("PDTRIO_READY "))
+        assert json.loads(ready.removeprefix("PDTRIO_READY "))["model"] == REPO
+    finally:
+        _, stderr = worker.communicate(timeout=60)  # (stdin closes: the worker exits)
+    assert worker.returncode == 0, stderr
+    assert f"resolving {REPO} in the Hugging Face cache ({hub}), offline" in stderr
+    assert "KV cache allocated: 8 blocks" in stderr
+
+
+@pytest.mark.slow  # starts a worker process
+def test_a_worker_asked_for_a_model_not_cached_offline_exits_with_one_line(hub: Path) -> None:
+    worker = _worker(hub, "--model", "NoSuchOrg/NoSuchModel")
+    _, stderr = worker.communicate(timeout=120)
+    assert worker.returncode == 2
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("pdtrio worker: cannot load model 'NoSuchOrg/NoSuchModel': ")
+    assert "not in the Hugging Face cache" in last and "HF_HUB_OFFLINE=1" in last
