@@ -81,7 +81,7 @@ def test_a_worker_that_needs_nixl_and_cannot_start_it_exits_with_one_line_of_our
             "-m",
             "pdtrio",
             "worker",
-            "--engine",
+            "--engine-kind",
             "synthetic",
             "--kv-transport",
             "nixl",
