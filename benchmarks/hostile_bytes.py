@@ -66,11 +66,11 @@ CONFIG: Final = """
 prefill = 1
 decode = {decodes}
 
-[embedded.worker.engine]
+[worker.engine]
 kind = "synthetic"
 num_kv_blocks = 4096
 
-[embedded.worker.engine.synthetic]
+[worker.engine.synthetic]
 decode_step_s = {decode_step_s}
 
 [security]
