@@ -27,6 +27,7 @@ import contextlib
 import os
 import re
 import selectors
+import signal
 import socket
 import struct
 import sys
@@ -102,8 +103,14 @@ def usage(pid: int) -> Usage | None:
     return Usage(fds, threads)
 
 
-def tracebacks(text: str) -> list[str]:
-    """Each traceback in a log, with the line before it (the log record that carried it)."""
+# a log line that says something went wrong inside, without a traceback: hypercorn_guard's
+# containment of a connection's failure (the server would have died), or an ERROR
+_BAD_LINE = re.compile(r"a connection failed and was closed|^\S+ \S+ (ERROR|CRITICAL) ")
+
+
+def log_findings(text: str) -> list[str]:
+    """Each traceback in a log, with the line before it (the log record that carried it),
+    and each line that says a connection's failure was contained or logs an ERROR."""
     lines = text.splitlines()
     found = []
     i = 0
@@ -112,16 +119,19 @@ def tracebacks(text: str) -> list[str]:
             "+ Exception Group Traceback"
         ):
             start = max(0, i - 1)
+            if found and found[-1].endswith(lines[start]):
+                found.pop()  # the line before, taken as a bad line already: in the block now
             i += 1
             while i < len(lines) and (
                 not lines[i]
                 or lines[i][0] in " \t|+"
                 or lines[i].startswith(("Traceback", "During handling", "The above exception"))
-                or lines[i].lstrip().startswith("+")
             ):
                 i += 1
             end = min(len(lines), i + 1)  # the exception's own line
             found.append("\n".join(lines[start:end]))
+        elif _BAD_LINE.search(lines[i]):
+            found.append(lines[i])
         i += 1
     return found
 
@@ -370,15 +380,16 @@ class LiveCluster:
                 problems.append(f"{name} runs {now.threads} threads, {start.threads} at the start")
         return problems
 
-    def new_tracebacks(self) -> dict[str, list[str]]:
-        """Tracebacks each process logged since the last call."""
+    def new_log_findings(self) -> dict[str, list[str]]:
+        """What each process logged since the last call that it should not have (see
+        :func:`log_findings`)."""
         found = {}
         for name, service in self.services().items():
             text = self.procs.output(service.process, timeout=0.5).decode(errors="replace")
             offset = self._log_offsets.get(service.pid, 0)
             # back to a line's start, so a traceback cut by the last read is whole now
             start = text.rfind("\n", 0, offset) + 1 if offset else 0
-            seen = tracebacks(text[start:])
+            seen = log_findings(text[start:])
             self._log_offsets[service.pid] = len(text)
             if seen:
                 found[name] = seen
@@ -528,6 +539,13 @@ class Fuzzer:
     known: list[str] = attrs.field(factory=list)  # known tracebacks seen
     _batch: list[Case] = attrs.field(factory=list)
     stopped: bool = False
+    # told of each finding as it is made (the long run prints it at once)
+    on_finding: Callable[[Finding], None] | None = None
+
+    def _found(self, finding: Finding) -> None:
+        self.findings.append(finding)
+        if self.on_finding is not None:
+            self.on_finding(finding)
 
     def opening(self, target: str) -> Callable[[socket.socket], None] | None:
         if target == hostile.LINK:
@@ -566,13 +584,13 @@ class Fuzzer:
         self._batch.clear()
 
     def _check_logs(self, target: str) -> None:
-        for name, found in self.cluster.new_tracebacks().items():
+        for name, found in self.cluster.new_log_findings().items():
             for traceback in found:
                 if is_known(traceback) and not self.strict:
                     self.known.append(f"[{target}] {name}: {traceback}")
                 else:
-                    self.findings.append(
-                        Finding(target, f"{name} logged a traceback", list(self._batch), traceback)
+                    self._found(
+                        Finding(target, f"{name} logged a failure", list(self._batch), traceback)
                     )
 
     def finish(self, target: str) -> None:
@@ -590,7 +608,7 @@ class Fuzzer:
         logs = ""
         for name in self.cluster.services():
             logs += f"--- {name}'s log, last lines ---\n{self.cluster.log_tail(name, 1500)}\n"
-        self.findings.append(Finding(target, what, list(cases), logs))
+        self._found(Finding(target, what, list(cases), logs))
         self._batch.clear()
         if self.restart_on_failure:
             self.cluster.restart()
@@ -657,25 +675,32 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"no such targets: {sorted(unknown)}")
     end = time.monotonic() + args.minutes * 60
+    # stopped early (Ctrl-C, or SIGTERM from a supervisor): the summary still comes, and
+    # the processes are stopped (a background job's SIGINT may be ignored: SIGTERM works)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     with live_cluster() as cluster:
         fuzzer = Fuzzer(
             cluster,
             check_every=args.check_every,
             restart_on_failure=True,
             strict=args.strict_logs or strict_logs(),
+            on_finding=lambda finding: print(f"FOUND {finding.report()}", flush=True),
         )
         started = time.monotonic()
-        for target in targets:
-            fuzzer.corpus(target)
-            fuzzer.finish(target)
-            _progress(fuzzer, started)
-        while time.monotonic() < end:
+        try:
             for target in targets:
-                if time.monotonic() >= end:
-                    break
-                fuzzer.hypothesis(target, args.round, derandomize=False)
+                fuzzer.corpus(target)
                 fuzzer.finish(target)
                 _progress(fuzzer, started)
+            while time.monotonic() < end:
+                for target in targets:
+                    if time.monotonic() >= end:
+                        break
+                    fuzzer.hypothesis(target, args.round, derandomize=False)
+                    fuzzer.finish(target)
+                    _progress(fuzzer, started)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
         print(_summary(fuzzer, cluster), flush=True)
         return 1 if fuzzer.findings else 0
 

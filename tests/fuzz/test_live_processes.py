@@ -54,7 +54,7 @@ def cluster() -> Iterator[LiveCluster]:
 def fuzzer(cluster: LiveCluster) -> Fuzzer:
     if cluster.check_serving():
         cluster.restart()  # a test before this one left it broken (and failed for it)
-    cluster.new_tracebacks()  # this test answers for what is logged from here on
+    cluster.new_log_findings()  # this test answers for what is logged from here on
     return Fuzzer(cluster, check_every=10)
 
 
