@@ -63,7 +63,7 @@ import trio
 from benchmarks.kit import aligned_table, stream_completion, write_json
 from pdtrio.faults.plan import Fault
 from pdtrio.faults.proxy import FaultProxy
-from pdtrio.protocol.vllm_pd import parse_engine_metrics, prefill_body
+from pdtrio.protocol.engines.vllm import parse_engine_metrics, prefill_body
 from pdtrio.testing.processes import (
     LOOPBACK,
     cpu_seconds,

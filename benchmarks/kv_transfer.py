@@ -45,7 +45,7 @@ from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.kv.api import KvTransport
 from pdtrio.kv.nixl import NixlKvTransport
 from pdtrio.kv.tcp import TcpKvTransport
-from pdtrio.protocol.wire import KvHandle
+from pdtrio.protocol.link.wire import KvHandle
 from pdtrio.security import new_access_token
 from pdtrio.testing import Processes, Service, cpu_seconds, write_router_config
 from pdtrio.worker.leases import KvLeases

@@ -352,10 +352,10 @@ def link_floor(spec: dict[str, Any]) -> None:
     for the requests that ended in it; the driver reads its CPU from /proc.
     """
     from benchmarks.token_path.sse_clients import completion_request
-    from pdtrio.protocol import wire
     from pdtrio.protocol.kv_layout import choice_blocks_needed
+    from pdtrio.protocol.link import wire
     from pdtrio.protocol.openai import parse_completion_request
-    from pdtrio.router.worker_link import WorkerLink, release_token
+    from pdtrio.router.workers.link import WorkerLink, release_token
 
     config = RouterConfig()
     body = completion_request(LOOPBACK, spec["max_tokens"]).split(b"\r\n\r\n", 1)[1]

@@ -41,13 +41,13 @@ from typing import Any, Final, NoReturn, final
 
 import trio
 
-from pdtrio.protocol.sse import StreamShaper
-from pdtrio.protocol.wire import Usage
+from pdtrio.protocol.link.wire import Usage
+from pdtrio.protocol.openai.sse import StreamShaper
 
 STEP_S: Final = float(os.environ.get("TRIVIAL_SSE_STEP_S", "0") or 0)
 TOKENS_PER_EVENT: Final = max(1, int(os.environ.get("TRIVIAL_SSE_TOKENS_PER_EVENT", "1") or 1))
 
-# pdtrio.router.pipeline's SSE headers
+# pdtrio.router.request.pipeline's SSE headers
 _SSE_HEADERS: Final = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),

@@ -57,10 +57,9 @@ from pdtrio.kv.tcp import (
     send_message,
 )
 from pdtrio.peer_auth import WorkerAuth, link_authorization
-from pdtrio.protocol import wire
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.link.wire import (
     DecodeStart,
     KvHandle,
     PrefillReply,
@@ -70,7 +69,8 @@ from pdtrio.protocol.wire import (
     TextPrompt,
     TransferRequest,
 )
-from pdtrio.router.ws_client import HandshakeError, connect_websocket
+from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.router.workers.ws_client import HandshakeError, connect_websocket
 from pdtrio.security import (
     WORKER_SECRET_ENV,
     PeerCredentials,

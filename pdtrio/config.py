@@ -20,8 +20,8 @@ import attrs
 import cattrs
 from cattrs.v import format_exception, transform_error
 
-from pdtrio.protocol.flush import FlushConfig
-from pdtrio.protocol.scheduling import SchedulingPolicy
+from pdtrio.protocol.placement.scheduling import SchedulingPolicy
+from pdtrio.protocol.tokens.flush import FlushConfig
 
 Role = Literal["prefill", "decode", "both"]
 EngineKind = Literal["synthetic", "torch"]

@@ -27,7 +27,7 @@ from pdtrio.config import (
     WorkerFaultsConfig,
 )
 from pdtrio.engine.synthetic import SyntheticEngine
-from pdtrio.protocol.flush import FlushConfig
+from pdtrio.protocol.tokens.flush import FlushConfig
 from pdtrio.router.app import RouterApp
 from pdtrio.security import system_tls_context
 from pdtrio.worker.server import Worker

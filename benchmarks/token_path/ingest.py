@@ -23,10 +23,10 @@ from benchmarks.token_path.measure import router_and_load_cpus, start_role
 from pdtrio.asgi import Message
 from pdtrio.config import RouterConfig
 from pdtrio.protocol.kv_layout import KvLayout
+from pdtrio.protocol.link.wire import DecodeStart, KvHandle
+from pdtrio.protocol.openai.sse import StreamShaper
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.sse import StreamShaper
-from pdtrio.protocol.wire import DecodeStart, KvHandle
-from pdtrio.router.worker_link import DecodeStream, WorkerLink
+from pdtrio.router.workers.link import DecodeStream, WorkerLink
 from pdtrio.testing import LOOPBACK, Processes
 
 CASES = [(1, 1), (4, 1), (16, 1), (64, 1), (1, 16)]  # (entries per frame, tokens per entry)

@@ -1,7 +1,7 @@
 """3. latency at light load: what the router adds to each token (see the package's docstring).
 
 The direct reader speaks to the workers as the router does, through their
-public wire (``pdtrio.protocol.wire``): a ``PrefillRequest`` posted to the
+public wire (``pdtrio.protocol.link.wire``): a ``PrefillRequest`` posted to the
 prefill worker, then a ``DecodeStart`` on the decode worker's websocket, whose
 ``TokenFrame`` messages it reads itself.
 """
@@ -24,7 +24,7 @@ import trio_websocket
 from benchmarks.kit import percentile
 from benchmarks.token_path.measure import router_and_load_cpus
 from benchmarks.token_path.sse_clients import completion_request
-from pdtrio.protocol import wire
+from pdtrio.protocol.link import wire
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.testing import Processes, Service, synthetic_worker_config, write_router_config
 

@@ -22,7 +22,7 @@ from wsproto.events import (
     Request,
 )
 
-from pdtrio.protocol import wire
+from pdtrio.protocol.link import wire
 from pdtrio.testing import LOOPBACK
 
 _BLAST_BYTES = 256 * 1024

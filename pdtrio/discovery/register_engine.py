@@ -4,7 +4,7 @@ It runs beside an engine that does not speak etcd, so routers that watch the
 deployment's prefix (``[discovery] kind = "vllm"``) find it as they find pdtrio
 workers: it waits until the engine's ``/health`` answers 200, learns the served
 model from ``/v1/models`` (unless ``--model`` names it), then registers an
-:class:`~pdtrio.protocol.registration.EngineRegistration` under a lease and
+:class:`~pdtrio.protocol.link.registration.EngineRegistration` under a lease and
 keeps the lease alive (``pdtrio.discovery.worker_registration``, as a worker
 does).  It keeps probing ``/health``: after ``--health-failures`` failures in a
 row it deregisters (revokes the lease, so the key goes at once) until the engine
@@ -48,14 +48,14 @@ from pdtrio.logs import (
     parse_format,
     parse_level,
 )
-from pdtrio.protocol.openai import listed_models
-from pdtrio.protocol.registration import (
+from pdtrio.protocol.link.registration import (
     EngineKind,
     EngineRegistration,
     RegistrationError,
     check_base_url,
     registration_key,
 )
+from pdtrio.protocol.openai import listed_models
 from pdtrio.security import (
     ENGINE_API_KEY_ENV,
     WORKER_SECRET_ENV,

@@ -29,7 +29,7 @@ from pdtrio.discovery.etcd import (
     etcd_client,
 )
 from pdtrio.peer_auth import WorkerAuth
-from pdtrio.protocol.registration import (
+from pdtrio.protocol.link.registration import (
     KIND_NAMES,
     REJECTED_INTERNAL,
     REJECTED_KIND,
@@ -80,7 +80,7 @@ class RegistryListener(Protocol):
 
     def registration_rejected(self, key: str, reason: str) -> None:
         """Count one refused entry (once per change of the key) by ``reason``, a
-        ``REJECTED_*`` of :mod:`pdtrio.protocol.registration`."""
+        ``REJECTED_*`` of :mod:`pdtrio.protocol.link.registration`."""
 
 
 class EngineListener(Protocol):

@@ -17,7 +17,7 @@ import trio
 
 from pdtrio.config import DiscoveryConfig
 from pdtrio.discovery.etcd import EtcdAuthFailed, EtcdClient, EtcdError, EtcdLeaseLost, etcd_client
-from pdtrio.protocol.registration import (
+from pdtrio.protocol.link.registration import (
     AnyRegistration,
     encode_registration,
     registration_key,

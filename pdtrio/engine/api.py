@@ -36,8 +36,7 @@ import attrs
 import trio
 
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link.wire import (
     FirstToken,
     KvEvents,
     Prompt,
@@ -46,6 +45,7 @@ from pdtrio.protocol.wire import (
     TokenLogprobs,
     Usage,
 )
+from pdtrio.protocol.sampling import SamplingParams
 
 
 class EngineError(Exception):

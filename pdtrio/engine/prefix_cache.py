@@ -31,8 +31,8 @@ from typing import Protocol, final
 import attrs
 
 from pdtrio.engine.api import NoRoom
-from pdtrio.protocol.prefix_index import block_hashes, chain_root, layout_salt
-from pdtrio.protocol.wire import KvEvents
+from pdtrio.protocol.link.wire import KvEvents
+from pdtrio.protocol.placement.prefix_index import block_hashes, chain_root, layout_salt
 
 
 class BlockSource(Protocol):

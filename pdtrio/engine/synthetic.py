@@ -48,7 +48,7 @@ from pdtrio.engine.prefix_cache import PrefixCache, chain_root, layout_salt
 from pdtrio.engine.scheduler import Scheduler, SchedulerLimits, StepSchedule
 from pdtrio.engine.stopping import OutputProcessor
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link.wire import (
     MAX_TOP_LOGPROBS,
     ChatPrompt,
     FirstToken,

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import trio
 
 from pdtrio.engine.api import KvRegion
-from pdtrio.protocol.wire import KvHandle
+from pdtrio.protocol.link.wire import KvHandle
 from pdtrio.security import PeerCredentials
 
 

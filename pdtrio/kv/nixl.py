@@ -70,8 +70,8 @@ from pdtrio.kv.tcp import (
     receive_message,
     serve_kv_port,
 )
-from pdtrio.protocol import wire
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.link.wire import (
     KvHandle,
     NixlAgentInfo,
     TransferDone,

@@ -37,7 +37,7 @@ import trio
 
 from pdtrio.engine.api import KvRegion
 from pdtrio.kv.api import KvTransferError, KvTransportUnavailable
-from pdtrio.protocol.wire import NixlAgentInfo
+from pdtrio.protocol.link.wire import NixlAgentInfo
 
 log = logging.getLogger("pdtrio.kv")
 

@@ -29,7 +29,7 @@ from pdtrio.kv.tcp import (
     request_decoder,
     send_message,
 )
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link.wire import (
     NixlAgentInfo,
     TransferAnswer,
     TransferRequest,

@@ -17,7 +17,7 @@ and go unchecked.  Sessions:
 - ``N`` (NIXL control, see ``pdtrio.kv.nixl_grants``): prefill sends its
   ``NixlAgentInfo`` first; an instance without NIXL says why not there.
 
-Messages are length-prefixed msgpack (``pdtrio.protocol.wire``); block bytes
+Messages are length-prefixed msgpack (``pdtrio.protocol.link.wire``); block bytes
 follow their answer unframed.
 """
 
@@ -36,8 +36,8 @@ import trio
 from pdtrio.engine.api import EngineError
 from pdtrio.kv.api import KvBlockSink, KvBlockSource, KvTransferError
 from pdtrio.logs import LogBudget
-from pdtrio.protocol import wire
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.link.wire import (
     KvHandle,
     NixlAgentInfo,
     TransferAnswer,

@@ -38,8 +38,8 @@ from pdtrio.memory import (
     limit_heap_retention,
 )
 from pdtrio.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from pdtrio.protocol.answers import AnswerKind, AnyRequest
 from pdtrio.protocol.errors import Reason
+from pdtrio.protocol.link.registration import ROUTER_HEADER
 from pdtrio.protocol.openai import (
     OpenAIError,
     body_timeout,
@@ -54,12 +54,12 @@ from pdtrio.protocol.openai import (
     unauthorized,
     unsupported_media_type,
 )
+from pdtrio.protocol.openai.answers import AnswerKind, AnyRequest
 from pdtrio.protocol.openai.responses import (
     ResponsesRequest,
     engine_chat_body,
     parse_responses_request,
 )
-from pdtrio.protocol.registration import ROUTER_HEADER
 from pdtrio.protocol.routes import RouteTable
 from pdtrio.router.core import Router
 from pdtrio.router.metrics import Outcome
@@ -264,7 +264,7 @@ class RouterApp:
     async def _completion(
         self, router: Router, scope: Scope, receive: Receive, send: Send, path: str
     ) -> None:
-        from pdtrio.router.pipeline import RequestPipeline
+        from pdtrio.router.request.pipeline import RequestPipeline
 
         content_type = header(scope, b"content-type")
         # checked before reading: a browser's text/plain "simple request" never gets parsed;
@@ -354,8 +354,8 @@ async def _front_engines(
     """The request on the vLLM or SGLang instances the router fronts: the same pipeline,
     with the engines' HTTP legs (``engine_body``: what they are sent, a chat or a
     completions body)."""
-    from pdtrio.router.engine_legs import EngineLegs
-    from pdtrio.router.pipeline import RequestPipeline
+    from pdtrio.router.engines.legs import EngineLegs
+    from pdtrio.router.request.pipeline import RequestPipeline
 
     assert router.engines is not None  # (the caller's test)
     engine_kind: Literal["chat", "completion"] = "completion" if kind == "completion" else "chat"

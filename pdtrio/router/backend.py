@@ -1,9 +1,9 @@
 """The seam between the request path and the instances: what a backend must do.
 
-The request machine's commands (``pdtrio.protocol.request_machine``) reach an
+The request machine's commands (``pdtrio.protocol.request.machine``) reach an
 instance only through these interfaces: a prefill call and the release of its
 KV, a decode start (a stream of its answer and tokens) and its abort.  The
-pdtrio worker link (:class:`pdtrio.router.worker_link.WorkerLink`) is the first
+pdtrio worker link (:class:`pdtrio.router.workers.link.WorkerLink`) is the first
 implementation; a backend speaking another protocol (vLLM's or SGLang's HTTP
 PD protocols) implements the same and plugs in without the machine changing.
 
@@ -18,16 +18,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from pdtrio.protocol.openai.tools import ToolCall
-from pdtrio.protocol.stream_buffer import StreamBuffer
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link.wire import (
     DecodeRejected,
     DecodeStart,
     PrefillFailed,
     PrefillReply,
     TokenLogprob,
 )
-from pdtrio.protocol.wire import PrefillRequest as PrefillCall
+from pdtrio.protocol.link.wire import PrefillRequest as PrefillCall
+from pdtrio.protocol.openai.tools import ToolCall
+from pdtrio.protocol.tokens.stream_buffer import StreamBuffer
 
 
 class BackendError(Exception):

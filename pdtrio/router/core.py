@@ -1,10 +1,10 @@
 """The router's long-lived state, owned by the ASGI lifespan.
 
 The :class:`Router` is its named parts: the instance table and placement
-(``pdtrio.router.instances``), the link supervisor that keeps one worker link
-per instance (``pdtrio.router.link_supervisor``; the links carry every
+(``pdtrio.router.workers.instances``), the link supervisor that keeps one worker link
+per instance (``pdtrio.router.workers.supervisor``; the links carry every
 per-request message), the registry of running requests
-(``pdtrio.router.running_requests``), the decode room queue, the egress
+(``pdtrio.router.request.running_requests``), the decode room queue, the egress
 controller, security and metrics; plus the one ``httpx.AsyncClient``
 (instance metadata and health probes only: nothing per request).  Everything
 long-lived runs in the lifespan's nursery.
@@ -23,17 +23,17 @@ import trio
 
 from pdtrio.config import PdtrioConfig
 from pdtrio.discovery.registry import DiscoveryState, EtcdRegistry, Registry, StaticRegistry
-from pdtrio.protocol.egress import EgressConfig, EgressController
-from pdtrio.router.capacity import CapacityQueue
-from pdtrio.router.client_limits import ClientLimits
-from pdtrio.router.cluster import WorkerProcess, embedded_workers
-from pdtrio.router.engine_front import EnginePool
-from pdtrio.router.instances import Instance, InstanceTable
-from pdtrio.router.link_supervisor import LinkSupervisor, RouterStartFailed
+from pdtrio.protocol.tokens.egress import EgressConfig, EgressController
+from pdtrio.router.engines.pool import EnginePool
 from pdtrio.router.loop_load import run_egress_control
 from pdtrio.router.metrics import Outcome, RouterMetrics
-from pdtrio.router.running_requests import RunningRequests
-from pdtrio.router.worker_link import HoldTimer
+from pdtrio.router.request.capacity import CapacityQueue
+from pdtrio.router.request.client_limits import ClientLimits
+from pdtrio.router.request.running_requests import RunningRequests
+from pdtrio.router.workers.cluster import WorkerProcess, embedded_workers
+from pdtrio.router.workers.instances import Instance, InstanceTable
+from pdtrio.router.workers.link import HoldTimer
+from pdtrio.router.workers.supervisor import LinkSupervisor, RouterStartFailed
 from pdtrio.security import (
     ApiKeys,
     PeerCredentials,

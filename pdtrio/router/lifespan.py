@@ -33,9 +33,9 @@ from pdtrio.logs import (
     flush_access_log,
     settings_from_env,
 )
-from pdtrio.router.cluster import WorkerStartFailed
 from pdtrio.router.core import Router, RouterStartFailed, open_router
-from pdtrio.router.worker_link import LINK_ERRORS
+from pdtrio.router.workers.cluster import WorkerStartFailed
+from pdtrio.router.workers.link import LINK_ERRORS
 
 log = logging.getLogger("pdtrio.router")
 

@@ -19,7 +19,7 @@ serves.
 
 :func:`run_egress_control` is what the router runs in its nursery: it opens a
 meter for as long as it runs and, every ``interval_s``, feeds the busy fraction
-to an :class:`~pdtrio.protocol.egress.EgressController`, whose ``spacing_s`` the
+to an :class:`~pdtrio.protocol.tokens.egress.EgressController`, whose ``spacing_s`` the
 stream loop reads.
 """
 
@@ -34,7 +34,7 @@ from typing import NoReturn, Protocol, final
 
 import trio
 
-from pdtrio.protocol.egress import EgressController
+from pdtrio.protocol.tokens.egress import EgressController
 
 SAMPLE_INTERVAL_S = 0.1
 

@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 
 from pdtrio.logs import ACCESS_LOGGER, log_access
 from pdtrio.metrics import LATENCY_BUCKETS_S, LocalHistogram, exposition, multiprocess_dir
-from pdtrio.protocol.registration import REJECTION_REASONS
+from pdtrio.protocol.link.registration import REJECTION_REASONS
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric

@@ -185,6 +185,6 @@ def vllm_pd_pair(
 
 def kv_usage(url: str) -> float:
     """The instance's KV cache in use (0..1), from its /metrics."""
-    from pdtrio.protocol.vllm_pd import parse_engine_metrics
+    from pdtrio.protocol.engines.vllm import parse_engine_metrics
 
     return parse_engine_metrics(httpx.get(f"{url}/metrics", timeout=5).text).kv_usage

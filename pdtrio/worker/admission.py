@@ -25,7 +25,7 @@ from pdtrio.engine.api import Engine, EngineError, NoRoom
 from pdtrio.engine.budget import tokens_left
 from pdtrio.kv.api import KvTransferError, KvTransport
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed, layout_mismatch
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link.wire import (
     DecodeStart,
     DecodeStartChoices,
     RejectReason,

@@ -38,7 +38,7 @@ from pdtrio.engine.api import StepOutputs
 from pdtrio.kv.api import KvBlockSink, KvBlockSource, KvTransferError, KvTransport
 from pdtrio.kv.tcp import DEFAULT_TRANSFER_TIMEOUT_S
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.wire import KvHandle, PrefillFailed, TokenFrame
+from pdtrio.protocol.link.wire import KvHandle, PrefillFailed, TokenFrame
 from pdtrio.security import PeerCredentials
 
 log = logging.getLogger("pdtrio.worker.faults")

@@ -5,7 +5,7 @@ router's proof of the shared worker secret, refused before any body is read.
 ``POST /pd/prefill`` and ``POST /pd/release`` make the same calls as a router's
 link (``pdtrio.worker.router_link``), for curl and tests; ``GET /pd/stats`` exposes
 the counts tests use to prove that nothing leaks.  Bodies are msgpack
-(``pdtrio.protocol.wire``) on the way in and out; errors are OpenAI-style JSON
+(``pdtrio.protocol.link.wire``) on the way in and out; errors are OpenAI-style JSON
 bodies, a wrong path or method answered from the one route table type
 (``pdtrio.protocol.routes``) the router's app uses too.
 """
@@ -32,11 +32,9 @@ from pdtrio.asgi import (
 )
 from pdtrio.logs import LogBudget
 from pdtrio.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from pdtrio.protocol import wire
 from pdtrio.protocol.errors import Reason
-from pdtrio.protocol.openai import OpenAIError, error_body, error_for, not_found
-from pdtrio.protocol.routes import RouteTable
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.link.wire import (
     PrefillFailed,
     PrefillReply,
     PrefillRequest,
@@ -44,6 +42,8 @@ from pdtrio.protocol.wire import (
     ReleaseRequest,
     WireError,
 )
+from pdtrio.protocol.openai import OpenAIError, error_body, error_for, not_found
+from pdtrio.protocol.routes import RouteTable
 from pdtrio.security import AUTH_SCHEME, ChallengeBook, bearer_matches, new_nonce
 from pdtrio.worker.http_listener import HttpConnections
 from pdtrio.worker.leases import KvLeases

@@ -4,7 +4,7 @@ Writes never interleave: control messages (decode accepts, rejections and
 failures, prefill replies and failures) and engine outputs reach the sender
 through one bounded outbox, and a single writer task sends the frames.  Tokens
 leave in coalesced token frames under the ``FlushPolicy``
-(pdtrio.protocol.flush); control messages keep their order relative to them.
+(pdtrio.protocol.tokens.flush); control messages keep their order relative to them.
 
 A decoding worker's link also reports the engine's free KV blocks
 (``DecodeCapacity``) when it opens and whenever the count may have changed (an
@@ -48,9 +48,8 @@ import trio
 
 from pdtrio.asgi import Send
 from pdtrio.engine.api import Engine, StepLogprobs, StepOutputs
-from pdtrio.protocol import wire
-from pdtrio.protocol.flush import FlushConfig, FlushNow, FlushPolicy, WaitUntil
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.link.wire import (
     DecodeAccepted,
     DecodeCapacity,
     DecodeFailed,
@@ -63,6 +62,7 @@ from pdtrio.protocol.wire import (
     TokenLogprob,
     TokenLogprobs,
 )
+from pdtrio.protocol.tokens.flush import FlushConfig, FlushNow, FlushPolicy, WaitUntil
 from pdtrio.worker.fault_hooks import FaultHooks
 
 # the heartbeat interval of a router that names none

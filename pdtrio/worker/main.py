@@ -41,7 +41,7 @@ from pdtrio.logs import (
     parse_level,
 )
 from pdtrio.memory import freeze_startup_objects, trim_heap
-from pdtrio.protocol.registration import Registration
+from pdtrio.protocol.link.registration import Registration
 from pdtrio.security import derive_key, resolve_worker_secret
 from pdtrio.worker.launch import ready_line
 from pdtrio.worker.server import Worker

@@ -21,8 +21,7 @@ import trio
 from pdtrio.engine.api import Engine, EngineError, NoRoom, PromptRejected
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.sampling import MAX_CHOICES
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link.wire import (
     DRAINING_ERROR_TYPE,
     MAX_TOP_LOGPROBS,
     KvHandle,
@@ -36,6 +35,7 @@ from pdtrio.protocol.wire import (
     prefill_failed,
     request_id_in_use,
 )
+from pdtrio.protocol.sampling import MAX_CHOICES
 from pdtrio.security import new_access_token
 from pdtrio.worker.fault_hooks import FaultHooks
 from pdtrio.worker.leases import KvLeases, release_token_matches

@@ -51,10 +51,9 @@ from pdtrio.engine.api import (
     StepOutputs,
 )
 from pdtrio.memory import HeapTrimmer
-from pdtrio.protocol import wire
 from pdtrio.protocol.errors import Reason
-from pdtrio.protocol.flush import FlushConfig
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.link.wire import (
     DecodeAbort,
     DecodeAccepted,
     DecodeFailed,
@@ -70,6 +69,7 @@ from pdtrio.protocol.wire import (
     prefill_failed,
     request_id_in_use,
 )
+from pdtrio.protocol.tokens.flush import FlushConfig
 from pdtrio.worker.admission import Decision, DecodeAdmission, Rejected
 from pdtrio.worker.fault_hooks import FaultHooks
 from pdtrio.worker.link_sender import DEFAULT_HEARTBEAT_S, Control, LinkSender

@@ -32,7 +32,7 @@ from pdtrio.memory import (
     limit_heap_retention,
 )
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.registration import Registration
+from pdtrio.protocol.link.registration import Registration
 from pdtrio.security import (
     ChallengeBook,
     PeerCredentials,

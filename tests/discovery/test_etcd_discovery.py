@@ -21,7 +21,7 @@ import trio
 
 from pdtrio.config import DiscoveryConfig, PdtrioConfig, RouterConfig
 from pdtrio.discovery.etcd import EtcdClient
-from pdtrio.protocol.registration import decode_registration
+from pdtrio.protocol.link.registration import decode_registration
 from pdtrio.router.app import RouterApp
 from pdtrio.router.core import Router
 from pdtrio.testing.etcd import EtcdServer

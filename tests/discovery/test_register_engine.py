@@ -32,7 +32,7 @@ from pdtrio.config import (
 from pdtrio.discovery.etcd import EtcdClient
 from pdtrio.discovery.register_engine import main as register_main
 from pdtrio.discovery.registry import DiscoveryState, EtcdRegistry
-from pdtrio.protocol.registration import (
+from pdtrio.protocol.link.registration import (
     REJECTED_KIND,
     EngineRegistration,
     Registration,

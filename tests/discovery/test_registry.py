@@ -11,7 +11,7 @@ from pdtrio.config import DiscoveryConfig
 from pdtrio.discovery.etcd import EtcdClient
 from pdtrio.discovery.registry import DiscoveryState, EtcdRegistry
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.registration import (
+from pdtrio.protocol.link.registration import (
     Registration,
     RegistrationError,
     decode_registration,

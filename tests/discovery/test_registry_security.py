@@ -23,7 +23,7 @@ from pdtrio.discovery.etcd import EtcdClient
 from pdtrio.discovery.registry import DiscoveryState, EtcdRegistry
 from pdtrio.discovery.worker_registration import keep_registered
 from pdtrio.peer_auth import WorkerAuth
-from pdtrio.protocol.registration import (
+from pdtrio.protocol.link.registration import (
     encode_registration,
     registration_key,
     sign_registration,

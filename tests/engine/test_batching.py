@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 from pdtrio.config import EngineConfig  # noqa: E402
 from pdtrio.engine.api import EngineOutput, StepFailed  # noqa: E402
 from pdtrio.engine.torch.engine import TorchEngine  # noqa: E402
-from pdtrio.protocol.wire import ChatPrompt  # noqa: E402
+from pdtrio.protocol.link.wire import ChatPrompt  # noqa: E402
 from pdtrio.protocol.sampling import SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)

@@ -28,8 +28,8 @@ from pdtrio.engine.api import (
 )
 from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.protocol.kv_layout import choice_blocks_needed
+from pdtrio.protocol.link.wire import TextPrompt, TokenEntry, Usage, choice_request_id
 from pdtrio.protocol.sampling import SamplingParams, StructuredOutput, choice_sampling
-from pdtrio.protocol.wire import TextPrompt, TokenEntry, Usage, choice_request_id
 
 replace_fields = msgspec.structs.replace
 

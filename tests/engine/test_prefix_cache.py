@@ -17,7 +17,7 @@ from pdtrio.engine.api import NoRoom
 from pdtrio.engine.blocks import BlockAllocator, BlockOwnership
 from pdtrio.engine.prefix_cache import PrefixCache, block_hashes, chain_root, layout_salt
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.prefix_index import CachedBlocks
+from pdtrio.protocol.placement.prefix_index import CachedBlocks
 
 BLOCK = 4
 ROOT = chain_root("a model|float32")

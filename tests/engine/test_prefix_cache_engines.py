@@ -16,8 +16,8 @@ import trio.testing
 from pdtrio.config import EngineConfig, SyntheticEngineConfig
 from pdtrio.engine.api import Engine, EngineOutput, PrefillResult, StepFailed
 from pdtrio.engine.synthetic import SyntheticEngine
+from pdtrio.protocol.link.wire import ChatPrompt, TokenEntry, Usage
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import ChatPrompt, TokenEntry, Usage
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0, ignore_eos=True)

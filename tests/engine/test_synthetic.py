@@ -14,7 +14,7 @@ from pdtrio.engine.budget import token_budget, tokens_left
 from pdtrio.engine.scheduler import SchedulerLimits
 from pdtrio.engine.stopping import OutputProcessor, StopStringHoldBack
 from pdtrio.engine.synthetic import SyntheticEngine, synthetic_text
-from pdtrio.protocol.wire import TextPrompt, TokenEntry, Usage
+from pdtrio.protocol.link.wire import TextPrompt, TokenEntry, Usage
 from pdtrio.protocol.sampling import SamplingParams
 
 PROMPT = "the synthetic prompt"

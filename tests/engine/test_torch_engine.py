@@ -23,8 +23,8 @@ from pdtrio.engine.api import (  # noqa: E402
     StepFailed,
 )
 from pdtrio.engine.torch.engine import TorchEngine  # noqa: E402
+from pdtrio.protocol.link.wire import TextPrompt, TokenEntry, Usage  # noqa: E402
 from pdtrio.protocol.sampling import SamplingParams  # noqa: E402
-from pdtrio.protocol.wire import TextPrompt, TokenEntry, Usage  # noqa: E402
 
 replace_fields = msgspec.structs.replace
 

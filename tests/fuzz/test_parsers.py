@@ -47,19 +47,8 @@ from pdtrio.kv import tcp
 from pdtrio.kv.api import KvTransferError
 from pdtrio.protocol import openai
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.openai import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    json_pieces,
-    parse_chat_completion_request,
-    parse_completion_request,
-)
-from pdtrio.protocol.openai import requests as openai_requests
-from pdtrio.protocol.openai.responses import parse_responses_request
-from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.websocket_frames import ClientFrameReader, ReaderClosedError
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link.websocket_frames import ClientFrameReader, ReaderClosedError
+from pdtrio.protocol.link.wire import (
     DECODE_ERRORS,
     ChatPrompt,
     DecodeAbort,
@@ -90,6 +79,17 @@ from pdtrio.protocol.wire import (
     from_worker_decoder,
     to_worker_decoder,
 )
+from pdtrio.protocol.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    json_pieces,
+    parse_chat_completion_request,
+    parse_completion_request,
+)
+from pdtrio.protocol.openai import requests as openai_requests
+from pdtrio.protocol.openai.responses import parse_responses_request
+from pdtrio.protocol.sampling import SamplingParams
 from tests.fuzz.profile import FUZZ
 
 _T = TypeVar("_T")
@@ -905,7 +905,7 @@ def test_kv_messages_round_trip(name: str, data: st.DataObject, read_sizes: list
 
 
 # =============================================================================
-# The websocket frame cutter (pdtrio.protocol.websocket_frames)
+# The websocket frame cutter (pdtrio.protocol.link.websocket_frames)
 # =============================================================================
 
 _OP_CONT, _OP_TEXT, _OP_BINARY, _OP_CLOSE, _OP_PING, _OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA

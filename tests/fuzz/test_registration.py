@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.registration import (
+from pdtrio.protocol.link.registration import (
     Registration,
     RegistrationError,
     decode_registration,

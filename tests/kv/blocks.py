@@ -12,7 +12,7 @@ import trio
 from pdtrio.config import SyntheticEngineConfig
 from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.kv.api import KvTransport
-from pdtrio.protocol.wire import KvHandle
+from pdtrio.protocol.link.wire import KvHandle
 from pdtrio.security import new_access_token
 from pdtrio.worker.leases import KvLeases
 

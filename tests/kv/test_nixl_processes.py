@@ -17,7 +17,7 @@ import trio
 
 from pdtrio.kv.nixl import NixlKvTransport
 from pdtrio.kv.nixl_agent import coalesced_runs
-from pdtrio.protocol.wire import KvHandle, RejectReason
+from pdtrio.protocol.link.wire import KvHandle, RejectReason
 from pdtrio.testing import Processes
 from pdtrio.worker.admission import DecodeAdmission, Rejected
 from pdtrio.worker.leases import KvLeases

@@ -12,8 +12,8 @@ from pdtrio.kv.api import KvTransferError
 from pdtrio.kv.nixl import NixlKvTransport
 from pdtrio.kv.nixl_agent import coalesced_runs
 from pdtrio.kv.tcp import TcpKvTransport
+from pdtrio.protocol.link.wire import DecodeStart, KvHandle, RejectReason
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import DecodeStart, KvHandle, RejectReason
 from pdtrio.worker.admission import Accepted, DecodeAdmission, Rejected
 from pdtrio.worker.leases import KvLeases
 from tests.cluster import wait_for_stats

@@ -7,14 +7,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdtrio.protocol.approx_prefix import (
+from pdtrio.protocol.link.wire import ChatPrompt, ChatPromptWithTools, TextPrompt, TokenPrompt
+from pdtrio.protocol.placement.approx_prefix import (
     MAX_KEYS_PER_PROMPT,
     TEXT_CHUNK_CHARS,
     TOKEN_CHUNK,
     ApproxPrefixIndex,
     approx_prompt_keys,
 )
-from pdtrio.protocol.wire import ChatPrompt, ChatPromptWithTools, TextPrompt, TokenPrompt
 
 
 def chat(*texts: str) -> ChatPrompt:

@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pdtrio.protocol.link.wire import ChatPrompt, ChatPromptWithTools, Prompt, Usage, encode
 from pdtrio.protocol.openai import OpenAIError, chat_completion_body, parse_chat_completion_request
+from pdtrio.protocol.openai.sse import StreamShaper
 from pdtrio.protocol.openai.tools import (
     MAX_FORCED_CALLS,
     TOOL_CALL_CLOSE,
@@ -19,8 +21,6 @@ from pdtrio.protocol.openai.tools import (
     call_text,
     parse_tool_calls,
 )
-from pdtrio.protocol.sse import StreamShaper
-from pdtrio.protocol.wire import ChatPrompt, ChatPromptWithTools, Prompt, Usage, encode
 
 MODEL = "tiny"
 WEATHER = {

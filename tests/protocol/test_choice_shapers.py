@@ -7,9 +7,9 @@ from typing import Any, Literal
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
+from pdtrio.protocol.link.wire import TokenLogprob, Usage
 from pdtrio.protocol.openai import service_unavailable
-from pdtrio.protocol.sse import ChoiceShapers, StreamShaper
-from pdtrio.protocol.wire import TokenLogprob, Usage
+from pdtrio.protocol.openai.sse import ChoiceShapers, StreamShaper
 from tests.protocol.test_sse import DONE, events
 
 

@@ -6,7 +6,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdtrio.protocol.egress import EgressConfig, EgressController, next_spacing, send_deadline
+from pdtrio.protocol.tokens.egress import (
+    EgressConfig,
+    EgressController,
+    next_spacing,
+    send_deadline,
+)
 
 CONFIG = EgressConfig()
 busy = st.floats(0.0, 1.0)

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdtrio.protocol.flush import (
+from pdtrio.protocol.link.wire import TokenEntry, Usage
+from pdtrio.protocol.tokens.flush import (
     FlushConfig,
     FlushNow,
     FlushPolicy,
@@ -15,7 +16,6 @@ from pdtrio.protocol.flush import (
     WaitForWrite,
     WaitUntil,
 )
-from pdtrio.protocol.wire import TokenEntry, Usage
 from tests.examples import examples
 
 Entry = TokenEntry

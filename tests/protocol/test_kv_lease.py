@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from pdtrio.protocol import wire
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.wire import KvHandle, lease_deadline, with_lease_left
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.link.wire import KvHandle, lease_deadline, with_lease_left
 
 _LAYOUT = KvLayout("fp", 1, 1, 1, 16, "float32")
 _HOURS = 3600.0

@@ -6,7 +6,13 @@ import itertools
 
 import pytest
 
-from pdtrio.protocol.lifecycle import Cleanup, Event, LifecycleError, RequestLifecycle, State
+from pdtrio.protocol.request.lifecycle import (
+    Cleanup,
+    Event,
+    LifecycleError,
+    RequestLifecycle,
+    State,
+)
 
 
 def _model_step(held: tuple[bool, bool], event: Event) -> tuple[bool, bool]:

@@ -9,14 +9,14 @@ from typing import Any, Literal
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pdtrio.protocol.link.wire import TokenLogprob, Usage
 from pdtrio.protocol.openai import (
     chat_completion_body,
     chat_logprobs,
     completion_body,
     completion_logprobs,
 )
-from pdtrio.protocol.sse import StreamShaper
-from pdtrio.protocol.wire import TokenLogprob, Usage
+from pdtrio.protocol.openai.sse import StreamShaper
 
 A = TokenLogprob(" a", -0.5, (" a", " b", " c"), (-0.5, -1.5, -2.5))
 B = TokenLogprob(" bé", -1.25, (" x", " bé"), (-0.75, -1.25))

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdtrio.protocol.link.wire import ChatPrompt, TextPrompt, TokenPrompt, Usage
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -25,7 +26,6 @@ from pdtrio.protocol.openai import (
     service_unavailable,
 )
 from pdtrio.protocol.sampling import MAX_CHOICES, SamplingParams
-from pdtrio.protocol.wire import ChatPrompt, TextPrompt, TokenPrompt, Usage
 from tests.examples import examples
 
 MODEL = "tiny"

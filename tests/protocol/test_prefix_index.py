@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdtrio.protocol import wire
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.prefix_index import (
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.placement.prefix_index import (
     DEFAULT_TOKENS_PER_CHAR,
     MAX_KEYED_PROMPT_CHARS,
     CachedBlocks,

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.registration import (
+from pdtrio.protocol.link.registration import (
     MAX_REGISTRATION_BYTES,
     REJECTED_BAD_SIGNATURE,
     REJECTED_MALFORMED,

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdtrio.protocol.errors import ERRORS, Reason
-from pdtrio.protocol.request_machine import (
+from pdtrio.protocol.request.machine import (
     _TABLE,
     AbortDecode,
     AnyFailure,

@@ -10,16 +10,16 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from pdtrio.protocol.answers import answer_shape
+from pdtrio.protocol.link.wire import Usage
 from pdtrio.protocol.openai import OpenAIError, bad_request, parse_chat_completion_request
+from pdtrio.protocol.openai.answers import answer_shape
 from pdtrio.protocol.openai.responses import (
     ResponsesRequest,
     engine_chat_body,
     parse_responses_request,
 )
-from pdtrio.protocol.responses_sse import ResponsesStreamShaper
+from pdtrio.protocol.openai.responses_sse import ResponsesStreamShaper
 from pdtrio.protocol.sampling import StructuredOutput
-from pdtrio.protocol.wire import Usage
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 _events = TypeAdapter(ResponseStreamEvent)

@@ -11,12 +11,12 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from pdtrio.protocol.answers import answer_shape
+from pdtrio.protocol.link.wire import ChatPrompt, ChatPromptWithTools, Usage
 from pdtrio.protocol.openai import OpenAIError, parse_chat_completion_request
+from pdtrio.protocol.openai.answers import answer_shape
 from pdtrio.protocol.openai.responses import ResponsesRequest, parse_responses_request
+from pdtrio.protocol.openai.responses_sse import ResponsesStreamShaper
 from pdtrio.protocol.openai.tools import ToolCall, call_text
-from pdtrio.protocol.responses_sse import ResponsesStreamShaper
-from pdtrio.protocol.wire import ChatPrompt, ChatPromptWithTools, Usage
 
 WEATHER_PARAMETERS = {
     "type": "object",

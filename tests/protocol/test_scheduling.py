@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdtrio.protocol.scheduling import (
+from pdtrio.protocol.placement.scheduling import (
     Candidate,
     Scheduler,
     SchedulingPolicy,

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdtrio.protocol.openai import OpenAIError, service_unavailable
-from pdtrio.protocol.sse import DONE_EVENT, StreamShaper
+from pdtrio.protocol.openai.sse import DONE_EVENT, StreamShaper
 
 DONE = "[DONE]"
 ROLE_DELTA = {"role": "assistant", "content": ""}

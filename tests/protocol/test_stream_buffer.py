@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdtrio.protocol.stream_buffer import (
+from pdtrio.protocol.tokens.stream_buffer import (
     PendingDelta,
     PushResult,
     StreamBuffer,

@@ -1,4 +1,4 @@
-"""pdtrio.protocol.vllm_pd: vLLM's PD legs built, its answers and /metrics read."""
+"""pdtrio.protocol.engines.vllm: vLLM's PD legs built, its answers and /metrics read."""
 
 from __future__ import annotations
 
@@ -6,9 +6,7 @@ import json
 
 import pytest
 
-from pdtrio.protocol.openai.logprobs import completion_logprobs
-from pdtrio.protocol.openai.tools import ToolCall
-from pdtrio.protocol.vllm_pd import (
+from pdtrio.protocol.engines.vllm import (
     PREFILL_KV_PARAMS,
     EngineAnswerError,
     EngineToolCalls,
@@ -21,7 +19,9 @@ from pdtrio.protocol.vllm_pd import (
     prefill_body,
     release_body,
 )
-from pdtrio.protocol.wire import TokenLogprob, Usage
+from pdtrio.protocol.link.wire import TokenLogprob, Usage
+from pdtrio.protocol.openai.logprobs import completion_logprobs
+from pdtrio.protocol.openai.tools import ToolCall
 
 CLIENT = {
     "model": "m",

@@ -27,7 +27,7 @@ from wsproto.events import (
     TextMessage,
 )
 
-from pdtrio.protocol.websocket_frames import (
+from pdtrio.protocol.link.websocket_frames import (
     MAX_READ_SIZE,
     ClientFrameReader,
     Closure,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from pdtrio.protocol import wire
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.wire import KvHandle, WireError
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.link.wire import KvHandle, WireError
 
 _LAYOUT = KvLayout("m", 1, 1, 1, 16, "float32")
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pdtrio.protocol import wire
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.link.wire import (
     KvHandle,
     PrefillReply,
     PrefillReplyWithLogprob,
@@ -20,6 +19,7 @@ from pdtrio.protocol.wire import (
     WireError,
     first_logprob,
 )
+from pdtrio.protocol.sampling import SamplingParams
 
 LAYOUT = KvLayout("fp", 1, 1, 2, 16, "synthetic")
 HANDLE = KvHandle("r", "p0", "127.0.0.1", 9, (1, 2), 20, LAYOUT, 30.0, "grant")

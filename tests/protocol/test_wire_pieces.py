@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link.wire import (
     PIECEWISE_TEXT_CHARS,
     ChatPrompt,
     PrefillRequest,
@@ -19,6 +18,7 @@ from pdtrio.protocol.wire import (
     prompt_is_long,
     to_worker_decoder,
 )
+from pdtrio.protocol.sampling import SamplingParams
 from tests.examples import examples
 
 LONG = PIECEWISE_TEXT_CHARS

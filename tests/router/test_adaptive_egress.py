@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from pdtrio.config import RouterConfig
-from pdtrio.protocol.egress import EgressConfig, EgressController
+from pdtrio.protocol.tokens.egress import EgressConfig, EgressController
 from pdtrio.router import core
 from tests.cluster import client, running_cluster, synthetic_worker, wait_until_idle
 

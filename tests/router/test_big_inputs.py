@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pdtrio import memory
 from pdtrio.asgi import BodyTooLarge, ClientDisconnected, Receive, read_body
-from pdtrio.protocol import wire
+from pdtrio.protocol.link import wire
 from pdtrio.protocol.openai import (
     OpenAIError,
     json_pieces,

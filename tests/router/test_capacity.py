@@ -191,7 +191,7 @@ async def test_a_request_arriving_at_a_full_queue_gets_429_without_a_prefill() -
 
 
 async def test_a_reserved_place_counts_against_the_limit_and_becomes_the_waiters() -> None:
-    from pdtrio.router.capacity import CapacityQueue, QueueFull
+    from pdtrio.router.request.capacity import CapacityQueue, QueueFull
 
     queue: CapacityQueue[str] = CapacityQueue(2)
     queue.reserve()
@@ -264,7 +264,7 @@ async def test_room_found_as_the_lease_deadline_passes_still_starts_the_decode(
     # deadline.  The start must not be cut by it (it was, and read as a drain: "the
     # router is shutting down").  Blocking the loop right after room is announced puts
     # the clock past the deadline before the waiter runs, as a busy loop would.
-    from pdtrio.router import pipeline
+    from pdtrio.router.request import pipeline
 
     lease_s = 3.0
     # the router's deadline 1.5 s before the lease's end, decode's read needs 1 s left:

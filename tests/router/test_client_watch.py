@@ -8,7 +8,7 @@ import json
 import trio
 import trio.testing
 
-from pdtrio.router.running_requests import CLIENT_WATCH_AFTER_S, RunningRequests
+from pdtrio.router.request.running_requests import CLIENT_WATCH_AFTER_S, RunningRequests
 from tests.cluster import client, raw_post_then_hang_up, running_cluster, wait_until_idle
 
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import trio
 
-from pdtrio.protocol.sse import StreamShaper
-from pdtrio.protocol.wire import Usage
-from pdtrio.router.client_response import ClientResponse
+from pdtrio.protocol.link.wire import Usage
+from pdtrio.protocol.openai.sse import StreamShaper
+from pdtrio.router.request.client_response import ClientResponse
 from tests.cluster import client, running_cluster, wait_until_idle
 from tests.metrics import by_labels
 

@@ -19,7 +19,7 @@ import openai
 import trio
 
 from pdtrio.router.app import RouterApp
-from pdtrio.router.engine_front import EnginePool
+from pdtrio.router.engines.pool import EnginePool
 from tests.cluster import wait_for_stats
 from tests.router.fake_vllm import MODEL, choice_of
 from tests.router.test_openai_choices import streamed_choices

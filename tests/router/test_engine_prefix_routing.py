@@ -12,9 +12,9 @@ import httpx
 import trio
 
 from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig
-from pdtrio.protocol.wire import ChatPrompt
+from pdtrio.protocol.link.wire import ChatPrompt
 from pdtrio.router.app import RouterApp
-from pdtrio.router.engine_front import EnginePool
+from pdtrio.router.engines.pool import EnginePool
 from tests.cluster import serve_app, wait_for_stats
 from tests.router.fake_sglang import FakeSglang
 from tests.router.fake_vllm import MODEL, FakeVllm

@@ -13,10 +13,10 @@ import trio.testing
 from pdtrio.config import SyntheticEngineConfig
 from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.kv.api import KvBlockSink, KvBlockSource
-from pdtrio.protocol import wire
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.link.wire import DecodeStart, KvHandle, TextPrompt
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import DecodeStart, KvHandle, TextPrompt
-from pdtrio.router.kv_leases import LeaseClock
+from pdtrio.router.workers.kv_leases import LeaseClock
 from pdtrio.worker.admission import Accepted, DecodeAdmission
 from pdtrio.worker.leases import KvLeases
 

@@ -10,8 +10,7 @@ import trio
 
 from pdtrio.config import ConfigError, RouterConfig, config_from_dict
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link.wire import (
     DecodeStart,
     Heartbeat,
     KvHandle,
@@ -20,8 +19,9 @@ from pdtrio.protocol.wire import (
     encode,
     from_worker_decoder,
 )
-from pdtrio.router.worker_link import WorkerLink, WorkerLinkHung, WorkerLinkLost
-from pdtrio.router.ws_client import HandshakeError
+from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.router.workers.link import WorkerLink, WorkerLinkHung, WorkerLinkLost
+from pdtrio.router.workers.ws_client import HandshakeError
 from pdtrio.worker.link_sender import DEFAULT_HEARTBEAT_S
 from pdtrio.worker.router_link import _heartbeat_interval
 from tests.cluster import serve_app, synthetic_worker, wait_for_stats

@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 
-from pdtrio.protocol.egress import EgressConfig, EgressController, next_spacing
+from pdtrio.protocol.tokens.egress import EgressConfig, EgressController, next_spacing
 from pdtrio.router import loop_load
 from pdtrio.router.loop_load import (
     BusyFractionSource,

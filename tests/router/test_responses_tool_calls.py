@@ -11,11 +11,11 @@ import pytest
 import trio
 from openai.types.responses import Response
 
-from pdtrio.protocol.answers import answer_shape
+from pdtrio.protocol.link.wire import Usage
+from pdtrio.protocol.openai.answers import answer_shape
 from pdtrio.protocol.openai.responses import ResponsesRequest, parse_responses_request
 from pdtrio.protocol.openai.tools import call_text
-from pdtrio.protocol.wire import Usage
-from pdtrio.router.client_response import ClientResponse
+from pdtrio.router.request.client_response import ClientResponse
 from tests.protocol.test_responses_tools import NAMES, TIME, WEATHER, _stream_events
 
 

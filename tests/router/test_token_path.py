@@ -6,7 +6,7 @@ from functools import partial
 
 import trio
 
-from pdtrio.protocol.flush import FlushConfig
+from pdtrio.protocol.tokens.flush import FlushConfig
 from tests.cluster import client, running_cluster, synthetic_worker, wait_until_idle
 
 

@@ -27,7 +27,7 @@ from wsproto.events import (
     TextMessage,
 )
 
-from pdtrio.router.ws_client import ConnectionClosed, HandshakeError, connect_websocket
+from pdtrio.router.workers.ws_client import ConnectionClosed, HandshakeError, connect_websocket
 
 Handler = Callable[[trio.SocketStream, wsproto.WSConnection], Awaitable[None]]
 

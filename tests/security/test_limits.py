@@ -9,8 +9,8 @@ import trio
 from pdtrio.config import SecurityConfig
 from pdtrio.kv import tcp
 from pdtrio.peer_auth import WorkerAuth
-from pdtrio.protocol.wire import TransferRequest
-from pdtrio.router.ws_client import HandshakeError, connect_websocket
+from pdtrio.protocol.link.wire import TransferRequest
+from pdtrio.router.workers.ws_client import HandshakeError, connect_websocket
 from pdtrio.security import PeerCredentials
 from pdtrio.worker import router_link
 from tests.cluster import running_cluster, synthetic_worker, wait_for_stats

@@ -26,9 +26,8 @@ from pdtrio.kv.tcp import (
     send_message,
 )
 from pdtrio.peer_auth import WorkerAuth, link_authorization
-from pdtrio.protocol import wire
-from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.link.wire import (
     PrefillReply,
     PrefillRequest,
     ReleaseReply,
@@ -36,7 +35,8 @@ from pdtrio.protocol.wire import (
     TextPrompt,
     TransferRequest,
 )
-from pdtrio.router.ws_client import HandshakeError, connect_websocket
+from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.router.workers.ws_client import HandshakeError, connect_websocket
 from pdtrio.security import (
     PeerAuthenticationError,
     PeerCredentials,

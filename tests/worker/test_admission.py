@@ -11,8 +11,7 @@ import trio
 from pdtrio.config import SyntheticEngineConfig
 from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.kv.api import KvBlockSink, KvBlockSource, KvTransferError
-from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link.wire import (
     DecodeStart,
     DecodeStartChoices,
     KvHandle,
@@ -20,6 +19,7 @@ from pdtrio.protocol.wire import (
     TextPrompt,
     choice_request_id,
 )
+from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.worker.admission import Accepted, DecodeAdmission, Rejected
 from pdtrio.worker.leases import KvLeases
 

@@ -15,9 +15,8 @@ import pytest
 import trio
 import trio_websocket
 
-from pdtrio.protocol import wire
-from pdtrio.protocol.sampling import SamplingParams, choice_sampling
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.link.wire import (
     DecodeAbort,
     DecodeAccepted,
     DecodeCapacity,
@@ -37,6 +36,7 @@ from pdtrio.protocol.wire import (
     choice_request_id,
     reply_choices,
 )
+from pdtrio.protocol.sampling import SamplingParams, choice_sampling
 from pdtrio.worker.admission import Accepted, DecodeAdmission, Rejected
 from pdtrio.worker.leases import KvLeases
 from pdtrio.worker.server import Worker

@@ -24,7 +24,7 @@ from pdtrio.engine.api import NoRoom, StepFailed  # noqa: E402
 from pdtrio.engine.torch.engine import TorchEngine  # noqa: E402
 from pdtrio.kv.api import KvBlockSink  # noqa: E402
 from pdtrio.protocol.kv_layout import blocks_needed  # noqa: E402
-from pdtrio.protocol.wire import ChatPrompt, DecodeStart, KvHandle  # noqa: E402
+from pdtrio.protocol.link.wire import ChatPrompt, DecodeStart, KvHandle  # noqa: E402
 from pdtrio.worker.admission import Accepted, DecodeAdmission  # noqa: E402
 from pdtrio.worker.leases import KvLeases  # noqa: E402
 from pdtrio.worker.server import Worker  # noqa: E402

@@ -20,7 +20,7 @@ import trio_websocket
 
 from pdtrio.config import WorkerFaultsConfig
 from pdtrio.engine.api import EngineOutput, StepFailed
-from pdtrio.protocol.flush import FlushConfig
+from pdtrio.protocol.tokens.flush import FlushConfig
 from pdtrio.worker.server import Worker
 from tests.cluster import synthetic_worker, wait_for_stats
 

@@ -7,8 +7,8 @@ from typing import Any
 import httpx
 import trio
 
+from pdtrio.protocol.link.wire import DRAINING_ERROR_TYPE, PrefillFailed, PrefillRequest, TextPrompt
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import DRAINING_ERROR_TYPE, PrefillFailed, PrefillRequest, TextPrompt
 from tests.cluster import client, running_cluster, wait_for_stats, wait_until_idle
 
 

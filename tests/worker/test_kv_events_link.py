@@ -11,8 +11,8 @@ from contextlib import asynccontextmanager
 import trio
 import trio_websocket
 
-from pdtrio.protocol import wire
-from pdtrio.protocol.prefix_index import CachedBlocks, layout_block_hashes
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.placement.prefix_index import CachedBlocks, layout_block_hashes
 from pdtrio.protocol.sampling import SamplingParams
 from pdtrio.worker.server import Worker
 from tests.cluster import synthetic_worker

@@ -9,9 +9,9 @@ import httpx
 import msgspec
 import pytest
 
-from pdtrio.protocol import wire
+from pdtrio.protocol.link import wire
+from pdtrio.protocol.link.wire import PrefillRequest, Prompt, TextPrompt, TokenPrompt
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.protocol.wire import PrefillRequest, Prompt, TextPrompt, TokenPrompt
 from tests.cluster import Cluster, cluster_in_a_thread, running_cluster
 
 MSGPACK = {"content-type": wire.MSGPACK_CONTENT_TYPE}

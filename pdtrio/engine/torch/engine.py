@@ -64,7 +64,7 @@ from pdtrio.engine.torch.model import SeqInput, StepAbandoned
 from pdtrio.engine.torch.sampler import RowLogprobs, TokenHistory, logprobs_of, sample
 from pdtrio.engine.torch.threads import apply_num_threads, in_passing_thread, single_threaded
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link.wire import (
     MAX_TOP_LOGPROBS,
     ChatPrompt,
     ChatPromptWithTools,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pdtrio.protocol.link.wire import TokenLogprob, Usage
 from pdtrio.protocol.openai.logprobs import chat_logprobs, completion_logprobs
 from pdtrio.protocol.openai.tools import ToolCall
-from pdtrio.protocol.wire import TokenLogprob, Usage
 
 
 def models_list_body(

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdtrio.protocol.wire import TokenLogprob
+from pdtrio.protocol.link.wire import TokenLogprob
 
 _FLOOR = -9999.0
 

@@ -16,6 +16,13 @@ from typing import Any, Final, final
 import attrs
 import msgspec
 
+from pdtrio.protocol.link.wire import (
+    MAX_TOP_LOGPROBS,
+    ChatPrompt,
+    ChatPromptWithTools,
+    TextPrompt,
+    TokenPrompt,
+)
 from pdtrio.protocol.openai.errors import (
     OpenAIError,
     bad_request,
@@ -29,13 +36,6 @@ from pdtrio.protocol.openai.json_pieces import PIECEWISE_JSON_BYTES, CountedArra
 from pdtrio.protocol.openai.structured import structured_output
 from pdtrio.protocol.openai.tools import ChatTools, message_extras, parse_chat_tools
 from pdtrio.protocol.sampling import MAX_CHOICES, SamplingParams
-from pdtrio.protocol.wire import (
-    MAX_TOP_LOGPROBS,
-    ChatPrompt,
-    ChatPromptWithTools,
-    TextPrompt,
-    TokenPrompt,
-)
 
 CHAT_ROLES: Final = frozenset({"system", "developer", "user", "assistant", "tool"})
 _CHAT_PART_TYPES: Final = frozenset({"text"})

@@ -19,7 +19,7 @@ calls back out of the text as it does a chat answer's, and they go out as
 ``function_call`` output items (:func:`function_call_item`).
 
 :func:`response_object` is the ``Response`` object, the non-streamed body and
-what the stream's ``response.*`` events carry (``pdtrio.protocol.responses_sse``).
+what the stream's ``response.*`` events carry (``pdtrio.protocol.openai.responses_sse``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any, Final, Literal, final
 import attrs
 import msgspec
 
+from pdtrio.protocol.link.wire import Usage
 from pdtrio.protocol.openai.errors import OpenAIError, bad_request, invalid_type, show_client_text
 from pdtrio.protocol.openai.requests import (
     ChatCompletionRequest,
@@ -49,7 +50,6 @@ from pdtrio.protocol.openai.requests import (
 )
 from pdtrio.protocol.openai.structured import response_format_output
 from pdtrio.protocol.openai.tools import ChatTools, ToolCall, message_extras, parse_chat_tools
-from pdtrio.protocol.wire import Usage
 
 __all__ = [
     "INPUT_ROLES",

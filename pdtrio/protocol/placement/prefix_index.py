@@ -34,7 +34,7 @@ from typing import Final, final
 import attrs
 
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link.wire import (
     ChatPrompt,
     ChatPromptWithTools,
     KvEvents,

@@ -1,9 +1,9 @@
 """One request's response to its client: the writes, how it ends, and a client that
 stopped reading.
 
-The request shell (:mod:`pdtrio.router.pipeline`) decides what goes out; this
+The request shell (:mod:`pdtrio.router.request.pipeline`) decides what goes out; this
 object puts it on the wire as hypercorn's ASGI sends, streamed (server-sent
-events through the :class:`~pdtrio.protocol.sse.StreamShaper`) or gathered into
+events through the :class:`~pdtrio.protocol.openai.sse.StreamShaper`) or gathered into
 one JSON body, and keeps what the shell and the router's stall sweep need to
 know of the wire: whether a write is under way or was torn, whether the client
 left, whether it was hung up on.
@@ -18,12 +18,12 @@ from typing import Any, final
 import trio
 
 from pdtrio.asgi import Message, Receive, Send, send_json
-from pdtrio.protocol.answers import AnswerKind, Shaper
+from pdtrio.protocol.link.wire import TokenLogprob, Usage
 from pdtrio.protocol.openai import OpenAIError, chat_completion_body, completion_body
+from pdtrio.protocol.openai.answers import AnswerKind, Shaper
+from pdtrio.protocol.openai.responses_sse import ResponsesStreamShaper
+from pdtrio.protocol.openai.sse import ChoiceShapers, StreamShaper
 from pdtrio.protocol.openai.tools import ToolCall, ToolCallParser, tool_finish_reason
-from pdtrio.protocol.responses_sse import ResponsesStreamShaper
-from pdtrio.protocol.sse import ChoiceShapers, StreamShaper
-from pdtrio.protocol.wire import TokenLogprob, Usage
 
 log = logging.getLogger("pdtrio.router.pipeline")
 
@@ -55,7 +55,7 @@ class ClientResponse:
         choices: int = 1,
     ) -> None:
         """``body_of``: the non-streamed body's builder where the endpoint has its own
-        (:attr:`~pdtrio.protocol.answers.AnswerShape.own_body`); None: chat's or
+        (:attr:`~pdtrio.protocol.openai.answers.AnswerShape.own_body`); None: chat's or
         completions', by ``kind`` (with the tool calls read out of a chat answer).
         ``choices``: the request's ``n`` (streamed, ``shaper`` is then a ChoiceShapers)."""
         self.request_id = request_id

@@ -24,8 +24,8 @@ from typing import Final, final
 
 import attrs
 
-from pdtrio.protocol.prefix_index import key_digest, prompt_keys
-from pdtrio.protocol.wire import ChatPrompt, Prompt, TextPrompt, TokenPrompt
+from pdtrio.protocol.link.wire import ChatPrompt, Prompt, TextPrompt, TokenPrompt
+from pdtrio.protocol.placement.prefix_index import key_digest, prompt_keys
 
 # a text prompt's keys: one per this many characters (a few tokens' worth, so that a
 # shared beginning is found to within a short chunk, and a long prompt makes few keys)
@@ -46,7 +46,7 @@ def approx_prompt_keys(
     key names the whole prefix up to it (two prompts share a key only when they share
     everything before it too).
 
-    A chat's key after each of its messages (:func:`~pdtrio.protocol.prefix_index.prompt_keys`);
+    A chat's key after each of its messages (:func:`~pdtrio.protocol.placement.prefix_index.prompt_keys`);
     a text's after each ``text_chunk_chars`` characters, and after its last partial chunk;
     a token-id prompt's likewise per ``token_chunk`` ids.  At most
     :data:`MAX_KEYS_PER_PROMPT`.

@@ -1,17 +1,17 @@
 """A request's two legs on vLLM or SGLang instances: the engine-HTTP backend of the legs.
 
-The request runs through the same machine (``pdtrio.protocol.request_machine``)
-and shell (``pdtrio.router.pipeline``) as on pdtrio's workers; only the legs
+The request runs through the same machine (``pdtrio.protocol.request.machine``)
+and shell (``pdtrio.router.request.pipeline``) as on pdtrio's workers; only the legs
 differ.  The machine is built with ``first_token_from_prefill=False``: an
 engine's decode generates every token from the request again, so prefill's
 answer carries nothing for the client, the response starts with decode's
 first batch, and a decode failing before it sends the request again from a new
 prefill.  Everything else is the shared one: client writes and egress
-(:func:`pdtrio.router.legs.stream_tokens`), the stall sweep's hang-up, the
+(:func:`pdtrio.router.workers.legs.stream_tokens`), the stall sweep's hang-up, the
 deadlines, retries, cancellation, the drain, and cleanup (the machine's
 ``ReleasePrefill`` here frees prefill's KV no decode pulled).
 
-vLLM (the KV connector protocol, ``pdtrio.protocol.vllm_pd``): prefill's leg
+vLLM (the KV connector protocol, ``pdtrio.protocol.engines.vllm``): prefill's leg
 is a one-token, unstreamed request keeping the KV for a remote decode; its
 answer's ``kv_transfer_params`` go whole to decode's leg, streamed back.  Prefill's
 blocks wait for a decode to pull them; a request that ends before one did (the
@@ -20,7 +20,7 @@ them until vLLM gives up on them (0.32's NIXL lease, 30 s by default; before it
 ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s), so the release sends a one-token
 decode leg in the background, which pulls them and so frees them on prefill.
 
-SGLang (the bootstrap protocol, ``pdtrio.protocol.sglang_pd``): both legs go at
+SGLang (the bootstrap protocol, ``pdtrio.protocol.engines.sglang``): both legs go at
 once with one room.  The prefill leg picks the instance and names the room
 (``Prefilled`` at once); its call goes out in the decode run, beside decode's
 stream: a prefill failing before decode's first token closes the decode leg
@@ -29,7 +29,7 @@ stream: a prefill failing before decode's first token closes the decode leg
 
 Several choices (``n`` > 1): a PD flow per choice (its prefill, its leg on the decode
 placed), streamed back as the choices of one answer by the shared
-:func:`pdtrio.router.legs.stream_choices` (:class:`EngineDecodeLeg` says how;
+:func:`pdtrio.router.workers.legs.stream_choices` (:class:`EngineDecodeLeg` says how;
 ``vllm_pd.choice_body`` why the engines are never sent ``n``).  A choice failing
 before its own first token once other choices' went out runs again alone (a new
 prefill and decode leg, :meth:`EngineDecodeLeg._rerun_choice`).  A client that leaves,
@@ -68,12 +68,8 @@ import attrs
 import httpx
 import trio
 
-from pdtrio.protocol import request_machine as rm
-from pdtrio.protocol.errors import Reason
-from pdtrio.protocol.openai.tools import ToolCall
-from pdtrio.protocol.sglang_pd import ROOM_BITS, bootstrap_body, prefill_leg_body
-from pdtrio.protocol.stream_buffer import PushResult, StreamBuffer
-from pdtrio.protocol.vllm_pd import (
+from pdtrio.protocol.engines.sglang import ROOM_BITS, bootstrap_body, prefill_leg_body
+from pdtrio.protocol.engines.vllm import (
     PATHS,
     EngineAnswerError,
     EngineToolCalls,
@@ -85,10 +81,14 @@ from pdtrio.protocol.vllm_pd import (
     prefill_body,
     release_body,
 )
-from pdtrio.protocol.wire import DecodeRejected, TokenLogprob, Usage
+from pdtrio.protocol.errors import Reason
+from pdtrio.protocol.link.wire import DecodeRejected, TokenLogprob, Usage
+from pdtrio.protocol.openai.tools import ToolCall
+from pdtrio.protocol.request import machine as rm
+from pdtrio.protocol.tokens.stream_buffer import PushResult, StreamBuffer
 from pdtrio.router.backend import DecodeRun
-from pdtrio.router.engine_front import EngineInstance, EnginePool
-from pdtrio.router.legs import (
+from pdtrio.router.engines.pool import EngineInstance, EnginePool
+from pdtrio.router.workers.legs import (
     DecodeSide,
     LegHost,
     PrefillSide,
@@ -98,10 +98,10 @@ from pdtrio.router.legs import (
     stream_choices,
     stream_tokens,
 )
-from pdtrio.router.worker_link import CUT_OFF_MESSAGE
+from pdtrio.router.workers.link import CUT_OFF_MESSAGE
 
 if TYPE_CHECKING:
-    from pdtrio.router.worker_link import HoldTimer
+    from pdtrio.router.workers.link import HoldTimer
 
 log = logging.getLogger("pdtrio.router.engines")
 

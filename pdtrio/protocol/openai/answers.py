@@ -13,6 +13,7 @@ from typing import Any, Final, Literal, final
 
 import attrs
 
+from pdtrio.protocol.link.wire import TokenLogprob, Usage
 from pdtrio.protocol.openai.requests import ChatCompletionRequest, CompletionRequest
 from pdtrio.protocol.openai.responses import (
     MessageStatus,
@@ -21,14 +22,13 @@ from pdtrio.protocol.openai.responses import (
     message_item,
     response_object,
 )
-from pdtrio.protocol.openai.tools import ToolCall, parse_tool_calls
-from pdtrio.protocol.responses_sse import (
+from pdtrio.protocol.openai.responses_sse import (
     ResponsesStreamShaper,
     function_call_id_for,
     message_id_for,
 )
-from pdtrio.protocol.sse import BaseShaper, ChoiceShapers, StreamShaper
-from pdtrio.protocol.wire import TokenLogprob, Usage
+from pdtrio.protocol.openai.sse import BaseShaper, ChoiceShapers, StreamShaper
+from pdtrio.protocol.openai.tools import ToolCall, parse_tool_calls
 
 AnswerKind = Literal["chat", "completion", "responses"]
 AnyRequest = ChatCompletionRequest | CompletionRequest | ResponsesRequest

@@ -10,10 +10,10 @@ import json
 from collections.abc import Sequence
 from typing import Final, Literal, final
 
+from pdtrio.protocol.link.wire import TokenLogprob, Usage
 from pdtrio.protocol.openai.errors import OpenAIError
 from pdtrio.protocol.openai.logprobs import chat_logprobs, completion_logprobs
 from pdtrio.protocol.openai.tools import ToolCall
-from pdtrio.protocol.wire import TokenLogprob, Usage
 
 DONE_EVENT: Final = b"data: [DONE]\n\n"
 

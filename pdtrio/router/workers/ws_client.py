@@ -1,12 +1,12 @@
 """A lean websocket client for the router's worker links: wsproto over a trio stream.
 
 This is the I/O shell.  The opening handshake is wsproto's; the frames that
-follow are cut by :class:`~pdtrio.protocol.websocket_frames.ClientFrameReader`
+follow are cut by :class:`~pdtrio.protocol.link.websocket_frames.ClientFrameReader`
 (the sans-IO core, which says why it exists beside wsproto): each read is fed
 to it whole and :meth:`WebSocketClient.receive_messages` hands the caller every
 message that read completed as one batch, after sending the pongs and close
 replies it asks for.  A whole binary message goes out as one frame made by
-:func:`~pdtrio.protocol.websocket_frames.masked_binary_frame`; fragments,
+:func:`~pdtrio.protocol.link.websocket_frames.masked_binary_frame`; fragments,
 pongs and closes are wsproto's, which keeps the connection's state.
 
 One reader (whoever calls :meth:`WebSocketClient.receive_messages`); writes
@@ -55,7 +55,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
-from pdtrio.protocol.websocket_frames import ClientFrameReader, FrameBatch, masked_binary_frame
+from pdtrio.protocol.link.websocket_frames import ClientFrameReader, FrameBatch, masked_binary_frame
 
 _MAX_RESPONSE_HEAD = 64 * 1024
 # a message bigger than this is sent as fragments of this size

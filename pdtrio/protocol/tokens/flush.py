@@ -1,7 +1,7 @@
 """When the decode side sends a token frame: the coalescing flush policy.
 
 The decode sender drains the engine's step outputs (each a list of
-:class:`~pdtrio.protocol.wire.TokenEntry`, at most one per running request)
+:class:`~pdtrio.protocol.link.wire.TokenEntry`, at most one per running request)
 into a :class:`FlushPolicy`, and asks it what to do with
 :meth:`FlushPolicy.decide`, telling it whether a frame is being written.
 
@@ -45,7 +45,7 @@ from typing import final
 
 import attrs
 
-from pdtrio.protocol.wire import TokenEntry, Usage
+from pdtrio.protocol.link.wire import TokenEntry, Usage
 
 
 @final

@@ -33,7 +33,7 @@ CLIENT_WATCH_AFTER_S = 0.05
 
 
 class RunningRequest(Protocol):
-    """What the registry asks of a running request (``pdtrio.router.pipeline``)."""
+    """What the registry asks of a running request (``pdtrio.router.request.pipeline``)."""
 
     def hang_up_if_stalled(self, now: float, write_timeout: float, cut_grace: float) -> None:
         """Give up a write that has waited on its client more than ``write_timeout`` by

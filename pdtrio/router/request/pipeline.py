@@ -3,16 +3,16 @@
 Every decision of the request path (admission, prefill attempts and retries,
 decode placement and its retries before the first token, migration, which
 deadline applies, what cleanup owes, how the response ends) is the machine's:
-``pdtrio.protocol.request_machine``, one (phase, event) table.  This shell
+``pdtrio.protocol.request.machine``, one (phase, event) table.  This shell
 owns the cancel scope, the disconnect watcher and the I/O: it reports what happened
 as events, does what the machine answers, and holds no request logic.
 
 The commands that reach an instance are carried out by the request's legs
-(``pdtrio.router.legs``: its prefill calls and its decode run), which reach
+(``pdtrio.router.workers.legs``: its prefill calls and its decode run), which reach
 the instances through the backend seam (``pdtrio.router.backend``): pdtrio's
 workers by default, or the engines' HTTP legs a ``make_legs`` builds
-(``pdtrio.router.engine_legs``: vLLM, SGLang); placement
-is the instance table's (``pdtrio.router.instances``); a failure's status is
+(``pdtrio.router.engines.legs``: vLLM, SGLang); placement
+is the instance table's (``pdtrio.router.workers.instances``); a failure's status is
 the one table's (``pdtrio.protocol.errors``).
 
 Deadlines: each wait (a prefill call, a decode placement and its stream, a wait
@@ -21,7 +21,7 @@ it passes, the shell reports which (``DeadlinePassed``).  A client that leaves,
 one that stops reading, and the drain's cut cancel the scope, and are
 reported once it has unwound.  The watch for a client leaving is a task that the
 router's watch sweep starts, in its own nursery, once the request has run
-``CLIENT_WATCH_AFTER_S`` (``pdtrio.router.running_requests``); the request's end
+``CLIENT_WATCH_AFTER_S`` (``pdtrio.router.request.running_requests``); the request's end
 cancels it.  A short answer ends before, without one: neither the task nor a
 nursery of its own (its opening and closing) is paid for.  Cleanup (an abort on decode, a release on
 prefill) is queued on the links, never awaited: it cannot hang.  Errors go to
@@ -29,7 +29,7 @@ the client after the scope, with nothing left to cut them.
 
 Capacity: decode reserves KV for prompt + budget when it accepts, so a request
 whose room is not there waits, before any byte goes out, in the router's
-bounded FIFO (``pdtrio.router.capacity``) after prefill, its KV leased on
+bounded FIFO (``pdtrio.router.request.capacity``) after prefill, its KV leased on
 prefill meanwhile (the machine's KV_LEASE deadline bounds the wait).
 """
 
@@ -47,20 +47,21 @@ import trio
 
 from pdtrio.asgi import Receive, Send
 from pdtrio.config import RouterConfig
-from pdtrio.protocol import request_machine as rm
-from pdtrio.protocol.answers import AnswerKind, AnyRequest, Shaper, answer_shape
 from pdtrio.protocol.errors import Reason, status_for_worker_failure
+from pdtrio.protocol.link.wire import TokenLogprob, Usage, first_logprob, reply_choices
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     error_for,
 )
+from pdtrio.protocol.openai.answers import AnswerKind, AnyRequest, Shaper, answer_shape
 from pdtrio.protocol.openai.tools import ToolCall
-from pdtrio.protocol.wire import TokenLogprob, Usage, first_logprob, reply_choices
-from pdtrio.router.client_response import ClientResponse
+from pdtrio.protocol.request import machine as rm
 from pdtrio.router.core import Router
-from pdtrio.router.legs import (
+from pdtrio.router.metrics import Outcome
+from pdtrio.router.request.client_response import ClientResponse
+from pdtrio.router.workers.legs import (
     DecodeLeg,
     DecodeSide,
     LegHost,
@@ -70,7 +71,6 @@ from pdtrio.router.legs import (
     ShellFailure,
     Wait,
 )
-from pdtrio.router.metrics import Outcome
 
 log = logging.getLogger("pdtrio.router.pipeline")
 

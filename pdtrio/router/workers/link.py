@@ -63,10 +63,7 @@ from typing import final
 import httpx
 import trio
 
-from pdtrio.protocol.openai.tools import ToolCall
-from pdtrio.protocol.prefix_index import CachedBlocks
-from pdtrio.protocol.stream_buffer import PushResult, StreamBuffer
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link.wire import (
     DECODE_ERRORS,
     DecodeAbort,
     DecodeAccepted,
@@ -95,9 +92,12 @@ from pdtrio.protocol.wire import (
     is_batch,
     prompt_is_long,
 )
+from pdtrio.protocol.openai.tools import ToolCall
+from pdtrio.protocol.placement.prefix_index import CachedBlocks
+from pdtrio.protocol.tokens.stream_buffer import PushResult, StreamBuffer
 from pdtrio.router.backend import BackendLost, BackendUnreachable, DecodeBackend, PrefillBackend
-from pdtrio.router.kv_leases import LEASES
-from pdtrio.router.ws_client import (
+from pdtrio.router.workers.kv_leases import LEASES
+from pdtrio.router.workers.ws_client import (
     ConnectionClosed,
     HandshakeError,
     WebSocketClient,

@@ -30,7 +30,7 @@ from typing import final
 
 import attrs
 
-from pdtrio.protocol.wire import Usage
+from pdtrio.protocol.link.wire import Usage
 
 
 class StreamBufferError(RuntimeError):

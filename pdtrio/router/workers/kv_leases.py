@@ -19,7 +19,7 @@ from typing import final
 
 import msgspec
 
-from pdtrio.protocol.wire import DecodeStart, KvHandle, lease_deadline, with_lease_left
+from pdtrio.protocol.link.wire import DecodeStart, KvHandle, lease_deadline, with_lease_left
 
 
 @final

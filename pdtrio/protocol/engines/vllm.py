@@ -32,8 +32,8 @@ from typing import Any, Literal, final
 
 import attrs
 
+from pdtrio.protocol.link.wire import MAX_TOP_LOGPROBS, TokenLogprob, Usage
 from pdtrio.protocol.openai.tools import ToolCall
-from pdtrio.protocol.wire import MAX_TOP_LOGPROBS, TokenLogprob, Usage
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # what the prefill leg asks for: keep the KV for a decode elsewhere to pull

@@ -2,7 +2,7 @@
 
 It is the registries' listener (``pdtrio.discovery.registry.RegistryListener``):
 an instance listed or registered is put in the instance table and gets a
-websocket link (``pdtrio.router.worker_link``), reconnected whenever it breaks;
+websocket link (``pdtrio.router.workers.link``), reconnected whenever it breaks;
 one deregistered or replaced takes no new work, and its link is closed once
 nothing runs on it (woken by the instance's own reports, never polled).  It also
 refuses registrations that point at a router, and warns of instances nothing can
@@ -23,7 +23,7 @@ import trio
 from pdtrio.config import InstanceConfig, PdtrioConfig, Role
 from pdtrio.discovery.registry import static_registration
 from pdtrio.peer_auth import PeerAuthenticationError, link_authorization
-from pdtrio.protocol.registration import (
+from pdtrio.protocol.link.registration import (
     REJECTED_ROUTER_URL,
     ROUTER_HEADER,
     Registration,
@@ -31,8 +31,8 @@ from pdtrio.protocol.registration import (
     is_own_url,
     registration_key,
 )
-from pdtrio.router.instances import Instance, InstanceTable
-from pdtrio.router.worker_link import LINK_ERRORS, PeerRefused, WorkerLink
+from pdtrio.router.workers.instances import Instance, InstanceTable
+from pdtrio.router.workers.link import LINK_ERRORS, PeerRefused, WorkerLink
 from pdtrio.security import PeerCredentials
 
 log = logging.getLogger("pdtrio.router")

@@ -1,6 +1,6 @@
 """A request's two legs on pdtrio instances: the prefill calls and the decode run.
 
-The shell (``pdtrio.router.pipeline``) carries out the request machine's
+The shell (``pdtrio.router.request.pipeline``) carries out the request machine's
 commands; the ones that reach an instance come here.  :class:`PrefillLeg` picks
 a prefill instance, calls it (the first call, a retry, a migration's
 continuation), checks its KV handle, and releases its KV; :class:`DecodeLeg`
@@ -10,10 +10,10 @@ happened to the machine through the shell (:meth:`LegHost.report`) and does
 what the answer says next; neither decides anything the machine decides.
 
 The instances are reached through the backend seam (``pdtrio.router.backend``);
-placement is the instance table's (``pdtrio.router.instances``).  The shell
+placement is the instance table's (``pdtrio.router.workers.instances``).  The shell
 runs any pair of legs with the shape of :class:`PrefillSide` and
 :class:`DecodeSide`: these, on pdtrio's workers, or an engine's
-(``pdtrio.router.engine_legs``, vLLM and SGLang over HTTP); the token stream to
+(``pdtrio.router.engines.legs``, vLLM and SGLang over HTTP); the token stream to
 the client (:func:`stream_tokens`: egress spacing, the machine's first and last
 batch) is the same for every backend.
 """
@@ -28,16 +28,9 @@ from typing import TYPE_CHECKING, Protocol, final
 import attrs
 import trio
 
-from pdtrio.protocol import request_machine as rm
-from pdtrio.protocol.answers import Shaper
-from pdtrio.protocol.egress import send_deadline
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.kv_layout import KvLayout, choice_blocks_needed
-from pdtrio.protocol.lifecycle import State
-from pdtrio.protocol.openai import ChatCompletionRequest, CompletionRequest
-from pdtrio.protocol.openai.tools import ToolCall
-from pdtrio.protocol.prefix_index import PromptBlocks
-from pdtrio.protocol.wire import (
+from pdtrio.protocol.link.wire import (
     DecodeStart,
     DecodeStartChoices,
     KvHandle,
@@ -51,12 +44,19 @@ from pdtrio.protocol.wire import (
     choice_request_id,
     reply_choices,
 )
+from pdtrio.protocol.openai import ChatCompletionRequest, CompletionRequest
+from pdtrio.protocol.openai.answers import Shaper
+from pdtrio.protocol.openai.tools import ToolCall
+from pdtrio.protocol.placement.prefix_index import PromptBlocks
+from pdtrio.protocol.request import machine as rm
+from pdtrio.protocol.request.lifecycle import State
+from pdtrio.protocol.tokens.egress import send_deadline
 from pdtrio.router.backend import BackendLost, BackendUnreachable, ChoiceRuns, DecodeRun
-from pdtrio.router.capacity import QueueFull
-from pdtrio.router.instances import Instance
-from pdtrio.router.kv_leases import LEASES
 from pdtrio.router.metrics import MIGRATION_REASONS, RequestFigures
-from pdtrio.router.worker_link import (
+from pdtrio.router.request.capacity import QueueFull
+from pdtrio.router.workers.instances import Instance
+from pdtrio.router.workers.kv_leases import LEASES
+from pdtrio.router.workers.link import (
     CUT_OFF_MESSAGE,
     WorkerLink,
     rejection_is_retryable,

@@ -1,6 +1,6 @@
 """The Responses API's streaming shape: text deltas in, typed server-sent events out.
 
-Sans-IO, with :class:`~pdtrio.protocol.sse.StreamShaper`'s interface (the
+Sans-IO, with :class:`~pdtrio.protocol.openai.sse.StreamShaper`'s interface (the
 pipeline feeds either alike, the model's tool calls through ``tool_calls`` too:
 each a ``function_call`` output item, its arguments in one delta).  Each event is ``event: <type>\\ndata: {...}\\n\\n``
 with a ``sequence_number``; the stream ends with ``response.completed`` (or
@@ -14,6 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, Final, final
 
+from pdtrio.protocol.link.wire import TokenLogprob, Usage
 from pdtrio.protocol.openai.errors import OpenAIError
 from pdtrio.protocol.openai.responses import (
     MessageStatus,
@@ -23,9 +24,8 @@ from pdtrio.protocol.openai.responses import (
     message_item,
     response_object,
 )
+from pdtrio.protocol.openai.sse import BaseShaper
 from pdtrio.protocol.openai.tools import ToolCall
-from pdtrio.protocol.sse import BaseShaper
-from pdtrio.protocol.wire import TokenLogprob, Usage
 
 _dumps: Final = json.dumps
 _compact: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode

@@ -9,14 +9,14 @@ cache usage), scraped once per ``_SCRAPE_INTERVAL_S`` however many requests
 run.  Placement is the router's scheduling policies over that load plus the
 requests this router has out on it, cache-aware: an engine reports no cached blocks,
 so the router remembers which prompt prefixes each instance served
-(``pdtrio.protocol.approx_prefix``) and favours the instance that served the longest
+(``pdtrio.protocol.placement.approx_prefix``) and favours the instance that served the longest
 prefix of a request, weighed against load by ``prefill_cache_weight`` for prefill and
 ``decode_cache_weight`` for decode (an engine's decode caches the prompt too).  An instance failing with a 5xx or
 unreachable is out of rotation for a while (doubling, capped), as pdtrio
 workers are; a 4xx is the client's and never counts against it.
 
 A request on them runs through the shared pipeline with the engines' HTTP legs
-(``pdtrio.router.engine_legs``).
+(``pdtrio.router.engines.legs``).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ import httpx
 import trio
 
 from pdtrio.config import InstanceConfig, PdtrioConfig
-from pdtrio.protocol.approx_prefix import ApproxPrefixIndex, approx_prompt_keys
+from pdtrio.protocol.engines.vllm import EngineLoad, parse_engine_metrics
+from pdtrio.protocol.link.registration import EngineRegistration
+from pdtrio.protocol.link.wire import Prompt
 from pdtrio.protocol.openai import listed_models
-from pdtrio.protocol.registration import EngineRegistration
-from pdtrio.protocol.scheduling import Candidate, Scheduler
-from pdtrio.protocol.vllm_pd import EngineLoad, parse_engine_metrics
-from pdtrio.protocol.wire import Prompt
+from pdtrio.protocol.placement.approx_prefix import ApproxPrefixIndex, approx_prompt_keys
+from pdtrio.protocol.placement.scheduling import Candidate, Scheduler
 from pdtrio.security import ENGINE_API_KEY_ENV, resolve_secret
 
 if TYPE_CHECKING:

@@ -477,7 +477,7 @@ class Heartbeat(_Positional, frozen=True, tag=int(MessageKind.HEARTBEAT)):
     """
 
 
-# a block hash of the prefix cache (``pdtrio.protocol.prefix_index.block_hashes``)
+# a block hash of the prefix cache (``pdtrio.protocol.placement.prefix_index.block_hashes``)
 BlockHashes = Annotated[tuple[bytes, ...], msgspec.Meta(max_length=MAX_TOKEN_IDS)]
 
 

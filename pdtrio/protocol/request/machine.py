@@ -6,7 +6,7 @@ as an event; the machine answers with what to do next as commands.  The
 machine holds every decision of the request path: admission, prefill attempts
 and retries, decode placement and its retries before the first token, the
 migration of a request whose decode was lost, which deadline applies, what
-cleanup owes (:class:`~pdtrio.protocol.lifecycle.RequestLifecycle`, kept
+cleanup owes (:class:`~pdtrio.protocol.request.lifecycle.RequestLifecycle`, kept
 as the KV-ownership table underneath), and how the client's response ends.
 
 The whole rule is :data:`_TABLE`: (phase, event type) -> handler.  An event the
@@ -46,8 +46,8 @@ from typing import Final, TypeAlias, final
 import attrs
 
 from pdtrio.protocol.errors import Reason
-from pdtrio.protocol.lifecycle import Cleanup, RequestLifecycle, State
-from pdtrio.protocol.lifecycle import Event as Kv
+from pdtrio.protocol.request.lifecycle import Cleanup, RequestLifecycle, State
+from pdtrio.protocol.request.lifecycle import Event as Kv
 
 # --- configuration ---------------------------------------------------------------
 

@@ -4,8 +4,8 @@ Each :class:`Instance` is what the router knows of one worker (its registration,
 whether new work may go to it, its failures in a row) and holds the link to it.
 The :class:`InstanceTable` answers the request path's questions (which prefill,
 which decode with room, why none, is this KV handle from where it should be),
-choosing by the policies of ``pdtrio.protocol.scheduling`` with the time passed
-in.  Links are opened, kept and retired by ``pdtrio.router.link_supervisor``.
+choosing by the policies of ``pdtrio.protocol.placement.scheduling`` with the time passed
+in.  Links are opened, kept and retired by ``pdtrio.router.workers.supervisor``.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ import trio
 from pdtrio.config import Role
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed, layout_mismatch
-from pdtrio.protocol.prefix_index import (
+from pdtrio.protocol.link.wire import DRAINING_ERROR_TYPE, KvHandle, PrefillFailed, Prompt
+from pdtrio.protocol.placement.prefix_index import (
     MAX_HASHED_TOKENS,
     PromptBlocks,
     PromptChains,
     layout_block_hashes,
 )
-from pdtrio.protocol.scheduling import Candidate, Scheduler, SchedulingPolicy
-from pdtrio.protocol.wire import DRAINING_ERROR_TYPE, KvHandle, PrefillFailed, Prompt
-from pdtrio.router.worker_link import WorkerLink
+from pdtrio.protocol.placement.scheduling import Candidate, Scheduler, SchedulingPolicy
+from pdtrio.router.workers.link import WorkerLink
 
 log = logging.getLogger("pdtrio.router")
 

@@ -1,0 +1,1 @@
+"""The vLLM and SGLang backend: the engine pool and the engines' HTTP legs."""

@@ -1,0 +1,1 @@
+"""One request's shell: the pipeline that runs the machine's commands, its client response, admission."""
