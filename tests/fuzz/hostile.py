@@ -52,6 +52,9 @@ class Case:
     chunks: tuple[bytes, ...]
     ending: Ending = "close"
     connections: int = 1
+    # whether the target must serve others while these connections are still open
+    # (checked before they are read and closed)
+    hold: bool = False
 
     def describe(self) -> str:
         """The case as exact bytes, for a report (long payloads shortened)."""
@@ -271,6 +274,24 @@ def http_corpus(paths: Sequence[bytes], *, every_offset: bool = True) -> list[Ca
             (request(b"POST", post, [JSON, (b"Content-Length", b"10000000")]),),
             "half_close",
             connections=300,
+        ),
+        Case(
+            "strangers-x500-held-partial-head",
+            (b"POST " + post + b" HTTP/1.1\r\nHost: x\r\nX-Slow: ",),
+            connections=500,
+            hold=True,
+        ),
+        Case(
+            "strangers-x500-held-body-never-comes",
+            (request(b"POST", post, [JSON, (b"Content-Length", b"10000000")], b"{"),),
+            connections=500,
+            hold=True,
+        ),
+        Case(
+            "strangers-x300-held-upgrade-with-frame",
+            (upgrade + b"\x81\x82\x00\x00\x00\x00hi",),
+            connections=300,
+            hold=True,
         ),
         Case(
             "content-length-10M-partial-body-reset",
@@ -593,6 +614,8 @@ def kv_corpus(*, every_offset: bool = True) -> list[Case]:
         Case("kv-megabyte", (bytes(range(256)) * 4096,)),
         Case("kv-byte-by-byte", tuple(bytes([b]) for b in wrong)),
         Case("kv-connections-x300", (opening,), connections=300),
+        Case("kv-strangers-x500-held", (opening,), connections=500, hold=True),
+        Case("kv-strangers-x500-held-silent", (b"",), connections=500, hold=True),
         Case("kv-connections-x300-half-close", (b"B",), "half_close", connections=300),
     ]
     step = 1 if every_offset else 5

@@ -454,8 +454,11 @@ def send_case(
     address: tuple[str, int],
     case: Case,
     opening: Callable[[socket.socket], None] | None = None,
+    while_held: Callable[[], None] | None = None,
 ) -> None:
-    """Write the case on its connections, end them as it says, read what comes back."""
+    """Write the case on its connections, end them as it says, read what comes back;
+    ``while_held`` runs before that, with the connections still open, when the case holds
+    them."""
     socks: list[socket.socket] = []
     try:
         for _ in range(case.connections):
@@ -474,6 +477,8 @@ def send_case(
             elif case.ending == "reset":
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 sock.close()
+        if case.hold and while_held is not None:
+            while_held()
         _drain([s for s in socks if s.fileno() >= 0])
     finally:
         for sock in socks:
@@ -561,13 +566,22 @@ class Fuzzer:
             return
         self.counts[target] += 1
         self._batch.append(case)
+        held: list[str] = []
         try:
-            send_case(self.cluster.address(target), case, self.opening(target))
+            send_case(
+                self.cluster.address(target),
+                case,
+                self.opening(target),
+                lambda: held.append(self.cluster.probe(target)),
+            )
         except (OSError, AssertionError, httpx.HTTPError) as exc:
             # no connection, or an opening refused: the process may be down
             if self.cluster.dead() or not isinstance(exc, OSError):
                 self._failed(target, f"the case could not be sent: {exc!r}", [case])
                 return
+        if held and held[0]:
+            self._failed(target, f"while its connections were open: {held[0]}", [case])
+            return
         problem = self.cluster.probe(target)
         if problem:
             self._failed(target, problem, [case])
