@@ -18,23 +18,29 @@ namespace there, and back), e.g. a ``client`` host of its own.
 Faults, inside the namespaces:
 
 - :meth:`Bed.partition` ``how="link"``: the host's switch port is set down; packets to and
-  from it vanish, no reset, no ICMP (a cable pulled at the switch).  ``how="blackhole"``:
-  every other host gets a blackhole route to it and it to each of them; established
-  connections lose every packet silently (a new ``connect`` on a blackholed host fails at
-  once: the kernel's answer to a local sender).  :meth:`Bed.heal` undoes either.
+  from it vanish, no reset, no ICMP (a cable pulled at the switch).  ``how="drop"``: an
+  nftables rule in the host drops every packet in and out of ``eth0``, its link up (a
+  firewall that eats everything; a local ``connect`` waits, as a remote one does).
+  ``how="blackhole"``: every other host gets a blackhole route to it and it to each of
+  them; established connections lose every packet silently (a new ``connect`` on a
+  blackholed host fails at once: the kernel's answer to a local sender).  :meth:`Bed.heal`
+  undoes any of them.
 - :meth:`Bed.flap`: the link goes down and up on a period while the block runs.
-- Latency: this kernel has no ``sch_netem`` (nor tc actions: no ``gact``), so no packet
-  is delayed or dropped by the kernel.  :meth:`Bed.start_proxy` puts pdtrio's fault
-  proxy (``python -m pdtrio.faults``) in a host, in front of one of its listening ports:
-  the service binds an inner port and advertises the proxy's, so every TCP connection
-  to that port (router links, health probes, etcd, the KV port's NIXL session and TCP
-  transport, the client's HTTP) crosses it; :meth:`BedProxy.control` sets ``latency 50``
-  and the rest of the proxy's faults while it runs.  It cannot reach UCX's own TCP data
-  connections: UCX listens on ports of its own choosing and a peer dials the address in
-  the agent's metadata, past any proxy.  Packet loss has no means here at all (the proxy
-  forwards a byte stream; TCP above a lossy link shows loss as retransmission stalls,
-  which the proxy does not make).
+- Loss: :meth:`Bed.set_loss` drops that share of the frames the switch forwards, at
+  random, each direction (an nftables ``numgen random`` rule in the switch's bridge
+  table): every TCP connection between hosts sees it, UCX's data connections too.
+- Latency: this kernel has no ``sch_netem`` (``tc qdisc add ... netem``: "unknown qdisc";
+  no tc actions either), so no packet is delayed by the kernel.  :meth:`Bed.start_proxy`
+  puts pdtrio's fault proxy (``python -m pdtrio.faults``) in a host, in front of one of
+  its listening ports: the service binds an inner port and advertises the proxy's, so
+  every TCP connection to that port (router links, health probes, etcd, the KV port's
+  NIXL session and TCP transport, the client's HTTP) crosses it; :meth:`BedProxy.control`
+  sets ``latency 50`` and the rest of the proxy's faults while it runs.  It cannot reach
+  UCX's own TCP data connections: UCX listens on ports of its own choosing and a peer
+  dials the address in the agent's metadata, past any proxy.
 
+``nft`` (Debian's nftables) is needed for ``drop`` and loss; :func:`nft_unavailable` says
+why they cannot be had.
 Root only (``ip netns add``); :func:`bed_unavailable` says why a bed cannot be made.
 Leaving the ``with`` block kills whatever still runs in the bed's namespaces and deletes
 them (the veths and the bridge go with them), also when the block failed; entering it
@@ -48,6 +54,7 @@ import ctypes
 import itertools
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,6 +74,7 @@ __all__ = [
     "BedProxy",
     "Partition",
     "bed_unavailable",
+    "nft_unavailable",
     "list_namespaces",
 ]
 
@@ -80,7 +88,9 @@ _NAME: Final = re.compile(r"^pdt(\d+)-\d+-[a-z0-9]+$")
 _beds_made = itertools.count(1)
 _HOST_NAME: Final = re.compile(r"^[a-z][a-z0-9]{0,11}$")  # "p-<host>" fits IFNAMSIZ
 
-Partition = Literal["link", "blackhole"]
+Partition = Literal["link", "drop", "blackhole"]
+_CUT_TABLE: Final = "pdtcut"
+_LOSS_TABLE: Final = "pdtloss"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -155,6 +165,26 @@ def bed_unavailable() -> str | None:
     return None
 
 
+def nft_unavailable() -> str | None:
+    """Why nftables rules cannot be used here (no ``nft``); None: they can."""
+    if shutil.which("nft") is None:
+        return "no `nft` command (apt-get install nftables)"
+    return None
+
+
+def _nft(namespace: str, script: str) -> None:
+    completed = subprocess.run(
+        ["ip", "netns", "exec", namespace, "nft", "-f", "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if completed.returncode != 0:
+        raise RuntimeError(f"nft in {namespace}: {completed.stderr.strip()}\n{script}")
+
+
 @contextlib.contextmanager
 def _in_namespace(path: Path) -> Iterator[None]:
     """The calling thread in the network namespace at ``path`` for the block, then back."""
@@ -220,6 +250,7 @@ class Bed:
         self._made: list[str] = []
         self._partitioned: dict[str, Partition] = {}
         self._flaps: list[tuple[threading.Thread, threading.Event]] = []
+        self._loss = False
 
     # --- names and addresses ----------------------------------------------------------
 
@@ -297,6 +328,7 @@ class Bed:
             _remove_namespace(name)
         self._made.clear()
         self._partitioned.clear()
+        self._loss = False
 
     # --- running things in a host -------------------------------------------------------
 
@@ -359,6 +391,16 @@ class Bed:
             raise RuntimeError(f"{host} is partitioned already")
         if how == "link":
             self._set_port(host, up=False)
+        elif how == "drop":
+            _nft(
+                self.namespace(host),
+                f"table inet {_CUT_TABLE} {{\n"
+                "  chain input { type filter hook input priority 0; policy accept;\n"
+                '    iifname "eth0" drop\n  }\n'
+                "  chain output { type filter hook output priority 0; policy accept;\n"
+                '    oifname "eth0" drop\n  }\n'
+                "}\n",
+            )
         else:
             self._blackholes(host, "add")
         self._partitioned[host] = how
@@ -368,8 +410,53 @@ class Bed:
         how = self._partitioned.pop(host)
         if how == "link":
             self._set_port(host, up=True)
+        elif how == "drop":
+            _nft(self.namespace(host), f"delete table inet {_CUT_TABLE}\n")
         else:
             self._blackholes(host, "del")
+
+    def set_loss(self, percent: float) -> None:
+        """Drop ``percent`` % of the frames the switch forwards, at random (0: none)."""
+        if not 0 <= percent <= 100:
+            raise ValueError(f"loss must be within 0..100 %, not {percent!r}")
+        switch = self.namespace(_SWITCH)
+        if self._loss:
+            _nft(switch, f"delete table bridge {_LOSS_TABLE}\n")
+            self._loss = False
+        if percent:
+            per_million = round(percent * 10_000)
+            _nft(
+                switch,
+                f"table bridge {_LOSS_TABLE} {{\n"
+                "  chain forward { type filter hook forward priority 0; policy accept;\n"
+                f"    numgen random mod 1000000 < {per_million} counter drop\n  }}\n"
+                "}\n",
+            )
+            self._loss = True
+
+    def frames_lost(self) -> int:
+        """How many frames :meth:`set_loss`'s rule has dropped (0 with no rule)."""
+        if not self._loss:
+            return 0
+        completed = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.namespace(_SWITCH),
+                "nft",
+                "list",
+                "table",
+                "bridge",
+                _LOSS_TABLE,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        found = re.search(r"counter packets (\d+)", completed.stdout)
+        return int(found.group(1)) if found else 0
 
     def _set_port(self, host: str, *, up: bool) -> None:
         _ip("-n", self.namespace(_SWITCH), "link", "set", f"p-{host}", "up" if up else "down")
