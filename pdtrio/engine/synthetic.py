@@ -231,6 +231,8 @@ class SyntheticEngine:
             None if scheduler_limits is None else Scheduler(scheduler_limits)
         )
         self._left_out = 0  # requests the last scheduled step left waiting
+        # the step under way, when steps are scheduled (a subclass's _step sees it too)
+        self._plan: StepSchedule[_WaitingPrompt, _Running] | None = None
         self._default_max_tokens = default_max_tokens
         self._model_name = model_name
         allocator = BlockAllocator(num_blocks)
@@ -644,12 +646,11 @@ class SyntheticEngine:
         finally:
             scheduler.remove_prompt(waiting)  # (cancelled while it waited)
 
-    def _step(
-        self, plan: StepSchedule[_WaitingPrompt, _Running] | None
-    ) -> tuple[StepOutputs, StepLogprobs | None, int]:
+    def _step(self) -> tuple[StepOutputs, StepLogprobs | None, int]:
         """One step's outputs, their logprobs (None: no request in it asked), and how many
-        sequences (prompts and decodes) it ran: ``plan``'s (its requests freed since were
-        dropped), or every running sequence's."""
+        sequences (prompts and decodes) it ran: the scheduler's plan's (its requests freed
+        since were dropped), or every running sequence's."""
+        plan = self._plan
         if plan is None:
             running = list(self._running.values())
             batch = len(running)
@@ -715,9 +716,9 @@ class SyntheticEngine:
                     await trio.sleep_until(next_step)
                 else:
                     await trio.lowlevel.checkpoint()
-                plan = None
+                self._plan = plan = None
                 if scheduler is not None:
-                    plan = scheduler.schedule()
+                    self._plan = plan = scheduler.schedule()
                     self._left_out = plan.waiting
                     prompt_tokens = plan.num_tokens - len(plan.decodes)
                     if prompt_tokens and per_prompt_token:
@@ -727,7 +728,7 @@ class SyntheticEngine:
                         next_step += per_prompt_token * prompt_tokens
                         await trio.sleep_until(next_step)
                 started = time.perf_counter()
-                produced, produced_logprobs, batch = self._step(plan)
+                produced, produced_logprobs, batch = self._step()
                 observer = self._step_observer
                 if observer is not None:
                     tokens = sum(len(entry.token_ids) for entry in produced)
