@@ -96,8 +96,9 @@ class EngineConfig:
     # 256-token prompt alone 473 ms in one chunk, 2 x 265 ms in two)
     prefill_chunk_tokens: int = attrs.field(default=256, validator=_positive)
     # reuse the KV of full blocks of earlier prompts (pdtrio.engine.prefix_cache): a prompt
-    # that begins as an earlier one did computes only the rest
-    prefix_cache: bool = False
+    # that begins as an earlier one did computes only the rest (on by default, as in vLLM
+    # v1; in bfloat16 a reused prefix's KV may differ in its last bits from a recomputed one)
+    prefix_cache: bool = True
     # at most this many blocks cached at once; 0: as many as the KV cache has room for
     prefix_cache_max_blocks: int = attrs.field(default=0, validator=_non_negative)
     # the budget of a request without max_tokens (capped by the context); decode reserves it

@@ -48,8 +48,14 @@ def torch_engine(num_blocks: int = 128) -> Engine:
     from pdtrio.config import EngineConfig
     from pdtrio.engine.torch.engine import TorchEngine
 
+    # (the cache off: its comparisons want every prompt computed the same way)
     config = EngineConfig(
-        kind="torch", model="tiny-random", dtype="float64", num_kv_blocks=num_blocks, block_size=4
+        kind="torch",
+        model="tiny-random",
+        dtype="float64",
+        num_kv_blocks=num_blocks,
+        block_size=4,
+        prefix_cache=False,
     )
     return TorchEngine.from_config(config)
 
