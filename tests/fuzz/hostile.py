@@ -38,9 +38,10 @@ ROUTER: Final = "router"
 PREFILL: Final = "prefill"
 DECODE: Final = "decode"
 KV: Final = "kv"
-LINK: Final = "link"  # /pd/link after its handshake, as a peer holding the secret
+LINK: Final = "link"  # prefill's /pd/link after its handshake, as a peer holding the secret
+LINK_DECODE: Final = "link-decode"  # decode's
 KV_SESSION: Final = "kv-session"  # the KV port after its opening, as a peer holding the secret
-TARGETS: Final = (ROUTER, PREFILL, DECODE, KV, LINK, KV_SESSION)
+TARGETS: Final = (ROUTER, PREFILL, DECODE, KV, LINK, LINK_DECODE, KV_SESSION)
 HTTP_TARGETS: Final = (ROUTER, PREFILL, DECODE)
 
 
@@ -700,7 +701,7 @@ def corpus(target: str, *, every_offset: bool = True) -> list[Case]:
         return worker_corpus(every_offset=every_offset)
     if target == KV:
         return kv_corpus(every_offset=every_offset)
-    if target == LINK:
+    if target in (LINK, LINK_DECODE):
         return link_corpus()
     if target == KV_SESSION:
         return kv_session_corpus()
@@ -1001,7 +1002,7 @@ def cases(target: str) -> st.SearchStrategy[Case]:
             st.sampled_from([b"B", b"N", b"\x00", b"G"]), st.binary(max_size=80)
         ).map(b"".join)
         return _case("random-kv", opening | st.binary(max_size=512) | http_streams(WORKER_PATHS))
-    if target == LINK:
+    if target in (LINK, LINK_DECODE):
         frames = st.lists(ws_frames(link_messages()), min_size=1, max_size=5).map(b"".join)
         return _case("random-link-frames", frames)
     if target == KV_SESSION:

@@ -234,13 +234,17 @@ class LiveCluster:
     def services(self) -> dict[str, Service]:
         return {"router": self.router, "prefill": self.prefill, "decode": self.decode}
 
+    def link_end(self, target: str) -> Service:
+        """The worker a link target's link goes to."""
+        return self.decode if target == hostile.LINK_DECODE else self.prefill
+
     def address(self, target: str) -> tuple[str, int]:
         if target in (hostile.ROUTER, hostile.PREFILL, hostile.DECODE):
             service = self.services()[target]
             host, port = service.address.rsplit(":", 1)
             return host, int(port)
-        if target == hostile.LINK:
-            host, port = self.prefill.address.rsplit(":", 1)
+        if target in (hostile.LINK, hostile.LINK_DECODE):
+            host, port = self.link_end(target).address.rsplit(":", 1)
             return host, int(port)
         return LOOPBACK, self.transfer_ports["prefill"]
 
@@ -260,7 +264,13 @@ class LiveCluster:
         dead = self.dead()
         if dead:
             return "; ".join(dead)
-        name = target if target in (hostile.ROUTER, hostile.DECODE) else hostile.PREFILL
+        name = (
+            target
+            if target in (hostile.ROUTER, hostile.DECODE)
+            else hostile.DECODE
+            if target == hostile.LINK_DECODE
+            else hostile.PREFILL
+        )
         host, port = self.services()[name].address.rsplit(":", 1)
         try:
             with socket.create_connection((host, int(port)), timeout=_CHECK_TIMEOUT_S) as sock:
@@ -403,13 +413,13 @@ class LiveCluster:
 # --- sending a case -----------------------------------------------------------------
 
 
-def _link_opening(cluster: LiveCluster) -> Callable[[socket.socket], None]:
+def _link_opening(worker: Service) -> Callable[[socket.socket], None]:
     """The /pd/link websocket handshake of a router holding the secret."""
 
     def open_link(sock: socket.socket) -> None:
         client_nonce = new_nonce()
         challenge = httpx.get(
-            f"{cluster.prefill.url}/pd/auth",
+            f"{worker.url}/pd/auth",
             headers={"authorization": opening_authorization(client_nonce)},
             timeout=_CHECK_TIMEOUT_S,
         )
@@ -553,8 +563,8 @@ class Fuzzer:
             self.on_finding(finding)
 
     def opening(self, target: str) -> Callable[[socket.socket], None] | None:
-        if target == hostile.LINK:
-            return _link_opening(self.cluster)
+        if target in (hostile.LINK, hostile.LINK_DECODE):
+            return _link_opening(self.cluster.link_end(target))
         if target == hostile.KV_SESSION:
             return _kv_opening
         return None
