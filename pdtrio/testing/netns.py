@@ -251,6 +251,7 @@ class Bed:
         self._partitioned: dict[str, Partition] = {}
         self._flaps: list[tuple[threading.Thread, threading.Event]] = []
         self._loss = False
+        self._lock = threading.Lock()  # faults may come from several threads at once
 
     # --- names and addresses ----------------------------------------------------------
 
@@ -383,10 +384,73 @@ class Bed:
             control_port,
         )
 
+    def start_etcd(
+        self,
+        procs: Processes,
+        host: str,
+        data_dir: Path,
+        *,
+        port: int = 2379,
+        binary: str = "/usr/bin/etcd",
+        timeout: float = 20.0,
+        ask_from: str = "client",
+    ) -> subprocess.Popen[bytes]:
+        """A single-member etcd in ``host``, serving ``http://ADDRESS:port``; returned once
+        it serves a range, asked from ``ask_from``; ``procs`` stops it."""
+        import httpx
+
+        client = f"http://{self.address(host)}:{port}"
+        peer = f"http://127.0.0.1:{port + 1}"
+        process = procs.start(
+            self.command(
+                host,
+                [
+                    binary,
+                    "--name=bed",
+                    f"--data-dir={data_dir}",
+                    f"--listen-client-urls={client}",
+                    f"--advertise-client-urls={client}",
+                    f"--listen-peer-urls={peer}",
+                    f"--initial-advertise-peer-urls={peer}",
+                    f"--initial-cluster=bed={peer}",
+                    "--logger=zap",  # etcd 3.4 honours --log-level only with zap
+                    "--log-level=error",
+                ],
+            ),
+            output="capture",
+        )
+        deadline = time.monotonic() + timeout
+        with self.inside(ask_from):
+            while True:  # polled: etcd says nothing when it is ready
+                try:
+                    response = httpx.post(
+                        f"{client}/v3/kv/range", json={"key": "AA=="}, timeout=1, trust_env=False
+                    )
+                    if response.status_code == 200:
+                        return process
+                except httpx.HTTPError:
+                    pass
+                if process.poll() is not None or time.monotonic() > deadline:
+                    said = procs.output(process, timeout=2).decode(errors="replace")[-2000:]
+                    raise RuntimeError(
+                        f"etcd in {host} not ready within {timeout:g}s "
+                        f"(status {process.poll()}): {said}"
+                    )
+                time.sleep(0.1)
+
     # --- faults -------------------------------------------------------------------------
 
     def partition(self, host: str, how: Partition = "link") -> None:
         """Cut ``host`` off from every other host, silently (see the module's docstring)."""
+        with self._lock:
+            self._partition(host, how)
+
+    def heal(self, host: str) -> None:
+        """Undo :meth:`partition`."""
+        with self._lock:
+            self._heal(host)
+
+    def _partition(self, host: str, how: Partition) -> None:
         if host in self._partitioned:
             raise RuntimeError(f"{host} is partitioned already")
         if how == "link":
@@ -402,24 +466,39 @@ class Bed:
                 "}\n",
             )
         else:
-            self._blackholes(host, "add")
+            before = self._routes()
+            self._partitioned[host] = how
+            self._blackholes(before)
         self._partitioned[host] = how
 
-    def heal(self, host: str) -> None:
-        """Undo :meth:`partition`."""
-        how = self._partitioned.pop(host)
+    def _heal(self, host: str) -> None:
+        how = self._partitioned[host]
         if how == "link":
             self._set_port(host, up=True)
         elif how == "drop":
             _nft(self.namespace(host), f"delete table inet {_CUT_TABLE}\n")
         else:
-            self._blackholes(host, "del")
+            before = self._routes()
+            del self._partitioned[host]
+            self._blackholes(before)
+        self._partitioned.pop(host, None)
+
+    def heal_all(self) -> None:
+        """Undo every partition and the loss (a flap in progress goes on)."""
+        with self._lock:
+            for host in list(self._partitioned):
+                self._heal(host)
+        self.set_loss(0)
 
     def set_loss(self, percent: float) -> None:
         """Drop ``percent`` % of the frames the switch forwards, at random (0: none)."""
         if not 0 <= percent <= 100:
             raise ValueError(f"loss must be within 0..100 %, not {percent!r}")
         switch = self.namespace(_SWITCH)
+        with self._lock:
+            self._set_loss(switch, percent)
+
+    def _set_loss(self, switch: str, percent: float) -> None:
         if self._loss:
             _nft(switch, f"delete table bridge {_LOSS_TABLE}\n")
             self._loss = False
@@ -461,25 +540,24 @@ class Bed:
     def _set_port(self, host: str, *, up: bool) -> None:
         _ip("-n", self.namespace(_SWITCH), "link", "set", f"p-{host}", "up" if up else "down")
 
-    def _blackholes(self, host: str, verb: str) -> None:
-        for other in self.hosts:
-            if other != host:
-                _ip(
-                    "-n",
-                    self.namespace(other),
-                    "route",
-                    verb,
-                    "blackhole",
-                    f"{self.address(host)}/32",
-                )
-                _ip(
-                    "-n",
-                    self.namespace(host),
-                    "route",
-                    verb,
-                    "blackhole",
-                    f"{self.address(other)}/32",
-                )
+    def _routes(self) -> set[tuple[str, str]]:
+        """The blackhole routes the blackholed hosts need, as (host it is on, address)."""
+        cut = [host for host, how in self._partitioned.items() if how == "blackhole"]
+        return {
+            pair
+            for host in cut
+            for other in self.hosts
+            if other != host
+            for pair in ((other, self.address(host)), (host, self.address(other)))
+        }
+
+    def _blackholes(self, before: set[tuple[str, str]]) -> None:
+        """Add and delete routes so that exactly :meth:`_routes` are there (two blackholed
+        hosts share the routes between them)."""
+        after = self._routes()
+        for verb, pairs in (("del", before - after), ("add", after - before)):
+            for host, address in sorted(pairs):
+                _ip("-n", self.namespace(host), "route", verb, "blackhole", f"{address}/32")
 
     @contextlib.contextmanager
     def flap(self, host: str, *, down_s: float, up_s: float) -> Iterator[None]:

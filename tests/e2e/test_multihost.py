@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,7 +56,7 @@ DECODES = ("decode", "decode2")
 HTTP_PORT, KV_PORT = 8100, 8200
 # prefill's ports as advertised: its fault proxies', in front of the bound ones
 PROXIED_HTTP_PORT, PROXIED_KV_PORT = 8101, 8201
-ROUTER_PORT, ETCD_PORT, ETCD_PEER_PORT = 8000, 2379, 2380
+ROUTER_PORT, ETCD_PORT = 8000, 2379
 
 
 def require_nft() -> None:
@@ -168,46 +170,8 @@ def worker_config(bed: Bed, host: str) -> dict[str, Any]:
     return config
 
 
-def start_etcd(bed: Bed, procs: Processes, workdir: Path) -> int:
-    address = bed.address("etcd")
-    client, peer = f"http://{address}:{ETCD_PORT}", f"http://127.0.0.1:{ETCD_PEER_PORT}"
-    process = procs.start(
-        bed.command(
-            "etcd",
-            [
-                "/usr/bin/etcd",
-                "--name=bed",
-                f"--data-dir={workdir / 'etcd'}",
-                f"--listen-client-urls={client}",
-                f"--advertise-client-urls={client}",
-                f"--listen-peer-urls={peer}",
-                f"--initial-advertise-peer-urls={peer}",
-                f"--initial-cluster=bed={peer}",
-                "--logger=zap",
-                "--log-level=error",
-            ],
-        ),
-        output="capture",
-    )
-    deadline = time.monotonic() + 20
-    with bed.inside("client"):
-        while True:
-            try:
-                response = httpx.post(
-                    f"{client}/v3/kv/range", json={"key": "AA=="}, timeout=1, trust_env=False
-                )
-                if response.status_code == 200:
-                    return process.pid
-            except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                said = procs.output(process, timeout=2).decode(errors="replace")[-2000:]
-                raise AssertionError(f"etcd did not start in the bed ({process.poll()}): {said}")
-            time.sleep(0.1)
-
-
 def start_cluster(bed: Bed, procs: Processes, workdir: Path) -> Cluster:
-    etcd_pid = start_etcd(bed, procs, workdir)
+    etcd_pid = bed.start_etcd(procs, "etcd", workdir / "etcd", port=ETCD_PORT).pid
     proxies = {
         "prefill-http": bed.start_proxy(
             procs, "prefill", PROXIED_HTTP_PORT, HTTP_PORT, control_port=9001
@@ -521,6 +485,35 @@ def test_a_flapping_decode_link_loses_no_request_while_the_other_decode_serves(
     print("outcomes under a flapping decode link:", outcomes)
     cluster.wait_until("serving after the flaps", cluster.serving, timeout=20)
     cluster.wait_until("no KV left on any worker", cluster.idle, timeout=KV_LEASE_S + 10)
+
+
+# --- the soak on the bed ----------------------------------------------------------------------
+
+
+def test_the_quick_soak_on_hosts_loses_nothing_and_leaves_nothing(tmp_path: Path) -> None:
+    require_bed()
+    out = tmp_path / "soak.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "benchmarks.soak", "--hosts", "--quick", "--json", str(out)],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    print(completed.stdout, completed.stderr[-4000:])
+    assert out.exists(), completed.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["requests"] > 0
+    assert result["faults_total"] > 0
+    assert result["kv_pulls"]["nixl"] > 0 and result["kv_pulls"]["tcp"] == 0, result["kv_pulls"]
+    assert result["healthy_again"]
+    assert result["leaks"] == {}, result["leaks"]
+    assert result["hung"] == [], result["hung"]
+    assert result["unexplained_outcomes"] == {}, result["unexplained_outcomes"]
+    assert result["processes"]["left_behind"] == []
+    assert result["bed"]["namespaces_left"] == []
+    assert completed.returncode == 0, completed.stdout
 
 
 # --- (e) nothing left behind ----------------------------------------------------------------------
