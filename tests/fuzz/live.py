@@ -51,6 +51,7 @@ from pdtrio.security import (
 )
 from pdtrio.testing.processes import (
     LOOPBACK,
+    ProcessError,
     Processes,
     Service,
     free_port,
@@ -76,6 +77,9 @@ _READ_CAP_S = 1.0
 _CONNECT_TIMEOUT_S = 5.0
 _CHECK_TIMEOUT_S = 10.0
 _IDLE_WAIT_S = 30.0
+# a long run starts a cluster that failed again this many times, this far apart
+_RESTART_ATTEMPTS = 10
+_RESTART_PAUSE_S = 30.0
 
 
 def strict_logs() -> bool:
@@ -634,10 +638,18 @@ class Fuzzer:
             logs += f"--- {name}'s log, last lines ---\n{self.cluster.log_tail(name, 1500)}\n"
         self._found(Finding(target, what, list(cases), logs))
         self._batch.clear()
-        if self.restart_on_failure:
-            self.cluster.restart()
-        else:
+        if not self.restart_on_failure:
             self.stopped = True
+            return
+        for attempt in range(_RESTART_ATTEMPTS):
+            try:
+                self.cluster.restart()
+                return
+            except ProcessError as exc:  # the tree may be mid-change (a long run)
+                print(f"the cluster did not start again ({attempt + 1}): {exc}", flush=True)
+                time.sleep(_RESTART_PAUSE_S)
+        self._found(Finding(target, "the cluster could not be started again", []))
+        self.stopped = True
 
     def corpus(self, target: str, *, every_offset: bool = True) -> None:
         for case in hostile.corpus(target, every_offset=every_offset):
@@ -716,9 +728,9 @@ def main(argv: list[str] | None = None) -> int:
                 fuzzer.corpus(target)
                 fuzzer.finish(target)
                 _progress(fuzzer, started)
-            while time.monotonic() < end:
+            while time.monotonic() < end and not fuzzer.stopped:
                 for target in targets:
-                    if time.monotonic() >= end:
+                    if time.monotonic() >= end or fuzzer.stopped:
                         break
                     fuzzer.hypothesis(target, args.round, derandomize=False)
                     fuzzer.finish(target)
