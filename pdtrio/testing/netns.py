@@ -2,9 +2,10 @@
 
 Every test on loopback sees a dead peer reset at once and UCX move KV through shared
 memory; across hosts a partition drops packets silently and NIXL moves KV over TCP.  A
-:class:`Bed` makes that here: one network namespace per host (``pdt<PID>-<N>-<host>``: the test's PID and the bed's number), each
-with one interface, ``eth0``, the end of a veth pair whose other end (``p-<host>``) is a
-port of the bridge ``br0`` in a namespace of its own (``pdt<PID>-<N>-switch``: the switch).
+:class:`Bed` makes that here: one network namespace per host (``pdt<PID>-<N>-<host>``: the
+test's PID and the bed's number), each with one interface, ``eth0``, the end of a veth
+pair whose other end (``p-<host>``) is a port of the bridge ``br0`` in a namespace of its
+own (``pdt<PID>-<N>-switch``: the switch).
 Host ``i`` holds ``10.213.0.<10+i>/24`` and loopback, nothing else: no default route, and
 the root namespace gets no address and no interface, so nothing the bed carries can
 leave it, and nothing outside can reach it.  A fresh namespace has every port free, so
@@ -41,6 +42,7 @@ Faults, inside the namespaces:
 
 ``nft`` (Debian's nftables) is needed for ``drop`` and loss; :func:`nft_unavailable` says
 why they cannot be had.
+
 Root only (``ip netns add``); :func:`bed_unavailable` says why a bed cannot be made.
 Leaving the ``with`` block kills whatever still runs in the bed's namespaces and deletes
 them (the veths and the bridge go with them), also when the block failed; entering it
@@ -56,6 +58,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -66,6 +69,7 @@ from types import TracebackType
 from typing import Final, Literal, final
 
 import attrs
+import httpx
 
 from pdtrio.testing.processes import Processes, alive
 
@@ -214,8 +218,6 @@ class BedProxy:
 
     def control(self, line: str) -> str:
         """Send one control line (``latency 50``, ``stall on``, ``clear``); the proxy's answer."""
-        import socket
-
         with (
             self.bed.inside(self.host),
             socket.create_connection(("127.0.0.1", self.control_port), timeout=5) as sock,
@@ -397,8 +399,6 @@ class Bed:
     ) -> subprocess.Popen[bytes]:
         """A single-member etcd in ``host``, serving ``http://ADDRESS:port``; returned once
         it serves a range, asked from ``ask_from``; ``procs`` stops it."""
-        import httpx
-
         client = f"http://{self.address(host)}:{port}"
         peer = f"http://127.0.0.1:{port + 1}"
         process = procs.start(
