@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
-import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, Final, Literal, final
+from collections.abc import Callable
+from typing import Final, final
 
 import trio
 
@@ -56,12 +53,11 @@ from pdtrio.protocol.openai import (
 )
 from pdtrio.protocol.openai.answers import AnswerKind, AnyRequest
 from pdtrio.protocol.openai.responses import (
-    ResponsesRequest,
-    engine_chat_body,
     parse_responses_request,
 )
 from pdtrio.protocol.routes import RouteTable
 from pdtrio.router.core import Router
+from pdtrio.router.gil_handoff import GilHandoff
 from pdtrio.router.metrics import Outcome
 
 log = logging.getLogger("pdtrio.router")
@@ -98,21 +94,6 @@ OFF_LOOP_PARSE_BYTES: Final = 256 * 1024
 # CPython's default (5 ms) is paid on each of the several system calls an answer
 # makes (every one releases the GIL): /health took 15-20 ms during a big parse.
 PARSE_SWITCH_INTERVAL_S: Final = 0.0005
-
-
-def context_lengths(router: Router) -> dict[str, int]:
-    """Each model's context length: the largest of the instances that prefill it.
-
-    The largest, so that a prompt is refused only if no instance could take it.
-    """
-    if router.engines is not None:
-        lengths: dict[str, int] = router.engines.context_lengths()
-        return lengths
-    lengths = {}
-    for instance in router.instances.values():
-        if instance.serves_prefill:
-            lengths[instance.model] = max(lengths.get(instance.model, 0), instance.max_model_len)
-    return lengths
 
 
 _HEALTH_PATHS = frozenset({"/health", "/health/live", "/health/ready"})
@@ -153,6 +134,8 @@ class RouterApp:
         self._config = config
         # one big parse at a time: they hold the GIL in turns anyway, and this bounds memory
         self._parse_limiter = trio.CapacityLimiter(1)
+        # while a big body is parsed on a thread, the loop gets the GIL back sooner
+        self._gil_handoff = GilHandoff(PARSE_SWITCH_INTERVAL_S)
         # a big body's memory goes back to the OS once its request is done with
         self.heap_trimmer = HeapTrimmer()
         # the running router, for a program that embeds the app with its own config (tests)
@@ -295,43 +278,29 @@ class RouterApp:
             body,
             served_models=router.models,
             max_tokens_limit=router.config.router.max_tokens_limit,
-            context_lengths=context_lengths(router),
+            context_lengths=router.backend.context_lengths(),
         )
         big = len(body) > OFF_LOOP_PARSE_BYTES
         try:
             request: AnyRequest | OpenAIError
             if big:
-                with _prompt_gil_handoff():
+                with self._gil_handoff.prompt():
                     request = await trio.to_thread.run_sync(
                         _parse_leaving_nothing, parse, limiter=self._parse_limiter
                     )
             else:
                 request = parse()
-            if router.engines is not None and not isinstance(request, OpenAIError):
-                # an engine gets the client's own request (what pdtrio validated), its legs'
-                # fields set on it; a Responses one as the chat request it stands for
-                engine_body = json.loads(body)
-                if isinstance(request, ResponsesRequest):
-                    engine_body = engine_chat_body(engine_body, request)
-                await _front_engines(
-                    router,
-                    request,
-                    kind,
-                    engine_body,
-                    receive,
-                    send,
-                    functools.partial(hang_up, scope),
-                )
-                return
-            del body, parse  # a big body's memory goes back now, not when the stream ends
             if isinstance(request, OpenAIError):
                 raise request
+            make_legs = router.backend.legs_for(request, kind, body)
+            del body, parse  # a big body's memory goes back now, not when the stream ends
             pipeline = RequestPipeline(
                 router,
                 request,
                 kind,
                 receive,
                 send,
+                make_legs,
                 functools.partial(hang_up, scope),
             )
             del request
@@ -340,34 +309,6 @@ class RouterApp:
             if big:
                 # by the time it runs (a moment later) the response is out and all is freed
                 self.heap_trimmer.trim_soon()
-
-
-async def _front_engines(
-    router: Router,
-    request: AnyRequest,
-    kind: AnswerKind,
-    engine_body: dict[str, Any],
-    receive: Receive,
-    send: Send,
-    hang_up_client: Callable[[], bool],
-) -> None:
-    """The request on the vLLM or SGLang instances the router fronts: the same pipeline,
-    with the engines' HTTP legs (``engine_body``: what they are sent, a chat or a
-    completions body)."""
-    from pdtrio.router.engines.legs import EngineLegs
-    from pdtrio.router.request.pipeline import RequestPipeline
-
-    assert router.engines is not None  # (the caller's test)
-    engine_kind: Literal["chat", "completion"] = "completion" if kind == "completion" else "chat"
-    await RequestPipeline(
-        router,
-        request,
-        kind,
-        receive,
-        send,
-        hang_up_client,
-        make_legs=EngineLegs(router.engines, engine_body, engine_kind),
-    ).run()
 
 
 def _client_key(router: Router, path: str, scope: Scope) -> str:
@@ -406,27 +347,3 @@ def _parse_leaving_nothing(
         exc.__traceback__ = None
         exc.__context__ = None
         return exc
-
-
-_gil_handoff_users = 0
-_default_switch_interval = sys.getswitchinterval()
-
-
-@contextmanager
-def _prompt_gil_handoff() -> Iterator[None]:
-    """Make the thread holding the GIL hand it over within PARSE_SWITCH_INTERVAL_S.
-
-    Process-wide (it is CPython's), so it is on only while some body is being
-    parsed; on the loop thread only, so a plain counter does.
-    """
-    global _gil_handoff_users, _default_switch_interval
-    if _gil_handoff_users == 0:
-        _default_switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(_default_switch_interval, PARSE_SWITCH_INTERVAL_S))
-    _gil_handoff_users += 1
-    try:
-        yield
-    finally:
-        _gil_handoff_users -= 1
-        if _gil_handoff_users == 0:
-            sys.setswitchinterval(_default_switch_interval)

@@ -1,33 +1,40 @@
-"""The seam between the request path and the instances: what a backend must do.
+"""The one seam between the request path and the instances: :class:`Backend`.
 
-The request machine's commands (``pdtrio.protocol.request.machine``) reach an
-instance only through these interfaces: a prefill call and the release of its
-KV, a decode start (a stream of its answer and tokens) and its abort.  The
-pdtrio worker link (:class:`pdtrio.router.workers.link.WorkerLink`) is the first
-implementation; a backend speaking another protocol (vLLM's or SGLang's HTTP
-PD protocols) implements the same and plugs in without the machine changing.
+Which kind of instance serves is chosen once, as the router starts
+(``pdtrio.router.core.choose_backend``): pdtrio's workers over their links
+(``pdtrio.router.workers.backend``), or the vLLM or SGLang engines the router fronts
+over HTTP (``pdtrio.router.engines.backend``).  The router, the app and the request
+shell know it only through :class:`Backend`: its models, context lengths, health,
+its start, and the legs it makes for each request (:class:`PrefillSide`,
+:class:`DecodeSide`), which carry out the request machine's commands that reach an
+instance.
 
 A backend reports why a call did not go through by raising
 :class:`BackendUnreachable` (the instance never saw it: another may take it) or
-:class:`BackendLost` (it went down with the call out: the instance dropped it);
-the worker link's own errors are these.
+:class:`BackendLost` (it went down with the call out: the instance dropped it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, final
 
-from pdtrio.protocol.link.wire import (
-    DecodeRejected,
-    DecodeStart,
-    PrefillFailed,
-    PrefillReply,
-    TokenLogprob,
-)
-from pdtrio.protocol.link.wire import PrefillRequest as PrefillCall
+import attrs
+import trio
+
+from pdtrio.config import PdtrioConfig
+from pdtrio.protocol.link.wire import DecodeRejected, TokenLogprob, Usage
+from pdtrio.protocol.openai import ChatCompletionRequest, CompletionRequest
+from pdtrio.protocol.openai.answers import AnswerKind, AnyRequest, Shaper
 from pdtrio.protocol.openai.tools import ToolCall
+from pdtrio.protocol.request import machine as rm
+from pdtrio.protocol.tokens.egress import EgressController
 from pdtrio.protocol.tokens.stream_buffer import StreamBuffer
+from pdtrio.router.metrics import RequestFigures, RouterMetrics
+
+if TYPE_CHECKING:
+    from pdtrio.discovery.registry import EngineListener, Registry
+    from pdtrio.router.request.hold_timer import HoldTimer
 
 
 class BackendError(Exception):
@@ -61,7 +68,7 @@ class DecodeRun(Protocol):
     async def wait_update(self) -> None:
         """Until something new arrived (an answer, tokens, a failure)."""
 
-    async def hold_until(self, deadline: float, timer: Any) -> None:
+    async def hold_until(self, deadline: float, timer: HoldTimer) -> None:
         """Until about ``deadline`` (adaptive egress spacing its sends); a finish or a
         failure ends it early.  ``timer``: the router's, which wakes the holds."""
 
@@ -78,38 +85,177 @@ class ChoiceRuns(Protocol):
         """Until any choice's run got something new."""
 
 
-class PrefillBackend(Protocol):
-    """An instance that prefills a prompt and holds its KV for a decode to pull."""
+class RouterServices(Protocol):
+    """What the router lends every backend's legs (``pdtrio.router.core.Router``)."""
 
     @property
-    def instance_id(self) -> str: ...
-
-    async def prefill(self, call: PrefillCall) -> PrefillReply | PrefillFailed:
-        """Prefill ``call``; cancelled, it frees what the instance allocated for it."""
-        ...
-
-    def release(self, request_id: str, access_token: str = "") -> None:
-        """Free the request's KV (or stop its prefill); never blocks, idempotent."""
-
-
-class DecodeBackend(Protocol):
-    """An instance that pulls a prefilled request's KV and generates its tokens."""
+    def config(self) -> PdtrioConfig: ...
 
     @property
-    def instance_id(self) -> str: ...
+    def metrics(self) -> RouterMetrics: ...
 
     @property
-    def connects(self) -> int:
-        """Which connection to the instance this is: a request that failed on one may be
-        tried again on a later one (the instance ended everything of the old one)."""
+    def egress(self) -> EgressController: ...
+
+    @property
+    def hold_timer(self) -> HoldTimer: ...
+
+    @property
+    def now(self) -> Callable[[], float]:
+        """The run's clock."""
         ...
 
-    async def start(
-        self, start: DecodeStart, blocks: int = 0, *, keep_token_ids: bool = False
-    ) -> DecodeRun:
-        """Send the start (``blocks``: what decode allocates, promised before the first
-        checkpoint); the run reports decode's answer and tokens."""
+
+@final
+@attrs.frozen
+class RunDecode:
+    """The shell's own wait after the machine heard the start is going out: the start,
+    the answer and the stream, under a timer of the deadlines that hold from then on.
+
+    Placing disarms the KV lease's deadline; had that timer fired meanwhile (the room
+    came free as the lease ran out), the rest of the wait would be cut by a deadline
+    no longer armed, so it runs under a timer of its own.  What it was placed on, the
+    decode leg keeps itself.
+    """
+
+    sent_at: float  # (perf_counter) when the start went out: the handoff's time counts from it
+
+
+Wait = rm.SendPrefill | rm.PlaceDecode | rm.WaitForDecode | RunDecode
+"""What the shell waits on: the machine's commands that start a wait, and its own."""
+
+
+class ShellFailure(Exception):
+    """A failure the shell found itself (reported to the machine as ``Failed``)."""
+
+    def __init__(self, failure: rm.Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+class LegHost(Protocol):
+    """What a leg needs of the shell that runs it."""
+
+    @property
+    def router(self) -> RouterServices: ...
+
+    request: ChatCompletionRequest | CompletionRequest
+    request_id: str
+    figures: RequestFigures
+    machine: rm.RequestMachine
+    shaper: Shaper | None
+    # decode sent a delta's tokens without the logprobs asked for: said once per request
+    logprobs_shortfall_logged: bool
+
+    async def report(self, event: rm.Event) -> Wait | None:
+        """Tell the machine ``event``, write what it emits; the wait it starts, if any."""
         ...
 
-    def abort(self, request_id: str) -> None:
-        """End the request on the instance if it still runs there; never blocks."""
+    def deliver(
+        self,
+        text: str,
+        num_tokens: int,
+        finish_reason: str | None,
+        usage: Usage | None,
+        *,
+        final: bool = False,
+        logprobs: Sequence[TokenLogprob] | None = None,
+        choice: int = 0,
+        tool_calls: Sequence[ToolCall] = (),
+    ) -> Awaitable[None]:
+        """Count a delta (of choice ``choice``) as delivered; what hands it to the client,
+        to await (``logprobs``: its tokens', when the request asked for them;
+        ``tool_calls``: the calls an engine read out of its answer, after the delta's
+        text)."""
+        ...
+
+
+class PrefillSide(Protocol):
+    """What the shell does with a request's prefill leg, whatever the backend."""
+
+    @property
+    def instance_id(self) -> str | None:
+        """The prefill instance called last (the access line's), if any."""
+        ...
+
+    async def send(self, command: rm.SendPrefill) -> Wait | None: ...
+
+    def release(self) -> None:
+        """Free what prefill holds of the request (its KV, or its running call)."""
+
+    def drop_lease(self) -> None:
+        """The request holds prefill's KV no more."""
+
+    def no_instance_reason(self) -> str:
+        """Why no prefill instance takes the request (the machine's ``explain_no_prefill``)."""
+        ...
+
+    async def emit_first_token(self, final: bool) -> None:
+        """Deliver the token prefill sampled (``final``: the whole answer); asked only of
+        legs whose prefill samples it (``MakeLegs``' third value)."""
+
+    def migrate(self, command: rm.Migrate) -> None:
+        """Make the next prefill call the continuation of a decode lost mid-stream; asked
+        only of legs whose machine keeps the tokens delivered."""
+
+
+class DecodeSide(Protocol):
+    """What the shell does with a request's decode leg, whatever the backend."""
+
+    @property
+    def instance_id(self) -> str | None:
+        """The decode instance the request was started on (the access line's), if any."""
+        ...
+
+    def reserve_place(self) -> bool: ...
+
+    def unreserve(self) -> None: ...
+
+    async def place(self, command: rm.PlaceDecode) -> Wait | None: ...
+
+    async def run(self, wait: RunDecode) -> Wait | None: ...
+
+    async def wait_for_link(self, command: rm.WaitForDecode) -> Wait | None: ...
+
+    def abort(self) -> None: ...
+
+    def stop_counting(self) -> None: ...
+
+
+MakeLegs = Callable[[LegHost], tuple[PrefillSide, DecodeSide, bool]]
+"""A backend's legs for a request, and whether its prefill samples the first token."""
+
+
+class Backend(Protocol):
+    """What serves the router's requests: pdtrio's workers, or the engines it fronts."""
+
+    @property
+    def models(self) -> list[str]:
+        """The models served, sorted (``/v1/models``)."""
+        ...
+
+    @property
+    def registrations(self) -> EngineListener | None:
+        """Who hears of the engines registered in etcd (None: pdtrio workers' only)."""
+        ...
+
+    def context_lengths(self) -> dict[str, int]:
+        """Each model's context length: the largest of the instances that prefill it, so
+        that a prompt is refused only if no instance could take it."""
+        ...
+
+    def health(self, active_requests: int, ignored: Mapping[str, str]) -> dict[str, Any]:
+        """``/health``'s report (``ignored``: the registrations the links ignored, why)."""
+        ...
+
+    def describe(self) -> str:
+        """What serves, in one line (the start's log)."""
+        ...
+
+    async def start(self, nursery: trio.Nursery, etcd: Registry | None) -> None:
+        """Start what finds and watches the instances in ``nursery`` (``etcd``: the
+        registry of etcd's registrations, when configured); return once they are known."""
+
+    def legs_for(self, request: AnyRequest, kind: AnswerKind, body: bytes | bytearray) -> MakeLegs:
+        """What makes ``request``'s legs (``body``: the client's request as it came)."""
+        ...

@@ -1,19 +1,23 @@
 """The router's long-lived state, owned by the ASGI lifespan.
 
-The :class:`Router` is its named parts: the instance table and placement
+The :class:`Router` is its named parts: its one backend, chosen here as it starts
+(:meth:`Router._choose_backend`: pdtrio's workers, or the vLLM or SGLang engines it
+fronts; ``pdtrio.router.backend``), the instance table and placement
 (``pdtrio.router.workers.instances``), the link supervisor that keeps one worker link
 per instance (``pdtrio.router.workers.supervisor``; the links carry every
 per-request message), the registry of running requests
 (``pdtrio.router.request.running_requests``), the decode room queue, the egress
-controller, security and metrics; plus the one ``httpx.AsyncClient``
+controller, the KV lease clock, the request machines' limits, security and metrics;
+plus the one ``httpx.AsyncClient``
 (instance metadata and health probes only: nothing per request).  Everything
 long-lived runs in the lifespan's nursery.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import os
+import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, final
@@ -21,18 +25,23 @@ from typing import Any, final
 import httpx
 import trio
 
-from pdtrio.config import PdtrioConfig
-from pdtrio.discovery.registry import DiscoveryState, EtcdRegistry, Registry, StaticRegistry
+from pdtrio.config import PdtrioConfig, RouterConfig
+from pdtrio.discovery.registry import DiscoveryState, EtcdRegistry
+from pdtrio.protocol.request import machine as rm
 from pdtrio.protocol.tokens.egress import EgressConfig, EgressController
+from pdtrio.router.backend import Backend
+from pdtrio.router.engines.backend import EngineBackend
 from pdtrio.router.engines.pool import EnginePool
 from pdtrio.router.loop_load import run_egress_control
 from pdtrio.router.metrics import Outcome, RouterMetrics
 from pdtrio.router.request.capacity import CapacityQueue
 from pdtrio.router.request.client_limits import ClientLimits
+from pdtrio.router.request.hold_timer import HoldTimer
 from pdtrio.router.request.running_requests import RunningRequests
-from pdtrio.router.workers.cluster import WorkerProcess, embedded_workers
+from pdtrio.router.workers.backend import WorkerBackend
+from pdtrio.router.workers.cluster import WorkerProcess
 from pdtrio.router.workers.instances import Instance, InstanceTable
-from pdtrio.router.workers.link import HoldTimer
+from pdtrio.router.workers.kv_leases import LeaseClock
 from pdtrio.router.workers.supervisor import LinkSupervisor, RouterStartFailed
 from pdtrio.security import (
     ApiKeys,
@@ -68,11 +77,6 @@ class Router:
             decode_cache_weight=config.router.decode_cache_weight,
             local_prefill_max_tokens=config.router.local_prefill_max_tokens,
         )
-        # the vLLM or SGLang instances fronted instead of pdtrio workers (kind = "vllm")
-        self.engines: EnginePool | None = (
-            EnginePool(config, http) if config.engine_kind is not None else None
-        )
-        self.workers: list[WorkerProcess] = []
         self.tokens_delivered = 0
         # the running requests: their count, the drain, the stall sweep
         self.requests = RunningRequests(
@@ -87,6 +91,16 @@ class Router:
         # how far apart each stream's sends go under load (0: at once), kept by open_router
         self.egress = EgressController(EgressConfig(max_delay_s=config.router.egress_max_delay_s))
         self.hold_timer = HoldTimer()  # ends the streams' holds; run by open_router
+        # the worker processes this router started and supervises (the embedded cluster)
+        self.workers: list[WorkerProcess] = []
+        # request ids: unique across routers sharing workers (the random part), and no
+        # system call per request (uuid4 reads the OS's randomness every time)
+        self._request_id_part = secrets.token_hex(8)
+        self._request_numbers = itertools.count()
+        # what each request's state machine is held to
+        self.request_limits = request_limits(config.router)
+        # when the KV leases of the handles prefill sent end, on this router's clock
+        self.leases = LeaseClock()
         # where instances come from, for /health
         self.discovery = DiscoveryState(
             "etcd"
@@ -122,15 +136,33 @@ class Router:
             self.worker_secret,
             capacity_changed=self._decode_capacity_changed,
             registration_rejected=self._registration_rejected,
+            leases=self.leases,
+        )
+        # what serves: chosen here, once; everything else asks it through its interface
+        self.backend = self._choose_backend()
+
+    def _choose_backend(self) -> Backend:
+        config = self.config
+        if config.engine_kind is not None:  # vLLM or SGLang instances, fronted over HTTP
+            return EngineBackend(EnginePool(config, self.http), self.discovery)
+        return WorkerBackend(
+            config,
+            self.http,
+            self.instances,
+            self.links,
+            self.decode_queue,
+            self.leases,
+            discovery=self.discovery,
+            credentials=self.worker_secret,
+            lease_margin_s=self.request_limits.lease_margin_s,
+            processes=self.workers,
         )
 
     # --- instances ------------------------------------------------------------------
 
     @property
     def models(self) -> list[str]:
-        if self.engines is not None:
-            return self.engines.models
-        return sorted({i.model for i in self.instances.values()})
+        return self.backend.models
 
     def _registration_rejected(self, key: str, reason: str) -> None:
         self.metrics.registry_rejected.labels(reason).inc()
@@ -142,6 +174,9 @@ class Router:
 
     # --- requests ----------------------------------------------------------------
 
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}{self._request_id_part}{next(self._request_numbers):x}"
+
     def _requests_counted(self, change: int) -> None:
         if change > 0:
             self.metrics.requests_active.inc()
@@ -149,32 +184,7 @@ class Router:
             self.metrics.requests_active.dec()
 
     def health(self) -> dict[str, Any]:
-        if self.engines is not None:
-            return self.engines.health(
-                len(self.requests), self.discovery, self.links.ignored_registrations
-            )
-
-        counts = self.instances.statistics()
-        prefill, decode = counts.prefill_usable, counts.decode_usable
-        report: dict[str, Any] = {
-            "status": "ok" if prefill and decode else "unavailable",
-            "prefill_instances": prefill,
-            "decode_instances": decode,
-            "active_requests": len(self.requests),
-            # which process answered: under `hypercorn -w N` each runs its own router
-            "pid": os.getpid(),
-            "discovery": self.discovery.report(),
-        }
-        ignored = [
-            {"instance": instance_id, "reason": reason}
-            for instance_id, reason in self.instances.unpaired().items()
-        ] + [
-            {"key": key, "reason": reason}
-            for key, reason in self.links.ignored_registrations.items()
-        ]
-        if ignored:
-            report["ignored"] = ignored
-        return report
+        return self.backend.health(len(self.requests), self.links.ignored_registrations)
 
     def count_outcome(
         self, outcome: Outcome, status: int | None = None, *, endpoint: str, model: str = ""
@@ -188,6 +198,19 @@ class Router:
 
 
 _KEEPALIVE_S = 4.0
+# decode must pull the KV this long before prefill's lease frees it
+LEASE_MARGIN_S = 1.0
+
+
+def request_limits(config: RouterConfig) -> rm.Limits:
+    """What each request's machine is held to, from the router's settings."""
+    return rm.Limits(
+        request_timeout_s=config.request_timeout_s,
+        prefill_timeout_s=config.prefill_timeout_s,
+        migration_limit=config.migration_limit,
+        decode_reconnect_wait_s=config.decode_reconnect_wait_s,
+        lease_margin_s=LEASE_MARGIN_S,
+    )
 
 
 @asynccontextmanager
@@ -210,29 +233,8 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
             nursery.start_soon(router.hold_timer.run)
             nursery.start_soon(router.requests.hang_up_stalled_clients)
             nursery.start_soon(router.requests.watch_lasting_requests)
-            if router.engines is not None:
-                await nursery.start(router.engines.run)
-                if config.discovery.uses_etcd:
-                    await nursery.start(_etcd_registry(router).run)
-            elif config.uses_embedded_cluster:
-                await _start_embedded(router, nursery)
-            else:
-                # the static list, then (or instead) what etcd has
-                registries: list[Registry] = []
-                if config.instances:
-                    registries.append(
-                        StaticRegistry(
-                            config.instances,
-                            router.links,
-                            http,
-                            timeout_s=config.router.connect_timeout_s,
-                            credentials=router.worker_secret,
-                        )
-                    )
-                if config.discovery.uses_etcd:
-                    registries.append(_etcd_registry(router))
-                for registry in registries:
-                    await nursery.start(registry.run)
+            etcd = _etcd_registry(router) if config.discovery.uses_etcd else None
+            await router.backend.start(nursery, etcd)
             try:
                 yield router
             finally:
@@ -252,30 +254,5 @@ def _etcd_registry(router: Router) -> EtcdRegistry:
         router.links,
         router.discovery,
         signing_key=router.registration_signing_key,
-        engines=router.engines,
+        engines=router.backend.registrations,
     )
-
-
-async def _start_embedded(router: Router, nursery: trio.Nursery) -> None:
-    embedded = router.config.embedded
-    for name, role in embedded_workers(embedded):
-        router.workers.append(
-            WorkerProcess(
-                name,
-                role,
-                embedded.worker,
-                ready_timeout_s=embedded.ready_timeout_s,
-                restart_backoff_s=embedded.restart_backoff_s,
-                on_ready=router.links.add_instance,
-                on_lost=router.links.lose_instance,
-                secret=router.worker_secret.value,
-            )
-        )
-
-    async def start_one(worker: WorkerProcess) -> None:
-        await nursery.start(worker.supervise)
-
-    # workers load their models in parallel
-    async with trio.open_nursery() as starters:
-        for worker in router.workers:
-            starters.start_soon(start_one, worker)

@@ -147,15 +147,7 @@ def describe_start(config: PdtrioConfig) -> str:
 
 
 def describe_instances(router: Router) -> str:
-    if router.engines is not None:
-        return "engines " + router.engines.describe()
-    instances = sorted(router.instances.values(), key=lambda instance: instance.instance_id)
-    if not instances:
-        return "no instances yet"
-    return "instances " + ", ".join(
-        f"{instance.instance_id} ({instance.role}, {instance.model}) at {instance.url}"
-        for instance in instances
-    )
+    return router.backend.describe()
 
 
 async def fail_startup(send: Send, message: str, *, exit_process: bool) -> None:

@@ -264,12 +264,12 @@ async def test_room_found_as_the_lease_deadline_passes_still_starts_the_decode(
     # deadline.  The start must not be cut by it (it was, and read as a drain: "the
     # router is shutting down").  Blocking the loop right after room is announced puts
     # the clock past the deadline before the waiter runs, as a busy loop would.
-    from pdtrio.router.request import pipeline
+    from pdtrio.router import core
 
     lease_s = 3.0
     # the router's deadline 1.5 s before the lease's end, decode's read needs 1 s left:
     # a start sent just past the router's deadline can still be pulled
-    monkeypatch.setattr(pipeline, "_LEASE_MARGIN_S", 1.5)
+    monkeypatch.setattr(core, "LEASE_MARGIN_S", 1.5)
 
     def make(role: str) -> Worker:
         return synthetic_worker(

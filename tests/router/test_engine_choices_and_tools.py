@@ -50,7 +50,7 @@ def _openai(url: str) -> openai.OpenAI:
 
 
 def _pool(app: RouterApp) -> EnginePool:
-    pool = app.router.engines
+    pool = app.router.backend.pool
     assert pool is not None
     return pool
 

@@ -27,7 +27,7 @@ def _router(**settings: Any) -> RouterConfig:
 
 
 def _pool(app: RouterApp) -> EnginePool:
-    pool = app.router.engines  # type: ignore[union-attr]
+    pool = app.router.backend.pool  # type: ignore[union-attr]
     assert pool is not None
     return pool
 

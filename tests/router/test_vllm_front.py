@@ -181,7 +181,7 @@ async def test_a_4xx_is_the_clients_and_suspends_nothing() -> None:
                     "/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 2}
                 )
             ).status_code == 200
-        pool = app.router.engines  # type: ignore[union-attr]
+        pool = app.router.backend.pool  # type: ignore[union-attr]
         assert all(i.failures_in_a_row == 0 for i in pool.instances.values())
 
 
@@ -349,7 +349,7 @@ async def test_malformed_logprobs_from_decode_end_the_answer_with_a_clear_error(
     assert whole.status_code == 502, whole.text
     message = whole.json()["error"]["message"]
     assert "logprobs" in message and "Traceback" not in whole.text
-    pool = app.router.engines  # type: ignore[union-attr]
+    pool = app.router.backend.pool  # type: ignore[union-attr]
     assert pool.instances[decode.url].failures_in_a_row >= 1  # a broken answer: suspended
 
 
@@ -387,7 +387,7 @@ async def test_a_prefill_failing_with_a_5xx_is_suspended_and_another_takes_it() 
                 "/v1/completions", json={"model": MODEL, "prompt": "a b", "max_tokens": 2}
             )
         assert served.status_code == 200, served.text
-        pool = app.router.engines  # type: ignore[union-attr]
+        pool = app.router.backend.pool  # type: ignore[union-attr]
         assert pool.instances[prefills[0].url].failures_in_a_row >= 1
 
 
@@ -536,7 +536,7 @@ async def test_an_engine_slow_to_answer_its_health_read_stays_until_it_misses_th
     # busy is not down: vLLM's API server, starved of CPU by its own engine, answers late
     router = RouterConfig(instance_backoff_s=60.0, egress_max_delay_s=0.0, connect_timeout_s=0.5)
     async with fronted(router=router) as (url, [prefill], _, app):
-        pool = app.router.engines  # type: ignore[union-attr]
+        pool = app.router.backend.pool  # type: ignore[union-attr]
         [engine] = [e for e in pool.instances.values() if e.url == prefill.url]
         body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
         prefill.health_gate = trio.Event()
@@ -566,7 +566,7 @@ async def test_a_decode_answering_4xx_is_the_clients_error_and_suspends_nothing(
             )
         assert response.status_code == 400  # nothing went out before: the status says it
         assert response.json()["error"]["message"] == "d0 says no"
-        pool = app.router.engines  # type: ignore[union-attr]
+        pool = app.router.backend.pool  # type: ignore[union-attr]
         assert all(i.failures_in_a_row == 0 for i in pool.instances.values())
 
 
@@ -606,7 +606,7 @@ async def test_a_client_that_stops_reading_is_hung_up_on_by_the_shared_stall_swe
             async with httpx.AsyncClient(base_url=url) as client:
                 metrics = (await client.get("/metrics")).text
             assert value(metrics, "pdtrio_requests_total", outcome="failed", status="5xx") == 1
-            pool = app.router.engines  # type: ignore[union-attr]
+            pool = app.router.backend.pool  # type: ignore[union-attr]
             assert all(i.in_flight == 0 for i in pool.instances.values())  # its legs ended
 
 
@@ -666,7 +666,7 @@ async def test_a_health_read_on_a_connection_the_engine_closed_is_asked_again() 
             )
             app = RouterApp(config)
             await serve_app(app, nursery)
-            pool = app.router.engines
+            pool = app.router.backend.pool
             assert pool is not None
             [prefill] = [e for e in pool.instances.values() if e.url == engine]
             for _ in range(3):  # scrapes, a second apart: each meets closed connections

@@ -7,7 +7,7 @@ engine's decode generates every token from the request again, so prefill's
 answer carries nothing for the client, the response starts with decode's
 first batch, and a decode failing before it sends the request again from a new
 prefill.  Everything else is the shared one: client writes and egress
-(:func:`pdtrio.router.workers.legs.stream_tokens`), the stall sweep's hang-up, the
+(:func:`pdtrio.router.request.token_path.stream_tokens`), the stall sweep's hang-up, the
 deadlines, retries, cancellation, the drain, and cleanup (the machine's
 ``ReleasePrefill`` here frees prefill's KV no decode pulled).
 
@@ -29,7 +29,7 @@ stream: a prefill failing before decode's first token closes the decode leg
 
 Several choices (``n`` > 1): a PD flow per choice (its prefill, its leg on the decode
 placed), streamed back as the choices of one answer by the shared
-:func:`pdtrio.router.workers.legs.stream_choices` (:class:`EngineDecodeLeg` says how;
+:func:`pdtrio.router.request.token_path.stream_choices` (:class:`EngineDecodeLeg` says how;
 ``vllm_pd.choice_body`` why the engines are never sent ``n``).  A choice failing
 before its own first token once other choices' went out runs again alone (a new
 prefill and decode leg, :meth:`EngineDecodeLeg._rerun_choice`).  A client that leaves,
@@ -86,22 +86,20 @@ from pdtrio.protocol.link.wire import DecodeRejected, TokenLogprob, Usage
 from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.request import machine as rm
 from pdtrio.protocol.tokens.stream_buffer import PushResult, StreamBuffer
-from pdtrio.router.backend import DecodeRun
-from pdtrio.router.engines.pool import EngineInstance, EnginePool
-from pdtrio.router.workers.legs import (
+from pdtrio.router.backend import (
+    DecodeRun,
     DecodeSide,
     LegHost,
     PrefillSide,
     RunDecode,
     ShellFailure,
     Wait,
-    stream_choices,
-    stream_tokens,
 )
-from pdtrio.router.workers.link import CUT_OFF_MESSAGE
+from pdtrio.router.engines.pool import EngineInstance, EnginePool
+from pdtrio.router.request.token_path import CUT_OFF_MESSAGE, stream_choices, stream_tokens
 
 if TYPE_CHECKING:
-    from pdtrio.router.workers.link import HoldTimer
+    from pdtrio.router.request.hold_timer import HoldTimer
 
 log = logging.getLogger("pdtrio.router.engines")
 
@@ -335,6 +333,12 @@ class EnginePrefillLeg:
         why = "prefill did not answer in time"
         self._failed(instance, why)
         return rm.PrefillLost(why)
+
+    async def emit_first_token(self, final: bool) -> None:
+        raise AssertionError("an engine's prefill samples no token for the client")
+
+    def migrate(self, command: rm.Migrate) -> None:
+        raise AssertionError("a regenerating engine's machine keeps no tokens to migrate")
 
     def release(self) -> None:
         """Free prefill's blocks no decode pulled (vLLM): a one-token decode leg per choice

@@ -7,13 +7,12 @@ deadline applies, what cleanup owes, how the response ends) is the machine's:
 owns the cancel scope, the disconnect watcher and the I/O: it reports what happened
 as events, does what the machine answers, and holds no request logic.
 
-The commands that reach an instance are carried out by the request's legs
-(``pdtrio.router.workers.legs``: its prefill calls and its decode run), which reach
-the instances through the backend seam (``pdtrio.router.backend``): pdtrio's
-workers by default, or the engines' HTTP legs a ``make_legs`` builds
-(``pdtrio.router.engines.legs``: vLLM, SGLang); placement
-is the instance table's (``pdtrio.router.workers.instances``); a failure's status is
-the one table's (``pdtrio.protocol.errors``).
+The commands that reach an instance are carried out by the request's legs, which
+the router's one backend makes (``pdtrio.router.backend.Backend.legs_for``: pdtrio's
+workers, ``pdtrio.router.workers``; vLLM or SGLang, ``pdtrio.router.engines``); the
+shell knows them only as :class:`~pdtrio.router.backend.PrefillSide` and
+:class:`~pdtrio.router.backend.DecodeSide`.  A failure's status is the one table's
+(``pdtrio.protocol.errors``).
 
 Deadlines: each wait (a prefill call, a decode placement and its stream, a wait
 for a decode to connect) runs under the machine's earliest armed deadline; when
@@ -35,10 +34,8 @@ prefill meanwhile (the machine's KV_LEASE deadline bounds the wait).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import final
@@ -46,9 +43,8 @@ from typing import final
 import trio
 
 from pdtrio.asgi import Receive, Send
-from pdtrio.config import RouterConfig
 from pdtrio.protocol.errors import Reason, status_for_worker_failure
-from pdtrio.protocol.link.wire import TokenLogprob, Usage, first_logprob, reply_choices
+from pdtrio.protocol.link.wire import TokenLogprob, Usage
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,32 +54,22 @@ from pdtrio.protocol.openai import (
 from pdtrio.protocol.openai.answers import AnswerKind, AnyRequest, Shaper, answer_shape
 from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.request import machine as rm
-from pdtrio.router.core import Router
-from pdtrio.router.metrics import Outcome
-from pdtrio.router.request.client_response import ClientResponse
-from pdtrio.router.workers.legs import (
-    DecodeLeg,
+from pdtrio.router.backend import (
     DecodeSide,
-    LegHost,
-    PrefillLeg,
+    MakeLegs,
     PrefillSide,
     RunDecode,
     ShellFailure,
     Wait,
 )
+from pdtrio.router.core import Router
+from pdtrio.router.metrics import Outcome
+from pdtrio.router.request.client_response import ClientResponse
 
 log = logging.getLogger("pdtrio.router.pipeline")
 
-# request ids: unique across router processes sharing workers (the random part),
-# and no system call per request (uuid4 reads the OS's randomness every time)
-_PROCESS_ID = secrets.token_hex(8)
-_request_numbers = itertools.count()
-# decode must pull the KV this long before prefill's lease frees it
-_LEASE_MARGIN_S = 1.0
 _OUTCOMES = {ending: Outcome[ending.name] for ending in rm.Ending}
 _STRANDED = rm.Failure(Reason.INTERNAL, "the router lost track of the request")
-MakeLegs = Callable[[LegHost], tuple[PrefillSide, DecodeSide, bool]]
-"""A backend's legs for a request, and whether its prefill samples the first token."""
 
 
 @final
@@ -95,8 +81,8 @@ class RequestPipeline:
         kind: AnswerKind,
         receive: Receive,
         send: Send,
+        make_legs: MakeLegs,
         hang_up: Callable[[], bool] = lambda: False,
-        make_legs: MakeLegs | None = None,
     ) -> None:
         self.router = router
         self._now = router.now
@@ -108,7 +94,7 @@ class RequestPipeline:
         self.endpoint = shape.endpoint
         self._receive = receive
         config = router.config.router
-        self.request_id = f"{shape.id_prefix}{_PROCESS_ID}{next(_request_numbers):x}"
+        self.request_id = router.new_request_id(shape.id_prefix)
         # what /metrics and the access line say of it, recorded as it goes
         self.figures = router.metrics.figures(request.model)
         # the request on the instances: its prefill calls and its decode run
@@ -117,17 +103,9 @@ class RequestPipeline:
         # a stream that may migrate keeps its tokens (n > 1 does not migrate: a continuation
         # would have to replay every choice's history)
         migrates = config.migration_limit > 0 and request.sampling.n == 1
-        if make_legs is None:
-            prefill = PrefillLeg(self, keep_tokens=migrates)
-            self.prefill, self.decode = (
-                prefill,
-                DecodeLeg(self, prefill, lease_margin_s=_LEASE_MARGIN_S),
-            )
-            first_token_from_prefill = True
-        else:
-            self.prefill, self.decode, first_token_from_prefill = make_legs(self)
+        self.prefill, self.decode, first_token_from_prefill = make_legs(self)
         self.machine = rm.RequestMachine(
-            _limits(config),
+            router.request_limits,
             streaming=request.stream,
             keep_tokens=migrates and first_token_from_prefill,
             first_token_from_prefill=first_token_from_prefill,
@@ -249,8 +227,7 @@ class RequestPipeline:
             elif kind is rm.AbortDecode:
                 self.decode.abort()
             elif kind is rm.Migrate:
-                # (only pdtrio's legs migrate: a regenerating engine's machine never asks)
-                assert isinstance(command, rm.Migrate) and isinstance(self.prefill, PrefillLeg)
+                assert isinstance(command, rm.Migrate)
                 self.prefill.migrate(command)
             elif kind is rm.EmitFirstToken or kind is rm.Finish:
                 self._emits.append(command)  # type: ignore[arg-type]
@@ -280,7 +257,7 @@ class RequestPipeline:
                 await self.response.finish()
             else:
                 assert isinstance(command, rm.EmitFirstToken)
-                await self._emit_first_token(command.final)
+                await self.prefill.emit_first_token(command.final)
 
     async def _wait(self, wait: Wait) -> Wait | None:
         """Carry out waits, one after the next, under a timer of the machine's earliest
@@ -401,36 +378,6 @@ class RequestPipeline:
             assert scope is not None
             scope.cancel()
 
-    async def _emit_first_token(self, final: bool) -> None:
-        """Prefill's token (``final``: the whole answer)."""
-        # (only a backend whose prefill samples the first token is asked for it)
-        assert isinstance(self.prefill, PrefillLeg)
-        reply = self.prefill.reply
-        assert reply is not None
-        generated = self.prefill.generated
-        if not final and generated is not None:
-            generated.append(reply.first_token_id)
-        logprob = first_logprob(reply)
-        more = reply_choices(reply)
-        await self.deliver(
-            reply.first_text,
-            1,
-            reply.finish_reason,
-            reply.usage,
-            final=final and not more,
-            logprobs=None if logprob is None else (logprob,),
-        )
-        for first in more:  # n > 1: the other choices' first tokens, the last one final
-            await self.deliver(
-                first.text,
-                1,
-                first.finish_reason,
-                first.usage,
-                final=final and first is more[-1],
-                logprobs=None if first.logprob is None else (first.logprob,),
-                choice=first.choice,
-            )
-
     def deliver(
         self,
         text: str,
@@ -508,25 +455,6 @@ class RequestPipeline:
             prefill="-" if prefill is None else prefill,
             decode="-" if decode is None else decode,
         )
-
-
-_limits_of: tuple[RouterConfig, rm.Limits] | None = None
-
-
-def _limits(config: RouterConfig) -> rm.Limits:
-    """The machine's limits from the router's settings (made once for them, not per
-    request)."""
-    global _limits_of
-    if _limits_of is None or _limits_of[0] is not config:
-        limits = rm.Limits(
-            request_timeout_s=config.request_timeout_s,
-            prefill_timeout_s=config.prefill_timeout_s,
-            migration_limit=config.migration_limit,
-            decode_reconnect_wait_s=config.decode_reconnect_wait_s,
-            lease_margin_s=_LEASE_MARGIN_S,
-        )
-        _limits_of = config, limits
-    return _limits_of[1]
 
 
 def _tool_names(request: ChatCompletionRequest | CompletionRequest) -> list[str] | None:

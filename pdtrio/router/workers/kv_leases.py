@@ -8,7 +8,9 @@ reply), waits for decode room no longer than what is left (:meth:`left_s`), and
 hands decode what is left as the start is sent (:meth:`to_send`), so each hop
 counts from its own receipt.
 
-Kept by the handle's grant (``access_token``, random per lease): a float per lease,
+One per router (its worker backend's), handed to every link: the prefill link that
+reads a reply and the decode link that sends its start are two links.  Kept by the
+handle's grant (``access_token``, random per lease): a float per lease,
 dropped when the router releases the KV or when the lease ends. A handle this
 clock never saw (no grant, or built by hand) counts from now.
 """
@@ -65,8 +67,3 @@ class LeaseClock:
     def forget(self, access_token: str) -> None:
         """The router released the lease: nothing more to count."""
         self._ends.pop(access_token, None)
-
-
-# one per process: the prefill link that reads a reply and the decode link that sends
-# its start are two links (a grant is random: routers in one process never share one)
-LEASES = LeaseClock()

@@ -9,23 +9,20 @@ link), starts it, and hands its tokens to the client.  Each reports what
 happened to the machine through the shell (:meth:`LegHost.report`) and does
 what the answer says next; neither decides anything the machine decides.
 
-The instances are reached through the backend seam (``pdtrio.router.backend``);
-placement is the instance table's (``pdtrio.router.workers.instances``).  The shell
-runs any pair of legs with the shape of :class:`PrefillSide` and
-:class:`DecodeSide`: these, on pdtrio's workers, or an engine's
-(``pdtrio.router.engines.legs``, vLLM and SGLang over HTTP); the token stream to
-the client (:func:`stream_tokens`: egress spacing, the machine's first and last
-batch) is the same for every backend.
+These are the pdtrio backend's legs (``pdtrio.router.workers.backend``), with the
+shapes the shell knows (``pdtrio.router.backend``: :class:`PrefillSide`,
+:class:`DecodeSide`); placement is the instance table's
+(``pdtrio.router.workers.instances``); the token stream to the client is the one every
+backend shares (``pdtrio.router.request.token_path``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol, final
+from collections.abc import Hashable, Mapping
+from typing import Protocol, final
 
-import attrs
 import trio
 
 from pdtrio.protocol.errors import Reason
@@ -38,33 +35,49 @@ from pdtrio.protocol.link.wire import (
     PrefillReply,
     PrefillRequest,
     RejectReason,
-    TokenLogprob,
     TokenPrompt,
-    Usage,
     choice_request_id,
+    first_logprob,
     reply_choices,
 )
-from pdtrio.protocol.openai import ChatCompletionRequest, CompletionRequest
-from pdtrio.protocol.openai.answers import Shaper
-from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.placement.prefix_index import PromptBlocks
 from pdtrio.protocol.request import machine as rm
 from pdtrio.protocol.request.lifecycle import State
-from pdtrio.protocol.tokens.egress import send_deadline
-from pdtrio.router.backend import BackendLost, BackendUnreachable, ChoiceRuns, DecodeRun
-from pdtrio.router.metrics import MIGRATION_REASONS, RequestFigures
-from pdtrio.router.request.capacity import QueueFull
-from pdtrio.router.workers.instances import Instance
-from pdtrio.router.workers.kv_leases import LEASES
-from pdtrio.router.workers.link import (
+from pdtrio.router.backend import (
+    BackendLost,
+    BackendUnreachable,
+    DecodeRun,
+    LegHost,
+    RunDecode,
+    ShellFailure,
+    Wait,
+)
+from pdtrio.router.metrics import MIGRATION_REASONS
+from pdtrio.router.request.capacity import CapacityQueue, QueueFull
+from pdtrio.router.request.token_path import (
     CUT_OFF_MESSAGE,
+    NO_COUNTS,
+    stream_choices,
+    stream_tokens,
+)
+from pdtrio.router.workers.instances import Instance, InstanceTable
+from pdtrio.router.workers.kv_leases import LeaseClock
+from pdtrio.router.workers.link import (
     WorkerLink,
     rejection_is_retryable,
     release_token,
 )
+from pdtrio.router.workers.supervisor import LinkSupervisor
 
-if TYPE_CHECKING:
-    from pdtrio.router.core import Router
+
+class WorkerParts(Protocol):
+    """What the legs use of the pdtrio backend (``pdtrio.router.workers.backend``)."""
+
+    instances: InstanceTable
+    links: LinkSupervisor
+    decode_queue: CapacityQueue[Instance]
+    leases: LeaseClock
+
 
 log = logging.getLogger("pdtrio.router.pipeline")
 
@@ -72,119 +85,9 @@ log = logging.getLogger("pdtrio.router.pipeline")
 _LINK_FAILURES = frozenset({"link_lost", "link_timeout"})
 
 
-@final
-@attrs.frozen
-class RunDecode:
-    """The shell's own wait after the machine heard the start is going out: the start,
-    the answer and the stream, under a timer of the deadlines that hold from then on.
-
-    Placing disarms the KV lease's deadline; had that timer fired meanwhile (the room
-    came free as the lease ran out), the rest of the wait would be cut by a deadline
-    no longer armed, so it runs under a timer of its own.  ``link``: the worker link
-    placed on (None: an engine's decode leg, which keeps what it placed on itself).
-    """
-
-    sent_at: float  # (perf_counter) when the start went out: the handoff's time counts from it
-    link: WorkerLink | None = None
-
-
-Wait = rm.SendPrefill | rm.PlaceDecode | rm.WaitForDecode | RunDecode
-"""What the shell waits on: the machine's commands that start a wait, and its own."""
-
-
-class ShellFailure(Exception):
-    """A failure the shell found itself (reported to the machine as ``Failed``)."""
-
-    def __init__(self, failure: rm.Failure) -> None:
-        super().__init__(failure.message)
-        self.failure = failure
-
-
 class _NoDecodeLeft(Exception):
     """No decode that could take the request is connected any more: it stops waiting
     for room (the next in the queue then looks)."""
-
-
-NO_COUNTS = rm.Failure(Reason.INTERNAL, "the engine finished the request without its token counts")
-
-
-class LegHost(Protocol):
-    """What a leg needs of the shell that runs it."""
-
-    router: Router
-    request: ChatCompletionRequest | CompletionRequest
-    request_id: str
-    figures: RequestFigures
-    machine: rm.RequestMachine
-    shaper: Shaper | None
-    # decode sent a delta's tokens without the logprobs asked for: said once per request
-    logprobs_shortfall_logged: bool
-
-    async def report(self, event: rm.Event) -> Wait | None:
-        """Tell the machine ``event``, write what it emits; the wait it starts, if any."""
-        ...
-
-    def deliver(
-        self,
-        text: str,
-        num_tokens: int,
-        finish_reason: str | None,
-        usage: Usage | None,
-        *,
-        final: bool = False,
-        logprobs: Sequence[TokenLogprob] | None = None,
-        choice: int = 0,
-        tool_calls: Sequence[ToolCall] = (),
-    ) -> Awaitable[None]:
-        """Count a delta (of choice ``choice``) as delivered; what hands it to the client,
-        to await (``logprobs``: its tokens', when the request asked for them;
-        ``tool_calls``: the calls an engine read out of its answer, after the delta's
-        text)."""
-        ...
-
-
-class PrefillSide(Protocol):
-    """What the shell does with a request's prefill leg, whatever the backend."""
-
-    @property
-    def instance_id(self) -> str | None:
-        """The prefill instance called last (the access line's), if any."""
-        ...
-
-    async def send(self, command: rm.SendPrefill) -> Wait | None: ...
-
-    def release(self) -> None:
-        """Free what prefill holds of the request (its KV, or its running call)."""
-
-    def drop_lease(self) -> None:
-        """The request holds prefill's KV no more."""
-
-    def no_instance_reason(self) -> str:
-        """Why no prefill instance takes the request (the machine's ``explain_no_prefill``)."""
-        ...
-
-
-class DecodeSide(Protocol):
-    """What the shell does with a request's decode leg, whatever the backend."""
-
-    @property
-    def instance_id(self) -> str | None:
-        """The decode instance the request was started on (the access line's), if any."""
-        ...
-
-    def reserve_place(self) -> bool: ...
-
-    def unreserve(self) -> None: ...
-
-    async def place(self, command: rm.PlaceDecode) -> Wait | None: ...
-
-    async def run(self, wait: RunDecode) -> Wait | None: ...
-
-    async def wait_for_link(self, command: rm.WaitForDecode) -> Wait | None: ...
-
-    def abort(self) -> None: ...
-
-    def stop_counting(self) -> None: ...
 
 
 @final
@@ -195,8 +98,9 @@ class PrefillLeg:
     to continue from.
     """
 
-    def __init__(self, host: LegHost, *, keep_tokens: bool) -> None:
+    def __init__(self, host: LegHost, workers: WorkerParts, *, keep_tokens: bool) -> None:
         self._host = host
+        self._workers = workers
         self.instance: Instance | None = None  # the prefill instance called last
         # that instance is the request's decode too (conditional disaggregation): the KV
         # stays where it was computed
@@ -219,18 +123,46 @@ class PrefillLeg:
         self.leg_generated = 0
         self._started = 0.0
 
+    async def emit_first_token(self, final: bool) -> None:
+        """Deliver prefill's token (``final``: the whole answer)."""
+        reply = self.reply
+        assert reply is not None
+        generated = self.generated
+        if not final and generated is not None:
+            generated.append(reply.first_token_id)
+        logprob = first_logprob(reply)
+        more = reply_choices(reply)
+        await self._host.deliver(
+            reply.first_text,
+            1,
+            reply.finish_reason,
+            reply.usage,
+            final=final and not more,
+            logprobs=None if logprob is None else (logprob,),
+        )
+        for first in more:  # n > 1: the other choices' first tokens, the last one final
+            await self._host.deliver(
+                first.text,
+                1,
+                first.finish_reason,
+                first.usage,
+                final=final and first is more[-1],
+                logprobs=None if first.logprob is None else (first.logprob,),
+                choice=first.choice,
+            )
+
     @property
     def instance_id(self) -> str | None:
         return None if self.instance is None else self.instance.instance_id
 
     def no_instance_reason(self) -> str:
         host = self._host
-        return host.router.instances.no_instance_reason(host.request.model)
+        return self._workers.instances.no_instance_reason(host.request.model)
 
     async def send(self, command: rm.SendPrefill) -> Wait | None:
         host = self._host
         router = host.router
-        instances = router.instances
+        instances = self._workers.instances
         if self._call is None:
             self._call = self._first_call()
         call = self._call
@@ -296,7 +228,7 @@ class PrefillLeg:
         instance.lease_taken()  # its link stays until this request ends
         self._check_choices(answer, instance)  # (its KV is released with the grant, if not)
         await self._check_kv_source(handle, instance)
-        ends_at = LEASES.ends_at(handle, router.now())
+        ends_at = self._workers.leases.ends_at(handle, router.now())
         return await host.report(rm.Prefilled(ends_at))
 
     def _check_choices(self, answer: PrefillReply, instance: Instance) -> None:
@@ -324,12 +256,11 @@ class PrefillLeg:
         A restarted worker serves a new KV port: what its /pd/info says now (asked at
         the URL it registered, with the worker secret) is its registration then.
         """
-        router = self._host.router
-        instances = router.instances
+        instances = self._workers.instances
         if handle.instance_id == instance.instance_id and instances.kv_source_mismatch(
             handle, instance
         ):
-            await router.links.refresh_transfer_endpoint(instance)
+            await self._workers.links.refresh_transfer_endpoint(instance)
         if instances.kv_source_mismatch(handle, instance):
             log.error(
                 "prefill instance %s handed out KV at %s:%d (as %r), not its registered %s:%d",
@@ -406,8 +337,11 @@ class DecodeLeg:
     ``lease_margin_s``: decode must pull the KV this long before prefill's lease frees it.
     """
 
-    def __init__(self, host: LegHost, prefill: PrefillLeg, *, lease_margin_s: float) -> None:
+    def __init__(
+        self, host: LegHost, workers: WorkerParts, prefill: PrefillLeg, *, lease_margin_s: float
+    ) -> None:
         self._host = host
+        self._workers = workers
         self._prefill = prefill
         self._lease_margin_s = lease_margin_s
         self.link: WorkerLink | None = None  # the decode link the request was started on
@@ -426,7 +360,7 @@ class DecodeLeg:
         """A place in the decode queue from the request's arrival (False: it is full): a
         burst cannot all go to prefill (and run it out of KV) before the queue fills."""
         try:
-            self._host.router.decode_queue.reserve()
+            self._workers.decode_queue.reserve()
         except QueueFull:
             return False
         self._queue_place_reserved = True
@@ -435,12 +369,12 @@ class DecodeLeg:
     def unreserve(self) -> None:
         if self._queue_place_reserved:
             self._queue_place_reserved = False
-            self._host.router.decode_queue.unreserve()
+            self._workers.decode_queue.unreserve()
 
     # --- placement --------------------------------------------------------------------
 
     def _not_on(self, tried: Mapping[str, Hashable]) -> frozenset[str]:
-        return self._host.router.instances.still_on(tried)
+        return self._workers.instances.still_on(tried)
 
     async def wait_for_link(self, command: rm.WaitForDecode) -> Wait | None:
         """Until a decode not in the command's ``exclude`` is connected (the machine's
@@ -449,7 +383,7 @@ class DecodeLeg:
         assert reply is not None
         layout = None if command.any_layout or reply.kv_handle is None else reply.kv_handle.layout
         tried = command.exclude
-        instances = self._host.router.instances
+        instances = self._workers.instances
         if not instances.decode_links(self._not_on(tried), layout):
             await instances.wait_for_decode_link(lambda: self._not_on(tried), layout)
         if not command.any_layout:
@@ -494,7 +428,7 @@ class DecodeLeg:
         # no checkpoint from the pick to the promise inside start: the room is ours
         self.link = link
         await host.report(rm.DecodeStartSent(instance.instance_id, (link, link.connects)))
-        return RunDecode(sent_at, link)
+        return RunDecode(sent_at)
 
     async def _with_room(
         self,
@@ -510,7 +444,7 @@ class DecodeLeg:
         silent: a hung worker): it then waits for one to (re)connect as a newcomer does,
         ``decode_reconnect_wait_s``, not for the worker to wake within the KV lease."""
         router = self._host.router
-        instances = router.instances
+        instances = self._workers.instances
         num_tokens = self._kv_tokens(reply)
         # prefilled on a decode (conditional disaggregation): decoded there while it has
         # room (its KV in place); another decode pulls it otherwise
@@ -547,11 +481,11 @@ class DecodeLeg:
             # the reserved place becomes a waiter's (no checkpoint until wait_for holds it)
             self.unreserve()
             try:
-                instance = router.decode_queue.take_now(take)
+                instance = self._workers.decode_queue.take_now(take)
                 if instance is not None:
                     return instance
                 # the machine's KV_LEASE deadline bounds the wait
-                return await router.decode_queue.wait_for(take)
+                return await self._workers.decode_queue.wait_for(take)
             except _NoDecodeLeft:
                 # its place is its own again while it waits for a decode (it has just
                 # left it: nothing ran since)
@@ -565,12 +499,12 @@ class DecodeLeg:
         """Whether a decode not in ``tried`` connects within ``decode_reconnect_wait_s``
         (and before the KV must be pulled)."""
         router = self._host.router
-        within_s = LEASES.left_s(handle, router.now()) - self._lease_margin_s
+        within_s = self._workers.leases.left_s(handle, router.now()) - self._lease_margin_s
         wait_s = min(router.config.router.decode_reconnect_wait_s, within_s)
         if wait_s <= 0:
             return False
         with trio.move_on_after(wait_s):
-            await router.instances.wait_for_decode_link(lambda: self._not_on(tried), layout)
+            await self._workers.instances.wait_for_decode_link(lambda: self._not_on(tried), layout)
             return True
         return False
 
@@ -582,7 +516,7 @@ class DecodeLeg:
         prefill = self._prefill
         reply = prefill.reply
         assert reply is not None and reply.kv_handle is not None
-        link, sent_at = wait.link, wait.sent_at
+        link, sent_at = self.link, wait.sent_at
         assert link is not None and link.capacity is not None  # (what decode_with_room picks)
         start = DecodeStart(
             request_id=prefill.wire_id,
@@ -637,7 +571,7 @@ class DecodeLeg:
     def _served(self) -> None:
         decode = self.instance()
         if decode is not None:
-            self._host.router.instances.instance_served(decode)
+            self._workers.instances.instance_served(decode)
 
     async def _failed(self, stream: DecodeRun, failure: str) -> Wait | None:
         """Decode holds nothing of it any more: it failed there, or the link aborted it."""
@@ -649,7 +583,7 @@ class DecodeLeg:
         if decode is not None and reason not in _LINK_FAILURES:
             # a lost link is out of rotation until it reconnects: one loss fails all its
             # streams at once, and is not that many failures in a row
-            host.router.instances.instance_failed(decode, host.router.now())
+            self._workers.instances.instance_failed(decode, host.router.now())
         migratable = reason in MIGRATION_REASONS and stream.token_ids is not None
         generated = self._prefill.generated
         if migratable and generated is not None and host.machine.lifecycle.state is State.DECODING:
@@ -676,139 +610,7 @@ class DecodeLeg:
     def instance(self) -> Instance | None:
         """The decode instance the request runs on, if it is still known."""
         link = self.link
-        return None if link is None else self._host.router.instances.get(link.instance_id)
-
-
-async def stream_tokens(
-    host: LegHost,
-    stream: DecodeRun,
-    served: Callable[[], None],
-    failed: Callable[[DecodeRun, str], Awaitable[Wait | None]],
-) -> Wait | None:
-    """Deliver decode's tokens as they come; under load, spaced (adaptive egress).
-
-    The spacing (``router.egress``, fed by the loop's load) holds a stream's
-    next send until its last send plus the spacing, so the tokens that come
-    meanwhile go out in one event.  A finish or a failure is never held.  The
-    machine hears of the first batch and of the end, not of each token.
-    ``served``: the stream finished well (its instance served it); ``failed``:
-    it failed (what to report), every token pushed before the failure out first.
-    """
-    router = host.router
-    buffer = stream.buffer
-    egress = router.egress
-    machine = host.machine
-    last_sent_at: float | None = None
-    while True:
-        spacing = egress.spacing_s
-        held_until: float | None = None
-        if spacing and not buffer.finished and stream.failure is None:
-            deadline = send_deadline(last_sent_at, spacing, router.now())
-            if deadline is not None:
-                await stream.hold_until(deadline, router.hold_timer)
-                held_until = deadline
-        # read before the take: every token pushed before a failure goes out first
-        failure = stream.failure
-        delta = buffer.take()
-        if delta is not None:
-            final = delta.finish_reason is not None
-            if final and delta.usage is None:
-                raise ShellFailure(NO_COUNTS)
-            if delta.num_tokens and machine.lifecycle.state is State.DECODE_CONFIRMING:
-                await host.report(rm.DecodeTokens())  # prefill may free the KV now
-            logprobs = None
-            if stream.logprobs is not None:
-                logprobs = _logprobs_of(stream.logprobs, delta.num_tokens, host)
-            await host.deliver(
-                delta.text,
-                delta.num_tokens,
-                delta.finish_reason,
-                delta.usage,
-                final=final,
-                logprobs=logprobs,
-                tool_calls=_tool_calls_of(stream),
-            )
-            if final:
-                served()
-                return await host.report(rm.DecodeTokens(final=True))
-            if spacing:
-                # spaced from the schedule, not from when the send returned: the
-                # send's own time and a late wake-up would add to every gap
-                last_sent_at = held_until if held_until is not None else router.now()
-        if failure is not None:
-            return await failed(stream, failure)
-        await stream.wait_update()
-
-
-async def stream_choices(
-    host: LegHost,
-    stream: ChoiceRuns,
-    served: Callable[[], None],
-    failed: Callable[[DecodeRun, str], Awaitable[Wait | None]],
-    *,
-    retry_alone: Callable[[int, str], bool] | None = None,
-) -> Wait | None:
-    """:func:`stream_tokens` for a request with ``n`` > 1: each choice's deltas as they
-    come, with its index; the response ends with the last choice's finish.  No egress
-    spacing (a choice's stream is not a client's): every wake-up sends what came.
-    A failure of any choice is the request's (``failed``: the machine aborts the rest),
-    but for one of a choice none of whose tokens went out, once other choices' had (the
-    request cannot go again whole), that ``retry_alone`` started again (True).
-    """
-    assert stream.choices is not None
-    running = dict(sorted(stream.choices.items()))
-    machine = host.machine
-    started: set[int] = set()  # the choices some delta of went out
-    while True:
-        for choice, run in list(running.items()):
-            # read before the take: every token pushed before a failure goes out first
-            failure = run.failure
-            delta = run.buffer.take()
-            if delta is not None:
-                started.add(choice)
-                finished = delta.finish_reason is not None
-                if finished and delta.usage is None:
-                    raise ShellFailure(NO_COUNTS)
-                if delta.num_tokens and machine.lifecycle.state is State.DECODE_CONFIRMING:
-                    await host.report(rm.DecodeTokens())  # prefill may free the KV now
-                logprobs = None
-                if run.logprobs is not None:
-                    logprobs = _logprobs_of(run.logprobs, delta.num_tokens, host)
-                if finished:
-                    del running[choice]
-                await host.deliver(
-                    delta.text,
-                    delta.num_tokens,
-                    delta.finish_reason,
-                    delta.usage,
-                    final=finished and not running,
-                    logprobs=logprobs,
-                    choice=choice,
-                    tool_calls=_tool_calls_of(run),
-                )
-                if finished and not running:
-                    served()
-                    return await host.report(rm.DecodeTokens(final=True))
-            if failure is not None and choice in running:
-                if (
-                    retry_alone is not None
-                    and choice not in started
-                    and machine.lifecycle.state is State.DECODING
-                    and retry_alone(choice, failure)
-                ):
-                    continue
-                return await failed(run, failure)
-        await stream.wait_choices_update()
-
-
-def _tool_calls_of(run: DecodeRun) -> list[ToolCall]:
-    """The calls an engine sent with (or before) the delta just taken from ``run``."""
-    pending = run.tool_calls
-    if not pending:
-        return []
-    taken = pending[:]
-    pending.clear()
-    return taken
+        return None if link is None else self._workers.instances.get(link.instance_id)
 
 
 def _running_choices(reply: PrefillReply) -> tuple[tuple[int, int], ...]:
@@ -821,23 +623,6 @@ def _running_choices(reply: PrefillReply) -> tuple[tuple[int, int], ...]:
         for first in reply_choices(reply)
         if first.finish_reason is None
     )
-
-
-def _logprobs_of(pending: list[TokenLogprob], num_tokens: int, host: LegHost) -> list[TokenLogprob]:
-    """The logprobs of a delta's ``num_tokens`` tokens, taken from those decode sent
-    ahead of them (a worker from before logprobs, or an engine, may send none: the delta
-    has fewer; logged once per request, not per delta)."""
-    taken = pending[:num_tokens]
-    del pending[:num_tokens]
-    if len(taken) < num_tokens and not host.logprobs_shortfall_logged:
-        host.logprobs_shortfall_logged = True
-        log.warning(
-            "request %s: decode sent logprobs for %d of %d tokens (said once per request)",
-            host.request_id,
-            len(taken),
-            num_tokens,
-        )
-    return taken
 
 
 def migration_label(reason: str) -> str:

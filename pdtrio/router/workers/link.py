@@ -95,8 +95,10 @@ from pdtrio.protocol.link.wire import (
 from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.placement.prefix_index import CachedBlocks
 from pdtrio.protocol.tokens.stream_buffer import PushResult, StreamBuffer
-from pdtrio.router.backend import BackendLost, BackendUnreachable, DecodeBackend, PrefillBackend
-from pdtrio.router.workers.kv_leases import LEASES
+from pdtrio.router.backend import BackendLost, BackendUnreachable
+from pdtrio.router.request.hold_timer import HoldTimer
+from pdtrio.router.request.token_path import CUT_OFF_MESSAGE
+from pdtrio.router.workers.kv_leases import LeaseClock
 from pdtrio.router.workers.ws_client import (
     ConnectionClosed,
     HandshakeError,
@@ -112,7 +114,6 @@ _MAX_MESSAGE_SIZE = 64 * 1024 * 1024
 # one read of the link takes up to this much; every frame in it is dispatched
 # before the reader yields, so a stream's consumer wakes once per read, not per frame
 _RECEIVE_SIZE = 64 * 1024
-CUT_OFF_MESSAGE = "the client fell too far behind the token stream and was cut off"
 
 
 # a long prompt goes to the writer in pieces of this size, each encoded just before it is sent
@@ -263,44 +264,6 @@ class DecodeStream:
             self._lot.unpark_all()
 
 
-# the hold timer wakes a stream up to this much before its deadline, with others due then
-_HOLD_SLACK_S = 0.002
-
-
-@final
-class HoldTimer:
-    """Ends streams' holds at their deadlines: one timer task for every holding stream.
-
-    A cancel scope with a deadline per hold costs about as much as the send it
-    saves.  Holds share one spacing, so their deadlines come nearly in
-    arrival order: a FIFO, woken from the front, every stream due within
-    ``_HOLD_SLACK_S`` at once (a hold may end that much early).  When the
-    spacing shrinks, a newer hold may wait behind an older one's deadline, by
-    at most the change.
-    """
-
-    def __init__(self) -> None:
-        self._due: deque[tuple[float, DecodeStream, int]] = deque()
-        self._idle = trio.lowlevel.ParkingLot()
-
-    def add(self, deadline: float, stream: DecodeStream, hold: int) -> None:
-        self._due.append((deadline, stream, hold))
-        if self._idle:
-            self._idle.unpark()
-
-    async def run(self) -> None:
-        due = self._due
-        while True:
-            if not due:
-                await self._idle.park()
-                continue
-            await trio.sleep_until(due[0][0])
-            wake_by = trio.current_time() + _HOLD_SLACK_S
-            while due and due[0][0] <= wake_by:
-                _, stream, hold = due.popleft()
-                stream.end_hold(hold)
-
-
 @final
 class _PendingPrefill:
     """A prefill call waiting for its answer (or for the link to go down)."""
@@ -337,8 +300,11 @@ class WorkerLink:
         stream_idle_timeout_s: float = 0.0,
         authorize: Callable[[], Awaitable[Sequence[tuple[bytes, bytes]]]] | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        leases: LeaseClock | None = None,
     ) -> None:
         self.instance_id = instance_id
+        # the router's clock of the KV leases prefill replies bring (its own when alone)
+        self._leases = LeaseClock() if leases is None else leases
         # the handshake's headers: our answer to a fresh challenge of the worker's, each time
         self._authorize = authorize
         self._ssl_context = ssl_context  # for a wss:// worker
@@ -593,7 +559,7 @@ class WorkerLink:
                         if pending is not None:
                             if handle is not None:
                                 # its lease's TTL counts from here, on our clock
-                                LEASES.received(handle, clock())
+                                self._leases.received(handle, clock())
                             pending.settle(message)
                         elif handle is not None:
                             # its caller gave up (and sent a release, which may have crossed
@@ -783,7 +749,7 @@ class WorkerLink:
 
         While the link is down the release waits for it to come back."""
         if access_token:
-            LEASES.forget(access_token)
+            self._leases.forget(access_token)
         token = access_token or release_token(request_id)
         if self._ws is None:
             self._release_later(request_id, token)
@@ -842,7 +808,7 @@ class WorkerLink:
         self._promised[start.request_id] = blocks
         try:
             # decode counts the lease from its receipt: it gets what is left of it now
-            await self._post(encode(LEASES.to_send(start, self._now())))
+            await self._post(encode(self._leases.to_send(start, self._now())))
         except BaseException:
             # not queued (the link is down, or cancelled while waiting for room)
             self._streams.pop(start.request_id, None)
@@ -865,8 +831,3 @@ def rejection_is_retryable(rejection: DecodeRejected) -> bool:
         RejectReason.SHUTTING_DOWN,
         RejectReason.TRANSFER_FAILED,
     )
-
-
-def as_backends(link: WorkerLink) -> tuple[PrefillBackend, DecodeBackend]:
-    """The worker link is the first backend: both roles (checked by the type checker)."""
-    return link, link

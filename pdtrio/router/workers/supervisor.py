@@ -32,6 +32,7 @@ from pdtrio.protocol.link.registration import (
     registration_key,
 )
 from pdtrio.router.workers.instances import Instance, InstanceTable
+from pdtrio.router.workers.kv_leases import LeaseClock
 from pdtrio.router.workers.link import LINK_ERRORS, PeerRefused, WorkerLink
 from pdtrio.security import PeerCredentials
 
@@ -77,8 +78,10 @@ class LinkSupervisor:
         *,
         capacity_changed: Callable[[], None],
         registration_rejected: Callable[[str, str], None],
+        leases: LeaseClock,
     ) -> None:
         self._table = table
+        self._leases = leases  # handed to every link: a prefill's link and its decode's
         self._config = config
         self._nursery = nursery
         self._http = http
@@ -304,6 +307,7 @@ class LinkSupervisor:
                 instance.instance_id,
             ),
             ssl_context=self._credentials.client_tls,
+            leases=self._leases,
         )
         instance.link = link
         status = task_status
