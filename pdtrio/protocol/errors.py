@@ -94,6 +94,12 @@ ERRORS: Final[Mapping[Reason, ErrorKind]] = MappingProxyType(
 )
 
 
+def is_clients_fault(status: int) -> bool:
+    """An instance's answer with ``status`` is the client's own (its prompt, say): passed
+    on, never held against the instance nor retried on another."""
+    return status < 500
+
+
 def status_for_worker_failure(status: int) -> int:
     """The status the client sees for a worker's answer (``PrefillFailed.status``).
 
@@ -101,6 +107,6 @@ def status_for_worker_failure(status: int) -> int:
     does 503 (busy: no KV room, draining). Any other 5xx is a worker that failed,
     not the router: 502.
     """
-    if status >= 500 and status != 503:
+    if not is_clients_fault(status) and status != 503:
         return 502
     return status

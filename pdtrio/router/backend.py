@@ -23,11 +23,11 @@ import attrs
 import trio
 
 from pdtrio.config import PdtrioConfig
+from pdtrio.protocol import request as rm
 from pdtrio.protocol.link.wire import DecodeRejected, TokenLogprob, Usage
 from pdtrio.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pdtrio.protocol.openai.answers import AnswerKind, AnyRequest, Shaper
 from pdtrio.protocol.openai.tools import ToolCall
-from pdtrio.protocol.request import machine as rm
 from pdtrio.protocol.tokens.egress import EgressController
 from pdtrio.protocol.tokens.stream_buffer import StreamBuffer
 from pdtrio.router.metrics import RequestFigures, RouterMetrics

@@ -27,7 +27,7 @@ import trio
 
 from pdtrio.config import PdtrioConfig, RouterConfig
 from pdtrio.discovery.registry import DiscoveryState, EtcdRegistry
-from pdtrio.protocol.request import machine as rm
+from pdtrio.protocol import request as rm
 from pdtrio.protocol.tokens.egress import EgressConfig, EgressController
 from pdtrio.router.backend import Backend
 from pdtrio.router.engines.backend import EngineBackend

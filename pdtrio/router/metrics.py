@@ -559,10 +559,11 @@ class RouterStateCollector(Collector):
                 free.add_metric(values, float(link.capacity.free_blocks))
             if link.cached_blocks.reporting:
                 cached.add_metric(values, float(len(link.cached_blocks)))
-            reconnects.add_metric([instance.instance_id], float(max(0, link.connects - 1)))
-            misses.add_metric([instance.instance_id], float(link.hangs))
-            frames.add_metric([instance.instance_id], float(link.frames_received))
-            cut_off += link.clients_cut_off
+            counts = link.statistics()
+            reconnects.add_metric([instance.instance_id], float(max(0, counts.connects - 1)))
+            misses.add_metric([instance.instance_id], float(counts.hangs))
+            frames.add_metric([instance.instance_id], float(counts.frames_received))
+            cut_off += counts.clients_cut_off
         yield from (up, active, free, cached, reconnects, misses, frames)
         yield GaugeMetricFamily(
             "pdtrio_local_prefill_max_tokens",

@@ -21,8 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdtrio.protocol.errors import ERRORS, Reason
-from pdtrio.protocol.request.machine import (
-    _TABLE,
+from pdtrio.protocol.request import (
     AbortDecode,
     AnyFailure,
     Arrived,
@@ -69,6 +68,7 @@ from pdtrio.protocol.request.machine import (
     WaitUntil,
     WorkerFailure,
 )
+from pdtrio.protocol.request.machine import _TABLE
 from tests.examples import examples
 
 LIMITS = Limits(

@@ -24,17 +24,19 @@ async def test_a_failing_decode_is_suspended_then_probed_again() -> None:
         router.instances.instance_failed(
             failing, trio.current_time()
         )  # as a stream failing on it does
-        frames_before = failing.link.frames_received
+        frames_before = failing.link.statistics().frames_received
         async with client(cluster) as http:
             for _ in range(4):
                 assert (await http.post("/v1/completions", json=BODY)).status_code == 200
-            assert failing.link.frames_received == frames_before  # all went to the other
+            assert (
+                failing.link.statistics().frames_received == frames_before
+            )  # all went to the other
             # once its backoff is over it is probed, and served again; the backoff ends
             # here as the clock would end it (the table reads it against time passed in)
             assert failing.suspended_until > trio.current_time()
             failing.suspended_until = trio.current_time()
             for _ in range(4):
                 assert (await http.post("/v1/completions", json=BODY)).status_code == 200
-        assert failing.link.frames_received > frames_before
+        assert failing.link.statistics().frames_received > frames_before
         assert failing.failures_in_a_row == 0 and failing.suspended_until == 0.0
         await wait_until_idle(cluster)

@@ -63,8 +63,8 @@ async def test_heartbeats_keep_an_idle_link_alive() -> None:
         )
         await nursery.start(link.run)
         # many timeouts' worth of heartbeats, and the link stays up throughout
-        await wait_for_stats(lambda: link.frames_received >= 50, deadline_s=LIVENESS_S)
-        assert link.connected and link.hangs == 0
+        await wait_for_stats(lambda: link.statistics().frames_received >= 50, deadline_s=LIVENESS_S)
+        assert link.connected and link.statistics().hangs == 0
         # it still serves
         with trio.fail_after(LIVENESS_S):
             reply = await link.prefill(
@@ -125,7 +125,7 @@ async def test_a_silent_link_is_dropped_with_its_streams_and_calls() -> None:
             while stream.failure is None:
                 await stream.wait_update()
         assert "sent nothing" in stream.failure
-        assert not link.connected and link.hangs == 1
+        assert not link.connected and link.statistics().hangs == 1
         await trio.testing.wait_all_tasks_blocked()
         assert len(outcome) == 1
         nursery.cancel_scope.cancel()

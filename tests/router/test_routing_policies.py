@@ -42,7 +42,9 @@ async def test_requests_go_to_the_instances_of_the_model_they_name() -> None:
         assert router is not None
         # each decode took only its model's requests (its link's frames say so)
         frames = {
-            worker.instance_id: router.instances[worker.instance_id].link.frames_received  # type: ignore[union-attr]
+            worker.instance_id: router.instances[worker.instance_id]
+            .link.statistics()
+            .frames_received  # type: ignore[union-attr]
             for worker in (alpha_decode, beta_decode)
         }
         assert all(frames.values()), frames

@@ -43,6 +43,7 @@ from typing import final
 import trio
 
 from pdtrio.asgi import Receive, Send
+from pdtrio.protocol import request as rm
 from pdtrio.protocol.errors import Reason, status_for_worker_failure
 from pdtrio.protocol.link.wire import TokenLogprob, Usage
 from pdtrio.protocol.openai import (
@@ -53,7 +54,6 @@ from pdtrio.protocol.openai import (
 )
 from pdtrio.protocol.openai.answers import AnswerKind, AnyRequest, Shaper, answer_shape
 from pdtrio.protocol.openai.tools import ToolCall
-from pdtrio.protocol.request import machine as rm
 from pdtrio.router.backend import (
     DecodeSide,
     MakeLegs,

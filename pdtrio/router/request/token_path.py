@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 
+from pdtrio.protocol import request as rm
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.link.wire import TokenLogprob
 from pdtrio.protocol.openai.tools import ToolCall
-from pdtrio.protocol.request import machine as rm
 from pdtrio.protocol.request.lifecycle import State
 from pdtrio.protocol.tokens.egress import send_deadline
 from pdtrio.router.backend import ChoiceRuns, DecodeRun, LegHost, ShellFailure, Wait

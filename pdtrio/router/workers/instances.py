@@ -18,7 +18,7 @@ import attrs
 import trio
 
 from pdtrio.config import Role
-from pdtrio.protocol.errors import Reason
+from pdtrio.protocol.errors import Reason, is_clients_fault
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed, layout_mismatch
 from pdtrio.protocol.link.wire import DRAINING_ERROR_TYPE, KvHandle, PrefillFailed, Prompt
 from pdtrio.protocol.placement.prefix_index import (
@@ -282,7 +282,7 @@ class InstanceTable(Mapping[str, Instance]):
     def prefill_failed(self, instance: Instance, answer: PrefillFailed, now: float) -> None:
         """What prefill's failure says of the instance: a 5xx is its fault (a 4xx is the
         request's); a 503 is a busy one (no KV room), not suspended; draining, no new work."""
-        if answer.status < 500:
+        if is_clients_fault(answer.status):
             return
         if answer.error_type == DRAINING_ERROR_TYPE:
             self.instance_draining(instance)

@@ -25,6 +25,7 @@ from typing import Protocol, final
 
 import trio
 
+from pdtrio.protocol import request as rm
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.kv_layout import KvLayout, choice_blocks_needed
 from pdtrio.protocol.link.wire import (
@@ -41,7 +42,6 @@ from pdtrio.protocol.link.wire import (
     reply_choices,
 )
 from pdtrio.protocol.placement.prefix_index import PromptBlocks
-from pdtrio.protocol.request import machine as rm
 from pdtrio.protocol.request.lifecycle import State
 from pdtrio.router.backend import (
     BackendLost,

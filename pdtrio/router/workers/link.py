@@ -60,6 +60,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import final
 
+import attrs
 import httpx
 import trio
 
@@ -285,6 +286,16 @@ class _PendingPrefill:
 
 
 @final
+@attrs.frozen
+class WorkerLinkStatistics:
+    connects: int  # connections made (the ones after the first: reconnects)
+    hangs: int  # connections dropped for silence
+    frames_received: int
+    entries_received: int  # token entries, over every frame
+    clients_cut_off: int  # streams ended for a client too far behind
+
+
+@final
 class WorkerLink:
     def __init__(
         self,
@@ -321,8 +332,8 @@ class WorkerLink:
         # calls more, paid by every start and release)
         self._now: Callable[[], float] = trio.current_time
         self._hung = False  # the watchdog dropped the current connection
-        self.hangs = 0  # links dropped for silence
-        self.connects = 0  # connections made (the ones after the first: reconnects)
+        self._hangs = 0  # links dropped for silence
+        self._connects = 0  # connections made (the ones after the first: reconnects)
         self._on_capacity = on_capacity
         # told when it does less: a request ends on it, its outbox empties, it drops
         self._on_quieter = on_quieter
@@ -348,9 +359,24 @@ class WorkerLink:
         self._writer_waiting = trio.lowlevel.ParkingLot()
         self._room_waiting = trio.lowlevel.ParkingLot()
         self.ever_connected = False
-        self.frames_received = 0
-        self.entries_received = 0
-        self.clients_cut_off = 0
+        self._frames_received = 0
+        self._entries_received = 0
+        self._clients_cut_off = 0
+
+    def statistics(self) -> WorkerLinkStatistics:
+        return WorkerLinkStatistics(
+            connects=self._connects,
+            hangs=self._hangs,
+            frames_received=self._frames_received,
+            entries_received=self._entries_received,
+            clients_cut_off=self._clients_cut_off,
+        )
+
+    @property
+    def connects(self) -> int:
+        """Which connection to the worker this is (1: the first): a request that failed on
+        one may be tried again on a later one (the worker ended everything of the old)."""
+        return self._connects
 
     @property
     def connected(self) -> bool:
@@ -412,7 +438,7 @@ class WorkerLink:
                 raise HandshakeError(f"{self.url}: no websocket within {connect_timeout_s:g}s")
             self._ws = ws
             self.ever_connected = True
-            self.connects += 1
+            self._connects += 1
             # what was queued for the old connection: the worker ended those requests itself,
             # but not the KV its replies leased: those releases go first
             self._outbox.clear()
@@ -432,7 +458,7 @@ class WorkerLink:
                 await self._read(ws)
                 nursery.cancel_scope.cancel()
             if self._hung:
-                self.hangs += 1
+                self._hangs += 1
                 lost = f"the worker sent nothing for {self.link_timeout_s:g}s"
                 raise WorkerLinkHung(f"{self.instance_id}: {lost}")
         finally:
@@ -529,7 +555,7 @@ class WorkerLink:
             except ConnectionClosed:
                 return
             self._last_read = clock()  # the watchdog's only input: once per read
-            self.frames_received += len(frames)
+            self._frames_received += len(frames)
             # every message of the read goes to its streams before anyone else runs
             for data in frames:
                 if isinstance(data, str):
@@ -610,7 +636,7 @@ class WorkerLink:
         """Hand each entry to its stream; never waits (the hot path)."""
         streams = self._streams
         get = streams.get
-        self.entries_received += len(entries)
+        self._entries_received += len(entries)
         for entry in entries:
             stream = get(entry.request_id)
             if stream is None:
@@ -623,7 +649,7 @@ class WorkerLink:
                 entry.text, len(entry.token_ids), finish_reason, entry.usage
             )
             if result is _OVERFLOW:
-                self.clients_cut_off += 1
+                self._clients_cut_off += 1
                 self._end(stream, CUT_OFF_MESSAGE, "cut_off", abort=True)
                 stream.cut_off = True
             elif finish_reason is not None:

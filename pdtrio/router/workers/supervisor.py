@@ -101,7 +101,7 @@ class LinkSupervisor:
             links=len(links),
             connected=sum(1 for link in links if link.connected),
             reconnects=sum(max(link.connects - 1, 0) for link in links),
-            hangs=sum(link.hangs for link in links),
+            hangs=sum(link.statistics().hangs for link in links),
             ignored_registrations=len(self.ignored_registrations),
         )
 

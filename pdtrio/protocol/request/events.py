@@ -1,0 +1,427 @@
+"""What the request machine hears and answers: its limits, events, commands and failures.
+
+Frozen values, defined apart from the machine's table (``machine.py``), which
+re-exports them: the shell reads them as ``rm.Arrived``, ``rm.SendPrefill``, ...
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Mapping
+from typing import Final, TypeAlias, final
+
+import attrs
+
+from pdtrio.protocol.errors import Reason
+
+# --- configuration ---------------------------------------------------------------
+
+
+@final
+@attrs.frozen
+class Limits:
+    """The router's settings the request path decides by."""
+
+    request_timeout_s: float
+    prefill_timeout_s: float
+    prefill_attempts: int = 3
+    migration_limit: int = 0
+    decode_reconnect_wait_s: float = 0.0
+    lease_margin_s: float = 1.0  # decode must pull the KV this long before the lease ends
+
+
+@final
+class ChoiceRetry:
+    """One choice of an ``n`` > 1 request whose decode regenerates every token, started
+    again alone: it failed before any of its tokens went out, once other choices' had
+    (the request can no longer go again whole).  Under the request's own limits: each
+    decode it failed on is excluded, and each round from a new prefill tries at most
+    ``prefill_attempts`` prefill instances."""
+
+    __slots__ = ("_prefill_attempts", "excluded_decodes", "given_up", "tried_prefills")
+
+    def __init__(self, limits: Limits) -> None:
+        self._prefill_attempts = limits.prefill_attempts
+        self.excluded_decodes: set[str] = set()
+        self.tried_prefills: set[str] = set()  # this round's
+        self.given_up = False  # its last failure is the request's
+
+    def decode_failed(self, instance: str) -> None:
+        """Its leg on ``instance`` failed: never there again, and a new round of prefills
+        (as the request's own retry from prefill)."""
+        self.excluded_decodes.add(instance)
+        self.tried_prefills.clear()
+
+    def prefill_sent(self, instance: str) -> None:
+        self.tried_prefills.add(instance)
+
+    def may_prefill(self) -> bool:
+        return len(self.tried_prefills) < self._prefill_attempts
+
+
+class Deadline(enum.Enum):
+    # members are singletons: hashed by identity, in C (Enum's own hash is a Python call,
+    # paid on every lookup of the armed deadlines)
+    __hash__ = object.__hash__
+
+    REQUEST = "request"  # the request's own timeout
+    PREFILL = "prefill"  # one prefill call's
+    KV_LEASE = "kv_lease"  # prefill frees the KV (less the margin): decode must be placed by it
+    RECONNECT = "reconnect"  # a bounded wait for a decode not tried to (re)connect
+
+
+class Ending(enum.Enum):
+    """How the request ended, as the router counts it (``Outcome``'s names)."""
+
+    OK = "ok"
+    DISCONNECTED = "disconnected"
+    REJECTED = "rejected"  # refused before any byte went out
+    FAILED = "failed"  # an error after the stream had started
+
+
+# --- failures: a typed reason, mapped to a status by pdtrio.protocol.errors ---------
+
+
+@final
+@attrs.frozen
+class Failure:
+    """Why the request failed: a :class:`Reason` (its status in ``ERRORS``) and a message.
+
+    ``explain_no_prefill``: the message is the shell's account of why no prefill
+    instance takes the request (it knows the instance table; the machine does not).
+    """
+
+    reason: Reason
+    message: str
+    param: str | None = None
+    explain_no_prefill: bool = False
+
+
+@final
+@attrs.frozen
+class WorkerFailure:
+    """A worker's own answer passed on (its status through ``status_for_worker_failure``)."""
+
+    status: int
+    error_type: str
+    message: str
+    param: str | None = None
+
+
+AnyFailure: TypeAlias = Failure | WorkerFailure
+
+STALLED_MESSAGE: Final = "the client read nothing for too long; the router hung up"
+TIMEOUT_MESSAGE: Final = "the request did not complete within {:g}s"
+PREFILL_TIMEOUT_MESSAGE: Final = "prefill did not answer in time"
+DRAIN_REFUSAL: Final = "the router is shutting down"
+DRAIN_CUT: Final = "the router is shutting down; the request was cut short"
+NO_LEASE_ROOM: Final = "no decode capacity came free within the prefill KV lease"
+
+# --- events ----------------------------------------------------------------------
+
+
+@final
+@attrs.frozen
+class Arrived:
+    draining: bool = False
+    queue_full: bool = False  # no place in the router's decode queue
+
+
+@final
+@attrs.frozen
+class PrefillSent:
+    instance: str
+
+
+@final
+@attrs.frozen
+class PrefillUnavailable:
+    """No prefill instance is left to send to."""
+
+
+@final
+@attrs.frozen
+class PrefillNotSent:
+    """The instance's link was closed: it never saw the request."""
+
+
+@final
+@attrs.frozen
+class PrefillLost:
+    """The link went down with the call out: the worker dropped it."""
+
+    message: str
+
+
+@final
+@attrs.frozen
+class PrefillFailed:
+    failure: WorkerFailure
+
+
+@final
+@attrs.frozen
+class Prefilled:
+    """Prefill answered; ``lease_ends_at``: when it frees the KV, None if it kept none
+    (generation ended at the first token)."""
+
+    lease_ends_at: float | None
+
+
+@final
+@attrs.frozen
+class DecodeStartSent:
+    """The start is going out to ``instance`` (decode may run it from now)."""
+
+    instance: str
+    connection: Hashable  # which of the instance's connections: exclusion is by connection
+
+
+@final
+@attrs.frozen
+class DecodeStartQueued:
+    """The start is out (queued on the link); decode's answer comes next."""
+
+
+@final
+@attrs.frozen
+class DecodeUnavailable:
+    """Placement found no decode for it: none, none that could hold it, the queue."""
+
+    failure: Failure
+
+
+@final
+@attrs.frozen
+class DecodeNotSent:
+    """The start could not be sent (the link is closed): decode never saw it."""
+
+    message: str
+
+
+@final
+@attrs.frozen
+class DecodeAccepted:
+    pass
+
+
+@final
+@attrs.frozen
+class DecodeRejected:
+    """``failure``: the instance refused the request as the client's own (a 4xx):
+    the answer passed on, nothing retried."""
+
+    message: str
+    retryable: bool
+    exclude: bool = True  # retried elsewhere (False: NO_ROOM, a stale report: any may)
+    layout_mismatch: bool = False
+    failure: WorkerFailure | None = None
+
+
+@final
+@attrs.frozen
+class DecodeTokens:
+    """A batch from decode went to the client: its first, or its last (``final``)."""
+
+    final: bool = False
+
+
+@final
+@attrs.frozen
+class DecodeFailed:
+    """Decode holds nothing of it any more.  ``reason``: a migration label, or other;
+    ``migratable``: a loss the request may go on from; ``cut_off``: the link aborted it
+    for a client too slow (``message`` is what the client is told)."""
+
+    message: str
+    reason: str = "decode_failed"
+    migratable: bool = False
+    cut_off: bool = False
+
+
+@final
+@attrs.frozen
+class DecodeConnected:
+    """A decode the request has not failed on is connected (after :class:`WaitForDecode`)."""
+
+
+@final
+@attrs.frozen
+class DeadlinePassed:
+    deadline: Deadline
+    torn: bool = False  # no byte may go to the client any more (a write was cut mid-way)
+
+
+@final
+@attrs.frozen
+class ClientGone:
+    pass
+
+
+@final
+@attrs.frozen
+class ClientStalled:
+    """A write waited on the client past its timeout: the shell hung up on it."""
+
+
+@final
+@attrs.frozen
+class DrainCut:
+    torn: bool = False
+
+
+@final
+@attrs.frozen
+class Failed:
+    """The shell found a failure of its own (a bad KV handle, a finish without counts)."""
+
+    failure: Failure
+    torn: bool = False
+
+
+Event: TypeAlias = (
+    Arrived
+    | PrefillSent
+    | PrefillUnavailable
+    | PrefillNotSent
+    | PrefillLost
+    | PrefillFailed
+    | Prefilled
+    | DecodeStartSent
+    | DecodeStartQueued
+    | DecodeUnavailable
+    | DecodeNotSent
+    | DecodeAccepted
+    | DecodeRejected
+    | DecodeTokens
+    | DecodeFailed
+    | DecodeConnected
+    | DeadlinePassed
+    | ClientGone
+    | ClientStalled
+    | DrainCut
+    | Failed
+)
+
+# --- commands --------------------------------------------------------------------
+
+
+@final
+@attrs.frozen
+class WaitUntil:
+    deadline: Deadline
+    at: float
+
+
+@final
+@attrs.frozen
+class SendPrefill:
+    """Pick a prefill instance not in ``exclude`` and send it the call (``continuation``:
+    of the prompt and the tokens delivered, after a migration); ``retry``: not the first."""
+
+    exclude: frozenset[str]
+    continuation: bool = False
+    retry: bool = False
+
+
+@final
+@attrs.frozen
+class PlaceDecode:
+    """Place the request on a decode instance with room, not on a connection in
+    ``exclude`` (name -> connection), and start it there; ``last_reason``: why the
+    last one could not, for the failure if none can."""
+
+    exclude: Mapping[str, Hashable]
+    last_reason: str
+    retry: bool = False
+
+
+@final
+@attrs.frozen
+class WaitForDecode:
+    """Report :class:`DecodeConnected` once a decode not in ``exclude`` is connected
+    (now, or before the RECONNECT deadline armed with it); ``any_layout``: for a new
+    prefill (a migration), not for the KV prefill holds now."""
+
+    exclude: Mapping[str, Hashable]
+    any_layout: bool = False
+
+
+@final
+@attrs.frozen
+class EmitFirstToken:
+    """Send prefill's token (``final``: it ends the response)."""
+
+    final: bool = False
+
+
+@final
+@attrs.frozen
+class ReleasePrefill:
+    """Prefill may free the request's KV."""
+
+    instance: str
+
+
+@final
+@attrs.frozen
+class AbortDecode:
+    instance: str
+
+
+@final
+@attrs.frozen
+class Migrate:
+    """A new leg: the request goes on from a new prefill (``reason``: a migration label)."""
+
+    reason: str
+    lost_on: str
+
+
+@final
+@attrs.frozen
+class Finish:
+    """End the response well (what is left of it: [DONE], or the whole body)."""
+
+
+@final
+@attrs.frozen
+class RespondWithError:
+    """No byte went out yet: the error is the response (its status)."""
+
+    failure: AnyFailure
+
+
+@final
+@attrs.frozen
+class StreamError:
+    """The stream had started: the error ends it as an event (the status stays 200)."""
+
+    failure: AnyFailure
+
+
+@final
+@attrs.frozen
+class End:
+    """The request is over; nothing follows.  ``failure``: the status it is counted with."""
+
+    ending: Ending
+    failure: AnyFailure | None = None
+
+
+Command: TypeAlias = (
+    WaitUntil
+    | SendPrefill
+    | PlaceDecode
+    | WaitForDecode
+    | EmitFirstToken
+    | ReleasePrefill
+    | AbortDecode
+    | Migrate
+    | Finish
+    | RespondWithError
+    | StreamError
+    | End
+)
+
+QUEUE_FULL_MESSAGE: Final = "the server is at capacity and its queue is full; retry shortly"

@@ -1,0 +1,28 @@
+"""docs/architecture.md carries the request machine's table as the table is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pdtrio.protocol.request.drawing import BEGIN, END, machine_table, with_table
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+
+
+def test_the_architecture_doc_draws_the_machines_table_as_it_is() -> None:
+    document = DOC.read_text()
+    assert BEGIN in document and END in document
+    assert with_table(document) == document, (
+        "docs/architecture.md's machine table is stale: "
+        "python -m tests.protocol.test_architecture_doc draws it again"
+    )
+
+
+def test_every_entry_of_the_table_is_a_row() -> None:
+    rows = machine_table().splitlines()[2:]  # (below the header and its rule)
+    # 17 phase-specific entries, 6 for a prefill failing beside decode, 5 for any phase
+    assert len(rows) == 17 + 6 + 5
+
+
+if __name__ == "__main__":
+    DOC.write_text(with_table(DOC.read_text()))
