@@ -87,7 +87,7 @@ from pdtrio.protocol.openai import (
     parse_chat_completion_request,
     parse_completion_request,
 )
-from pdtrio.protocol.openai import requests as openai_requests
+from pdtrio.protocol.openai import fields as openai_requests
 from pdtrio.protocol.openai.responses import parse_responses_request
 from pdtrio.protocol.sampling import SamplingParams
 from tests.fuzz.profile import FUZZ

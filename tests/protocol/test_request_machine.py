@@ -199,7 +199,7 @@ def _events_for(
         rare += [DecodeTokens(final=True), DecodeFailed("cut off", "cut_off", cut_off=True)]
         if not machine.first_token_from_prefill:
             rare += _PREFILL_BESIDE_FAILURES
-    elif phase is Phase.AWAITING_DECODE:
+    elif phase in (Phase.AWAITING_RETRY, Phase.AWAITING_MIGRATION):
         on += [DecodeConnected()]
     return on, rare
 
@@ -247,7 +247,15 @@ def _drive(
                 step_s = min(step_s, max(0.0, armed[0] - now) * 0.99)
             now += step_s
         held.event(event)
+        awaited = machine.phase
         commands = machine.handle(event, now)
+        if isinstance(event, DecodeConnected):
+            # the phase says what the wait was for: a migration continues from prefill,
+            # a retry places decode again on prefill's KV
+            migrates = any(isinstance(command, Migrate) for command in commands)
+            places = any(isinstance(command, PlaceDecode) for command in commands)
+            assert migrates == (awaited is Phase.AWAITING_MIGRATION), (awaited, commands)
+            assert places == (awaited is Phase.AWAITING_RETRY), (awaited, commands)
         for command in commands:
             held.command(command)
         run.events.append(event)

@@ -292,7 +292,7 @@ async def test_room_found_as_the_lease_deadline_passes_still_starts_the_decode(
             waiting = [
                 r
                 for r in router.requests._running.values()
-                if getattr(r, "machine", None) and r.machine.phase.name == "PLACING_DECODE"
+                if getattr(r, "machine", None) and r.machine.phase_name == "PLACING_DECODE"
             ]
             room = router.instances.decode_with_room(
                 16 * 16, trio.current_time()

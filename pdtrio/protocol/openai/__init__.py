@@ -39,10 +39,9 @@ from pdtrio.protocol.openai.errors import (
     unauthorized,
     unsupported_media_type,
 )
+from pdtrio.protocol.openai.fields import CHAT_ROLES, MAX_STOP_SEQUENCES
 from pdtrio.protocol.openai.logprobs import chat_logprobs, completion_logprobs
 from pdtrio.protocol.openai.requests import (
-    CHAT_ROLES,
-    MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
     CompletionRequest,
     parse_chat_completion_request,

@@ -32,18 +32,20 @@ import msgspec
 
 from pdtrio.protocol.link.wire import Usage
 from pdtrio.protocol.openai.errors import OpenAIError, bad_request, invalid_type, show_client_text
-from pdtrio.protocol.openai.requests import (
-    ChatCompletionRequest,
-    _chat_prompt,
+from pdtrio.protocol.openai.fields import (
     _check_text,
     _load_object,
     _missing,
-    _model,
     _opt_bool,
     _opt_int,
     _opt_str,
     _sampling,
     _token_limit,
+)
+from pdtrio.protocol.openai.requests import (
+    ChatCompletionRequest,
+    _chat_prompt,
+    _model,
     _too_many_messages,
     message_role,
     message_text,

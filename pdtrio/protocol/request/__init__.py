@@ -38,7 +38,9 @@ from pdtrio.protocol.request.events import (
     Failure,
     Finish,
     Limits,
+    MachineError,
     Migrate,
+    Phase,
     PlaceDecode,
     Prefilled,
     PrefillFailed,
@@ -54,7 +56,7 @@ from pdtrio.protocol.request.events import (
     WaitUntil,
     WorkerFailure,
 )
-from pdtrio.protocol.request.machine import MachineError, Phase, RequestMachine
+from pdtrio.protocol.request.machine import RequestMachine
 
 __all__ = [
     "AbortDecode",

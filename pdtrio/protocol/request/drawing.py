@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from pdtrio.protocol.request.machine import _TABLE, Phase
+from pdtrio.protocol.request.events import Phase
+from pdtrio.protocol.request.machine import _TABLE
 
 BEGIN = "<!-- the request machine's table: generated, do not edit -->"
 END = "<!-- end of the request machine's table -->"

@@ -1,4 +1,4 @@
-"""What the request machine hears and answers: its limits, events, commands and failures.
+"""The request machine's vocabulary: its phases, limits, events, commands and failures.
 
 Frozen values, defined apart from the machine's table (``machine.py``), which
 re-exports them: the shell reads them as ``rm.Arrived``, ``rm.SendPrefill``, ...
@@ -13,6 +13,29 @@ from typing import Final, TypeAlias, final
 import attrs
 
 from pdtrio.protocol.errors import Reason
+
+# --- the phases ------------------------------------------------------------------
+
+
+class Phase(enum.Enum):
+    __hash__ = object.__hash__  # (see Deadline's)
+
+    NEW = "new"
+    PREFILLING = "prefilling"  # SendPrefill is out (the call, once PrefillSent)
+    PLACING_DECODE = "placing_decode"  # PlaceDecode is out: waiting for room, or a pick
+    DECODE_SENDING = "decode_sending"  # the start is being queued on the link
+    DECODE_STARTING = "decode_starting"  # the start is out, not answered
+    DECODING = "decoding"  # decode accepted (its first token: the lifecycle says)
+    # WaitForDecode is out: for another decode to pull prefill's KV again (decode failed
+    # before its first token), or for one to continue a stream whose decode was lost
+    AWAITING_RETRY = "awaiting_retry"
+    AWAITING_MIGRATION = "awaiting_migration"
+    DONE = "done"
+
+
+class MachineError(RuntimeError):
+    """An event that cannot happen in the current phase: a bug in the shell."""
+
 
 # --- configuration ---------------------------------------------------------------
 
@@ -425,3 +448,12 @@ Command: TypeAlias = (
 )
 
 QUEUE_FULL_MESSAGE: Final = "the server is at capacity and its queue is full; retry shortly"
+
+
+def no_prefill() -> Failure:
+    return Failure(Reason.SERVICE_UNAVAILABLE, "", explain_no_prefill=True)
+
+
+def decode_failed(message: str) -> Failure:
+    """A decode worker failed the request: 502 (what a non-streaming client sees)."""
+    return Failure(Reason.DECODE_FAILED, f"decode failed: {message}")

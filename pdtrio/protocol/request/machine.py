@@ -11,7 +11,7 @@ as the KV-ownership table underneath), and how the client's response ends.
 
 The whole rule is :data:`_TABLE`: (phase, event type) -> handler.  An event the
 table does not list for the current phase is a bug in the shell
-(:class:`MachineError`); once the request has ended, every event is answered
+(:class:`ev.MachineError`); once the request has ended, every event is answered
 with no command (a stale timer, a late answer), so nothing follows the end.
 
 Commands are backend-neutral: they name instances, never links or sockets.
@@ -37,7 +37,6 @@ Pure (sans-IO): no I/O, no clock read (``now`` comes with each event).
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Callable, Hashable, Mapping
 from types import MappingProxyType
@@ -49,23 +48,6 @@ from pdtrio.protocol.request.lifecycle import Cleanup, RequestLifecycle, State
 from pdtrio.protocol.request.lifecycle import Event as Kv
 
 # --- the machine -------------------------------------------------------------------
-
-
-class Phase(enum.Enum):
-    __hash__ = object.__hash__  # (see Deadline's)
-
-    NEW = "new"
-    PREFILLING = "prefilling"  # SendPrefill is out (the call, once PrefillSent)
-    PLACING_DECODE = "placing_decode"  # PlaceDecode is out: waiting for room, or a pick
-    DECODE_SENDING = "decode_sending"  # the start is being queued on the link
-    DECODE_STARTING = "decode_starting"  # the start is out, not answered
-    DECODING = "decoding"  # decode accepted (its first token: the lifecycle says)
-    AWAITING_DECODE = "awaiting_decode"  # WaitForDecode is out (a retry, or a migration)
-    DONE = "done"
-
-
-class MachineError(RuntimeError):
-    """An event that cannot happen in the current phase: a bug in the shell."""
 
 
 @final
@@ -88,7 +70,7 @@ class RequestMachine:
         self.first_token_from_prefill = first_token_from_prefill
         self.streaming = streaming
         self.keep_tokens = keep_tokens  # token ids are kept: a lost decode may migrate
-        self.phase = Phase.NEW
+        self.phase = ev.Phase.NEW
         self.lifecycle = RequestLifecycle()  # what cleanup owes (KV on prefill, decode's run)
         self._armed: dict[ev.Deadline, float] = {}
         # the earliest of them, kept until they change (the shell asks before every wait
@@ -111,8 +93,7 @@ class RequestMachine:
         self._decode_attempts = 0
         self._first_token_emitted = False  # this leg's prefill token, once whatever decode runs it
         self._any_token_emitted = False  # (streaming: the headers went out with it)
-        self._awaiting_for_migration = False  # what AWAITING_DECODE waits for
-        self._early: ev.DecodeFailed | None = None  # the failure an AWAITING_DECODE retries
+        self._early: ev.DecodeFailed | None = None  # the failure an AWAITING_* phase retries
         # when the wait for a decode that followed the last loss ends: one wait per loss,
         # whether the KV prefill holds or a new prefill goes to the decode that connects
         self._reconnect_until = math.inf
@@ -123,11 +104,13 @@ class RequestMachine:
 
     def handle(self, event: ev.Event, now: float) -> list[ev.Command]:
         """Apply ``event`` (at ``now``); returns the commands to carry out, in order."""
-        if self.phase is Phase.DONE:
+        if self.phase is ev.Phase.DONE:
             return []  # a late answer or a stale timer: nothing follows the end
         handler = _ENTRIES.get((self.phase, type(event)))
         if handler is None:
-            raise MachineError(f"{type(event).__name__} cannot happen in phase {self.phase.name}")
+            raise ev.MachineError(
+                f"{type(event).__name__} cannot happen in phase {self.phase.name}"
+            )
         return handler(self, event, now)
 
     def next_deadline(self) -> tuple[float, ev.Deadline] | None:
@@ -145,6 +128,35 @@ class RequestMachine:
     @property
     def headers_sent(self) -> bool:
         return self.streaming and self._any_token_emitted
+
+    # --- what the shell and the legs may ask (never the phase or the lifecycle) -------
+
+    @property
+    def done(self) -> bool:
+        """The request has ended: nothing follows."""
+        return self.phase is ev.Phase.DONE
+
+    @property
+    def phase_name(self) -> str:
+        """Where the request is, for a log line."""
+        return self.phase.name
+
+    @property
+    def decode_unconfirmed(self) -> bool:
+        """Decode accepted and has sent no token yet: its first ones are to be reported
+        (``DecodeTokens``), so that prefill may free the KV."""
+        return self.lifecycle.state is State.DECODE_CONFIRMING
+
+    @property
+    def decode_confirmed(self) -> bool:
+        """Decode's tokens are flowing: each one it pushed goes out to the client."""
+        return self.lifecycle.state is State.DECODING
+
+    @property
+    def decode_under_way(self) -> bool:
+        """The decode start is out (answered or not): a prefill running beside it may
+        still fail the request (``PrefillFailed`` and its kind)."""
+        return self.phase in _DECODE_UNDER_WAY
 
     # --- helpers ----------------------------------------------------------------
 
@@ -175,7 +187,7 @@ class RequestMachine:
         self._armed.clear()
         self._armed_changed = True
         self.earliest_deadline_at = math.inf
-        self.phase = Phase.DONE
+        self.phase = ev.Phase.DONE
         end = self.ended = ev.End(ending, failure)
         out.append(end)
 
@@ -194,9 +206,9 @@ class RequestMachine:
 
     def _send_prefill(self, out: list[ev.Command]) -> list[ev.Command]:
         if len(self._prefill_tried) >= self.limits.prefill_attempts:
-            failure = self._prefill_failure or _no_prefill()
+            failure = self._prefill_failure or ev.no_prefill()
             return [*out, *self._fail(failure)]
-        self.phase = Phase.PREFILLING
+        self.phase = ev.Phase.PREFILLING
         out.append(
             ev.SendPrefill(
                 frozenset(self._prefill_tried),
@@ -207,7 +219,7 @@ class RequestMachine:
         return out
 
     def _place_decode(self, now: float, out: list[ev.Command]) -> list[ev.Command]:
-        self.phase = Phase.PLACING_DECODE
+        self.phase = ev.Phase.PLACING_DECODE
         if self._lease_ends_at is not None:  # (None: an engine's, no lease known)
             self._arm(ev.Deadline.KV_LEASE, self._lease_ends_at - self.limits.lease_margin_s, out)
         out.append(
@@ -221,9 +233,9 @@ class RequestMachine:
         return out
 
     def _await_decode(
-        self, until: float, exclude: dict[str, Hashable], *, any_layout: bool
+        self, phase: ev.Phase, until: float, exclude: dict[str, Hashable], *, any_layout: bool
     ) -> list[ev.Command]:
-        self.phase = Phase.AWAITING_DECODE
+        self.phase = phase
         out: list[ev.Command] = []
         self._arm(ev.Deadline.RECONNECT, until, out)
         out.append(ev.WaitForDecode(MappingProxyType(dict(exclude)), any_layout=any_layout))
@@ -240,15 +252,16 @@ class RequestMachine:
         assert self.decode_instance is not None
         self._lost_on[self.decode_instance] = self._decode_connection
         if not self.keep_tokens or len(self.migrations) >= self.limits.migration_limit:
-            return self._fail(_decode_failed(failure.message), torn=torn)
+            return self._fail(ev.decode_failed(failure.message), torn=torn)
         self._early = failure
-        self._awaiting_for_migration = True
         if not waited:
             self._reconnect_until = now + self.limits.decode_reconnect_wait_s
         request_deadline = self._armed[ev.Deadline.REQUEST]
         # (a wait already spent: a decode connected now is still taken, none is waited for)
         until = max(now, min(self._reconnect_until, request_deadline))
-        return self._await_decode(until, self._lost_on, any_layout=True)
+        return self._await_decode(
+            ev.Phase.AWAITING_MIGRATION, until, self._lost_on, any_layout=True
+        )
 
     def _interrupted(self, failure: ev.AnyFailure, torn: bool) -> list[ev.Command]:
         return self._fail(failure, torn=torn)
@@ -279,7 +292,7 @@ class RequestMachine:
         return out
 
     def _on_prefill_unavailable(self, event: ev.PrefillUnavailable, now: float) -> list[ev.Command]:
-        return self._fail(self._prefill_failure or _no_prefill())
+        return self._fail(self._prefill_failure or ev.no_prefill())
 
     def _prefill_answered(self) -> None:
         self._disarm(ev.Deadline.PREFILL)
@@ -333,14 +346,14 @@ class RequestMachine:
 
     def _on_decode_start_sent(self, event: ev.DecodeStartSent, now: float) -> list[ev.Command]:
         self._disarm(ev.Deadline.KV_LEASE)  # placed: the lease bounds the wait only
-        self.phase = Phase.DECODE_SENDING
+        self.phase = ev.Phase.DECODE_SENDING
         self.decode_instance = event.instance
         self._decode_connection = event.connection
         self.lifecycle.handle(Kv.DECODE_START_SENT)
         return []
 
     def _on_decode_start_queued(self, event: ev.DecodeStartQueued, now: float) -> list[ev.Command]:
-        self.phase = Phase.DECODE_STARTING
+        self.phase = ev.Phase.DECODE_STARTING
         if not self.first_token_from_prefill:
             return []  # the response starts with decode's first batch
         # the first token goes out once decode room is claimed and the start is sent
@@ -364,7 +377,7 @@ class RequestMachine:
 
     def _on_decode_accepted(self, event: ev.DecodeAccepted, now: float) -> list[ev.Command]:
         self.lifecycle.handle(Kv.DECODE_ACCEPTED)
-        self.phase = Phase.DECODING
+        self.phase = ev.Phase.DECODING
         return []
 
     def _on_decode_rejected(self, event: ev.DecodeRejected, now: float) -> list[ev.Command]:
@@ -400,12 +413,11 @@ class RequestMachine:
         if not self.first_token_from_prefill:
             return self._again_from_prefill()
         self._early = event
-        self._awaiting_for_migration = False
         assert self._lease_ends_at is not None
         lease_left = self._lease_ends_at - self.limits.lease_margin_s
         self._reconnect_until = now + self.limits.decode_reconnect_wait_s
         until = min(self._reconnect_until, lease_left)
-        return self._await_decode(until, self._tried, any_layout=False)
+        return self._await_decode(ev.Phase.AWAITING_RETRY, until, self._tried, any_layout=False)
 
     def _again_from_prefill(self) -> list[ev.Command]:
         """Decode failed before its first token, and it regenerates every token: prefill's
@@ -426,7 +438,7 @@ class RequestMachine:
         token, decode waits for KV that will not come (it is aborted) and another prefill
         takes the request, as after a prefill's own failure; after it, decode had the KV."""
         if self.first_token_from_prefill:
-            raise MachineError(f"{type(event).__name__} cannot happen while decode runs")
+            raise ev.MachineError(f"{type(event).__name__} cannot happen while decode runs")
         if self.lifecycle.state is State.DECODING:
             return []  # decode pulled the KV: prefill's late word changes nothing
         out: list[ev.Command] = []
@@ -469,13 +481,19 @@ class RequestMachine:
             self.lifecycle.handle(Kv.DECODE_LOST)
             return self._lost(event, now)
         self.lifecycle.handle(Kv.DECODE_ENDED)
-        return self._fail(_decode_failed(event.message))
+        return self._fail(ev.decode_failed(event.message))
 
-    def _on_decode_connected(self, event: ev.DecodeConnected, now: float) -> list[ev.Command]:
+    def _on_decode_connected_to_retry(
+        self, event: ev.DecodeConnected, now: float
+    ) -> list[ev.Command]:
         self._disarm(ev.Deadline.RECONNECT)
-        if self._awaiting_for_migration:
-            return self._migrate()
         return self._place_decode(now, [])
+
+    def _on_decode_connected_to_migrate(
+        self, event: ev.DecodeConnected, now: float
+    ) -> list[ev.Command]:
+        self._disarm(ev.Deadline.RECONNECT)
+        return self._migrate()
 
     def _migrate(self) -> list[ev.Command]:
         early = self._early
@@ -491,10 +509,10 @@ class RequestMachine:
         self, early: ev.DecodeFailed, now: float, *, torn: bool
     ) -> list[ev.Command]:
         """No decode connected in time for the retry (or the migration) waited on."""
-        if self._awaiting_for_migration:
-            return self._fail(_decode_failed(early.message), torn=torn)
+        if self.phase is ev.Phase.AWAITING_MIGRATION:
+            return self._fail(ev.decode_failed(early.message), torn=torn)
         if not self._first_token_emitted or not self.keep_tokens:
-            return self._fail(_decode_failed(early.message), torn=torn)
+            return self._fail(ev.decode_failed(early.message), torn=torn)
         # no decode can pull prefill's KV before its lease ends: free it, and go on
         # from a new prefill, as one lost mid-stream does
         out: list[ev.Command] = []
@@ -542,42 +560,35 @@ class RequestMachine:
         return self._interrupted(event.failure, event.torn)
 
 
-def _no_prefill() -> ev.Failure:
-    return ev.Failure(Reason.SERVICE_UNAVAILABLE, "", explain_no_prefill=True)
-
-
-def _decode_failed(message: str) -> ev.Failure:
-    """A decode worker failed the request: 502 (what a non-streaming client sees)."""
-    return ev.Failure(Reason.DECODE_FAILED, f"decode failed: {message}")
-
-
+_DECODE_UNDER_WAY = frozenset({ev.Phase.DECODE_STARTING, ev.Phase.DECODING})
 _M = RequestMachine
-_ENTRIES: dict[tuple[Phase, type], Callable[..., list[ev.Command]]] = {
-    (Phase.NEW, ev.Arrived): _M._on_arrived,
-    (Phase.PREFILLING, ev.PrefillSent): _M._on_prefill_sent,
-    (Phase.PREFILLING, ev.PrefillUnavailable): _M._on_prefill_unavailable,
-    (Phase.PREFILLING, ev.PrefillNotSent): _M._on_prefill_not_sent,
-    (Phase.PREFILLING, ev.PrefillLost): _M._on_prefill_lost,
-    (Phase.PREFILLING, ev.PrefillFailed): _M._on_prefill_failed,
-    (Phase.PREFILLING, ev.Prefilled): _M._on_prefilled,
-    (Phase.PLACING_DECODE, ev.DecodeStartSent): _M._on_decode_start_sent,
-    (Phase.PLACING_DECODE, ev.DecodeUnavailable): _M._on_decode_unavailable,
-    (Phase.DECODE_SENDING, ev.DecodeStartQueued): _M._on_decode_start_queued,
-    (Phase.DECODE_SENDING, ev.DecodeNotSent): _M._on_decode_not_sent,
-    (Phase.DECODE_STARTING, ev.DecodeAccepted): _M._on_decode_accepted,
-    (Phase.DECODE_STARTING, ev.DecodeRejected): _M._on_decode_rejected,
-    (Phase.DECODE_STARTING, ev.DecodeFailed): _M._on_decode_failed_starting,
-    (Phase.DECODING, ev.DecodeTokens): _M._on_decode_tokens,
-    (Phase.DECODING, ev.DecodeFailed): _M._on_decode_failed,
-    (Phase.AWAITING_DECODE, ev.DecodeConnected): _M._on_decode_connected,
+_ENTRIES: dict[tuple[ev.Phase, type], Callable[..., list[ev.Command]]] = {
+    (ev.Phase.NEW, ev.Arrived): _M._on_arrived,
+    (ev.Phase.PREFILLING, ev.PrefillSent): _M._on_prefill_sent,
+    (ev.Phase.PREFILLING, ev.PrefillUnavailable): _M._on_prefill_unavailable,
+    (ev.Phase.PREFILLING, ev.PrefillNotSent): _M._on_prefill_not_sent,
+    (ev.Phase.PREFILLING, ev.PrefillLost): _M._on_prefill_lost,
+    (ev.Phase.PREFILLING, ev.PrefillFailed): _M._on_prefill_failed,
+    (ev.Phase.PREFILLING, ev.Prefilled): _M._on_prefilled,
+    (ev.Phase.PLACING_DECODE, ev.DecodeStartSent): _M._on_decode_start_sent,
+    (ev.Phase.PLACING_DECODE, ev.DecodeUnavailable): _M._on_decode_unavailable,
+    (ev.Phase.DECODE_SENDING, ev.DecodeStartQueued): _M._on_decode_start_queued,
+    (ev.Phase.DECODE_SENDING, ev.DecodeNotSent): _M._on_decode_not_sent,
+    (ev.Phase.DECODE_STARTING, ev.DecodeAccepted): _M._on_decode_accepted,
+    (ev.Phase.DECODE_STARTING, ev.DecodeRejected): _M._on_decode_rejected,
+    (ev.Phase.DECODE_STARTING, ev.DecodeFailed): _M._on_decode_failed_starting,
+    (ev.Phase.DECODING, ev.DecodeTokens): _M._on_decode_tokens,
+    (ev.Phase.DECODING, ev.DecodeFailed): _M._on_decode_failed,
+    (ev.Phase.AWAITING_RETRY, ev.DecodeConnected): _M._on_decode_connected_to_retry,
+    (ev.Phase.AWAITING_MIGRATION, ev.DecodeConnected): _M._on_decode_connected_to_migrate,
 }
 # a prefill running beside its decode (the bootstrap protocol) may fail while decode starts
-for _phase in (Phase.DECODE_STARTING, Phase.DECODING):
+for _phase in (ev.Phase.DECODE_STARTING, ev.Phase.DECODING):
     for _event in (ev.PrefillNotSent, ev.PrefillLost, ev.PrefillFailed):
         _ENTRIES[(_phase, _event)] = _M._on_prefill_failed_beside_decode
 # what may cut any request short, whatever it waits on
-for _phase in Phase:
-    if _phase in (Phase.NEW, Phase.DONE):
+for _phase in ev.Phase:
+    if _phase in (ev.Phase.NEW, ev.Phase.DONE):
         continue
     _ENTRIES[(_phase, ev.DeadlinePassed)] = _M._on_deadline
     _ENTRIES[(_phase, ev.ClientGone)] = _M._on_client_gone
@@ -585,7 +596,7 @@ for _phase in Phase:
     _ENTRIES[(_phase, ev.DrainCut)] = _M._on_drain_cut
     _ENTRIES[(_phase, ev.Failed)] = _M._on_failed
 
-_TABLE: Final[Mapping[tuple[Phase, type], Callable[..., list[ev.Command]]]] = MappingProxyType(
+_TABLE: Final[Mapping[tuple[ev.Phase, type], Callable[..., list[ev.Command]]]] = MappingProxyType(
     _ENTRIES
 )
 """The request path: (phase, event type) -> handler."""

@@ -63,7 +63,6 @@ from pdtrio.router.backend import (
 )
 from pdtrio.router.engines.pool import EngineInstance, EnginePool
 from pdtrio.router.engines.prefill import (
-    DECODE_PHASES,
     TRANSPORT_ERRORS,
     EnginePrefillLeg,
     PrefillFailure,
@@ -231,7 +230,7 @@ class EngineDecodeLeg:
             self._prefill.decoding = False
             self._prefill.release_unpulled()
         failed, self._prefill_failed = self._prefill_failed, None
-        if failed is not None and host.machine.phase in DECODE_PHASES:
+        if failed is not None and host.machine.decode_under_way:
             # (in another phase, decode's own failure was reported first: the machine
             # is already trying again)
             self._stop_counting()

@@ -62,8 +62,6 @@ log = logging.getLogger("pdtrio.router.engines")
 RELEASE_TIMEOUT_S = 30.0
 # what an engine's transport failures raise (httpx's, and the OS's under it)
 TRANSPORT_ERRORS = (httpx.HTTPError, OSError)
-# where a prefill running beside its decode may still fail the request
-DECODE_PHASES = frozenset({rm.Phase.DECODE_STARTING, rm.Phase.DECODING})
 # a leg's stream failed by the decode instance (the reason it is suspended for)
 DECODE_FAILED = "decode_failed"
 # what the machine hears of a prefill call that did not answer with KV

@@ -171,7 +171,7 @@ class RequestPipeline:
                                 self._watch.cancel()
                 finally:
                     self.decode.unreserve()
-                    if self.machine.phase is not rm.Phase.DONE:
+                    if not self.machine.done:
                         self._cut()
             await self._send_error()
         finally:
@@ -197,12 +197,12 @@ class RequestPipeline:
             log.error(
                 "request %s: its path ended in phase %s with nothing to wait on",
                 self.request_id,
-                self.machine.phase.name,
+                self.machine.phase_name,
             )
             event = rm.Failed(_STRANDED, torn=self._torn())
         now = self._now()
         self._feed(event, now)
-        if self.machine.phase is not rm.Phase.DONE:  # (cannot be: every cut ends it)
+        if not self.machine.done:  # (cannot be: every cut ends it)
             self._feed(rm.ClientGone(), now)
 
     def _torn(self) -> bool:
@@ -295,7 +295,7 @@ class RequestPipeline:
                     return wait  # (it fired as the wait ended) the next, under a new timer
         assert timer.cancelled_caught
         armed = self.machine.next_deadline()
-        if self.machine.phase is rm.Phase.DONE:
+        if self.machine.done:
             return None  # it ended as the timer fired: what it owed is done
         if armed is None or armed[0] > self._now():
             # a timer fired for a deadline that an event disarmed since, and cut a wait
@@ -303,7 +303,7 @@ class RequestPipeline:
             log.error(
                 "request %s: a wait in phase %s was cut by a deadline no longer armed",
                 self.request_id,
-                self.machine.phase.name,
+                self.machine.phase_name,
             )
             return await self._step(rm.Failed(_STRANDED, torn=self._torn()))
         return await self._step(rm.DeadlinePassed(armed[1], torn=self._torn()))

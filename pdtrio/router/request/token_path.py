@@ -16,7 +16,6 @@ from pdtrio.protocol import request as rm
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.link.wire import TokenLogprob
 from pdtrio.protocol.openai.tools import ToolCall
-from pdtrio.protocol.request.lifecycle import State
 from pdtrio.protocol.tokens.egress import send_deadline
 from pdtrio.router.backend import ChoiceRuns, DecodeRun, LegHost, ShellFailure, Wait
 
@@ -61,7 +60,7 @@ async def stream_tokens(
             final = delta.finish_reason is not None
             if final and delta.usage is None:
                 raise ShellFailure(NO_COUNTS)
-            if delta.num_tokens and machine.lifecycle.state is State.DECODE_CONFIRMING:
+            if delta.num_tokens and machine.decode_unconfirmed:
                 await host.report(rm.DecodeTokens())  # prefill may free the KV now
             logprobs = None
             if stream.logprobs is not None:
@@ -116,7 +115,7 @@ async def stream_choices(
                 finished = delta.finish_reason is not None
                 if finished and delta.usage is None:
                     raise ShellFailure(NO_COUNTS)
-                if delta.num_tokens and machine.lifecycle.state is State.DECODE_CONFIRMING:
+                if delta.num_tokens and machine.decode_unconfirmed:
                     await host.report(rm.DecodeTokens())  # prefill may free the KV now
                 logprobs = None
                 if run.logprobs is not None:
@@ -140,7 +139,7 @@ async def stream_choices(
                 if (
                     retry_alone is not None
                     and choice not in started
-                    and machine.lifecycle.state is State.DECODING
+                    and machine.decode_confirmed
                     and retry_alone(choice, failure)
                 ):
                     continue

@@ -3,8 +3,8 @@
 Its instances are the instance table's (``pdtrio.router.workers.instances``), found by
 the static list, etcd, or the embedded cluster it starts, and kept linked by the link
 supervisor (``pdtrio.router.workers.supervisor``).  A request's legs are
-:class:`~pdtrio.router.workers.legs.PrefillLeg` and
-:class:`~pdtrio.router.workers.legs.DecodeLeg`; prefill samples the first token.
+:class:`~pdtrio.router.workers.prefill.PrefillLeg` and
+:class:`~pdtrio.router.workers.decode.DecodeLeg`; prefill samples the first token.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from pdtrio.protocol.openai.answers import AnswerKind, AnyRequest
 from pdtrio.router.backend import DecodeSide, LegHost, MakeLegs, PrefillSide
 from pdtrio.router.request.capacity import CapacityQueue
 from pdtrio.router.workers.cluster import WorkerProcess, embedded_workers
+from pdtrio.router.workers.decode import DecodeLeg
 from pdtrio.router.workers.instances import Instance, InstanceTable
 from pdtrio.router.workers.kv_leases import LeaseClock
-from pdtrio.router.workers.legs import DecodeLeg, PrefillLeg
+from pdtrio.router.workers.prefill import PrefillLeg
 from pdtrio.router.workers.supervisor import LinkSupervisor
 
 if TYPE_CHECKING:
