@@ -1,16 +1,15 @@
 """The router's metrics and its access log: one place records each request's figures.
 
-A :class:`RequestFigures` rides along with each completion request (the
-pipeline fills it: prefill, queue, handoff, each delivered event); when the
-request ends :meth:`RouterMetrics.request_ended` counts it, observes its
-latencies and writes its one access line (``pdtrio.access``, INFO).
+A :class:`RequestFigures` rides along with each completion request (the pipeline fills
+it: prefill, queue, handoff, each delivered event); when the request ends
+:meth:`RouterMetrics.request_ended` counts it, observes its latencies and writes its
+one access line (``pdtrio.access``, INFO).
 
-Cost: per delivered event a clock read and a local bucket count (no
-``prometheus_client`` call); the inter-token gaps, tokens and the per-request
-figures go to Prometheus when ``/metrics`` is scraped (under multiprocess mode:
-when the request ends, and at most once a second while it streams).  What
-already lives in the router (instances, links, egress) is read at scrape time
-by :class:`RouterStateCollector`.
+Per delivered event: a clock read and a local bucket count (no ``prometheus_client``
+call); the inter-token gaps, tokens and the per-request figures go to Prometheus when
+``/metrics`` is scraped (under multiprocess mode: when the request ends, and at most
+once a second while it streams).  What already lives in the router (instances, links,
+egress) is read at scrape time by :class:`RouterStateCollector`.
 """
 
 from __future__ import annotations

@@ -239,25 +239,7 @@ def _sampling(
     obj: dict[str, Any], max_tokens_limit: int, *, allow_completion_alias: bool, logprobs: int
 ) -> tuple[SamplingParams, int | None]:
     """The sampling parameters and the client's max_tokens (None: not set)."""
-    max_tokens = _token_limit(obj, "max_tokens", max_tokens_limit)
-    limit_param = "max_tokens"
-    if allow_completion_alias:
-        newer = _token_limit(obj, "max_completion_tokens", max_tokens_limit)
-        if newer is not None:
-            max_tokens, limit_param = newer, "max_completion_tokens"
-    min_tokens = _opt_int(obj, "min_tokens") or 0
-    if min_tokens < 0:
-        raise bad_request(
-            f"Invalid value for 'min_tokens': {min_tokens} is less than 0.", param="min_tokens"
-        )
-    upper = max_tokens if max_tokens is not None else max_tokens_limit
-    if min_tokens > upper:
-        raise bad_request(
-            f"Invalid value for 'min_tokens': {min_tokens} is greater than "
-            f"'{limit_param}' ({upper}).",
-            param="min_tokens",
-        )
-
+    max_tokens, min_tokens = _token_bounds(obj, max_tokens_limit, allow_completion_alias)
     temperature = _opt_number(obj, "temperature")
     if temperature is None:
         temperature = 1.0
@@ -289,21 +271,7 @@ def _sampling(
         )
 
     penalties = {key: _penalty(obj, key) for key in ("presence_penalty", "frequency_penalty")}
-    repetition_penalty = _opt_number(obj, "repetition_penalty")
-    if repetition_penalty is None:
-        repetition_penalty = 1.0
-    elif not repetition_penalty > 0.0:  # vLLM's bound (OpenAI has no such field)
-        raise bad_request(
-            f"Invalid value for 'repetition_penalty': {repetition_penalty} must be greater than 0.",
-            param="repetition_penalty",
-        )
-    min_p = _opt_number(obj, "min_p")
-    if min_p is None:
-        min_p = 0.0
-    elif not 0.0 <= min_p <= 1.0:
-        raise bad_request(
-            f"Invalid value for 'min_p': {min_p} is not between 0 and 1.", param="min_p"
-        )
+    repetition_penalty, min_p = _repetition_penalty_and_min_p(obj)
 
     sampling = SamplingParams(
         temperature=temperature,
@@ -323,6 +291,50 @@ def _sampling(
         structured=structured_output(obj),
     )
     return sampling, max_tokens
+
+
+def _token_bounds(
+    obj: dict[str, Any], max_tokens_limit: int, allow_completion_alias: bool
+) -> tuple[int | None, int]:
+    """The client's max_tokens (None: not set) and min_tokens, checked against each other."""
+    max_tokens = _token_limit(obj, "max_tokens", max_tokens_limit)
+    limit_param = "max_tokens"
+    if allow_completion_alias:
+        newer = _token_limit(obj, "max_completion_tokens", max_tokens_limit)
+        if newer is not None:
+            max_tokens, limit_param = newer, "max_completion_tokens"
+    min_tokens = _opt_int(obj, "min_tokens") or 0
+    if min_tokens < 0:
+        raise bad_request(
+            f"Invalid value for 'min_tokens': {min_tokens} is less than 0.", param="min_tokens"
+        )
+    upper = max_tokens if max_tokens is not None else max_tokens_limit
+    if min_tokens > upper:
+        raise bad_request(
+            f"Invalid value for 'min_tokens': {min_tokens} is greater than "
+            f"'{limit_param}' ({upper}).",
+            param="min_tokens",
+        )
+    return max_tokens, min_tokens
+
+
+def _repetition_penalty_and_min_p(obj: dict[str, Any]) -> tuple[float, float]:
+    repetition_penalty = _opt_number(obj, "repetition_penalty")
+    if repetition_penalty is None:
+        repetition_penalty = 1.0
+    elif not repetition_penalty > 0.0:  # vLLM's bound (OpenAI has no such field)
+        raise bad_request(
+            f"Invalid value for 'repetition_penalty': {repetition_penalty} must be greater than 0.",
+            param="repetition_penalty",
+        )
+    min_p = _opt_number(obj, "min_p")
+    if min_p is None:
+        min_p = 0.0
+    elif not 0.0 <= min_p <= 1.0:
+        raise bad_request(
+            f"Invalid value for 'min_p': {min_p} is not between 0 and 1.", param="min_p"
+        )
+    return repetition_penalty, min_p
 
 
 def _penalty(obj: dict[str, Any], key: str) -> float:

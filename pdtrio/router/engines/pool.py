@@ -36,6 +36,7 @@ from pdtrio.protocol.link.wire import Prompt
 from pdtrio.protocol.openai import listed_models
 from pdtrio.protocol.placement.approx_prefix import ApproxPrefixIndex, approx_prompt_keys
 from pdtrio.protocol.placement.scheduling import Candidate, Scheduler
+from pdtrio.router.suspension import reinstate, suspend
 from pdtrio.security import ENGINE_API_KEY_ENV, resolve_secret
 
 if TYPE_CHECKING:
@@ -45,7 +46,6 @@ log = logging.getLogger("pdtrio.router.engines")
 
 # how often each engine's /health and /metrics are read (the load signal's age)
 _SCRAPE_INTERVAL_S = 1.0
-_MAX_BACKOFF_S = 30.0
 _KV_SCALE = 1000  # KV usage as "free blocks" for the scheduler: thousandths left
 
 
@@ -255,12 +255,7 @@ class EnginePool:
 
     def failed(self, instance: EngineInstance, why: str) -> None:
         """It failed a leg (a 5xx, unreachable, a broken stream): out of rotation a while."""
-        instance.failures_in_a_row += 1
-        backoff = min(
-            self.config.router.instance_backoff_s * 2 ** (instance.failures_in_a_row - 1),
-            _MAX_BACKOFF_S,
-        )
-        instance.suspended_until = trio.current_time() + backoff
+        backoff = suspend(instance, trio.current_time(), self.config.router.instance_backoff_s)
         instance.last_error = why
         # (it may be restarting: whatever it had cached may be gone)
         self.prefixes.forget(instance.instance_id)
@@ -274,9 +269,7 @@ class EnginePool:
 
     @staticmethod
     def served(instance: EngineInstance) -> None:
-        if instance.failures_in_a_row:
-            instance.failures_in_a_row = 0
-            instance.suspended_until = 0.0
+        reinstate(instance)
 
     def all_of(self, role: str, model: str) -> Iterator[EngineInstance]:
         for instance in self.instances.values():

@@ -23,7 +23,7 @@ from pdtrio.protocol.link.wire import DecodeRejected, TokenLogprob, Usage
 from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.tokens.stream_buffer import PushResult, StreamBuffer
 from pdtrio.router.engines.pool import EngineInstance
-from pdtrio.router.request.token_path import CUT_OFF_MESSAGE
+from pdtrio.router.request.token_path import CUT_OFF_MESSAGE, wait_any_update
 
 if TYPE_CHECKING:
     from pdtrio.router.request.hold_timer import HoldTimer
@@ -58,12 +58,12 @@ class EngineStream:
         # the calls the engine read out of its answer, pushed and not yet delivered
         self.tool_calls: list[ToolCall] | None = []
         self.holding = False
-        self._updated = False
+        self.updated = False
         self._lot = trio.lowlevel.ParkingLot()  # (shared by a request's choices)
         self._taken = trio.Event()  # the consumer came back for more
 
     def _notify(self) -> None:
-        self._updated = True
+        self.updated = True
         self._lot.unpark_all()
 
     def fail(self, failure: str, *, blame: bool = True) -> None:
@@ -107,11 +107,11 @@ class EngineStream:
 
     async def wait_update(self) -> None:
         self._taken.set()
-        if self._updated:
+        if self.updated:
             await trio.lowlevel.checkpoint()
         else:
             await self._lot.park()
-        self._updated = False
+        self.updated = False
 
     async def hold_until(self, deadline: float, timer: HoldTimer) -> None:
         """Until ``deadline`` (a cancel scope's: the router's hold timer is the worker
@@ -141,12 +141,7 @@ class EngineChoices:
         streams = self.choices.values()
         for stream in streams:
             stream._taken.set()  # the consumer came back for more: every reader goes on
-        if any(stream._updated for stream in streams):
-            await trio.lowlevel.checkpoint()
-        else:
-            await self._lot.park()
-        for stream in streams:
-            stream._updated = False
+        await wait_any_update(streams, self._lot)
 
 
 @final

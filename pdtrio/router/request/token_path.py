@@ -10,7 +10,10 @@ one :class:`HoldTimer` ends.  The machine hears of the first batch and of the en
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Protocol
+
+import trio
 
 from pdtrio.protocol import request as rm
 from pdtrio.protocol.errors import Reason
@@ -172,3 +175,21 @@ def _logprobs_of(pending: list[TokenLogprob], num_tokens: int, host: LegHost) ->
             num_tokens,
         )
     return taken
+
+
+class Updated(Protocol):
+    """A stream its reader marks when something new arrived."""
+
+    updated: bool
+
+
+async def wait_any_update(streams: Iterable[Updated], lot: trio.lowlevel.ParkingLot) -> None:
+    """Until any of ``streams`` (a request's choices, sharing ``lot``) got something new;
+    marks them all seen."""
+    streams = tuple(streams)
+    if any(stream.updated for stream in streams):
+        await trio.lowlevel.checkpoint()
+    else:
+        await lot.park()
+    for stream in streams:
+        stream.updated = False

@@ -28,12 +28,11 @@ from pdtrio.protocol.placement.prefix_index import (
     layout_block_hashes,
 )
 from pdtrio.protocol.placement.scheduling import Candidate, Scheduler, SchedulingPolicy
+from pdtrio.router.suspension import reinstate, suspend
 from pdtrio.router.workers.link import WorkerLink
 
 log = logging.getLogger("pdtrio.router")
 
-# the longest an instance failing with 5xx stays out of rotation before it is tried again
-MAX_INSTANCE_BACKOFF_S = 30.0
 
 Connection = tuple[WorkerLink, int]
 """A decode link and which of its connections (``WorkerLink.connects``) a request was on."""
@@ -464,11 +463,7 @@ class InstanceTable(Mapping[str, Instance]):
     def instance_failed(self, instance: Instance, now: float) -> None:
         """It failed a request (a prefill 5xx, a decode failing a stream): out of rotation
         for a while (doubling, capped); the next request after that probes it."""
-        instance.failures_in_a_row += 1
-        backoff = min(
-            self._backoff_s * 2 ** (instance.failures_in_a_row - 1), MAX_INSTANCE_BACKOFF_S
-        )
-        instance.suspended_until = now + backoff
+        backoff = suspend(instance, now, self._backoff_s)
         log.warning(
             "instance %s failed %d request(s) in a row: out of rotation for %gs",
             instance.instance_id,
@@ -479,9 +474,7 @@ class InstanceTable(Mapping[str, Instance]):
     @staticmethod
     def instance_served(instance: Instance) -> None:
         """It served a request: back in full rotation."""
-        if instance.failures_in_a_row:
-            instance.failures_in_a_row = 0
-            instance.suspended_until = 0.0
+        reinstate(instance)
 
     # --- what is wrong, in words ----------------------------------------------------
 

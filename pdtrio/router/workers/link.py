@@ -98,7 +98,7 @@ from pdtrio.protocol.placement.prefix_index import CachedBlocks
 from pdtrio.protocol.tokens.stream_buffer import PushResult, StreamBuffer
 from pdtrio.router.backend import BackendLost, BackendUnreachable
 from pdtrio.router.request.hold_timer import HoldTimer
-from pdtrio.router.request.token_path import CUT_OFF_MESSAGE
+from pdtrio.router.request.token_path import CUT_OFF_MESSAGE, wait_any_update
 from pdtrio.router.workers.kv_leases import LeaseClock
 from pdtrio.router.workers.ws_client import (
     ConnectionClosed,
@@ -183,7 +183,7 @@ class DecodeStream:
         "holding",
         "choices",
         "_holds",
-        "_updated",
+        "updated",
         "_lot",
     )
 
@@ -210,33 +210,27 @@ class DecodeStream:
         # one); they share this one's waiter, and are the link's from decode's accept
         self.choices: dict[int, DecodeStream] | None = None
         self._holds = 0  # holds so far: tells the timer's stale wake-ups from the current one
-        self._updated = False
+        self.updated = False
         self._lot = trio.lowlevel.ParkingLot()
 
     def notify(self) -> None:
         """Something new arrived: wake the waiter (never blocks)."""
-        self._updated = True
+        self.updated = True
         if self._lot:
             self._lot.unpark_all()
 
     async def wait_update(self) -> None:
         """Wait until something new arrived (tokens, an answer, a failure) since the last wait."""
-        if self._updated:
+        if self.updated:
             await trio.lowlevel.checkpoint()
         else:
             await self._lot.park()
-        self._updated = False
+        self.updated = False
 
     async def wait_choices_update(self) -> None:
         """:meth:`wait_update` for every choice's stream (n > 1): until any got something."""
         assert self.choices is not None
-        streams = (self, *self.choices.values())
-        if any(stream._updated for stream in streams):
-            await trio.lowlevel.checkpoint()
-        else:
-            await self._lot.park()
-        for stream in streams:
-            stream._updated = False
+        await wait_any_update((self, *self.choices.values()), self._lot)
 
     def add_choice(self, choice: int, stream: DecodeStream) -> None:
         """Make ``stream`` choice ``choice``'s, woken as this one's waiter."""
@@ -251,7 +245,7 @@ class DecodeStream:
         holding stream, so spacing its sends also spares the wake-ups.
         """
         self.holding = True
-        self._updated = False
+        self.updated = False
         self._holds += 1
         timer.add(deadline, self, self._holds)
         try:
@@ -655,7 +649,7 @@ class WorkerLink:
             elif finish_reason is not None:
                 del streams[entry.request_id]  # finished on decode: nothing to abort
                 self._on_quieter()
-            if not stream._updated and (finish_reason is not None or not stream.holding):
+            if not stream.updated and (finish_reason is not None or not stream.holding):
                 stream.notify()
 
     def _end(self, stream: DecodeStream, failure: str, reason: str, *, abort: bool) -> None:
