@@ -1,36 +1,36 @@
 """One request on the router as a sans-IO state machine: ``handle(event, now) -> commands``.
 
-In the spirit of h11's ``_state.py``: the router's shell does the I/O (prefill
-calls, decode starts, writes to the client, timers) and reports what happened
-as an event; the machine answers with what to do next as commands.  The
-machine holds every decision of the request path: admission, prefill attempts
-and retries, decode placement and its retries before the first token, the
-migration of a request whose decode was lost, which deadline applies, what
-cleanup owes (:class:`~pdtrio.protocol.request.lifecycle.RequestLifecycle`, kept
-as the KV-ownership table underneath), and how the client's response ends.
+In the spirit of h11's ``_state.py``: the router's shell does the I/O (prefill calls,
+decode starts, writes to the client, timers) and reports what happened as an event;
+the machine answers with what to do next as commands.  The machine holds every
+decision of the request path: admission, prefill attempts and retries, decode
+placement and its retries before the first token, the migration of a request whose
+decode was lost, which deadline applies, what cleanup owes
+(:class:`~pdtrio.protocol.request.lifecycle.RequestLifecycle`, the KV-ownership table
+underneath), and how the client's response ends.  The shell and the legs ask it
+questions (``done``, ``decode_unconfirmed``, ...), never its phase or lifecycle.
 
-The whole rule is :data:`_TABLE`: (phase, event type) -> handler.  An event the
-table does not list for the current phase is a bug in the shell
-(:class:`ev.MachineError`); once the request has ended, every event is answered
-with no command (a stale timer, a late answer), so nothing follows the end.
+The whole rule is :data:`_TABLE`: (phase, event type) -> handler; every state the
+request can be in is a phase of it (``events.Phase``).  An event the table does not
+list for the current phase is a bug in the shell (``events.MachineError``); once the
+request has ended, every event is answered with no command (a stale timer, a late
+answer), so nothing follows the end.
 
-Commands are backend-neutral: they name instances, never links or sockets.
-Two kinds of backend: one whose prefill samples the first token (pdtrio's
-workers: the client gets it as soon as the decode start is out, and a decode
-that fails before its own first token is replaced while prefill holds the
-KV), and one whose decode generates every token from the request again
-(``first_token_from_prefill=False``: vLLM's KV connector, SGLang's bootstrap
-protocol): the response starts with decode's first batch, and a decode that
-fails before it sends the request again from a new prefill, prefill's KV
-freed (it is not known to be pullable twice).  SGLang's prefill runs beside
-its decode: its failure may be reported while decode starts.
+Commands are backend-neutral: they name instances, never links or sockets. Two kinds of
+backend: one whose prefill samples the first token (pdtrio's workers: the client gets it
+as soon as the decode start is out, and a decode that fails before its own first token
+is replaced while prefill holds the KV), and one whose decode generates every token from
+the request again (``first_token_from_prefill=False``: vLLM's KV connector, SGLang's
+bootstrap protocol): the response starts with decode's first batch, and a decode that
+fails before it sends the request again from a new prefill, prefill's KV freed (it is
+not known to be pullable twice). SGLang's prefill runs beside its decode: its failure
+may be reported while decode starts.
 
-Deadlines are explicit: :class:`WaitUntil` arms one, :class:`DeadlinePassed`
-reports it; :meth:`RequestMachine.next_deadline` is the earliest armed, and
-:attr:`RequestMachine.earliest_deadline_at` its time, which is all the shell's
-timer needs.  Tokens streaming from decode do not pass
-through here one by one: the shell reports the first batch from decode (prefill
-may then free the KV) and the last.
+Deadlines are explicit: ``WaitUntil`` arms one, ``DeadlinePassed`` reports it;
+:meth:`RequestMachine.next_deadline` is the earliest armed, and
+:attr:`RequestMachine.earliest_deadline_at` its time, all the shell's timer needs.
+Tokens from decode do not pass through here one by one: the shell reports the first
+batch (prefill may then free the KV) and the last.
 
 Pure (sans-IO): no I/O, no clock read (``now`` comes with each event).
 """
@@ -73,13 +73,8 @@ class RequestMachine:
         self.phase = ev.Phase.NEW
         self.lifecycle = RequestLifecycle()  # what cleanup owes (KV on prefill, decode's run)
         self._armed: dict[ev.Deadline, float] = {}
-        # the earliest of them, kept until they change (the shell asks before every wait
-        # and after every event)
+        # the earliest of them (None: none armed), kept as they change
         self._earliest: tuple[float, ev.Deadline] | None = None
-        self._armed_changed = False
-        # the earliest armed deadline's time (inf: none), kept as they change: what the
-        # shell's timer follows, read after every event without a call
-        self.earliest_deadline_at = math.inf
         self.prefill_instance: str | None = None
         self.decode_instance: str | None = None
         self._decode_connection: Hashable = None
@@ -115,15 +110,13 @@ class RequestMachine:
 
     def next_deadline(self) -> tuple[float, ev.Deadline] | None:
         """The earliest armed deadline: the shell's timer for whatever it awaits."""
-        if self._armed_changed:
-            self._armed_changed = False
-            armed = self._armed
-            if armed:
-                deadline = min(armed, key=armed.__getitem__)
-                self._earliest = armed[deadline], deadline
-            else:
-                self._earliest = None
         return self._earliest
+
+    @property
+    def earliest_deadline_at(self) -> float:
+        """When the earliest armed deadline passes (inf: none is armed)."""
+        earliest = self._earliest
+        return math.inf if earliest is None else earliest[0]
 
     @property
     def headers_sent(self) -> bool:
@@ -161,17 +154,21 @@ class RequestMachine:
     # --- helpers ----------------------------------------------------------------
 
     def _arm(self, deadline: ev.Deadline, at: float, out: list[ev.Command]) -> None:
-        armed = self._armed
-        armed[deadline] = at
-        self._armed_changed = True
-        self.earliest_deadline_at = min(armed.values())
+        self._armed[deadline] = at
+        self._armed_changed()
         out.append(ev.WaitUntil(deadline, at))
 
     def _disarm(self, deadline: ev.Deadline) -> None:
+        if self._armed.pop(deadline, None) is not None:
+            self._armed_changed()
+
+    def _armed_changed(self) -> None:
         armed = self._armed
-        if armed.pop(deadline, None) is not None:
-            self._armed_changed = True
-            self.earliest_deadline_at = min(armed.values(), default=math.inf)
+        if armed:
+            deadline = min(armed, key=armed.__getitem__)
+            self._earliest = armed[deadline], deadline
+        else:
+            self._earliest = None
 
     def _cleanup(self, out: list[ev.Command]) -> None:
         owed = self.lifecycle.owed()
@@ -185,8 +182,7 @@ class RequestMachine:
         self, out: list[ev.Command], ending: ev.Ending, failure: ev.AnyFailure | None = None
     ) -> None:
         self._armed.clear()
-        self._armed_changed = True
-        self.earliest_deadline_at = math.inf
+        self._earliest = None
         self.phase = ev.Phase.DONE
         end = self.ended = ev.End(ending, failure)
         out.append(end)
