@@ -20,6 +20,7 @@ from pdtrio.protocol.openai.responses import ResponsesRequest, engine_chat_body
 from pdtrio.router.backend import MakeLegs
 from pdtrio.router.engines.legs import EngineLegs
 from pdtrio.router.engines.pool import EnginePool
+from pdtrio.router.engines.prefill import EnginePrefillLeg, SglangPrefillLeg, VllmPrefillLeg
 
 
 @final
@@ -27,6 +28,10 @@ class EngineBackend:
     def __init__(self, pool: EnginePool, discovery: DiscoveryState) -> None:
         self.pool = pool
         self._discovery = discovery
+        # the protocol's own prefill stage, chosen once (P and D of one kind only pair)
+        self._prefill_stage: type[EnginePrefillLeg] = (
+            SglangPrefillLeg if pool.kind == "sglang" else VllmPrefillLeg
+        )
 
     @property
     def models(self) -> list[str]:
@@ -54,7 +59,7 @@ class EngineBackend:
         engine_kind: Literal["chat", "completion"] = (
             "completion" if kind == "completion" else "chat"
         )
-        return EngineLegs(self.pool, engine_body, engine_kind)
+        return EngineLegs(self.pool, engine_body, engine_kind, self._prefill_stage)
 
     async def start(self, nursery: trio.Nursery, etcd: Registry | None) -> None:
         await nursery.start(self.pool.run)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import AsyncGenerator, Mapping
 from typing import TYPE_CHECKING, Any, Literal, cast, final
@@ -43,12 +42,10 @@ import httpx
 import trio
 
 from pdtrio.protocol import request as rm
-from pdtrio.protocol.engines.sglang import ROOM_BITS, bootstrap_body, prefill_leg_body
 from pdtrio.protocol.engines.vllm import (
     PATHS,
     EngineAnswerError,
     EngineToolCalls,
-    decode_body,
     parse_decode_event,
 )
 from pdtrio.protocol.errors import Reason, is_clients_fault
@@ -98,13 +95,15 @@ class EngineLegs:
         pool: EnginePool,
         client_body: Mapping[str, Any],
         kind: Literal["chat", "completion"],
+        prefill_stage: type[EnginePrefillLeg],
     ) -> None:
         self.pool = pool
         self.client_body = client_body
         self.kind = kind
+        self._prefill_stage = prefill_stage  # vLLM's or SGLang's, as the backend chose
 
     def __call__(self, host: LegHost) -> tuple[PrefillSide, DecodeSide, bool]:
-        prefill = EnginePrefillLeg(host, self)
+        prefill = self._prefill_stage(host, self)
         return prefill, EngineDecodeLeg(host, self, prefill), False
 
 
@@ -179,27 +178,11 @@ class EngineDecodeLeg:
         decode = self.instance
         assert decode is not None
         legs = []
-        for choice, client_body in enumerate(prefill.choice_bodies):
+        for choice in range(len(prefill.choice_bodies)):
             stream = EngineStream(max_pending, with_logprobs=with_logprobs)
-            request_id = prefill.choice_request_id(choice)
-            if prefill.bootstraps is not None:  # SGLang: its room, on both legs
-                room_body = prefill.bootstraps[choice]
-                legs.append(
-                    ChoiceLeg(
-                        choice,
-                        decode_body(room_body, None),
-                        stream,
-                        decode,
-                        request_id,
-                        prefill_leg_body(room_body),
-                        prefill.instance,
-                    )
-                )
-            else:  # vLLM: each choice's leg pulls its own prefill's KV
-                params = prefill.unpulled[choice]
-                legs.append(
-                    ChoiceLeg(choice, decode_body(client_body, params), stream, decode, request_id)
-                )
+            legs.append(
+                prefill.choice_leg(choice, stream, decode, prefill.choice_request_id(choice))
+            )
         return legs
 
     async def run(self, wait: RunDecode) -> Wait | None:
@@ -346,7 +329,6 @@ class EngineDecodeLeg:
             )
             return
         request_id = prefill.rerun_request_id(choice)
-        client_body = prefill.choice_bodies[choice]
         while True:
             instance = None
             if retry.may_prefill():
@@ -359,21 +341,11 @@ class EngineDecodeLeg:
                 return
             retry.prefill_sent(instance.instance_id)
             host.router.metrics.retries.labels("prefill").inc()
-            if pool.kind == "sglang":
-                room_body = bootstrap_body(
-                    client_body,
-                    httpx.URL(instance.url).host,
-                    instance.config.bootstrap_port,
-                    secrets.randbits(ROOM_BITS),
-                )
-                body = decode_body(room_body, None)
-                prefill_call: dict[str, Any] | None = prefill_leg_body(room_body)
+            bodies = await prefill.rerun_bodies(instance, choice)
+            if isinstance(bodies, tuple):
+                body, prefill_call = bodies
                 break
-            prefill_failed = await prefill.prefill_choice(instance, choice)
-            if prefill_failed is None:
-                body = decode_body(client_body, prefill.unpulled[choice])
-                prefill_call = None
-                break
+            prefill_failed = bodies
             if isinstance(prefill_failed, rm.PrefillFailed) and is_clients_fault(
                 prefill_failed.failure.status
             ):

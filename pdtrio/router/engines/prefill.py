@@ -1,5 +1,7 @@
-"""An engine request's prefill leg: vLLM's call, or SGLang's room (its call goes out
-beside decode's); an engine's error answers read into the failures the machine knows.
+"""An engine request's prefill leg: one base, and each protocol's stage as a thin subclass
+(:class:`VllmPrefillLeg`: the call; :class:`SglangPrefillLeg`: the room, its call going
+out beside decode's), chosen once with the backend; an engine's error answers read into
+the failures the machine knows.
 
 vLLM (the KV connector protocol, ``pdtrio.protocol.engines.vllm``): prefill's leg
 is a one-token, unstreamed request keeping the KV for a remote decode; its
@@ -41,6 +43,7 @@ from pdtrio.protocol.engines.vllm import (
     EngineAnswerError,
     PrefillAnswer,
     choice_body,
+    decode_body,
     parse_prefill_answer,
     prefill_body,
     release_body,
@@ -52,6 +55,7 @@ from pdtrio.router.backend import (
     Wait,
 )
 from pdtrio.router.engines.pool import EngineInstance, EnginePool
+from pdtrio.router.engines.stream import ChoiceLeg, EngineStream
 
 if TYPE_CHECKING:
     pass
@@ -92,7 +96,6 @@ def answer_failure(
     return rm.WorkerFailure(status, "server_error", f"{leg} answered {status}: {message}")
 
 
-@final
 class EnginePrefillLeg:
     """The request's prefill leg on an engine: vLLM's call, or SGLang's room (its call
     goes out beside decode's, in :meth:`call_beside`)."""
@@ -148,46 +151,7 @@ class EnginePrefillLeg:
             host.router.metrics.retries.labels("prefill").inc()
         self.instance = instance
         await host.report(rm.PrefillSent(instance.instance_id))
-        if pool.kind == "sglang":
-            # a room per choice: each choice is a transfer of its own
-            self.bootstraps = [
-                bootstrap_body(
-                    body,
-                    httpx.URL(instance.url).host,
-                    instance.config.bootstrap_port,
-                    secrets.randbits(ROOM_BITS),
-                )
-                for body in self.choice_bodies
-            ]
-            # its calls go out with decode's (SGLang's prefill answers once decode fetched)
-            return await host.report(rm.Prefilled(None))
-        started = time.perf_counter()
-        choices = len(self.choice_bodies)
-        self.answers = [None] * choices
-        self.unpulled = [None] * choices
-        # each choice's prefill at once (a PD flow per choice: ``vllm_pd.choice_body``)
-        failures: list[PrefillFailure | None] = [None] * choices
-
-        async def prefill_choice(choice: int) -> None:
-            failures[choice] = await self.prefill_choice(instance, choice)
-
-        async with trio.open_nursery() as calls:
-            for choice in range(choices):
-                calls.start_soon(prefill_choice, choice)
-        failed = [failure for failure in failures if failure is not None]
-        if failed:
-            self.release()  # the choices it did prefill: no decode pulls them now
-            return await host.report(min(failed, key=prefill_failure_rank))
-        answer = self.answers[0]
-        assert answer is not None
-        pool.served(instance)
-        pool.served_prefix(instance, self.prefix_keys)
-        host.figures.prefill_s = time.perf_counter() - started
-        host.figures.prompt_tokens = answer.prompt_tokens
-        if host.shaper is not None:
-            host.shaper.set_prompt_usage(answer.prompt_tokens, answer.cached_tokens)
-        # (no lease known: vLLM's own timer frees what no decode pulls)
-        return await host.report(rm.Prefilled(None))
+        return await self._prefill(instance)
 
     def choice_request_id(self, choice: int) -> str:
         """What the engines know choice ``choice``'s legs by (choice 0: the request's own
@@ -363,6 +327,117 @@ class EnginePrefillLeg:
 
     def drop_lease(self) -> None:
         """Nothing of the router's is held for an engine's KV (no link to keep up)."""
+
+    async def _prefill(self, instance: EngineInstance) -> Wait | None:
+        """The engine's own prefill stage on ``instance`` (each protocol's subclass)."""
+        raise NotImplementedError
+
+    def choice_leg(
+        self, choice: int, stream: EngineStream, decode: EngineInstance, request_id: str
+    ) -> ChoiceLeg:
+        """Choice ``choice``'s leg on ``decode`` after this prefill stage (each protocol's)."""
+        raise NotImplementedError
+
+    async def rerun_bodies(
+        self, instance: EngineInstance, choice: int
+    ) -> tuple[dict[str, Any], dict[str, Any] | None] | PrefillFailure:
+        """Choice ``choice`` started again alone on prefill ``instance``: its decode leg's
+        body and (a prefill running beside decode) its prefill call's, or why the
+        prefill failed (each protocol's)."""
+        raise NotImplementedError
+
+
+@final
+class VllmPrefillLeg(EnginePrefillLeg):
+    """vLLM's KV connector: each choice's prefill call first; decode pulls its KV."""
+
+    async def _prefill(self, instance: EngineInstance) -> Wait | None:
+        host = self._host
+        pool = self._pool
+        started = time.perf_counter()
+        choices = len(self.choice_bodies)
+        self.answers = [None] * choices
+        self.unpulled = [None] * choices
+        # each choice's prefill at once (a PD flow per choice: ``vllm_pd.choice_body``)
+        failures: list[PrefillFailure | None] = [None] * choices
+
+        async def prefill_choice(choice: int) -> None:
+            failures[choice] = await self.prefill_choice(instance, choice)
+
+        async with trio.open_nursery() as calls:
+            for choice in range(choices):
+                calls.start_soon(prefill_choice, choice)
+        failed = [failure for failure in failures if failure is not None]
+        if failed:
+            self.release()  # the choices it did prefill: no decode pulls them now
+            return await host.report(min(failed, key=prefill_failure_rank))
+        answer = self.answers[0]
+        assert answer is not None
+        pool.served(instance)
+        pool.served_prefix(instance, self.prefix_keys)
+        host.figures.prefill_s = time.perf_counter() - started
+        host.figures.prompt_tokens = answer.prompt_tokens
+        if host.shaper is not None:
+            host.shaper.set_prompt_usage(answer.prompt_tokens, answer.cached_tokens)
+        # (no lease known: vLLM's own timer frees what no decode pulls)
+        return await host.report(rm.Prefilled(None))
+
+    def choice_leg(
+        self, choice: int, stream: EngineStream, decode: EngineInstance, request_id: str
+    ) -> ChoiceLeg:
+        # each choice's leg pulls its own prefill's KV
+        body = decode_body(self.choice_bodies[choice], self.unpulled[choice])
+        return ChoiceLeg(choice, body, stream, decode, request_id)
+
+    async def rerun_bodies(
+        self, instance: EngineInstance, choice: int
+    ) -> tuple[dict[str, Any], dict[str, Any] | None] | PrefillFailure:
+        failed = await self.prefill_choice(instance, choice)
+        if failed is not None:
+            return failed
+        return decode_body(self.choice_bodies[choice], self.unpulled[choice]), None
+
+
+@final
+class SglangPrefillLeg(EnginePrefillLeg):
+    """SGLang's bootstrap: a room per choice; the prefill call goes out beside decode's."""
+
+    async def _prefill(self, instance: EngineInstance) -> Wait | None:
+        # a room per choice: each choice is a transfer of its own
+        self.bootstraps = [_room(body, instance) for body in self.choice_bodies]
+        # its calls go out with decode's (SGLang's prefill answers once decode fetched)
+        return await self._host.report(rm.Prefilled(None))
+
+    def choice_leg(
+        self, choice: int, stream: EngineStream, decode: EngineInstance, request_id: str
+    ) -> ChoiceLeg:
+        assert self.bootstraps is not None
+        room_body = self.bootstraps[choice]  # its room, on both legs
+        return ChoiceLeg(
+            choice,
+            decode_body(room_body, None),
+            stream,
+            decode,
+            request_id,
+            prefill_leg_body(room_body),
+            self.instance,
+        )
+
+    async def rerun_bodies(
+        self, instance: EngineInstance, choice: int
+    ) -> tuple[dict[str, Any], dict[str, Any] | None] | PrefillFailure:
+        room_body = _room(self.choice_bodies[choice], instance)
+        return decode_body(room_body, None), prefill_leg_body(room_body)
+
+
+def _room(body: Mapping[str, Any], instance: EngineInstance) -> dict[str, Any]:
+    """``body`` with a new bootstrap room on SGLang prefill ``instance``."""
+    return bootstrap_body(
+        body,
+        httpx.URL(instance.url).host,
+        instance.config.bootstrap_port,
+        secrets.randbits(ROOM_BITS),
+    )
 
 
 def _engine_message(content: bytes) -> str:
