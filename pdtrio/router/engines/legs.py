@@ -42,11 +42,9 @@ import httpx
 import trio
 
 from pdtrio.protocol import request as rm
+from pdtrio.protocol.engines.decode_events import DecodeEventReader
 from pdtrio.protocol.engines.vllm import (
     PATHS,
-    EngineAnswerError,
-    EngineToolCalls,
-    parse_decode_event,
 )
 from pdtrio.protocol.errors import Reason, is_clients_fault
 from pdtrio.protocol.link.wire import Usage
@@ -70,7 +68,6 @@ from pdtrio.router.engines.prefill import (
 from pdtrio.router.engines.stream import (
     DECODE_FAILED,
     ChoiceLeg,
-    Ending,
     EngineChoices,
     EngineStream,
     LegAnswers,
@@ -434,86 +431,35 @@ class EngineDecodeLeg:
         Read to the end, past ``[DONE]`` or a failure: the response's byte iterators are
         then exhausted, not left to the garbage collector.
         """
-        kind = self._legs.kind
         stream = leg.stream
-        with_logprobs = stream.logprobs is not None
-        tool_calls = EngineToolCalls()
-        seen = 0
-        ending: Ending | None = None
-        final_usage: Usage | None = None
-        failure: str | None = None
-        done = False
+        reader = DecodeEventReader(self._legs.kind, with_logprobs=stream.logprobs is not None)
         lines_of = cast(AsyncGenerator[str, None], response.aiter_lines())
         try:
             async with contextlib.aclosing(lines_of) as lines:
                 async for line in lines:
-                    if done or failure is not None or not line.startswith("data:"):
-                        continue
-                    try:
-                        chunk = parse_decode_event(
-                            line[5:].strip(), kind, with_logprobs=with_logprobs
-                        )
-                        whole = (
-                            tool_calls.feed(chunk.tool_calls)
-                            if chunk is not None and chunk.tool_calls and ending is None
-                            else []
-                        )
-                    except EngineAnswerError as exc:
-                        failure = f"decode's stream: {exc}"
-                        continue
-                    if chunk is None:  # [DONE]
-                        done = True
-                        continue
-                    if chunk.error is not None:
-                        failure = f"decode failed the request: {chunk.error}"
-                        continue
-                    if chunk.usage is not None:
-                        final_usage = chunk.usage
-                        continue
-                    if chunk.logprobs:
-                        # one item per token: counted so, each logprob goes out with its token
-                        tokens = len(chunk.logprobs)
-                        seen = max(seen + tokens, chunk.completion_tokens or 0)
-                    elif chunk.completion_tokens is not None:
-                        tokens = max(chunk.completion_tokens - seen, 0)
-                        seen = max(seen, chunk.completion_tokens)
-                    else:
-                        # (an engine not counting as it goes)
-                        tokens = 1 if chunk.text or chunk.tool_calls else 0
-                        seen += tokens
-                    if ending is not None or not (
-                        tokens or chunk.text or chunk.finish_reason or whole
-                    ):
-                        continue
-                    if (tokens or chunk.text) and not leg.decoded:
+                    delta = reader.line(line)
+                    if reader.produced and not leg.decoded:
                         self._decoded(leg)
-                    if chunk.finish_reason is not None:
-                        try:
-                            whole += tool_calls.finish()
-                        except EngineAnswerError as exc:
-                            failure = f"decode's stream: {exc}"
-                            continue
-                        ending = Ending(
-                            chunk.text, tokens, chunk.finish_reason, chunk.logprobs, whole
-                        )
-                        continue
-                    if not await stream.push(
-                        chunk.text, tokens, None, None, chunk.logprobs, tool_calls=whole
+                    if delta is not None and not await stream.push(
+                        delta.text,
+                        delta.tokens,
+                        None,
+                        None,
+                        delta.logprobs,
+                        tool_calls=delta.tool_calls,
                     ):
                         return  # cut off: closing the stream aborts the request in the engine
         except TRANSPORT_ERRORS as exc:
-            failure = f"decode lost: {exception_text(exc)}"
-        if failure is None and ending is None:
-            failure = "decode's stream ended before the answer did"
-        if failure is not None:
-            stream.fail(failure)
+            reader.lost(f"decode lost: {exception_text(exc)}")
+        ending = reader.end()
+        if isinstance(ending, str):
+            stream.fail(ending)
             return
-        assert ending is not None
         await stream.push(
             ending.text,
             ending.tokens,
             ending.finish_reason,
-            self._usage(leg.choice, final_usage, seen),
+            self._usage(leg.choice, reader.final_usage, reader.seen),
             ending.logprobs,
             tool_calls=ending.tool_calls,
         )

@@ -184,15 +184,3 @@ class LegAnswers:
         if self.refusal is None and not self.all_in.is_set():
             self.refusal = event
             self.all_in.set()
-
-
-@final
-@attrs.frozen
-class Ending:
-    """A leg's finishing chunk, held until the counts that end its stream."""
-
-    text: str
-    tokens: int
-    finish_reason: str
-    logprobs: tuple[TokenLogprob, ...] | None
-    tool_calls: list[ToolCall]
