@@ -26,7 +26,8 @@ from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.link.wire import DecodeStart, KvHandle
 from pdtrio.protocol.openai.sse import StreamShaper
 from pdtrio.protocol.sampling import SamplingParams
-from pdtrio.router.workers.link import DecodeStream, WorkerLink
+from pdtrio.router.workers.link import WorkerLink
+from pdtrio.router.workers.stream import DecodeStream
 from pdtrio.testing import LOOPBACK, Processes
 
 CASES = [(1, 1), (4, 1), (16, 1), (64, 1), (1, 16)]  # (entries per frame, tokens per entry)
