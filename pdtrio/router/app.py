@@ -92,7 +92,7 @@ ROUTES: Final = RouteTable(
 OFF_LOOP_PARSE_BYTES: Final = 256 * 1024
 # While a thread parses, the loop gets the GIL back this soon after asking for it.
 # CPython's default (5 ms) is paid on each of the several system calls an answer
-# makes (every one releases the GIL): /health took 15-20 ms during a big parse.
+# makes (every one releases the GIL), so even /health would wait on a big parse.
 PARSE_SWITCH_INTERVAL_S: Final = 0.0005
 
 

@@ -6,8 +6,8 @@ idle.  Two meters read it:
 - :class:`ThreadSchedMeter` (used where Linux gives it): the kernel's account of
   the thread, ``/proc/thread-self/schedstat`` (time on a CPU, and time runnable
   but waiting for one), read once a window.  It costs nothing per loop
-  iteration: the instrument below cost about 30 us of router CPU per short
-  request (two hooks on every iteration, and there are several a request).
+  iteration, where the instrument below runs two hooks on every iteration (and
+  there are several a request).
 - :class:`LoopLoadMeter` (elsewhere): a trio instrument that adds up the time
   the run loop spends waiting for I/O.
 

@@ -251,7 +251,7 @@ class RouterMetrics:
             ["endpoint", "model", "outcome", "status"],
             registry=registry,
         )
-        # each label set's child, looked up once: labels() costs microseconds a call
+        # each label set's child, looked up once: labels() is dear on the hot path
         self._requests_by_labels: dict[tuple[str, str, str, str], Any] = {}
         # ended requests not counted in their child yet, by label set (see request_ended)
         self._requests_pending: dict[tuple[str, str, str, str], int] = {}

@@ -21,8 +21,8 @@ KV events).  When some candidate holds any, the policy chooses only among those
 :func:`cache_favoured` keeps: the lowest ``active_requests - cache_weight * cached_blocks
 / most_cached``, so the instance with the longest cached prefix wins while it has
 fewer than ``cache_weight`` requests more than another (a shorter prefix earns a share
-of that; a tie goes by the policy).  With nothing cached anywhere (the prefix cache off: the default), every pick is
-the policy's alone, as before.
+of that; a tie goes by the policy).  With nothing cached anywhere (the prefix cache
+off, or cold), every pick is the policy's alone.
 
 :func:`pick_instance` is the older stateless form of ``least_loaded``.
 """

@@ -599,8 +599,8 @@ class WorkerLink:
 
     def _send_or_queue(self, ws: WebSocketClient, data: bytes | Iterator[bytes]) -> None:
         """Write an idle link's message from the poster's task, else queue it for the
-        writer.  Waking the writer for it was a task step more per message (~30 us of
-        router CPU a short request, measured), for a batch of one most of the time."""
+        writer: waking the writer would be a task step more per message, for a batch
+        of one most of the time."""
         if not self._outbox and type(data) is bytes and ws.send_now(data):
             if not ws.has_unsent:
                 return

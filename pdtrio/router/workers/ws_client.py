@@ -15,8 +15,7 @@ are serialised with a ``trio.Lock``.  No extra task, no queue.
 A batch of small messages on a plain TCP link is first written straight to the
 socket (:func:`os.write` on its descriptor, which never waits): trio's
 ``send_all`` makes even a write the kernel takes at once a schedule point, a
-task step more for every batch (about 20 us of the router's CPU a short request
-under load, measured).  What the kernel does not take at once, and any error,
+task step more for every batch.  What the kernel does not take at once, and any error,
 goes through ``send_all``, which waits for room and raises trio's errors.
 :meth:`WebSocketClient.send_now` goes further for a caller that must not wait
 (a request posting its message to an idle link): it writes one small message
