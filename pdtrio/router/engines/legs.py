@@ -49,6 +49,7 @@ from pdtrio.protocol.engines.vllm import (
 from pdtrio.protocol.errors import Reason, is_clients_fault
 from pdtrio.protocol.link.wire import Usage
 from pdtrio.router.backend import (
+    BackendError,
     DecodeRun,
     DecodeSide,
     LegHost,
@@ -56,13 +57,11 @@ from pdtrio.router.backend import (
     RunDecode,
     Wait,
 )
-from pdtrio.router.engines.pool import EngineInstance, EnginePool
+from pdtrio.router.engines.pool import EngineInstance, EnginePool, transport_errors
 from pdtrio.router.engines.prefill import (
-    TRANSPORT_ERRORS,
     EnginePrefillLeg,
     PrefillFailure,
     answer_failure,
-    exception_text,
     prefill_failure_message,
 )
 from pdtrio.router.engines.stream import (
@@ -397,31 +396,35 @@ class EngineDecodeLeg:
         pool = self._pool
         instance = leg.decode
         try:
-            async with pool.http.stream(
-                "POST",
-                instance.url + PATHS[self._legs.kind],
-                json=leg.body,
-                headers=instance.headers(leg.request_id),
-            ) as response:
-                if response.status_code != 200:
-                    content = await response.aread()
-                    failure = answer_failure(
-                        pool, instance, "decode", response.status_code, content
-                    )
-                    if is_clients_fault(failure.status):  # passed on
-                        answers.refused(
-                            rm.DecodeRejected(failure.message, retryable=False, failure=failure)
-                        )
-                    else:
-                        answers.refused(rm.DecodeFailed(failure.message))
-                    return
-                answers.accepted()
-                await self._read(response, leg)
-        except TRANSPORT_ERRORS as exc:
+            with transport_errors():
+                await self._leg_stream(leg, answers)
+        except BackendError as exc:
             # (the stream's own reads are _read's: this is the leg failing to start)
-            why = f"decode on {instance.instance_id} lost: {exception_text(exc)}"
+            why = f"decode on {instance.instance_id} lost: {exc}"
             pool.failed(instance, why)
             answers.refused(rm.DecodeFailed(why))
+
+    async def _leg_stream(self, leg: ChoiceLeg, answers: LegAnswers) -> None:
+        pool = self._pool
+        instance = leg.decode
+        async with pool.http.stream(
+            "POST",
+            instance.url + PATHS[self._legs.kind],
+            json=leg.body,
+            headers=instance.headers(leg.request_id),
+        ) as response:
+            if response.status_code != 200:
+                content = await response.aread()
+                failure = answer_failure(pool, instance, "decode", response.status_code, content)
+                if is_clients_fault(failure.status):  # passed on
+                    answers.refused(
+                        rm.DecodeRejected(failure.message, retryable=False, failure=failure)
+                    )
+                else:
+                    answers.refused(rm.DecodeFailed(failure.message))
+                return
+            answers.accepted()
+            await self._read(response, leg)
 
     async def _read(self, response: httpx.Response, leg: ChoiceLeg) -> None:
         """A leg's server-sent events into its choice's stream: text, tool calls and token
@@ -433,24 +436,12 @@ class EngineDecodeLeg:
         """
         stream = leg.stream
         reader = DecodeEventReader(self._legs.kind, with_logprobs=stream.logprobs is not None)
-        lines_of = cast(AsyncGenerator[str, None], response.aiter_lines())
         try:
-            async with contextlib.aclosing(lines_of) as lines:
-                async for line in lines:
-                    delta = reader.line(line)
-                    if reader.produced and not leg.decoded:
-                        self._decoded(leg)
-                    if delta is not None and not await stream.push(
-                        delta.text,
-                        delta.tokens,
-                        None,
-                        None,
-                        delta.logprobs,
-                        tool_calls=delta.tool_calls,
-                    ):
-                        return  # cut off: closing the stream aborts the request in the engine
-        except TRANSPORT_ERRORS as exc:
-            reader.lost(f"decode lost: {exception_text(exc)}")
+            with transport_errors():
+                if not await self._read_lines(response, reader, leg):
+                    return  # cut off: closing the stream aborts the request in the engine
+        except BackendError as exc:
+            reader.lost(f"decode lost: {exc}")
         ending = reader.end()
         if isinstance(ending, str):
             stream.fail(ending)
@@ -463,6 +454,28 @@ class EngineDecodeLeg:
             ending.logprobs,
             tool_calls=ending.tool_calls,
         )
+
+    async def _read_lines(
+        self, response: httpx.Response, reader: DecodeEventReader, leg: ChoiceLeg
+    ) -> bool:
+        """Push what ``reader`` makes of each line to the leg's stream; False once the
+        stream is cut off (its client too far behind)."""
+        lines_of = cast(AsyncGenerator[str, None], response.aiter_lines())
+        async with contextlib.aclosing(lines_of) as lines:
+            async for line in lines:
+                delta = reader.line(line)
+                if reader.produced and not leg.decoded:
+                    self._decoded(leg)
+                if delta is not None and not await leg.stream.push(
+                    delta.text,
+                    delta.tokens,
+                    None,
+                    None,
+                    delta.logprobs,
+                    tool_calls=delta.tool_calls,
+                ):
+                    return False
+        return True
 
     def _decoded(self, leg: ChoiceLeg) -> None:
         """Decode produced ``leg``'s first token: it has the KV (prefill freed its blocks,

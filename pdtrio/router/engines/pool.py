@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, final
 
 import attrs
@@ -36,6 +37,7 @@ from pdtrio.protocol.link.wire import Prompt
 from pdtrio.protocol.openai import listed_models
 from pdtrio.protocol.placement.approx_prefix import ApproxPrefixIndex, approx_prompt_keys
 from pdtrio.protocol.placement.scheduling import Candidate, Scheduler
+from pdtrio.router.backend import BackendLost, BackendUnreachable
 from pdtrio.router.suspension import reinstate, suspend
 from pdtrio.security import ENGINE_API_KEY_ENV, resolve_secret
 
@@ -404,3 +406,21 @@ class EnginePool:
 
 class _NotUp(Exception):
     """An engine answered, but not as one that can serve."""
+
+
+def exception_text(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+@contextmanager
+def transport_errors() -> Iterator[None]:
+    """An engine call's transport failures (httpx's, and the OS's under it) as the
+    backend's errors, their cause kept: a connection never made is
+    :class:`BackendUnreachable` (the engine never saw the call: another may take it),
+    any other :class:`BackendLost`."""
+    try:
+        yield
+    except httpx.ConnectError as exc:
+        raise BackendUnreachable(exception_text(exc)) from exc
+    except (httpx.HTTPError, OSError) as exc:
+        raise BackendLost(exception_text(exc)) from exc

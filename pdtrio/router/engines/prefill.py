@@ -50,11 +50,18 @@ from pdtrio.protocol.engines.vllm import (
 )
 from pdtrio.protocol.errors import Reason, is_clients_fault
 from pdtrio.router.backend import (
+    BackendLost,
+    BackendUnreachable,
     LegHost,
     ShellFailure,
     Wait,
 )
-from pdtrio.router.engines.pool import EngineInstance, EnginePool
+from pdtrio.router.engines.pool import (
+    EngineInstance,
+    EnginePool,
+    exception_text,
+    transport_errors,
+)
 from pdtrio.router.engines.stream import ChoiceLeg, EngineStream
 
 if TYPE_CHECKING:
@@ -65,7 +72,7 @@ log = logging.getLogger("pdtrio.router.engines")
 # how long the background leg that frees an unpulled prefill's KV may take
 RELEASE_TIMEOUT_S = 30.0
 # what an engine's transport failures raise (httpx's, and the OS's under it)
-TRANSPORT_ERRORS = (httpx.HTTPError, OSError)
+_TRANSPORT_ERRORS = (httpx.HTTPError, OSError)
 # a leg's stream failed by the decode instance (the reason it is suspended for)
 DECODE_FAILED = "decode_failed"
 # what the machine hears of a prefill call that did not answer with KV
@@ -78,10 +85,6 @@ class EngineRequest(Protocol):
     pool: EnginePool
     client_body: Mapping[str, Any]
     kind: Literal["chat", "completion"]
-
-
-def exception_text(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
 
 
 def answer_failure(
@@ -193,16 +196,17 @@ class EnginePrefillLeg:
         pool = self._pool
         instance.in_flight += 1
         try:
-            response = await pool.http.post(
-                instance.url + PATHS[self._legs.kind],
-                json=body,
-                headers=instance.headers(request_id),
-            )
-        except httpx.ConnectError as exc:
-            self._failed(instance, f"prefill unreachable: {exception_text(exc)}")
+            with transport_errors():
+                response = await pool.http.post(
+                    instance.url + PATHS[self._legs.kind],
+                    json=body,
+                    headers=instance.headers(request_id),
+                )
+        except BackendUnreachable as exc:
+            self._failed(instance, f"prefill unreachable: {exc}")
             return rm.PrefillNotSent()  # it never saw it: another may take it
-        except TRANSPORT_ERRORS as exc:
-            why = f"prefill lost: {exception_text(exc)}"
+        except BackendLost as exc:
+            why = f"prefill lost: {exc}"
             self._failed(instance, why)
             return rm.PrefillLost(why)
         finally:
@@ -308,7 +312,7 @@ class EnginePrefillLeg:
                         # a decode restarting, a connection it dropped: again, until the
                         # timeout (prefill frees the blocks itself after its own)
                         await trio.sleep(0.5)
-        except (*TRANSPORT_ERRORS, trio.TooSlowError) as exc:
+        except (*_TRANSPORT_ERRORS, trio.TooSlowError) as exc:
             log.warning(
                 "request %s: the leg freeing its prefilled KV failed (%s): prefill frees it "
                 "at its timeout",
