@@ -254,7 +254,13 @@ async def _measure_router(spec: dict[str, Any]) -> dict[str, Any]:
         return usage.ru_utime + usage.ru_stime
 
     def sample() -> tuple[float, float, int, int, int]:
-        return time.perf_counter(), cpu(), tally.tokens, link.statistics().frames_received, tally.sse_chunks
+        return (
+            time.perf_counter(),
+            cpu(),
+            tally.tokens,
+            link.statistics().frames_received,
+            tally.sse_chunks,
+        )
 
     async with trio.open_nursery() as nursery:
         await nursery.start(link.run)
