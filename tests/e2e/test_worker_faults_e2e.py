@@ -46,6 +46,9 @@ def procs() -> Iterator[Processes]:
 
 def _worker_config(role: str, **faults: Any) -> dict[str, Any]:
     config = synthetic_worker_config(role, decode_step_s=0.02)
+    # answers are compared with undisturbed ones, usage included: a prefix cache that the
+    # undisturbed run filled would report cached_tokens the first run did not
+    config["engine"]["prefix_cache"] = False
     if faults:
         config["faults"] = faults
     return config
