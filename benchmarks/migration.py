@@ -232,7 +232,13 @@ def run(settings: Settings) -> dict[str, Any]:
         config = write_router_config(
             Path(tmp) / "router.toml",
             [("prefill", prefill.url), *(("decode", d.url) for d in decodes)],
-            router={"decode_policy": "round_robin", "link_timeout_s": LINK_TIMEOUT_S},
+            # round robin alone (no cache weight: the workers' prefix caches would steer
+            # some streams): half the streams on each decode, the victim's are known
+            router={
+                "decode_policy": "round_robin",
+                "decode_cache_weight": 0,
+                "link_timeout_s": LINK_TIMEOUT_S,
+            },
         )
         router = procs.router(config)
         _wait_decodes(router, 2)
