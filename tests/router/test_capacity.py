@@ -217,6 +217,28 @@ async def test_a_reserved_place_counts_against_the_limit_and_becomes_the_waiters
     assert room == ["go", "room"] and len(queue) == 1
 
 
+async def test_a_request_back_for_another_decode_is_not_refused_for_the_queues_limit() -> None:
+    # it counted against the limit at the door; its first tokens may be out: refusing it
+    # now would be an error after a 200
+    from pdtrio.router.request.capacity import CapacityQueue, QueueFull
+
+    queue: CapacityQueue[str] = CapacityQueue(1)
+    queue.reserve()  # a newcomer took the last place meanwhile
+    with pytest.raises(QueueFull):
+        await queue.wait_for(lambda: "room")
+    room: list[str] = []
+    async with trio.open_nursery() as nursery:
+
+        async def wait_as_admitted() -> None:
+            room.append(await queue.wait_for(lambda: "room", admitted=True))
+
+        nursery.start_soon(wait_as_admitted)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(queue) == 2  # over the limit, by the one admitted before
+        queue.changed()
+    assert room == ["room"] and len(queue) == 1
+
+
 async def test_a_wait_for_decode_room_lasts_what_is_left_of_prefills_lease() -> None:
     # the lease comes as a TTL, counted from prefill's reply on the router's clock: the
     # wait for decode room ends that TTL (less the pull's margin) later, not at once

@@ -72,16 +72,18 @@ class CapacityQueue(Generic[_T]):
         """What ``take`` returns, when nobody waits ahead; else None (then :meth:`wait_for`)."""
         return None if self._waiters else take()
 
-    async def wait_for(self, take: Callable[[], _T | None]) -> _T:
+    async def wait_for(self, take: Callable[[], _T | None], *, admitted: bool = False) -> _T:
         """What ``take`` returns once it returns something, in FIFO order with other waiters.
 
         Call :meth:`take_now` first: this always queues.  ``take`` must not
         checkpoint; neither does this between its success and returning, so
         the caller claims the room before anyone else runs.  Raises
-        :class:`QueueFull` at the limit; cancellation leaves the queue, and so
-        does what ``take`` raises (a waiter that stops waiting: the next looks).
+        :class:`QueueFull` at the limit, unless ``admitted``: a request that counted
+        against the limit at the door and is back for another decode (its first tokens may
+        be out) is not refused for it. Cancellation leaves the queue, and so does what
+        ``take`` raises (a waiter that stops waiting: the next looks).
         """
-        if self.full:
+        if self.full and not admitted:
             raise QueueFull
         waiter = _Waiter()
         self._waiters.append(waiter)

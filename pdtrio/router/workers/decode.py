@@ -203,14 +203,16 @@ class DecodeLeg:
             )
             if unplaceable is not None:
                 raise ShellFailure(rm.Failure(*unplaceable))
-            # the reserved place becomes a waiter's (no checkpoint until wait_for holds it)
+            # the reserved place becomes a waiter's (no checkpoint until wait_for holds it);
+            # a request back after a decode refused it holds none: it was admitted already
+            admitted = not self._queue_place_reserved
             self.unreserve()
             try:
                 instance = self._workers.decode_queue.take_now(take)
                 if instance is not None:
                     return instance
                 # the machine's KV_LEASE deadline bounds the wait
-                return await self._workers.decode_queue.wait_for(take)
+                return await self._workers.decode_queue.wait_for(take, admitted=admitted)
             except _NoDecodeLeft:
                 # its place is its own again while it waits for a decode (it has just
                 # left it: nothing ran since)
