@@ -544,11 +544,15 @@ class Finding:
     what: str  # what went wrong
     cases: list[Case]  # the case, or the batch since the last check that passed
     logs: str = ""
+    # the machine's load when it was found: a stall on a crowded 2-core machine reads
+    # differently from one on a quiet machine
+    load: tuple[float, float, float] = attrs.field(factory=os.getloadavg)
 
     def report(self) -> str:
         shown = "\n  ".join(case.describe() for case in self.cases[-5:])
         more = f" (the last 5 of {len(self.cases)})" if len(self.cases) > 5 else ""
-        return f"[{self.target}] {self.what}\n  after{more}:\n  {shown}" + (
+        load = "load average " + ", ".join(f"{figure:.1f}" for figure in self.load)
+        return f"[{self.target}] {self.what} ({load})\n  after{more}:\n  {shown}" + (
             f"\n  log:\n{self.logs}" if self.logs else ""
         )
 
