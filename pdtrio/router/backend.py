@@ -16,7 +16,7 @@ A backend reports why a call did not go through by raising
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, final
 
 import attrs
@@ -24,9 +24,9 @@ import trio
 
 from pdtrio.config import PdtrioConfig
 from pdtrio.protocol import request as rm
-from pdtrio.protocol.link.wire import DecodeRejected, TokenLogprob, Usage
+from pdtrio.protocol.link.wire import DecodeRejected, TokenLogprob
 from pdtrio.protocol.openai import ChatCompletionRequest, CompletionRequest
-from pdtrio.protocol.openai.answers import AnswerKind, AnyRequest, Shaper
+from pdtrio.protocol.openai.answers import AnswerDelta, AnswerKind, AnyRequest, Shaper
 from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.tokens.egress import EgressController
 from pdtrio.protocol.tokens.stream_buffer import StreamBuffer
@@ -151,23 +151,8 @@ class LegHost(Protocol):
         """Tell the machine ``event``, write what it emits; the wait it starts, if any."""
         ...
 
-    def deliver(
-        self,
-        text: str,
-        num_tokens: int,
-        finish_reason: str | None,
-        usage: Usage | None,
-        *,
-        final: bool = False,
-        logprobs: Sequence[TokenLogprob] | None = None,
-        choice: int = 0,
-        tool_calls: Sequence[ToolCall] = (),
-    ) -> Awaitable[None]:
-        """Count a delta (of choice ``choice``) as delivered; what hands it to the client,
-        to await (``logprobs``: its tokens', when the request asked for them;
-        ``tool_calls``: the calls an engine read out of its answer, after the delta's
-        text)."""
-        ...
+    async def deliver(self, delta: AnswerDelta) -> None:
+        """Count ``delta`` as delivered, and hand it to the client."""
 
 
 class PrefillSide(Protocol):

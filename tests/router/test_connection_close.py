@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from pdtrio.protocol.link.wire import Usage
+from pdtrio.protocol.openai.answers import AnswerDelta
 from pdtrio.protocol.openai.sse import StreamShaper
 from pdtrio.router.request.client_response import ClientResponse
 from tests.cluster import client, running_cluster, wait_until_idle
@@ -98,7 +99,7 @@ async def test_the_last_event_goes_out_whole_though_the_server_cancels_inside_it
             request_id="r", kind="completion", model="m", created=0, shaper=shaper,
             send=send, hang_up=lambda: True, draining=lambda: False,
         )  # fmt: skip
-        await response.deliver(" t1", 1, "stop", Usage(1, 1), final=True)
+        await response.deliver(AnswerDelta(" t1", 1, "stop", Usage(1, 1), final=True))
         returned = True  # the send was not cut: the shell goes on to tell the machine
     assert returned and not scope.cancelled_caught
     assert sent[-1]["body"].endswith(b"data: [DONE]\n\n")

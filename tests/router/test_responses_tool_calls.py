@@ -12,7 +12,7 @@ import trio
 from openai.types.responses import Response
 
 from pdtrio.protocol.link.wire import Usage
-from pdtrio.protocol.openai.answers import answer_shape
+from pdtrio.protocol.openai.answers import AnswerDelta, answer_shape
 from pdtrio.protocol.openai.responses import ResponsesRequest, parse_responses_request
 from pdtrio.protocol.openai.tools import call_text
 from pdtrio.router.request.client_response import ClientResponse
@@ -51,7 +51,7 @@ async def _deliver_through_client_response(request: ResponsesRequest, pieces: li
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
         await response.deliver(
-            piece, 1, "stop" if last else None, Usage(3, len(pieces)) if last else None
+            AnswerDelta(piece, 1, "stop" if last else None, Usage(3, len(pieces)) if last else None)
         )
     await response.finish()
     return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")

@@ -31,6 +31,28 @@ from pdtrio.protocol.openai.sse import BaseShaper, ChoiceShapers, StreamShaper
 from pdtrio.protocol.openai.tools import ToolCall, parse_tool_calls
 
 AnswerKind = Literal["chat", "completion", "responses"]
+
+
+@final
+@attrs.frozen
+class AnswerDelta:
+    """A piece of one choice's answer on its way to the client.
+
+    ``final``: the response ends with it; ``logprobs``: its tokens', when the request
+    asked for them; ``tool_calls``: calls an engine read out of its answer itself, sent
+    after the text.
+    """
+
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    final: bool = False
+    logprobs: Sequence[TokenLogprob] | None = None
+    choice: int = 0
+    tool_calls: Sequence[ToolCall] = ()
+
+
 AnyRequest = ChatCompletionRequest | CompletionRequest | ResponsesRequest
 
 ENDPOINTS: Final[dict[AnswerKind, str]] = {

@@ -20,7 +20,7 @@ import trio
 from pdtrio.asgi import Message, Receive, Send, send_json
 from pdtrio.protocol.link.wire import TokenLogprob, Usage
 from pdtrio.protocol.openai import OpenAIError, chat_completion_body, completion_body
-from pdtrio.protocol.openai.answers import AnswerKind, Shaper
+from pdtrio.protocol.openai.answers import AnswerDelta, AnswerKind, Shaper
 from pdtrio.protocol.openai.responses_sse import ResponsesStreamShaper
 from pdtrio.protocol.openai.sse import ChoiceShapers, StreamShaper
 from pdtrio.protocol.openai.tools import ToolCall, ToolCallParser, tool_finish_reason
@@ -115,50 +115,33 @@ class ClientResponse:
 
     # --- writing ----------------------------------------------------------------
 
-    async def deliver(
-        self,
-        text: str,
-        num_tokens: int,
-        finish_reason: str | None,
-        usage: Usage | None,
-        *,
-        final: bool = False,
-        logprobs: Sequence[TokenLogprob] | None = None,
-        choice: int = 0,
-        tool_calls: Sequence[ToolCall] = (),
-    ) -> None:
-        """Send (or, not streaming, gather) a delta of choice ``choice``; ``final``: and end
-        the response with it.  ``logprobs``: its tokens', when the request asked for them;
-        ``tool_calls``: calls an engine read out of its answer itself, after the text."""
+    async def deliver(self, delta: AnswerDelta) -> None:
+        """Send (or, not streaming, gather) ``delta``; a final one ends the response."""
+        choice = delta.choice
         if self.shaper is None:
-            self._answers[choice].add(text, finish_reason, usage, logprobs, tool_calls)
+            self._answers[choice].add(
+                delta.text, delta.finish_reason, delta.usage, delta.logprobs, delta.tool_calls
+            )
             return
         shaper: Shaper = (
             self.shaper if self._choice_shapers is None else self._choice_shapers.choice(choice)
         )
-        if tool_calls and self._tool_parsers is None:
+        if delta.tool_calls and self._tool_parsers is None:
             # an engine's calls where none are read out of the text (tool_choice "none"):
             # relayed as the engine made them
             self._tool_parsers = [ToolCallParser(()) for _ in range(self._choices)]
         if self._tool_parsers is None:
-            chunk = shaper.delta(text, num_tokens, finish_reason, usage, logprobs)
-        else:
-            chunk = self._tool_chunks(
-                shaper,
-                self._tool_parsers[choice],
-                text,
-                num_tokens,
-                finish_reason,
-                usage,
-                logprobs,
-                tool_calls,
+            chunk = shaper.delta(
+                delta.text, delta.num_tokens, delta.finish_reason, delta.usage, delta.logprobs
             )
+        else:
+            chunk = self._tool_chunks(shaper, self._tool_parsers[choice], delta)
         if not self._headers_out:
             self._headers_out = True
             await self._send(
                 {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS}
             )
-        if final:
+        if delta.final:
             # the last event and [DONE] in one write, shielded: a client that closes its
             # connection once it has them has hypercorn close it inside this send and
             # cancel the request's task, before the machine heard the stream end (a
@@ -178,23 +161,20 @@ class ClientResponse:
             self.writing = False
 
     @staticmethod
-    def _tool_chunks(
-        shaper: Shaper,
-        parser: ToolCallParser,
-        text: str,
-        num_tokens: int,
-        finish_reason: str | None,
-        usage: Usage | None,
-        logprobs: Sequence[TokenLogprob] | None,
-        engine_calls: Sequence[ToolCall],
-    ) -> bytes:
+    def _tool_chunks(shaper: Shaper, parser: ToolCallParser, delta: AnswerDelta) -> bytes:
         """``shaper.delta`` for a request with tools: its text less the calls, then the
         calls (those read out of the text, then the engine's own), then the finish
         (``tool_calls`` once a call was made)."""
         # (a chat or a Responses stream: each shaper takes the calls)
         assert isinstance(shaper, StreamShaper | ResponsesStreamShaper)
-        content, calls = parser.feed(text)
-        calls += [parser.adopt(call) for call in engine_calls]
+        num_tokens, finish_reason, usage, logprobs = (
+            delta.num_tokens,
+            delta.finish_reason,
+            delta.usage,
+            delta.logprobs,
+        )
+        content, calls = parser.feed(delta.text)
+        calls += [parser.adopt(call) for call in delta.tool_calls]
         if finish_reason is not None:
             more, more_calls = parser.finish()
             content, calls = content + more, calls + more_calls

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable
 from typing import final
 
 import trio
@@ -45,15 +45,13 @@ import trio
 from pdtrio.asgi import Receive, Send
 from pdtrio.protocol import request as rm
 from pdtrio.protocol.errors import Reason, status_for_worker_failure
-from pdtrio.protocol.link.wire import TokenLogprob, Usage
 from pdtrio.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     error_for,
 )
-from pdtrio.protocol.openai.answers import AnswerKind, AnyRequest, Shaper, answer_shape
-from pdtrio.protocol.openai.tools import ToolCall
+from pdtrio.protocol.openai.answers import AnswerDelta, AnswerKind, AnyRequest, Shaper, answer_shape
 from pdtrio.router.backend import (
     DecodeSide,
     MakeLegs,
@@ -378,32 +376,11 @@ class RequestPipeline:
             assert scope is not None
             scope.cancel()
 
-    def deliver(
-        self,
-        text: str,
-        num_tokens: int,
-        finish_reason: str | None,
-        usage: Usage | None,
-        *,
-        final: bool = False,
-        logprobs: Sequence[TokenLogprob] | None = None,
-        choice: int = 0,
-        tool_calls: Sequence[ToolCall] = (),
-    ) -> Awaitable[None]:
-        """Count a delta (of choice ``choice``) as delivered; the response's send of it, to
-        await (not a coroutine of its own: one frame less for each of the send's waits)."""
-        self.router.tokens_delivered += num_tokens
-        self.figures.delivered(num_tokens)
-        return self.response.deliver(
-            text,
-            num_tokens,
-            finish_reason,
-            usage,
-            final=final,
-            logprobs=logprobs,
-            choice=choice,
-            tool_calls=tool_calls,
-        )
+    async def deliver(self, delta: AnswerDelta) -> None:
+        """Count ``delta`` as delivered, and send it (or, not streaming, gather it)."""
+        self.router.tokens_delivered += delta.num_tokens
+        self.figures.delivered(delta.num_tokens)
+        await self.response.deliver(delta)
 
     def _error_of(self, failure: rm.AnyFailure) -> OpenAIError:
         """The error the client sees for the machine's failure (the one table's status)."""

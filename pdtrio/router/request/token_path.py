@@ -18,8 +18,10 @@ import trio
 from pdtrio.protocol import request as rm
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.link.wire import TokenLogprob
+from pdtrio.protocol.openai.answers import AnswerDelta
 from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.tokens.egress import send_deadline
+from pdtrio.protocol.tokens.stream_buffer import PendingDelta
 from pdtrio.router.backend import ChoiceRuns, DecodeRun, LegHost, ShellFailure, Wait
 
 log = logging.getLogger("pdtrio.router.pipeline")
@@ -46,7 +48,6 @@ async def stream_tokens(
     router = host.router
     buffer = stream.buffer
     egress = router.egress
-    machine = host.machine
     last_sent_at: float | None = None
     while True:
         spacing = egress.spacing_s
@@ -61,22 +62,7 @@ async def stream_tokens(
         delta = buffer.take()
         if delta is not None:
             final = delta.finish_reason is not None
-            if final and delta.usage is None:
-                raise ShellFailure(NO_COUNTS)
-            if delta.num_tokens and machine.decode_unconfirmed:
-                await host.report(rm.DecodeTokens())  # prefill may free the KV now
-            logprobs = None
-            if stream.logprobs is not None:
-                logprobs = _logprobs_of(stream.logprobs, delta.num_tokens, host)
-            await host.deliver(
-                delta.text,
-                delta.num_tokens,
-                delta.finish_reason,
-                delta.usage,
-                final=final,
-                logprobs=logprobs,
-                tool_calls=_tool_calls_of(stream),
-            )
+            await _deliver(host, stream, delta, final=final)
             if final:
                 served()
                 return await host.report(rm.DecodeTokens(final=True))
@@ -116,25 +102,9 @@ async def stream_choices(
             if delta is not None:
                 started.add(choice)
                 finished = delta.finish_reason is not None
-                if finished and delta.usage is None:
-                    raise ShellFailure(NO_COUNTS)
-                if delta.num_tokens and machine.decode_unconfirmed:
-                    await host.report(rm.DecodeTokens())  # prefill may free the KV now
-                logprobs = None
-                if run.logprobs is not None:
-                    logprobs = _logprobs_of(run.logprobs, delta.num_tokens, host)
                 if finished:
                     del running[choice]
-                await host.deliver(
-                    delta.text,
-                    delta.num_tokens,
-                    delta.finish_reason,
-                    delta.usage,
-                    final=finished and not running,
-                    logprobs=logprobs,
-                    choice=choice,
-                    tool_calls=_tool_calls_of(run),
-                )
+                await _deliver(host, run, delta, final=finished and not running, choice=choice)
                 if finished and not running:
                     served()
                     return await host.report(rm.DecodeTokens(final=True))
@@ -148,6 +118,32 @@ async def stream_choices(
                     continue
                 return await failed(run, failure)
         await stream.wait_choices_update()
+
+
+async def _deliver(
+    host: LegHost, run: DecodeRun, taken: PendingDelta, *, final: bool, choice: int = 0
+) -> None:
+    """Hand ``taken`` (from ``run``'s buffer) to the client, with its tokens' logprobs
+    and the calls the engine read out of it; the machine hears of decode's first tokens."""
+    if taken.finish_reason is not None and taken.usage is None:
+        raise ShellFailure(NO_COUNTS)
+    if taken.num_tokens and host.machine.decode_unconfirmed:
+        await host.report(rm.DecodeTokens())  # prefill may free the KV now
+    logprobs = None
+    if run.logprobs is not None:
+        logprobs = _logprobs_of(run.logprobs, taken.num_tokens, host)
+    await host.deliver(
+        AnswerDelta(
+            taken.text,
+            taken.num_tokens,
+            taken.finish_reason,
+            taken.usage,
+            final=final,
+            logprobs=logprobs,
+            choice=choice,
+            tool_calls=_tool_calls_of(run),
+        )
+    )
 
 
 def _tool_calls_of(run: DecodeRun) -> list[ToolCall]:

@@ -34,6 +34,7 @@ from pdtrio.protocol.link.wire import (
     first_logprob,
     reply_choices,
 )
+from pdtrio.protocol.openai.answers import AnswerDelta
 from pdtrio.protocol.placement.prefix_index import PromptBlocks
 from pdtrio.router.backend import (
     BackendLost,
@@ -113,22 +114,26 @@ class PrefillLeg:
         logprob = first_logprob(reply)
         more = reply_choices(reply)
         await self._host.deliver(
-            reply.first_text,
-            1,
-            reply.finish_reason,
-            reply.usage,
-            final=final and not more,
-            logprobs=None if logprob is None else (logprob,),
+            AnswerDelta(
+                reply.first_text,
+                1,
+                reply.finish_reason,
+                reply.usage,
+                final=final and not more,
+                logprobs=None if logprob is None else (logprob,),
+            )
         )
         for first in more:  # n > 1: the other choices' first tokens, the last one final
             await self._host.deliver(
-                first.text,
-                1,
-                first.finish_reason,
-                first.usage,
-                final=final and first is more[-1],
-                logprobs=None if first.logprob is None else (first.logprob,),
-                choice=first.choice,
+                AnswerDelta(
+                    first.text,
+                    1,
+                    first.finish_reason,
+                    first.usage,
+                    final=final and first is more[-1],
+                    logprobs=None if first.logprob is None else (first.logprob,),
+                    choice=first.choice,
+                )
             )
 
     @property
