@@ -12,6 +12,7 @@ The real engine is tested in tests/vllm/.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -33,6 +34,8 @@ class FakeVllm:
     # the prefilled requests whose blocks wait for a decode: request id -> block count
     held: dict[str, int] = attrs.Factory(dict)
     received: list[tuple[dict[str, Any], dict[str, str]]] = attrs.Factory(list)
+    # how often its /health and its /metrics were read
+    reads: Counter[str] = attrs.Factory(Counter)
     # faults: the status its completions answer with (0: none), a decode stream that fails
     # after this many tokens, a prefill whose kv_transfer_params is null, an unhealthy /health
     fail_status: int = 0
@@ -121,6 +124,7 @@ class FakeVllm:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         path = scope["path"]
+        self.reads[path] += 1
         if path == "/v1/models":
             await _json(send, 200, {"data": [{"id": MODEL, "max_model_len": 2048}]})
         elif path == "/health":

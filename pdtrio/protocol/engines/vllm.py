@@ -425,6 +425,11 @@ class EngineLoad:
     running: int
     kv_usage: float  # 0..1 of its KV cache in use
 
+    @property
+    def idle(self) -> bool:
+        """Nothing running or waiting (the KV a prefix cache keeps counts as in use)."""
+        return self.waiting == 0 and self.running == 0
+
 
 # vLLM's names, then SGLang's
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")

@@ -22,6 +22,7 @@ A request on them runs through the shared pipeline with the engines' HTTP legs
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, final
@@ -46,8 +47,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdtrio.router.engines")
 
-# how often each engine's /health and /metrics are read (the load signal's age)
+# how often each engine's /health is read, and its /metrics while its load matters
 _SCRAPE_INTERVAL_S = 1.0
+# placement wants loads this long after its last pick; then only an engine that is still
+# busy has its /metrics read (parsing them is most of an idle router's work)
+_LOAD_WANTED_S = 5.0
 _KV_SCALE = 1000  # KV usage as "free blocks" for the scheduler: thousandths left
 
 
@@ -140,6 +144,9 @@ class EnginePool:
         self._slow_probes_before_down = config.router.engine_slow_probes_before_down
         # where background legs run (a release of a left client's prefill KV)
         self.nursery: trio.Nursery | None = None
+        self._last_pick = -math.inf
+        # set by the first pick after a quiet spell: the loads are read at once
+        self._loads_wanted = trio.Event()
 
     # --- what the app asks ---------------------------------------------------------
 
@@ -234,6 +241,9 @@ class EnginePool:
             if (i.serves_prefill if role == "prefill" else i.serves_decode) and i.model == model
         ]
         now = trio.current_time()
+        if now - self._last_pick >= _LOAD_WANTED_S:
+            self._loads_wanted.set()  # (the loads it picks by now may be a quiet spell old)
+        self._last_pick = now
         cached = {
             i.instance_id: self.prefixes.cached_prefix(i.instance_id, prefix_keys, now)
             for i in serving
@@ -327,8 +337,21 @@ class EnginePool:
             await self._scrape_all()
             task_status.started()
             while True:
-                await trio.sleep(_SCRAPE_INTERVAL_S)
+                with trio.move_on_after(_SCRAPE_INTERVAL_S):
+                    await self._loads_wanted.wait()
+                self._loads_wanted = trio.Event()
                 await self._scrape_all()
+
+    def _wants_load(self, instance: EngineInstance) -> bool:
+        """Whether ``instance``'s /metrics are worth reading now: placement picked lately,
+        or its last load showed work (it is read until it shows none)."""
+        load = instance.load
+        return (
+            trio.current_time() - self._last_pick < _LOAD_WANTED_S
+            or instance.in_flight > 0
+            or load is None
+            or not load.idle
+        )
 
     async def _scrape_all(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -344,9 +367,10 @@ class EnginePool:
                 health = await self._get(instance, "/health")
                 if health.status_code != 200:
                     raise _NotUp(f"/health answered {health.status_code}")
-                metrics = await self._get(instance, "/metrics")
-                if metrics.status_code == 200:
-                    instance.load = parse_engine_metrics(metrics.text)
+                if self._wants_load(instance):
+                    metrics = await self._get(instance, "/metrics")
+                    if metrics.status_code == 200:
+                        instance.load = parse_engine_metrics(metrics.text)
         except (httpx.HTTPError, OSError, trio.TooSlowError, _NotUp, ValueError) as exc:
             why = str(exc) or type(exc).__name__
             slow = isinstance(exc, (trio.TooSlowError, httpx.TimeoutException))
