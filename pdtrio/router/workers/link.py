@@ -95,7 +95,7 @@ from pdtrio.protocol.link.wire import (
 from pdtrio.protocol.placement.prefix_index import CachedBlocks
 from pdtrio.protocol.tokens.stream_buffer import PushResult
 from pdtrio.router.backend import BackendLost, BackendUnreachable
-from pdtrio.router.request.token_path import CUT_OFF_MESSAGE
+from pdtrio.router.stream_outcome import CUT_OFF_MESSAGE, DecodeLoss
 from pdtrio.router.workers.kv_leases import LeaseClock
 from pdtrio.router.workers.stream import DecodeStream
 from pdtrio.router.workers.ws_client import (
@@ -365,7 +365,7 @@ class WorkerLink:
             for _, request_id, token in self._recent_releases:
                 self._release_later(request_id, token)
             self._recent_releases.clear()
-            self._fail_all(lost, "link_timeout" if self._hung else "link_lost")
+            self._fail_all(lost, DecodeLoss.LINK_TIMEOUT if self._hung else DecodeLoss.LINK_LOST)
             self._on_capacity()  # waiters look elsewhere (or time out)
             self._on_quieter()
             if ws is not None:
@@ -401,7 +401,7 @@ class WorkerLink:
                     self._end(
                         stream,
                         f"decode sent nothing for it for {timeout:g}s",
-                        "stalled",
+                        DecodeLoss.STALLED,
                         abort=True,
                     )
             for request_id in [r for r in seen if r not in self._streams]:
@@ -501,20 +501,15 @@ class WorkerLink:
                     if stream is None:
                         continue  # already ended here
                     if type(message) is DecodeAccepted:
-                        # no wake-up: the waiter learns it with the first tokens (one wake-up
-                        # per request fewer); a rejection or failure wakes it at once
-                        stream.accepted = True
+                        stream.accept()  # (a rejection or failure wakes the waiter at once)
                         if stream.choices is not None:
                             self._accept_choices(stream)
                         continue
                     if type(message) is DecodeRejected:
-                        stream.rejection = message
-                        del streams[message.request_id]
+                        stream.reject(message)
                     else:  # DecodeFailed: decode holds nothing of it any more
-                        stream.failure = message.message
-                        stream.failure_reason = "decode_failed"
-                        del streams[message.request_id]
-                    stream.notify()
+                        stream.fail(message.message, DecodeLoss.DECODE_FAILED)
+                    del streams[message.request_id]
                     self._on_quieter()
 
     def _accept_choices(self, stream: DecodeStream) -> None:
@@ -522,6 +517,7 @@ class WorkerLink:
         Without choice 0, the request's own id runs nothing more there."""
         assert stream.choices is not None
         for choice_stream in stream.choices.values():
+            choice_stream.accept()
             self._streams[choice_stream.request_id] = choice_stream
         if 0 not in stream.choices:
             del self._streams[stream.request_id]
@@ -544,34 +540,27 @@ class WorkerLink:
             )
             if result is _OVERFLOW:
                 self._clients_cut_off += 1
-                self._end(stream, CUT_OFF_MESSAGE, "cut_off", abort=True)
-                stream.cut_off = True
+                self._end(stream, CUT_OFF_MESSAGE, DecodeLoss.CUT_OFF, abort=True)
             elif finish_reason is not None:
                 del streams[entry.request_id]  # finished on decode: nothing to abort
                 self._on_quieter()
             if not stream.updated and (finish_reason is not None or not stream.holding):
                 stream.notify()
 
-    def _end(self, stream: DecodeStream, failure: str, reason: str, *, abort: bool) -> None:
+    def _end(self, stream: DecodeStream, failure: str, loss: DecodeLoss, *, abort: bool) -> None:
         self._settle(stream.request_id)
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
             if abort:
                 self._post_nowait(encode(DecodeAbort(stream.request_id)))
             self._on_quieter()
-        if stream.failure is None:
-            stream.failure = failure
-            stream.failure_reason = reason
-        stream.notify()
+        stream.fail(failure, loss)
 
-    def _fail_all(self, message: str, reason: str) -> None:
+    def _fail_all(self, message: str, loss: DecodeLoss) -> None:
         streams = list(self._streams.values())
         self._streams.clear()
         for stream in streams:
-            if stream.failure is None:
-                stream.failure = message
-                stream.failure_reason = reason
-            stream.notify()
+            stream.fail(message, loss)
         prefills = list(self._prefills.items())
         self._prefills.clear()
         for request_id, pending in prefills:
@@ -740,7 +729,7 @@ class WorkerLink:
         """End the request on decode if it is still running there; never blocks, idempotent."""
         stream = self._streams.get(request_id)
         if stream is not None:
-            self._end(stream, "the request was aborted", "aborted", abort=True)
+            self._end(stream, "the request was aborted", DecodeLoss.ABORTED, abort=True)
 
 
 def rejection_is_retryable(rejection: DecodeRejected) -> bool:

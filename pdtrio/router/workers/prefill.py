@@ -42,7 +42,6 @@ from pdtrio.router.backend import (
     ShellFailure,
     Wait,
 )
-from pdtrio.router.metrics import MIGRATION_REASONS
 from pdtrio.router.request.capacity import CapacityQueue
 from pdtrio.router.request.token_path import (
     NO_COUNTS,
@@ -65,9 +64,6 @@ class WorkerParts(Protocol):
 
 
 log = logging.getLogger("pdtrio.router.pipeline")
-
-# a stream's failure reasons that are its link's, not the worker's word on the request
-_LINK_FAILURES = frozenset({"link_lost", "link_timeout"})
 
 
 @final
@@ -320,8 +316,3 @@ def running_choices(reply: PrefillReply) -> tuple[tuple[int, int], ...]:
         for first in reply_choices(reply)
         if first.finish_reason is None
     )
-
-
-def migration_label(reason: str) -> str:
-    """A stream's failure reason as a MIGRATION_REASONS label."""
-    return reason if reason in MIGRATION_REASONS else "decode_failed"
