@@ -54,8 +54,6 @@ ITL_BUCKETS_S: Final = (
     1.0,
     2.5,
 )
-# why a request was migrated (pdtrio_migrations_total's reason)
-MIGRATION_REASONS = tuple(reason.value for reason in MigrationReason)
 # where a prompt was prefilled (pdtrio_prefill_placements, the access line's prefill_at)
 PREFILL_PLACES = ("remote", "local")
 # the status an access line gives a request whose client went away (nginx's convention)
@@ -339,8 +337,8 @@ class RouterMetrics:
             ["reason"],
             registry=registry,
         )
-        for reason in MIGRATION_REASONS:
-            self.migrations.labels(reason)  # shown at 0 from the start
+        for migration_reason in MigrationReason:
+            self.migrations.labels(migration_reason.value)  # shown at 0 from the start
         prefill_placements = Counter(
             "pdtrio_prefill_placements",
             "Prefill calls by where they ran: remote (a prefill instance, the KV handed to "
