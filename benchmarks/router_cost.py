@@ -356,7 +356,8 @@ def link_floor(spec: dict[str, Any]) -> None:
     from pdtrio.protocol.link import wire
     from pdtrio.protocol.openai import parse_completion_request
     from pdtrio.router.stream_outcome import StreamFailed, StreamRejected
-    from pdtrio.router.workers.link import WorkerLink, release_token
+    from pdtrio.router.workers.link import WorkerLink
+    from pdtrio.router.workers.link_releases import release_token
 
     config = RouterConfig()
     body = completion_request(LOOPBACK, spec["max_tokens"]).split(b"\r\n\r\n", 1)[1]

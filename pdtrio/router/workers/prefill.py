@@ -48,9 +48,7 @@ from pdtrio.router.request.token_path import (
 )
 from pdtrio.router.workers.instances import Instance, InstanceTable
 from pdtrio.router.workers.kv_leases import LeaseClock
-from pdtrio.router.workers.link import (
-    release_token,
-)
+from pdtrio.router.workers.link_releases import release_token
 from pdtrio.router.workers.supervisor import LinkSupervisor
 
 
