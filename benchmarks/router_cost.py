@@ -355,7 +355,9 @@ def link_floor(spec: dict[str, Any]) -> None:
     from pdtrio.protocol.kv_layout import choice_blocks_needed
     from pdtrio.protocol.link import wire
     from pdtrio.protocol.openai import parse_completion_request
-    from pdtrio.router.workers.link import WorkerLink, release_token
+    from pdtrio.router.stream_outcome import StreamFailed, StreamRejected
+    from pdtrio.router.workers.link import WorkerLink
+    from pdtrio.router.workers.link_releases import release_token
 
     config = RouterConfig()
     body = completion_request(LOOPBACK, spec["max_tokens"]).split(b"\r\n\r\n", 1)[1]
@@ -417,7 +419,7 @@ def link_floor(spec: dict[str, Any]) -> None:
         stream = await decode.start(start, blocks)
         released = False
         while True:
-            failure = stream.failure or stream.rejection
+            ended = isinstance(stream.outcome, StreamFailed | StreamRejected)
             delta = stream.buffer.take()
             if delta is not None:
                 if delta.num_tokens and not released:
@@ -426,7 +428,7 @@ def link_floor(spec: dict[str, Any]) -> None:
                     released = True
                 if delta.finish_reason is not None:
                     return True
-            if failure is not None:
+            if ended:
                 if not released:
                     prefill.release(request_id, handle.access_token)
                 return False

@@ -26,6 +26,7 @@ from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.link.wire import DecodeStart, KvHandle
 from pdtrio.protocol.openai.sse import StreamShaper
 from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.router.stream_outcome import StreamFailed, StreamRejected
 from pdtrio.router.workers.link import WorkerLink
 from pdtrio.router.workers.stream import DecodeStream
 from pdtrio.testing import LOOPBACK, Processes
@@ -233,7 +234,7 @@ async def _drain(stream: DecodeStream, request_id: str, tally: _Tally) -> None:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if delta.finish_reason is not None:
                 break
-        if stream.failure is not None or stream.rejection is not None:
+        if isinstance(stream.outcome, StreamFailed | StreamRejected):
             break  # cut off: it fell too far behind
         await stream.wait_update()
     tally.streams_ended += 1

@@ -24,13 +24,14 @@ import trio
 
 from pdtrio.config import PdtrioConfig
 from pdtrio.protocol import request as rm
-from pdtrio.protocol.link.wire import DecodeRejected, TokenLogprob
+from pdtrio.protocol.link.wire import TokenLogprob
 from pdtrio.protocol.openai import ChatCompletionRequest, CompletionRequest
 from pdtrio.protocol.openai.answers import AnswerDelta, AnswerKind, AnyRequest, Shaper
 from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.tokens.egress import EgressController
 from pdtrio.protocol.tokens.stream_buffer import StreamBuffer
 from pdtrio.router.metrics import RequestFigures, RouterMetrics
+from pdtrio.router.stream_outcome import StreamOutcome
 
 if TYPE_CHECKING:
     from pdtrio.discovery.registry import EngineListener, Registry
@@ -53,11 +54,7 @@ class DecodeRun(Protocol):
     """One request running on a decode instance, as the request path reads it."""
 
     buffer: StreamBuffer  # the tokens decode pushed, merged into deltas
-    accepted: bool
-    rejection: DecodeRejected | None
-    failure: str | None
-    failure_reason: str  # a metric label: link_lost, link_timeout, decode_failed, ...
-    cut_off: bool  # the backend ended it for a client too slow
+    outcome: StreamOutcome  # decode's answer, then its failure if it failed
     token_ids: list[int] | None  # every token id pushed, when kept (a migration needs them)
     # the logprobs of tokens sent ahead of them and not delivered yet (None: not asked)
     logprobs: list[TokenLogprob] | None

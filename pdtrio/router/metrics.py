@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from pdtrio.logs import ACCESS_LOGGER, log_access
 from pdtrio.metrics import LATENCY_BUCKETS_S, LocalHistogram, exposition, multiprocess_dir
 from pdtrio.protocol.link.registration import REJECTION_REASONS
+from pdtrio.protocol.request import MigrationReason
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -53,8 +54,6 @@ ITL_BUCKETS_S: Final = (
     1.0,
     2.5,
 )
-# why a request was migrated (pdtrio_migrations_total's reason; DecodeStream.failure_reason)
-MIGRATION_REASONS = ("link_lost", "link_timeout", "decode_failed", "stalled")
 # where a prompt was prefilled (pdtrio_prefill_placements, the access line's prefill_at)
 PREFILL_PLACES = ("remote", "local")
 # the status an access line gives a request whose client went away (nginx's convention)
@@ -338,8 +337,8 @@ class RouterMetrics:
             ["reason"],
             registry=registry,
         )
-        for reason in MIGRATION_REASONS:
-            self.migrations.labels(reason)  # shown at 0 from the start
+        for migration_reason in MigrationReason:
+            self.migrations.labels(migration_reason.value)  # shown at 0 from the start
         prefill_placements = Counter(
             "pdtrio_prefill_placements",
             "Prefill calls by where they ran: remote (a prefill instance, the KV handed to "

@@ -20,6 +20,7 @@ from pdtrio.protocol.link.wire import (
     from_worker_decoder,
 )
 from pdtrio.protocol.sampling import SamplingParams
+from pdtrio.router.stream_outcome import DecodeLoss, StreamFailed
 from pdtrio.router.workers.link import WorkerLink, WorkerLinkHung, WorkerLinkLost
 from pdtrio.router.workers.ws_client import HandshakeError
 from pdtrio.worker.link_sender import DEFAULT_HEARTBEAT_S
@@ -122,9 +123,10 @@ async def test_a_silent_link_is_dropped_with_its_streams_and_calls() -> None:
                 await link.prefill(
                     PrefillRequest("r2", TextPrompt("hi"), SamplingParams(), max_tokens=4)
                 )
-            while stream.failure is None:
+            while not isinstance(stream.outcome, StreamFailed):
                 await stream.wait_update()
-        assert "sent nothing" in stream.failure
+        assert "sent nothing" in stream.outcome.message
+        assert stream.outcome.loss is DecodeLoss.LINK_TIMEOUT
         assert not link.connected and link.statistics().hangs == 1
         await trio.testing.wait_all_tasks_blocked()
         assert len(outcome) == 1

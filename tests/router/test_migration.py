@@ -270,7 +270,7 @@ async def _tokens_come(proxied: Proxied, on: int, tokens: int = 3) -> None:
     def pushed() -> int:
         # (the link's table of streams is its own; each stream's buffer statistics are
         # the contract)
-        streams = link._streams.values()
+        streams = link._streams.running.values()
         return max((stream.buffer.statistics().tokens_pushed for stream in streams), default=0)
 
     await wait_for_stats(lambda: pushed() >= tokens, LIVENESS_S)

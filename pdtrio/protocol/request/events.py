@@ -93,6 +93,16 @@ class Deadline(enum.Enum):
     RECONNECT = "reconnect"  # a bounded wait for a decode not tried to (re)connect
 
 
+class MigrationReason(enum.StrEnum):
+    """Why decode lost a request, as a migration after the loss is counted
+    (``pdtrio_migrations_total``'s ``reason``, the access line's ``migrations``)."""
+
+    LINK_LOST = "link_lost"  # the decode instance's link broke
+    LINK_TIMEOUT = "link_timeout"  # its link went silent
+    DECODE_FAILED = "decode_failed"  # decode failed the request (or nothing above says why)
+    STALLED = "stalled"  # decode sent nothing for the request for the stream idle timeout
+
+
 class Ending(enum.Enum):
     """How the request ended, as the router counts it (``Outcome``'s names)."""
 
@@ -252,12 +262,12 @@ class DecodeTokens:
 @final
 @attrs.frozen
 class DecodeFailed:
-    """Decode holds nothing of it any more.  ``reason``: a migration label, or other;
-    ``migratable``: a loss the request may go on from; ``cut_off``: the link aborted it
-    for a client too slow (``message`` is what the client is told)."""
+    """Decode holds nothing of it any more.  ``reason``: how a migration after it is
+    counted; ``migratable``: a loss the request may go on from; ``cut_off``: the router
+    ended it for a client too slow (``message`` is what the client is told)."""
 
     message: str
-    reason: str = "decode_failed"
+    reason: MigrationReason = MigrationReason.DECODE_FAILED
     migratable: bool = False
     cut_off: bool = False
 
@@ -395,9 +405,9 @@ class AbortDecode:
 @final
 @attrs.frozen
 class Migrate:
-    """A new leg: the request goes on from a new prefill (``reason``: a migration label)."""
+    """A new leg: the request goes on from a new prefill (``reason``: why decode lost it)."""
 
-    reason: str
+    reason: MigrationReason
     lost_on: str
 
 

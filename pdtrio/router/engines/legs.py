@@ -65,13 +65,13 @@ from pdtrio.router.engines.prefill import (
     prefill_failure_message,
 )
 from pdtrio.router.engines.stream import (
-    DECODE_FAILED,
     ChoiceLeg,
     EngineChoices,
     EngineStream,
     LegAnswers,
 )
-from pdtrio.router.request.token_path import CUT_OFF_MESSAGE, stream_choices, stream_tokens
+from pdtrio.router.request.token_path import stream_choices, stream_tokens
+from pdtrio.router.stream_outcome import DecodeLoss, StreamFailed
 
 if TYPE_CHECKING:
     pass
@@ -227,7 +227,9 @@ class EngineDecodeLeg:
             # other choices are under way (their tokens may be out): this one cannot be
             # served, which fails the request; decode is not to blame
             why = prefill_failure_message(failed)
-            leg.stream.fail(f"prefill failed choice {leg.choice}: {why}", blame=False)
+            leg.stream.fail(
+                f"prefill failed choice {leg.choice}: {why}", DecodeLoss.NOT_DECODES_FAULT
+            )
             return
         self._prefill_failed = failed
         decode_scope.cancel()  # decode would wait for KV that never comes
@@ -266,7 +268,7 @@ class EngineDecodeLeg:
 
     # --- a choice started again alone ------------------------------------------------
 
-    def _retry_choice(self, choice: int, failure: str) -> bool:
+    def _retry_choice(self, choice: int, failure: StreamFailed) -> bool:
         """:func:`stream_choices`' ``retry_alone``: choice ``choice`` failed (``failure``)
         before any of its tokens went out, once other choices' had.  Start it again alone
         (a new prefill, a new decode leg, into its stream: the client sees nothing of
@@ -274,7 +276,7 @@ class EngineDecodeLeg:
         leg = self._choices[choice]
         stream = leg.stream
         reader = self._reader
-        if reader is None or stream.cut_off:
+        if reader is None or failure.cut_off:
             return False
         retry = self._retries.get(choice)
         if retry is None:
@@ -283,20 +285,20 @@ class EngineDecodeLeg:
                 retry.prefill_sent(self._prefill.instance.instance_id)
         if retry.given_up:
             return False
-        if stream.failure_reason == DECODE_FAILED:
-            self._pool.failed(leg.decode, failure)
+        if failure.loss is DecodeLoss.DECODE_FAILED:
+            self._pool.failed(leg.decode, failure.message)
             retry.decode_failed(leg.decode.instance_id)
         log.info(
             "request %s: choice %d failed before its first token (%s): started again alone",
             self._host.request_id,
             choice,
-            failure,
+            failure.message,
         )
         # (its legs, if still open, are closed: aborted in the engines)
         leg.scope.cancel()
         leg.prefill_scope.cancel()
         stream.restart()
-        reader.start_soon(self._rerun_choice, leg, retry, failure)
+        reader.start_soon(self._rerun_choice, leg, retry, failure.message)
         return True
 
     async def _rerun_choice(self, failed: ChoiceLeg, retry: rm.ChoiceRetry, failure: str) -> None:
@@ -321,7 +323,7 @@ class EngineDecodeLeg:
             retry.given_up = True
             stream.fail(
                 f"choice {choice}: no decode instance is available (last: {failure})",
-                blame=False,
+                DecodeLoss.NOT_DECODES_FAULT,
             )
             return
         request_id = prefill.rerun_request_id(choice)
@@ -333,7 +335,8 @@ class EngineDecodeLeg:
                 )
             if instance is None:
                 retry.given_up = True
-                stream.fail(f"choice {choice}: {prefill.no_instance_reason()}", blame=False)
+                why = prefill.no_instance_reason()
+                stream.fail(f"choice {choice}: {why}", DecodeLoss.NOT_DECODES_FAULT)
                 return
             retry.prefill_sent(instance.instance_id)
             host.router.metrics.retries.labels("prefill").inc()
@@ -346,7 +349,7 @@ class EngineDecodeLeg:
                 prefill_failed.failure.status
             ):
                 retry.given_up = True  # the request's own (a 4xx): not retried
-                stream.fail(prefill_failed.failure.message, blame=False)
+                stream.fail(prefill_failed.failure.message, DecodeLoss.NOT_DECODES_FAULT)
                 return
         host.router.metrics.retries.labels("decode").inc()
         leg = ChoiceLeg(choice, body, stream, decode, request_id, prefill_call, instance)
@@ -356,7 +359,7 @@ class EngineDecodeLeg:
             if prefill_call is not None:
                 beside.start_soon(self._prefill_beside_alone, leg, retry)
             await self._leg(leg, answers)
-            if answers.refusal is not None or stream.failure is not None:
+            if answers.refusal is not None or isinstance(stream.outcome, StreamFailed):
                 beside.cancel_scope.cancel()  # (its prefill would wait for a fetch)
         refusal = answers.refusal
         if refusal is None:
@@ -365,7 +368,7 @@ class EngineDecodeLeg:
             retry.given_up = True
         else:  # (the decode is out of rotation already: never again for this choice)
             retry.decode_failed(decode.instance_id)
-        stream.fail(refusal.message, blame=False)
+        stream.fail(refusal.message, DecodeLoss.NOT_DECODES_FAULT)
 
     async def _prefill_beside_alone(self, leg: ChoiceLeg, retry: rm.ChoiceRetry) -> None:
         """SGLang: a choice started again alone's prefill call, beside its decode leg."""
@@ -379,7 +382,7 @@ class EngineDecodeLeg:
         if isinstance(failed, rm.PrefillFailed) and is_clients_fault(failed.failure.status):
             retry.given_up = True  # the request's own (a 4xx): not retried
         why = prefill_failure_message(failed)
-        leg.stream.fail(f"prefill failed choice {leg.choice}: {why}", blame=False)
+        leg.stream.fail(f"prefill failed choice {leg.choice}: {why}", DecodeLoss.NOT_DECODES_FAULT)
 
     async def _leg(self, leg: ChoiceLeg, answers: LegAnswers) -> None:
         """Choice ``leg.choice``'s leg on the decode placed: its answer to ``answers``, then
@@ -500,19 +503,19 @@ class EngineDecodeLeg:
         assert self.instance is not None
         self._pool.served(self.instance)
 
-    async def _failed(self, stream: DecodeRun, failure: str) -> Wait | None:
+    async def _failed(self, stream: DecodeRun, failure: StreamFailed) -> Wait | None:
         host = self._host
-        if stream.cut_off:
-            return await host.report(rm.DecodeFailed(CUT_OFF_MESSAGE, cut_off=True))
-        if stream.failure_reason == DECODE_FAILED:
+        if failure.cut_off:
+            return await host.report(rm.DecodeFailed(failure.message, cut_off=True))
+        if failure.loss is DecodeLoss.DECODE_FAILED:
             # (the decode its choice's leg ran on: a choice started again alone may be on
             # another)
             decode = next((leg.decode for leg in self._choices if leg.stream is stream), None)
             if decode is None:
                 decode = self.instance
             assert decode is not None
-            self._pool.failed(decode, failure)
-        return await host.report(rm.DecodeFailed(failure))
+            self._pool.failed(decode, failure.message)
+        return await host.report(rm.DecodeFailed(failure.message))
 
     def abort(self) -> None:
         """End the request on decode: closing its legs' streams aborts it in the engine."""

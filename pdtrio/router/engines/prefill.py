@@ -73,8 +73,6 @@ log = logging.getLogger("pdtrio.router.engines")
 RELEASE_TIMEOUT_S = 30.0
 # what an engine's transport failures raise (httpx's, and the OS's under it)
 _TRANSPORT_ERRORS = (httpx.HTTPError, OSError)
-# a leg's stream failed by the decode instance (the reason it is suspended for)
-DECODE_FAILED = "decode_failed"
 # what the machine hears of a prefill call that did not answer with KV
 PrefillFailure: TypeAlias = rm.PrefillNotSent | rm.PrefillLost | rm.PrefillFailed
 

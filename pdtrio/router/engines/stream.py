@@ -19,19 +19,23 @@ import attrs
 import trio
 
 from pdtrio.protocol import request as rm
-from pdtrio.protocol.link.wire import DecodeRejected, TokenLogprob, Usage
+from pdtrio.protocol.link.wire import TokenLogprob, Usage
 from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.tokens.stream_buffer import PushResult, StreamBuffer
 from pdtrio.router.engines.pool import EngineInstance
-from pdtrio.router.request.token_path import CUT_OFF_MESSAGE, wait_any_update
+from pdtrio.router.request.token_path import wait_any_update
+from pdtrio.router.stream_outcome import (
+    ACCEPTED,
+    CUT_OFF_MESSAGE,
+    DecodeLoss,
+    StreamFailed,
+    StreamOutcome,
+)
 
 if TYPE_CHECKING:
     from pdtrio.router.request.hold_timer import HoldTimer
 
 log = logging.getLogger("pdtrio.router.engines")
-
-# a leg's stream failed by the decode instance (the reason it is suspended for)
-DECODE_FAILED = "decode_failed"
 
 
 @final
@@ -46,12 +50,7 @@ class EngineStream:
 
     def __init__(self, max_pending_tokens: int, *, with_logprobs: bool = False) -> None:
         self.buffer = StreamBuffer(max_pending_tokens=max_pending_tokens)
-        self.accepted = True  # (it exists once decode answered 200)
-        self.rejection: DecodeRejected | None = None
-        self.failure: str | None = None
-        # decode_failed: the decode instance's failure; another: not the instance's fault
-        self.failure_reason = DECODE_FAILED
-        self.cut_off = False
+        self.outcome: StreamOutcome = ACCEPTED  # (it exists once decode answered 200)
         self.token_ids: list[int] | None = None  # (an engine's request never migrates)
         # the request asked for logprobs: those of tokens pushed and not yet delivered
         self.logprobs: list[TokenLogprob] | None = [] if with_logprobs else None
@@ -66,17 +65,24 @@ class EngineStream:
         self.updated = True
         self._lot.unpark_all()
 
-    def fail(self, failure: str, *, blame: bool = True) -> None:
-        """End the stream with ``failure`` (``blame``: the decode instance's)."""
-        self.failure = failure
-        if not blame:
-            self.failure_reason = "decode_not_to_blame"
+    def fail(self, message: str, loss: DecodeLoss = DecodeLoss.DECODE_FAILED) -> None:
+        """End the stream with ``message`` (a later failure's replaces an earlier one's,
+        but a cut-off stays one)."""
+        before = self.outcome
+        if isinstance(before, StreamFailed):
+            if before.cut_off:
+                # its consumer ends it as cut off, whatever came after
+                loss, message = before.loss, before.message
+            elif before.loss is DecodeLoss.NOT_DECODES_FAULT and loss is DecodeLoss.DECODE_FAILED:
+                # decode's failure after another part failed its choice (it waited for KV
+                # that never came) follows from that one: decode is not blamed
+                loss = before.loss
+        self.outcome = StreamFailed(message, loss)
         self._notify()
 
     def restart(self) -> None:
         """Its choice starts again alone (nothing of it went out): no failure now."""
-        self.failure = None
-        self.failure_reason = DECODE_FAILED
+        self.outcome = ACCEPTED
 
     async def push(
         self,
@@ -96,8 +102,7 @@ class EngineStream:
         if tool_calls and self.tool_calls is not None:
             self.tool_calls += tool_calls
         if self.buffer.push(text, num_tokens, finish_reason, usage) is PushResult.OVERFLOW:
-            self.cut_off = True
-            self.fail(CUT_OFF_MESSAGE)
+            self.fail(CUT_OFF_MESSAGE, DecodeLoss.CUT_OFF)
             return False
         self._notify()
         while self.buffer.has_pending and not self.holding and finish_reason is None:
@@ -120,7 +125,7 @@ class EngineStream:
         self._taken.set()
         try:
             with trio.move_on_at(deadline):
-                while not self.buffer.finished and self.failure is None:
+                while not self.buffer.finished and not isinstance(self.outcome, StreamFailed):
                     await self._lot.park()
         finally:
             self.holding = False

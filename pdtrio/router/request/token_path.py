@@ -23,10 +23,10 @@ from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.tokens.egress import send_deadline
 from pdtrio.protocol.tokens.stream_buffer import PendingDelta
 from pdtrio.router.backend import ChoiceRuns, DecodeRun, LegHost, ShellFailure, Wait
+from pdtrio.router.stream_outcome import StreamFailed
 
 log = logging.getLogger("pdtrio.router.pipeline")
 
-CUT_OFF_MESSAGE = "the client fell too far behind the token stream and was cut off"
 NO_COUNTS = rm.Failure(Reason.INTERNAL, "the engine finished the request without its token counts")
 
 
@@ -34,7 +34,7 @@ async def stream_tokens(
     host: LegHost,
     stream: DecodeRun,
     served: Callable[[], None],
-    failed: Callable[[DecodeRun, str], Awaitable[Wait | None]],
+    failed: Callable[[DecodeRun, StreamFailed], Awaitable[Wait | None]],
 ) -> Wait | None:
     """Deliver decode's tokens as they come; under load, spaced (adaptive egress).
 
@@ -52,13 +52,13 @@ async def stream_tokens(
     while True:
         spacing = egress.spacing_s
         held_until: float | None = None
-        if spacing and not buffer.finished and stream.failure is None:
+        if spacing and not buffer.finished and not isinstance(stream.outcome, StreamFailed):
             deadline = send_deadline(last_sent_at, spacing, router.now())
             if deadline is not None:
                 await stream.hold_until(deadline, router.hold_timer)
                 held_until = deadline
         # read before the take: every token pushed before a failure goes out first
-        failure = stream.failure
+        outcome = stream.outcome
         delta = buffer.take()
         if delta is not None:
             final = delta.finish_reason is not None
@@ -70,8 +70,8 @@ async def stream_tokens(
                 # spaced from the schedule, not from when the send returned: the
                 # send's own time and a late wake-up would add to every gap
                 last_sent_at = held_until if held_until is not None else router.now()
-        if failure is not None:
-            return await failed(stream, failure)
+        if isinstance(outcome, StreamFailed):
+            return await failed(stream, outcome)
         await stream.wait_update()
 
 
@@ -79,9 +79,9 @@ async def stream_choices(
     host: LegHost,
     stream: ChoiceRuns,
     served: Callable[[], None],
-    failed: Callable[[DecodeRun, str], Awaitable[Wait | None]],
+    failed: Callable[[DecodeRun, StreamFailed], Awaitable[Wait | None]],
     *,
-    retry_alone: Callable[[int, str], bool] | None = None,
+    retry_alone: Callable[[int, StreamFailed], bool] | None = None,
 ) -> Wait | None:
     """:func:`stream_tokens` for a request with ``n`` > 1: each choice's deltas as they
     come, with its index; the response ends with the last choice's finish.  No egress
@@ -97,7 +97,7 @@ async def stream_choices(
     while True:
         for choice, run in list(running.items()):
             # read before the take: every token pushed before a failure goes out first
-            failure = run.failure
+            outcome = run.outcome
             delta = run.buffer.take()
             if delta is not None:
                 started.add(choice)
@@ -108,15 +108,15 @@ async def stream_choices(
                 if finished and not running:
                     served()
                     return await host.report(rm.DecodeTokens(final=True))
-            if failure is not None and choice in running:
+            if isinstance(outcome, StreamFailed) and choice in running:
                 if (
                     retry_alone is not None
                     and choice not in started
                     and machine.decode_confirmed
-                    and retry_alone(choice, failure)
+                    and retry_alone(choice, outcome)
                 ):
                     continue
-                return await failed(run, failure)
+                return await failed(run, outcome)
         await stream.wait_choices_update()
 
 

@@ -30,24 +30,22 @@ from pdtrio.router.backend import (
     ShellFailure,
     Wait,
 )
-from pdtrio.router.metrics import MIGRATION_REASONS
 from pdtrio.router.request.capacity import QueueFull
-from pdtrio.router.request.token_path import (
-    CUT_OFF_MESSAGE,
-    stream_choices,
-    stream_tokens,
+from pdtrio.router.request.token_path import stream_choices, stream_tokens
+from pdtrio.router.stream_outcome import (
+    StreamAccepted,
+    StreamFailed,
+    StreamRejected,
+    StreamUnanswered,
 )
 from pdtrio.router.workers.instances import Instance
 from pdtrio.router.workers.link import (
     WorkerLink,
     rejection_is_retryable,
 )
-from pdtrio.router.workers.prefill import PrefillLeg, WorkerParts, migration_label, running_choices
+from pdtrio.router.workers.prefill import PrefillLeg, WorkerParts, running_choices
 
 log = logging.getLogger("pdtrio.router.pipeline")
-
-# a stream's failure reasons that are its link's, not the worker's word on the request
-_LINK_FAILURES = frozenset({"link_lost", "link_timeout"})
 
 
 class _NoDecodeLeft(Exception):
@@ -269,9 +267,12 @@ class DecodeLeg:
         except BackendUnreachable as exc:
             return await host.report(rm.DecodeNotSent(str(exc)))
         await host.report(rm.DecodeStartQueued())  # (prefill's token goes out now)
-        while not (stream.accepted or stream.rejection or stream.failure):
+        while isinstance(stream.outcome, StreamUnanswered):
             await stream.wait_update()
-        if stream.accepted:
+        outcome = stream.outcome
+        if isinstance(outcome, StreamAccepted) or (
+            isinstance(outcome, StreamFailed) and outcome.accepted
+        ):
             host.figures.handoff_s = time.perf_counter() - sent_at
             if not self._streaming:
                 self._streaming = True
@@ -280,11 +281,11 @@ class DecodeLeg:
             if stream.choices is not None:
                 return await stream_choices(host, stream, self._served, self._failed)
             return await stream_tokens(host, stream, self._served, self._failed)
-        if stream.failure is not None:
-            reason = stream.failure_reason or "link_lost"
-            return await host.report(rm.DecodeFailed(stream.failure, migration_label(reason)))
-        rejection = stream.rejection
-        assert rejection is not None
+        if isinstance(outcome, StreamFailed):
+            reason = outcome.loss.migration_reason
+            return await host.report(rm.DecodeFailed(outcome.message, reason))
+        assert isinstance(outcome, StreamRejected)
+        rejection = outcome.rejection
         return await host.report(
             rm.DecodeRejected(
                 rejection.message,
@@ -300,25 +301,25 @@ class DecodeLeg:
         if decode is not None:
             self._workers.instances.instance_served(decode)
 
-    async def _failed(self, stream: DecodeRun, failure: str) -> Wait | None:
+    async def _failed(self, stream: DecodeRun, failure: StreamFailed) -> Wait | None:
         """Decode holds nothing of it any more: it failed there, or the link aborted it."""
         host = self._host
-        if stream.cut_off:
-            return await host.report(rm.DecodeFailed(CUT_OFF_MESSAGE, cut_off=True))
-        reason = stream.failure_reason
+        if failure.cut_off:
+            return await host.report(rm.DecodeFailed(failure.message, cut_off=True))
+        loss = failure.loss
         decode = self.instance()
-        if decode is not None and reason not in _LINK_FAILURES:
+        if decode is not None and not loss.is_link_loss:
             # a lost link is out of rotation until it reconnects: one loss fails all its
             # streams at once, and is not that many failures in a row
             self._workers.instances.instance_failed(decode, host.router.now())
-        migratable = reason in MIGRATION_REASONS and stream.token_ids is not None
+        migratable = loss.may_migrate and stream.token_ids is not None
         generated = self._prefill.generated
         if migratable and generated is not None and host.machine.decode_confirmed:
             # every token it pushed went out: a continuation starts after them
             assert stream.token_ids is not None
             generated += stream.token_ids
             self.stop_counting()  # until another decode accepts it
-        event = rm.DecodeFailed(failure, migration_label(reason), migratable=migratable)
+        event = rm.DecodeFailed(failure.message, loss.migration_reason, migratable=migratable)
         return await host.report(event)
 
     def abort(self) -> None:

@@ -3,40 +3,27 @@
 Everything per request rides it, whatever the worker's role: the prefill call
 and its answer, the release, the decode start, its answer and tokens, the
 abort.  No HTTP exchange per request: one connection, request ids, one reader
-task, one writer task draining a bounded outbox.
+task, one writer task draining a bounded outbox (``link_outbox``).
+
+The link's parts: the connection, its liveness and its reader (here); what it
+sends (``link_outbox.LinkOutbox``); the decode streams running on it, which the
+reader feeds (``link_streams.LinkStreams``); and the releases it owes
+(``link_releases.OwedReleases``).
 
 The router asks each worker for batches (``?batch=1``): what queued on the
 worker during a write comes as one message (``wire.is_batch``); a single
-message is read too.  The reader decodes each frame and hands each token
-entry to its stream's bounded buffer without ever awaiting the stream's
-consumer, so a slow client cannot stall the others; the stream's own task
-drains its buffer.  A message posted to an idle link (nothing queued, no
-write under way) is written at once from the poster's task, a frame whole in
-one ``os.write`` that never waits (``WebSocketClient.send_now``): waking the
-writer for it was a task step more per message.  Otherwise the writer sends
-whatever is queued in one write, so a burst shares a syscall; what the kernel
-left of a message written at once goes first.  Either way no await falls
-inside a frame, so a request cancelled mid-way can never tear one.
+message is read too.  The reader decodes each frame and hands each message to
+its part; no message waits for a stream's consumer.
 
 Cancellation: a prefill call whose request is cancelled sends a release,
 which stops the prefill on the worker (or frees the blocks it leased); a
 reply that comes for a call nobody waits for any more is released at once.
-A release shows the request's release token (:func:`release_token`, sent
-with the call), so the worker honours it over any link, whether its reply
-was sent or not.  Releases made while the link is down, those sent in the
-last two link timeouts before it was lost (they may be lost with it), and
-one for each prefill call the link's loss cut off (its reply may be lost
-with it, the KV leased) are sent when it comes back: nothing stays pinned
-until its lease ends.  The
-link owns aborts: whoever ends a decode here (its pipeline's cleanup, or the
-reader cutting off a client that fell too far behind) calls
-:meth:`WorkerLink.abort`, which never blocks.  A stream the link ended is
-marked failed, so its consumer ends with an error as soon as it looks.
+No release is lost with the link (``link_releases`` says how).  Whoever ends a
+decode here calls :meth:`WorkerLink.abort`, which never blocks.
 
-The link keeps decode's last ``DecodeCapacity`` report and the blocks it has
-promised to starts decode has not answered yet (decode reports an accept's
-blocks before the accept), so :attr:`WorkerLink.available_blocks` never counts
-the same free blocks twice.  Every change calls ``on_capacity``.
+The link keeps decode's last ``DecodeCapacity`` report, less the blocks promised
+to starts decode has not answered yet, as :attr:`WorkerLink.available_blocks`.
+Every change calls ``on_capacity``.
 
 The link asks for the worker's prefix cache changes (``?kv_events=1``) and keeps
 them in :attr:`WorkerLink.cached_blocks`: emptied when the link drops, rebuilt from
@@ -52,11 +39,8 @@ that long (a stopped or wedged worker: its TCP stays up), as if it broke.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import secrets
 import ssl
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import final
 
@@ -66,12 +50,9 @@ import trio
 
 from pdtrio.protocol.link.wire import (
     DECODE_ERRORS,
-    DecodeAbort,
-    DecodeAccepted,
     DecodeCapacity,
     DecodeRejected,
     DecodeStart,
-    DecodeStartChoices,
     Heartbeat,
     KvEvents,
     PrefillFailed,
@@ -81,10 +62,8 @@ from pdtrio.protocol.link.wire import (
     PrefillRequest,
     RejectReason,
     ReleaseRequest,
-    TokenEntry,
     TokenFrame,
     TokenLogprobs,
-    choice_request_id,
     encode,
     encode_in_pieces,
     from_worker_batch_decoder,
@@ -93,10 +72,12 @@ from pdtrio.protocol.link.wire import (
     prompt_is_long,
 )
 from pdtrio.protocol.placement.prefix_index import CachedBlocks
-from pdtrio.protocol.tokens.stream_buffer import PushResult
 from pdtrio.router.backend import BackendLost, BackendUnreachable
-from pdtrio.router.request.token_path import CUT_OFF_MESSAGE
+from pdtrio.router.stream_outcome import DecodeLoss
 from pdtrio.router.workers.kv_leases import LeaseClock
+from pdtrio.router.workers.link_outbox import LinkOutbox
+from pdtrio.router.workers.link_releases import OwedReleases, release_token
+from pdtrio.router.workers.link_streams import LinkStreams
 from pdtrio.router.workers.stream import DecodeStream
 from pdtrio.router.workers.ws_client import (
     ConnectionClosed,
@@ -108,7 +89,6 @@ from pdtrio.security import PeerAuthenticationError
 
 log = logging.getLogger("pdtrio.router.worker_link")
 
-_OVERFLOW = PushResult.OVERFLOW
 _MAX_MESSAGE_SIZE = 64 * 1024 * 1024
 # one read of the link takes up to this much; every frame in it is dispatched
 # before the reader yields, so a stream's consumer wakes once per read, not per frame
@@ -117,22 +97,6 @@ _RECEIVE_SIZE = 64 * 1024
 
 # a long prompt goes to the writer in pieces of this size, each encoded just before it is sent
 _PROMPT_PIECE_BYTES = 256 * 1024
-
-# messages waiting for the writer; a caller that finds it full waits for room
-_OUTBOX_LIMIT = 4096
-# releases kept for when a link that is down comes back (past this, the oldest are dropped:
-# their leases expire)
-_RELEASES_DUE_LIMIT = 65536
-
-# the key of this router process's release tokens: no other peer can make one
-_RELEASE_KEY = secrets.token_bytes(32)
-
-
-def release_token(request_id: str) -> str:
-    """This router's proof that it asked for the request's prefill (sent with the call):
-    a release showing it frees the KV on any link.  Derived, not stored (no state per
-    request, no system call)."""
-    return hashlib.blake2b(request_id.encode(), key=_RELEASE_KEY, digest_size=16).hexdigest()
 
 
 class WorkerLinkError(Exception):
@@ -235,35 +199,29 @@ class WorkerLink:
         self.capacity: DecodeCapacity | None = None
         # the block hashes its prefix cache holds, as this connection reported them
         self.cached_blocks = CachedBlocks()
-        # blocks of starts sent and not yet answered: decode's report may not count them yet
-        self._promised: dict[str, int] = {}
         self.url = url
         self.max_pending_tokens = max_pending_tokens
         self._ws: WebSocketClient | None = None
-        self._streams: dict[str, DecodeStream] = {}
+        self._outbox = LinkOutbox(on_quieter)
+        self._streams = LinkStreams(
+            instance_id,
+            max_pending_tokens,
+            post_nowait=self._outbox.post_nowait,
+            on_capacity=on_capacity,
+            on_quieter=on_quieter,
+        )
         self._prefills: dict[str, _PendingPrefill] = {}
-        # request id -> token of the releases to send once the link is back up
-        self._releases_due: dict[str, str] = {}
-        # (when, request id, token) of the releases sent on this connection lately: a link
-        # that is lost may have lost them (unsent, or unread by a worker that hung), so they
-        # are sent again on the next (a release is idempotent)
-        self._recent_releases: deque[tuple[float, str, str]] = deque()
-        # encoded messages for the writer, in order; a list swapped out whole per write
-        self._outbox: list[bytes | Iterator[bytes]] = []
-        self._writer_waiting = trio.lowlevel.ParkingLot()
-        self._room_waiting = trio.lowlevel.ParkingLot()
+        self._releases = OwedReleases()
         self.ever_connected = False
         self._frames_received = 0
-        self._entries_received = 0
-        self._clients_cut_off = 0
 
     def statistics(self) -> WorkerLinkStatistics:
         return WorkerLinkStatistics(
             connects=self._connects,
             hangs=self._hangs,
             frames_received=self._frames_received,
-            entries_received=self._entries_received,
-            clients_cut_off=self._clients_cut_off,
+            entries_received=self._streams.entries_received,
+            clients_cut_off=self._streams.clients_cut_off,
         )
 
     @property
@@ -278,27 +236,19 @@ class WorkerLink:
 
     @property
     def active_requests(self) -> int:
-        return len(self._streams)
+        return len(self._streams.running)
 
     @property
     def busy(self) -> bool:
         """Whether requests run on it, or messages wait to go: closing it would cut them."""
-        ws = self._ws
-        return bool(
-            self._streams or self._prefills or self._outbox or (ws is not None and ws.has_unsent)
-        )
+        return bool(self._streams.running or self._prefills or self._outbox.busy)
 
     @property
     def available_blocks(self) -> int:
         """Free blocks decode reported, less those promised since; 0 when it cannot take any."""
         if self.capacity is None or self._ws is None:
             return 0
-        return self.capacity.free_blocks - sum(self._promised.values())
-
-    def _settle(self, request_id: str) -> None:
-        """Decode answered (or will never answer) a start: its promise is over."""
-        if self._promised.pop(request_id, None) is not None:
-            self._on_capacity()
+        return self.capacity.free_blocks - self._streams.promised_blocks
 
     async def _authorization(self) -> Sequence[tuple[bytes, bytes]]:
         if self._authorize is None:
@@ -315,40 +265,16 @@ class WorkerLink:
         ws: WebSocketClient | None = None
         lost = "the connection to the worker was lost"
         self._now = trio.lowlevel.current_clock().current_time
-        # a stopped worker's kernel still accepts TCP: only the handshake tells; once
-        # the link has worked, a reconnect gets no longer than silence would
-        connect_timeout_s = self.link_timeout_s if self.ever_connected else self._connect_timeout_s
         try:
-            with trio.move_on_after(connect_timeout_s):
-                headers = await self._authorization()
-                ws = await connect_websocket(
-                    self._connect_url,
-                    max_message_size=_MAX_MESSAGE_SIZE,
-                    receive_size=_RECEIVE_SIZE,
-                    headers=headers,
-                    ssl_context=self._ssl_context,
-                )
-            if ws is None:
-                raise HandshakeError(f"{self.url}: no websocket within {connect_timeout_s:g}s")
-            self._ws = ws
-            self.ever_connected = True
-            self._connects += 1
-            # what was queued for the old connection: the worker ended those requests itself,
-            # but not the KV its replies leased: those releases go first
-            self._outbox.clear()
-            if self._releases_due:
-                due, self._releases_due = self._releases_due, {}
-                for request_id, token in due.items():
-                    self._post_release(request_id, token)
-                log.info("worker %s: %d releases sent on reconnecting", self.instance_id, len(due))
-            self._last_read = trio.current_time()
+            ws = await self._handshake()
+            self._start_using(ws)
             task_status.started()
             self._hung = False
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._write, ws)
+                nursery.start_soon(self._outbox.write, ws)
                 nursery.start_soon(self._watch, nursery.cancel_scope)
                 if self.stream_idle_timeout_s > 0:
-                    nursery.start_soon(self._end_idle_streams)
+                    nursery.start_soon(self._streams.end_idle, self.stream_idle_timeout_s)
                 await self._read(ws)
                 nursery.cancel_scope.cancel()
             if self._hung:
@@ -359,53 +285,59 @@ class WorkerLink:
             self._ws = None
             self.capacity = None
             self.cached_blocks.clear()  # the next connection's snapshot rebuilds it
-            self._promised.clear()
-            self._outbox.clear()
-            self._room_waiting.unpark_all()
-            for _, request_id, token in self._recent_releases:
-                self._release_later(request_id, token)
-            self._recent_releases.clear()
-            self._fail_all(lost, "link_timeout" if self._hung else "link_lost")
+            self._outbox.disconnected()
+            self._releases.link_lost()
+            self._fail_all(lost, DecodeLoss.LINK_TIMEOUT if self._hung else DecodeLoss.LINK_LOST)
             self._on_capacity()  # waiters look elsewhere (or time out)
             self._on_quieter()
             if ws is not None:
                 await ws.aclose()
 
+    async def _handshake(self) -> WebSocketClient:
+        """A new connection to the worker, under the connect timeout."""
+        # a stopped worker's kernel still accepts TCP: only the handshake tells; once
+        # the link has worked, a reconnect gets no longer than silence would
+        connect_timeout_s = self.link_timeout_s if self.ever_connected else self._connect_timeout_s
+        ws: WebSocketClient | None = None
+        with trio.move_on_after(connect_timeout_s):
+            headers = await self._authorization()
+            ws = await connect_websocket(
+                self._connect_url,
+                max_message_size=_MAX_MESSAGE_SIZE,
+                receive_size=_RECEIVE_SIZE,
+                headers=headers,
+                ssl_context=self._ssl_context,
+            )
+        if ws is None:
+            raise HandshakeError(f"{self.url}: no websocket within {connect_timeout_s:g}s")
+        return ws
+
+    def _start_using(self, ws: WebSocketClient) -> None:
+        """Everything goes over ``ws`` from now; the releases owed go first."""
+        self._ws = ws
+        self.ever_connected = True
+        self._connects += 1
+        # what was queued for the old connection is dropped: the worker ended those
+        # requests itself, but not the KV its replies leased: those releases go first
+        self._outbox.connected(ws)
+        due = self._releases.take_due()
+        if due:
+            for request_id, token in due.items():
+                self._post_release(request_id, token)
+            log.info("worker %s: %d releases sent on reconnecting", self.instance_id, len(due))
+        self._last_read = trio.current_time()
+
+    def _fail_all(self, message: str, loss: DecodeLoss) -> None:
+        """The link is down: every stream and prefill call on it fails with ``message``."""
+        self._streams.link_lost(message, loss)
+        prefills = list(self._prefills.items())
+        self._prefills.clear()
+        for request_id, pending in prefills:
+            # its reply may be lost with the link, its KV leased: released once it is back
+            self.release(request_id)
+            pending.settle(None, lost=message)
+
     # --- reading --------------------------------------------------------------------
-
-    async def _end_idle_streams(self) -> None:
-        """End streams that got no answer or token for ``stream_idle_timeout_s``.
-
-        A live link (heartbeats) can still carry a request decode forgot: an
-        engine fault.  A sweep a few times per timeout, reading each stream's
-        count of tokens pushed: nothing on the hot path.
-        """
-        timeout = self.stream_idle_timeout_s
-        # request id -> (tokens pushed when last seen to change, when)
-        seen: dict[str, tuple[int, float]] = {}
-        while True:
-            await trio.sleep(timeout / 4)
-            now = trio.current_time()
-            for request_id, stream in list(self._streams.items()):
-                pushed = stream.buffer.statistics().tokens_pushed
-                mark = seen.get(request_id)
-                if mark is None or mark[0] != pushed:
-                    seen[request_id] = (pushed, now)
-                elif now - mark[1] >= timeout:
-                    log.warning(
-                        "request %s got nothing from %s for %gs: ending it",
-                        request_id,
-                        self.instance_id,
-                        timeout,
-                    )
-                    self._end(
-                        stream,
-                        f"decode sent nothing for it for {timeout:g}s",
-                        "stalled",
-                        abort=True,
-                    )
-            for request_id in [r for r in seen if r not in self._streams]:
-                del seen[request_id]
 
     async def _watch(self, link_scope: trio.CancelScope) -> None:
         """Cancel ``link_scope`` once no frame came for the link timeout.
@@ -440,7 +372,7 @@ class WorkerLink:
         streams = self._streams
         decode = from_worker_decoder.decode_raw
         decode_batch = from_worker_batch_decoder.decode_raw
-        dispatch_entries = self._dispatch_entries
+        dispatch_entries = streams.dispatch_entries
         # the run's clock, read straight (trio.current_time() is two calls more)
         clock = trio.lowlevel.current_clock().current_time
         while True:
@@ -463,169 +395,36 @@ class WorkerLink:
                 for message in messages:
                     if type(message) is TokenFrame:
                         dispatch_entries(message.entries)
-                        continue
-                    if type(message) is DecodeCapacity:
+                    elif type(message) is DecodeCapacity:
                         self.capacity = message
                         self._on_capacity()
-                        continue
-                    if (
+                    elif (
                         type(message) is PrefillReply
                         or type(message) is PrefillFailed
                         or type(message) is PrefillReplyWithLogprob
                         or type(message) is PrefillReplyWithChoices
                     ):
-                        handle = message.kv_handle if isinstance(message, PrefillReply) else None
-                        pending = self._prefills.pop(message.request_id, None)
-                        if pending is not None:
-                            if handle is not None:
-                                # its lease's TTL counts from here, on our clock
-                                self._leases.received(handle, clock())
-                            pending.settle(message)
-                        elif handle is not None:
-                            # its caller gave up (and sent a release, which may have crossed
-                            # this reply): release again, harmless if it was
-                            self.release(message.request_id, handle.access_token)
-                        continue
-                    if type(message) is Heartbeat:
-                        continue  # its arrival was all it had to say
-                    if type(message) is KvEvents:
+                        self._prefill_answered(message, clock())
+                    elif type(message) is Heartbeat:
+                        pass  # its arrival was all it had to say
+                    elif type(message) is KvEvents:
                         self.cached_blocks.apply(message)
-                        continue
-                    if type(message) is TokenLogprobs:
-                        stream = streams.get(message.request_id)
-                        if stream is not None and stream.logprobs is not None:
-                            stream.logprobs += message.items  # (its tokens follow)
-                        continue
-                    self._settle(message.request_id)
-                    stream = streams.get(message.request_id)
-                    if stream is None:
-                        continue  # already ended here
-                    if type(message) is DecodeAccepted:
-                        # no wake-up: the waiter learns it with the first tokens (one wake-up
-                        # per request fewer); a rejection or failure wakes it at once
-                        stream.accepted = True
-                        if stream.choices is not None:
-                            self._accept_choices(stream)
-                        continue
-                    if type(message) is DecodeRejected:
-                        stream.rejection = message
-                        del streams[message.request_id]
-                    else:  # DecodeFailed: decode holds nothing of it any more
-                        stream.failure = message.message
-                        stream.failure_reason = "decode_failed"
-                        del streams[message.request_id]
-                    stream.notify()
-                    self._on_quieter()
+                    elif type(message) is TokenLogprobs:
+                        streams.logprobs_ahead(message)
+                    else:  # decode's answer to a start, or its failure of a request
+                        streams.answered(message)
 
-    def _accept_choices(self, stream: DecodeStream) -> None:
-        """Decode runs the request's choices: their entries reach their streams from now.
-        Without choice 0, the request's own id runs nothing more there."""
-        assert stream.choices is not None
-        for choice_stream in stream.choices.values():
-            self._streams[choice_stream.request_id] = choice_stream
-        if 0 not in stream.choices:
-            del self._streams[stream.request_id]
-
-    def _dispatch_entries(self, entries: list[TokenEntry]) -> None:
-        """Hand each entry to its stream; never waits (the hot path)."""
-        streams = self._streams
-        get = streams.get
-        self._entries_received += len(entries)
-        for entry in entries:
-            stream = get(entry.request_id)
-            if stream is None:
-                continue  # aborted or already gone
-            finish_reason = entry.finish_reason
-            token_ids = stream.token_ids
-            if token_ids is not None:
-                token_ids += entry.token_ids
-            result = stream.buffer.push(
-                entry.text, len(entry.token_ids), finish_reason, entry.usage
-            )
-            if result is _OVERFLOW:
-                self._clients_cut_off += 1
-                self._end(stream, CUT_OFF_MESSAGE, "cut_off", abort=True)
-                stream.cut_off = True
-            elif finish_reason is not None:
-                del streams[entry.request_id]  # finished on decode: nothing to abort
-                self._on_quieter()
-            if not stream.updated and (finish_reason is not None or not stream.holding):
-                stream.notify()
-
-    def _end(self, stream: DecodeStream, failure: str, reason: str, *, abort: bool) -> None:
-        self._settle(stream.request_id)
-        if self._streams.get(stream.request_id) is stream:
-            del self._streams[stream.request_id]
-            if abort:
-                self._post_nowait(encode(DecodeAbort(stream.request_id)))
-            self._on_quieter()
-        if stream.failure is None:
-            stream.failure = failure
-            stream.failure_reason = reason
-        stream.notify()
-
-    def _fail_all(self, message: str, reason: str) -> None:
-        streams = list(self._streams.values())
-        self._streams.clear()
-        for stream in streams:
-            if stream.failure is None:
-                stream.failure = message
-                stream.failure_reason = reason
-            stream.notify()
-        prefills = list(self._prefills.items())
-        self._prefills.clear()
-        for request_id, pending in prefills:
-            # its reply may be lost with the link, its KV leased: released once it is back
-            self.release(request_id)
-            pending.settle(None, lost=message)
-
-    # --- writing --------------------------------------------------------------------
-
-    def _post_nowait(self, data: bytes) -> None:
-        """Queue a message past the outbox's limit (releases and aborts: never block)."""
-        ws = self._ws
-        if ws is None:
-            return  # the worker ended the link's requests itself
-        self._send_or_queue(ws, data)
-
-    async def _post(self, data: bytes | Iterator[bytes]) -> None:
-        """Queue a message for the writer, waiting while the outbox is full."""
-        while len(self._outbox) >= _OUTBOX_LIMIT and self._ws is not None:
-            await self._room_waiting.park()
-        ws = self._ws
-        if ws is None:
-            raise WorkerLinkClosed(f"worker {self.instance_id} is not connected")
-        self._send_or_queue(ws, data)
-
-    def _send_or_queue(self, ws: WebSocketClient, data: bytes | Iterator[bytes]) -> None:
-        """Write an idle link's message from the poster's task, else queue it for the
-        writer: waking the writer would be a task step more per message, for a batch
-        of one most of the time."""
-        if not self._outbox and type(data) is bytes and ws.send_now(data):
-            if not ws.has_unsent:
-                return
-            # the kernel took only its start: the writer sends the rest first
-        else:
-            self._outbox.append(data)
-        if self._writer_waiting:
-            self._writer_waiting.unpark()
-
-    async def _write(self, ws: WebSocketClient) -> None:
-        while True:
-            if not self._outbox and not ws.has_unsent:
-                await self._writer_waiting.park()
-                continue
-            batch = self._outbox
-            self._outbox = []
-            if self._room_waiting:
-                self._room_waiting.unpark_all()
-            try:
-                await ws.send_messages(batch)
-            except ConnectionClosed:
-                return  # the reader sees the close; the worker ends a lost link's requests
-            del batch  # a huge prefill call must not live on until the next write
-            if not self._outbox:
-                self._on_quieter()
+    def _prefill_answered(self, message: PrefillReply | PrefillFailed, now: float) -> None:
+        handle = message.kv_handle if isinstance(message, PrefillReply) else None
+        pending = self._prefills.pop(message.request_id, None)
+        if pending is not None:
+            if handle is not None:
+                self._leases.received(handle, now)  # its lease's TTL counts from here
+            pending.settle(message)
+        elif handle is not None:
+            # its caller gave up (and sent a release, which may have crossed this reply):
+            # release again, harmless if it was
+            self.release(message.request_id, handle.access_token)
 
     # --- the pipeline's side --------------------------------------------------------
 
@@ -651,7 +450,8 @@ class WorkerLink:
         pending = _PendingPrefill()
         self._prefills[request_id] = pending
         try:
-            await self._post(data)
+            if not await self._outbox.post(data):
+                raise WorkerLinkClosed(f"worker {self.instance_id} is not connected")
             del data  # a huge prompt need not live on here
             await pending.wait()
         except BaseException:
@@ -672,26 +472,14 @@ class WorkerLink:
             self._leases.forget(access_token)
         token = access_token or release_token(request_id)
         if self._ws is None:
-            self._release_later(request_id, token)
+            self._releases.later(request_id, token)
             return
         self._post_release(request_id, token)
 
-    def _release_later(self, request_id: str, token: str) -> None:
-        """Send the release once the link is back (bounded: past it, leases expire)."""
-        due = self._releases_due
-        due[request_id] = token
-        if len(due) > _RELEASES_DUE_LIMIT:
-            del due[next(iter(due))]
-
     def _post_release(self, request_id: str, token: str) -> None:
         """Queue the release, and keep it (for two link timeouts) in case the link is lost."""
-        now = self._now()
-        recent = self._recent_releases
-        recent.append((now, request_id, token))
-        kept_since = now - 2 * self.link_timeout_s
-        while recent[0][0] < kept_since or len(recent) > _RELEASES_DUE_LIMIT:
-            recent.popleft()
-        self._post_nowait(encode(ReleaseRequest(request_id, token)))
+        self._releases.sent(request_id, token, self._now(), 2 * self.link_timeout_s)
+        self._outbox.post_nowait(encode(ReleaseRequest(request_id, token)))
 
     async def start(
         self, start: DecodeStart, blocks: int = 0, *, keep_token_ids: bool = False
@@ -705,42 +493,22 @@ class WorkerLink:
         """
         if self._ws is None:
             raise WorkerLinkClosed(f"decode instance {self.instance_id} is not connected")
-        if start.request_id in self._streams:
+        if start.request_id in self._streams.running:
             raise WorkerLinkError(f"request {start.request_id} is already running on this link")
-        stream = DecodeStream(start.request_id, self.max_pending_tokens)
-        if keep_token_ids:
-            stream.token_ids = []
-        if start.sampling.wants_logprobs:
-            stream.logprobs = []
-        if type(start) is DecodeStartChoices:
-            stream.choices = {}
-            for choice, _ in start.choices:
-                if choice == 0:
-                    stream.choices[0] = stream
-                    continue
-                choice_stream = DecodeStream(
-                    choice_request_id(start.request_id, choice), self.max_pending_tokens
-                )
-                if start.sampling.wants_logprobs:
-                    choice_stream.logprobs = []
-                stream.add_choice(choice, choice_stream)
-        self._streams[start.request_id] = stream
-        self._promised[start.request_id] = blocks
+        stream = self._streams.open(start, blocks, keep_token_ids=keep_token_ids)
         try:
             # decode counts the lease from its receipt: it gets what is left of it now
-            await self._post(encode(self._leases.to_send(start, self._now())))
+            if not await self._outbox.post(encode(self._leases.to_send(start, self._now()))):
+                raise WorkerLinkClosed(f"worker {self.instance_id} is not connected")
         except BaseException:
             # not queued (the link is down, or cancelled while waiting for room)
-            self._streams.pop(start.request_id, None)
-            self._settle(start.request_id)
+            self._streams.unsent(start.request_id)
             raise
         return stream
 
     def abort(self, request_id: str) -> None:
         """End the request on decode if it is still running there; never blocks, idempotent."""
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            self._end(stream, "the request was aborted", "aborted", abort=True)
+        self._streams.abort(request_id)
 
 
 def rejection_is_retryable(rejection: DecodeRejected) -> bool:

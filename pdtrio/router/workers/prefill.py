@@ -43,16 +43,13 @@ from pdtrio.router.backend import (
     ShellFailure,
     Wait,
 )
-from pdtrio.router.metrics import MIGRATION_REASONS
 from pdtrio.router.request.capacity import CapacityQueue
 from pdtrio.router.request.token_path import (
     NO_COUNTS,
 )
 from pdtrio.router.workers.instances import Instance, InstanceTable
 from pdtrio.router.workers.kv_leases import LeaseClock
-from pdtrio.router.workers.link import (
-    release_token,
-)
+from pdtrio.router.workers.link_releases import release_token
 from pdtrio.router.workers.supervisor import LinkSupervisor
 
 
@@ -66,9 +63,6 @@ class WorkerParts(Protocol):
 
 
 log = logging.getLogger("pdtrio.router.pipeline")
-
-# a stream's failure reasons that are its link's, not the worker's word on the request
-_LINK_FAILURES = frozenset({"link_lost", "link_timeout"})
 
 
 @final
@@ -325,8 +319,3 @@ def running_choices(reply: PrefillReply) -> tuple[tuple[int, int], ...]:
         for first in reply_choices(reply)
         if first.finish_reason is None
     )
-
-
-def migration_label(reason: str) -> str:
-    """A stream's failure reason as a MIGRATION_REASONS label."""
-    return reason if reason in MIGRATION_REASONS else "decode_failed"

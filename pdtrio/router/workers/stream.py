@@ -1,4 +1,4 @@
-"""One request's view of its worker link: acceptance, then merged token deltas.
+"""One request's view of its worker link: decode's answer, then merged token deltas.
 
 The link's reader pushes into each request's :class:`DecodeStream` without waiting and
 wakes its one waiter (the request's decode leg); n > 1 choices' streams share a waiter.
@@ -10,19 +10,25 @@ from typing import final
 
 import trio
 
-from pdtrio.protocol.link.wire import (
-    DecodeRejected,
-    TokenLogprob,
-)
+from pdtrio.protocol.link.wire import DecodeRejected, TokenLogprob
 from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.tokens.stream_buffer import StreamBuffer
 from pdtrio.router.request.hold_timer import HoldTimer
 from pdtrio.router.request.token_path import wait_any_update
+from pdtrio.router.stream_outcome import (
+    ACCEPTED,
+    UNANSWERED,
+    DecodeLoss,
+    StreamAccepted,
+    StreamFailed,
+    StreamOutcome,
+    StreamRejected,
+)
 
 
 @final
 class DecodeStream:
-    """One request's view of the link: acceptance, then merged token deltas.
+    """One request's view of the link: decode's answer, then merged token deltas.
 
     One task at a time waits on it (the request's pipeline); the link's
     reader calls :meth:`notify` after each change.
@@ -31,11 +37,7 @@ class DecodeStream:
     __slots__ = (
         "request_id",
         "buffer",
-        "accepted",
-        "rejection",
-        "failure",
-        "failure_reason",
-        "cut_off",
+        "outcome",
         "token_ids",
         "logprobs",
         "tool_calls",
@@ -49,13 +51,7 @@ class DecodeStream:
     def __init__(self, request_id: str, max_pending_tokens: int) -> None:
         self.request_id = request_id
         self.buffer = StreamBuffer(max_pending_tokens=max_pending_tokens)
-        self.accepted = False
-        self.rejection: DecodeRejected | None = None
-        self.failure: str | None = None
-        # what ended it, as a metric label: link_lost, link_timeout, decode_failed, stalled,
-        # cut_off (its client fell behind), aborted
-        self.failure_reason = ""
-        self.cut_off = False  # the link ended it: its client fell too far behind
+        self.outcome: StreamOutcome = UNANSWERED
         # every token id pushed, in order, when the router may migrate the request
         self.token_ids: list[int] | None = None
         # the request asked for logprobs: those decode sent ahead of their tokens, until the
@@ -71,6 +67,23 @@ class DecodeStream:
         self._holds = 0  # holds so far: tells the timer's stale wake-ups from the current one
         self.updated = False
         self._lot = trio.lowlevel.ParkingLot()
+
+    def accept(self) -> None:
+        """Decode accepted the start (no wake-up: the waiter learns it with the first
+        tokens, one wake-up per request fewer)."""
+        self.outcome = ACCEPTED
+
+    def reject(self, rejection: DecodeRejected) -> None:
+        self.outcome = StreamRejected(rejection)
+        self.notify()
+
+    def fail(self, message: str, loss: DecodeLoss) -> None:
+        """End it (the first failure stands: what comes after it follows from it)."""
+        outcome = self.outcome
+        if not isinstance(outcome, StreamFailed):
+            accepted = isinstance(outcome, StreamAccepted)
+            self.outcome = StreamFailed(message, loss, accepted=accepted)
+        self.notify()
 
     def notify(self) -> None:
         """Something new arrived: wake the waiter (never blocks)."""
