@@ -319,8 +319,12 @@ async def _on_sigterm(
             nursery.cancel_scope.cancel()
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         # a shell that started us in the background made SIGINT ignored, so hypercorn
-        # cannot be asked to stop: the drain is done, and our workers exit when our
-        # pipes to them close
+        # cannot be asked to stop: the drain is done; our workers are stopped as
+        # hypercorn's stop would have them (left to our pipes closing, they would take
+        # the router for dead)
+        async with trio.open_nursery() as stopping:
+            for worker in router.workers:
+                stopping.start_soon(worker.stop)
         _exit_now("pdtrio: drained after SIGTERM; exiting (SIGINT is ignored here)", 0)
     _interrupt_hypercorn()
 

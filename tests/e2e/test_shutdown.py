@@ -181,6 +181,36 @@ def test_a_second_sigterm_during_the_drain_does_not_end_it(
     assert b"received again: already draining" in procs.output(router.process)
 
 
+def test_a_router_started_in_the_background_stops_its_workers_before_it_exits(
+    procs: Processes, tmp_path: Path
+) -> None:
+    # a shell's `cmd &` starts it with SIGINT ignored, so hypercorn -w 0 cannot be asked to
+    # stop: the router exits by itself once drained. Its workers used to learn of it from
+    # their pipes closing and took it for a crash ("supervisor went away", a WARNING)
+    port = free_port()
+    hypercorn = [
+        sys.executable, "-m", "hypercorn", "-k", "trio", "-w", "0",
+        "-b", f"{LOOPBACK}:{port}", "pdtrio.app:app",
+    ]  # fmt: skip
+    config = _config(tmp_path / "c.toml", drain_s=2)
+    process = procs.start(
+        ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *hypercorn],
+        env={"PDTRIO_CONFIG": str(config)},
+        output="capture",
+    )
+    router = Service(process, f"http://{LOOPBACK}:{port}")
+    procs.wait_healthy(router)
+    tree = router.tree()
+    router.process.send_signal(signal.SIGTERM)
+    assert router.process.wait(timeout=30) == 0
+    output = procs.output(router.process).decode()
+    assert "drained after SIGTERM" in output
+    assert [line for line in output.splitlines() if "WARNING" in line or "ERROR" in line] == []
+    assert eventually(lambda: not any(alive(pid) for pid in tree), 10), [
+        pid for pid in tree if alive(pid)
+    ]
+
+
 GROUP_SIGTERM_RUNS = 20
 GROUP_STREAMS = 4
 

@@ -49,6 +49,9 @@ class WorkerProcess:
         self._on_lost = on_lost
         self.pid: int | None = None
         self.restarts = 0
+        self._supervision = trio.CancelScope()
+        self._supervising = False
+        self._stopped = trio.Event()
         self._started_at = 0.0  # when its current process started (trio.current_time)
 
     def command(self) -> list[str]:
@@ -61,19 +64,32 @@ class WorkerProcess:
     async def supervise(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Run the worker for the router's lifetime; the first start must succeed."""
+        """Run the worker for the router's lifetime (or until :meth:`stop`); the first
+        start must succeed."""
         first = True
-        while True:
-            try:
-                await self._run_once(task_status if first else trio.TASK_STATUS_IGNORED)
-            except WorkerStartFailed:
-                if first:
-                    raise
-                log.error("worker %s failed to restart", self.name)
-            first = False
-            self.restarts += 1
-            log.error("worker %s (%s) exited; restarting", self.name, self.role)
-            await trio.sleep(self.restart_backoff_s)
+        self._supervising = True
+        try:
+            with self._supervision:
+                while True:
+                    try:
+                        await self._run_once(task_status if first else trio.TASK_STATUS_IGNORED)
+                    except WorkerStartFailed:
+                        if first:
+                            raise
+                        log.error("worker %s failed to restart", self.name)
+                    first = False
+                    self.restarts += 1
+                    log.error("worker %s (%s) exited; restarting", self.name, self.role)
+                    await trio.sleep(self.restart_backoff_s)
+        finally:
+            self._stopped.set()
+
+    async def stop(self) -> None:
+        """Stop supervising it and stop its process (SIGTERM, then SIGKILL after a grace
+        period), for a router that ends its process itself."""
+        self._supervision.cancel()
+        if self._supervising:
+            await self._stopped.wait()
 
     async def _run_once(self, task_status: trio.TaskStatus[None]) -> None:
         processes: list[trio.Process] = []
