@@ -1,6 +1,6 @@
-"""One request on the router, sans-IO: the request machine's table (``machine.py``), what
-it hears and answers (``events.py``), and the lifecycle's KV-ownership table
-underneath (``lifecycle.py``).  The machine's public surface is re-exported here: the
+"""One request on the router, sans-IO: the request machine's tables (``machine.py``, the
+state its handlers share in ``steps.py``), what it hears and answers (``events.py``), and
+the lifecycle's KV-ownership table underneath (``lifecycle.py``).  The machine's public surface is re-exported here: the
 shell reads it as ``rm.RequestMachine``, ``rm.Arrived``, ``rm.SendPrefill``, ..."""
 
 from pdtrio.protocol.request.events import (
@@ -37,6 +37,7 @@ from pdtrio.protocol.request.events import (
     Failed,
     Failure,
     Finish,
+    FirstToken,
     Limits,
     MachineError,
     Migrate,
@@ -87,6 +88,7 @@ __all__ = [
     "Failed",
     "Failure",
     "Finish",
+    "FirstToken",
     "Limits",
     "MachineError",
     "Migrate",

@@ -21,16 +21,36 @@ class Phase(enum.Enum):
     __hash__ = object.__hash__  # (see Deadline's)
 
     NEW = "new"
-    PREFILLING = "prefilling"  # SendPrefill is out (the call, once PrefillSent)
+    PLACING_PREFILL = "placing_prefill"  # SendPrefill is out: an instance is being picked
+    PREFILLING = "prefilling"  # the call is out to it (PrefillSent)
     PLACING_DECODE = "placing_decode"  # PlaceDecode is out: waiting for room, or a pick
     DECODE_SENDING = "decode_sending"  # the start is being queued on the link
+    # a decode refused the start, or failed it before its first token: PlaceDecode is out
+    # again, for the KV prefill holds (and prefill's first token went out with the first)
+    REPLACING_DECODE = "replacing_decode"
+    DECODE_RESENDING = "decode_resending"
     DECODE_STARTING = "decode_starting"  # the start is out, not answered
-    DECODING = "decoding"  # decode accepted (its first token: the lifecycle says)
+    CONFIRMING_DECODE = "confirming_decode"  # decode accepted, sent no token yet
+    STREAMING = "streaming"  # decode's tokens flow to the client
     # WaitForDecode is out: for another decode to pull prefill's KV again (decode failed
     # before its first token), or for one to continue a stream whose decode was lost
     AWAITING_RETRY = "awaiting_retry"
     AWAITING_MIGRATION = "awaiting_migration"
     DONE = "done"
+
+
+class FirstToken(enum.Enum):
+    """Which side samples the response's first token: a backend's rule, and so the table
+    its requests' machines run by (chosen once, when one is built)."""
+
+    __hash__ = object.__hash__  # (see Deadline's)
+
+    # pdtrio's workers: the client gets prefill's token once the decode start is out; a
+    # decode failing before its own first token is replaced while prefill holds the KV
+    FROM_PREFILL = "from_prefill"
+    # vLLM's KV connector, SGLang's bootstrap: decode generates every token from the
+    # request again; one failing before its first sends the request again from prefill
+    FROM_DECODE = "from_decode"
 
 
 class MachineError(RuntimeError):
