@@ -26,7 +26,6 @@ from pdtrio.protocol.request import (
     AbortDecode,
     AnyFailure,
     Arrived,
-    ChoiceRetry,
     ClientGone,
     ClientStalled,
     Command,
@@ -63,7 +62,9 @@ from pdtrio.protocol.request import (
     PrefillUnavailable,
     ReleasePrefill,
     RequestMachine,
+    RerunChoice,
     RespondWithError,
+    SendChoicePrefill,
     SendPrefill,
     StreamError,
     WaitForDecode,
@@ -841,14 +842,94 @@ def test_a_prefill_sampling_the_first_token_never_fails_beside_its_decode() -> N
         RequestMachine(LIMITS, streaming=True, keep_tokens=True, first_token_from_prefill=False)
 
 
-def test_a_choice_retried_alone_keeps_the_requests_limits() -> None:
-    retry = ChoiceRetry(LIMITS)
-    retry.prefill_sent("p0")
-    retry.decode_failed("d0")  # a new round: any prefill again, never d0
-    assert retry.tried_prefills == set() and retry.excluded_decodes == {"d0"}
+def test_a_choice_run_again_alone_keeps_the_requests_limits() -> None:
+    machine = RequestMachine(LIMITS, streaming=True, keep_tokens=False)
+    reruns = machine.choice_reruns
+    assert machine.choice_reruns is reruns  # (the machine's own, one for the request)
+    # its decode failed: never on d0 again, and a new round of prefills (p0 is free again)
+    assert reruns.failed(1, cut_off=False, decode="d0", prefill="p0") == RerunChoice(
+        1, frozenset({"d0"})
+    )
     for instance in ("p0", "p1", "p2"):  # prefills failing in a round
-        assert retry.may_prefill()
-        retry.prefill_sent(instance)
-    assert not retry.may_prefill()  # LIMITS.prefill_attempts of them
-    retry.decode_failed("d1")
-    assert retry.may_prefill() and retry.excluded_decodes == {"d0", "d1"}
+        send = reruns.next_prefill(1)
+        assert send is not None and instance not in send.exclude
+        reruns.prefill_sent(1, instance)
+        assert reruns.prefill_failed(1, PrefillLost("gone"))
+    assert reruns.next_prefill(1) is None  # LIMITS.prefill_attempts of them
+    reruns.decode_refused(1, "d1", DecodeFailed("decode answered 500"))
+    assert reruns.next_prefill(1) == SendChoicePrefill(1, frozenset())
+    rerun = reruns.failed(1, cut_off=False, decode=None, prefill="p0")
+    assert rerun == RerunChoice(1, frozenset({"d0", "d1"}))
+    # a client too far behind, or the request's own failure, is not run again
+    assert reruns.failed(2, cut_off=True, decode=None, prefill="p0") is None
+    bad = PrefillFailed(WorkerFailure(400, "invalid_request_error", "bad prompt"))
+    assert not reruns.prefill_failed(1, bad)
+    assert reruns.failed(1, cut_off=False, decode=None, prefill="p0") is None
+
+
+_RERUN_STEPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["failed", "cut_off", "prefill", "prefill_failed", "prefill_4xx", "decode"]
+            + ["decode_failed", "decode_refused", "give_up"]
+        ),
+        st.integers(0, 2),  # the choice
+        st.integers(0, 3),  # an instance
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(steps=_RERUN_STEPS)
+def test_hypothesis_choice_reruns(steps: list[tuple[str, int, int]]) -> None:
+    """Any order of what a rerun choice meets, against a model of what it may do: a decode
+    it failed on is never its decode again, a round tries at most ``prefill_attempts``
+    prefills and none twice, and a choice given up (its client too slow, its failure the
+    request's own, no instance left) is never run again."""
+    reruns = RequestMachine(LIMITS, streaming=True, keep_tokens=False).choice_reruns
+    excluded: dict[int, set[str]] = {}
+    tried: dict[int, set[str]] = {}
+    given_up: set[int] = set()
+    for kind, choice, n in steps:
+        if kind in ("failed", "cut_off", "decode_failed"):
+            decode = f"d{n}" if kind == "decode_failed" else None
+            rerun = reruns.failed(choice, cut_off=kind == "cut_off", decode=decode, prefill="p0")
+            if kind == "cut_off" or choice in given_up:
+                assert rerun is None
+                continue
+            if choice not in excluded:
+                excluded[choice], tried[choice] = set(), {"p0"}  # its first run's
+            if decode is not None:
+                excluded[choice].add(decode)
+                tried[choice] = set()  # a new round
+            assert rerun == RerunChoice(choice, frozenset(excluded[choice]))
+        elif choice not in excluded:
+            continue  # (only a choice run again goes on)
+        elif kind == "prefill":
+            send = reruns.next_prefill(choice)
+            if len(tried[choice]) >= LIMITS.prefill_attempts:
+                assert send is None
+                continue
+            assert send == SendChoicePrefill(choice, frozenset(tried[choice]))
+            instance = next(f"p{k}" for k in range(n, n + 5) if f"p{k}" not in send.exclude)
+            reruns.prefill_sent(choice, instance)
+            tried[choice].add(instance)
+        elif kind in ("prefill_failed", "prefill_4xx"):
+            status = 400 if kind == "prefill_4xx" else 500
+            failed = PrefillFailed(WorkerFailure(status, "error", "boom"))
+            assert reruns.prefill_failed(choice, failed) == (status == 500)
+            if status == 400:
+                given_up.add(choice)
+        elif kind in ("decode", "decode_refused"):
+            if kind == "decode":
+                reruns.decode_refused(choice, f"d{n}", DecodeFailed("lost"))
+                excluded[choice].add(f"d{n}")
+                tried[choice] = set()
+            else:
+                four = WorkerFailure(400, "invalid_request_error", "no")
+                reruns.decode_refused(choice, f"d{n}", DecodeRejected("no", False, failure=four))
+                given_up.add(choice)
+        else:
+            reruns.give_up(choice)
+            given_up.add(choice)

@@ -73,35 +73,6 @@ class Limits:
     lease_margin_s: float = 1.0  # decode must pull the KV this long before the lease ends
 
 
-@final
-class ChoiceRetry:
-    """One choice of an ``n`` > 1 request whose decode regenerates every token, started
-    again alone: it failed before any of its tokens went out, once other choices' had
-    (the request can no longer go again whole).  Under the request's own limits: each
-    decode it failed on is excluded, and each round from a new prefill tries at most
-    ``prefill_attempts`` prefill instances."""
-
-    __slots__ = ("_prefill_attempts", "excluded_decodes", "given_up", "tried_prefills")
-
-    def __init__(self, limits: Limits) -> None:
-        self._prefill_attempts = limits.prefill_attempts
-        self.excluded_decodes: set[str] = set()
-        self.tried_prefills: set[str] = set()  # this round's
-        self.given_up = False  # its last failure is the request's
-
-    def decode_failed(self, instance: str) -> None:
-        """Its leg on ``instance`` failed: never there again, and a new round of prefills
-        (as the request's own retry from prefill)."""
-        self.excluded_decodes.add(instance)
-        self.tried_prefills.clear()
-
-    def prefill_sent(self, instance: str) -> None:
-        self.tried_prefills.add(instance)
-
-    def may_prefill(self) -> bool:
-        return len(self.tried_prefills) < self._prefill_attempts
-
-
 class Deadline(enum.Enum):
     # members are singletons: hashed by identity, in C (Enum's own hash is a Python call,
     # paid on every lookup of the armed deadlines)

@@ -11,6 +11,7 @@ from collections.abc import Hashable
 from types import MappingProxyType
 
 import pdtrio.protocol.request.events as ev
+from pdtrio.protocol.request.choices import ChoiceReruns
 from pdtrio.protocol.request.lifecycle import Cleanup, RequestLifecycle
 from pdtrio.protocol.request.lifecycle import Event as Kv
 
@@ -57,6 +58,9 @@ class MachineState:
         self._reconnect_until = math.inf
         self.migrations: list[str] = []  # why each one happened (after one: a continuation)
         self.ended: ev.End | None = None
+        # data: each choice's own, beside the request's phase (an n > 1 request's, once one
+        # of its choices runs again alone)
+        self._choice_reruns: ChoiceReruns | None = None
 
     def next_deadline(self) -> tuple[float, ev.Deadline] | None:
         """The earliest armed deadline: the shell's timer for whatever it awaits."""
@@ -75,6 +79,15 @@ class MachineState:
     @property
     def headers_sent(self) -> bool:
         return self.streaming and self._response_started
+
+    @property
+    def choice_reruns(self) -> ChoiceReruns:
+        """What an ``n`` > 1 request's choices run again alone may do: the leg carries out
+        its answers (made on first use: most requests have one choice)."""
+        reruns = self._choice_reruns
+        if reruns is None:
+            reruns = self._choice_reruns = ChoiceReruns(self.limits)
+        return reruns
 
     # --- moves the handlers share --------------------------------------------------
 
