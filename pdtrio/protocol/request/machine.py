@@ -76,7 +76,7 @@ class RequestMachine(MachineState):
         self.first_token = (
             ev.FirstToken.FROM_PREFILL if first_token_from_prefill else ev.FirstToken.FROM_DECODE
         )
-        self._table = TABLES[self.first_token]  # the backend's rules
+        self._table = _ENTRIES[self.first_token]  # the backend's rules (TABLES' dict)
 
     # --- the entry --------------------------------------------------------------
 
@@ -280,12 +280,12 @@ class RequestMachine(MachineState):
         self._response_started = True  # (an engine's: the response starts with them)
         self.lifecycle.handle(Kv.FIRST_DECODE_TOKEN)
         assert self.prefill_instance is not None
-        return self._on_decode_tokens(event, now, [ev.ReleasePrefill(self.prefill_instance)])
+        return self._finish_if_final(event, [ev.ReleasePrefill(self.prefill_instance)])
 
-    def _on_decode_tokens(
-        self, event: ev.DecodeTokens, now: float, out: list[ev.Command] | None = None
-    ) -> list[ev.Command]:
-        out = [] if out is None else out
+    def _on_decode_tokens(self, event: ev.DecodeTokens, now: float) -> list[ev.Command]:
+        return self._finish_if_final(event, [])
+
+    def _finish_if_final(self, event: ev.DecodeTokens, out: list[ev.Command]) -> list[ev.Command]:
         if event.final:
             self.lifecycle.handle(Kv.DECODE_ENDED)
             out.append(ev.Finish())
@@ -493,10 +493,12 @@ for _entries in (_FROM_PREFILL, _FROM_DECODE):
         _entries[(_phase, ev.DrainCut)] = _M._on_drain_cut
         _entries[(_phase, ev.Failed)] = _M._on_failed
 
+# (the machine looks a handler up in the dict itself: one indirection less per event)
+_ENTRIES: Final = {
+    ev.FirstToken.FROM_PREFILL: _FROM_PREFILL,
+    ev.FirstToken.FROM_DECODE: _FROM_DECODE,
+}
 TABLES: Final[Mapping[ev.FirstToken, Table]] = MappingProxyType(
-    {
-        ev.FirstToken.FROM_PREFILL: MappingProxyType(_FROM_PREFILL),
-        ev.FirstToken.FROM_DECODE: MappingProxyType(_FROM_DECODE),
-    }
+    {first_token: MappingProxyType(entries) for first_token, entries in _ENTRIES.items()}
 )
 """Each backend's rules: (phase, event type or deadline passed) -> handler."""
