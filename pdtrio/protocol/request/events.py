@@ -26,7 +26,8 @@ class Phase(enum.Enum):
     PLACING_DECODE = "placing_decode"  # PlaceDecode is out: waiting for room, or a pick
     DECODE_SENDING = "decode_sending"  # the start is being queued on the link
     # a decode refused the start, or failed it before its first token: PlaceDecode is out
-    # again, for the KV prefill holds (and prefill's first token went out with the first)
+    # again, for the KV prefill holds (where prefill samples the first token, it went out
+    # with the first start: not again)
     REPLACING_DECODE = "replacing_decode"
     DECODE_RESENDING = "decode_resending"
     DECODE_STARTING = "decode_starting"  # the start is out, not answered
