@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from pdtrio.protocol.request.drawing import BEGIN, END, machine_table, with_table
+from pdtrio.protocol.request.events import FirstToken
+from pdtrio.protocol.request.machine import TABLES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
@@ -18,10 +20,14 @@ def test_the_architecture_doc_draws_the_machines_table_as_it_is() -> None:
     )
 
 
-def test_every_entry_of_the_table_is_a_row() -> None:
-    rows = machine_table().splitlines()[2:]  # (below the header and its rule)
-    # 18 phase-specific entries, 6 for a prefill failing beside decode, 5 for any phase
-    assert len(rows) == 18 + 6 + 5
+def test_every_entry_of_the_tables_is_a_row() -> None:
+    def rows(first_token: FirstToken) -> list[str]:
+        return machine_table(TABLES[first_token]).splitlines()[2:]  # (below the header)
+
+    # 29 phase-specific entries (5 of them deadlines), 5 for any phase
+    assert len(rows(FirstToken.FROM_PREFILL)) == 29 + 5
+    # no waiting for a decode (4 entries fewer), 9 for a prefill failing beside decode
+    assert len(rows(FirstToken.FROM_DECODE)) == 29 - 4 + 9 + 5
 
 
 if __name__ == "__main__":

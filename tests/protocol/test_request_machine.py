@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Hashable
+from copy import deepcopy
 
 import attrs
 import pytest
@@ -25,7 +26,6 @@ from pdtrio.protocol.request import (
     AbortDecode,
     AnyFailure,
     Arrived,
-    ChoiceRetry,
     ClientGone,
     ClientStalled,
     Command,
@@ -48,6 +48,7 @@ from pdtrio.protocol.request import (
     Failed,
     Failure,
     Finish,
+    FirstToken,
     Limits,
     MachineError,
     Migrate,
@@ -61,14 +62,16 @@ from pdtrio.protocol.request import (
     PrefillUnavailable,
     ReleasePrefill,
     RequestMachine,
+    RerunChoice,
     RespondWithError,
+    SendChoicePrefill,
     SendPrefill,
     StreamError,
     WaitForDecode,
     WaitUntil,
     WorkerFailure,
 )
-from pdtrio.protocol.request.machine import _TABLE
+from pdtrio.protocol.request.machine import TABLES, EventKey
 from tests.examples import examples
 
 LIMITS = Limits(
@@ -141,6 +144,7 @@ def _events_for(
     """Every kind of event the shell may report in the machine's phase (fields drawn):
     those that move the request on, and the rarer ones that end or cut it short."""
     phase = machine.phase
+    from_prefill = machine.first_token is FirstToken.FROM_PREFILL
     n = rng.randrange(3)
     torn = rng.random() < 0.2
     on: list[Event] = []
@@ -151,31 +155,30 @@ def _events_for(
     rare.append(DeadlinePassed(rng.choice(list(Deadline))))  # stale, or not armed
     if phase is Phase.NEW:
         return [Arrived()], [Arrived(draining=True), Arrived(queue_full=True)]
-    if phase is Phase.PREFILLING:
-        if machine.lifecycle.state.name == "NEW":
-            on += [PrefillSent(f"p{n}")]
-            rare += [PrefillUnavailable()]
-        else:
-            on += [
-                PrefillNotSent(),
-                PrefillLost("link down"),
-                PrefillFailed(WorkerFailure(500, "server_error", "boom")),
-                PrefillFailed(WorkerFailure(503, "server_error", "busy")),
-                Prefilled(now + LEASE_S),
-                Prefilled(now + LEASE_S),
-                Prefilled(now + LEASE_S),
-            ]
-            rare += [
-                PrefillFailed(WorkerFailure(400, "invalid_request_error", "bad prompt", "p")),
-                Prefilled(None),
-            ]
-    elif phase is Phase.PLACING_DECODE:
+    if phase is Phase.PLACING_PREFILL:
+        on += [PrefillSent(f"p{n}")]
+        rare += [PrefillUnavailable()]
+    elif phase is Phase.PREFILLING:
+        on += [
+            PrefillNotSent(),
+            PrefillLost("link down"),
+            PrefillFailed(WorkerFailure(500, "server_error", "boom")),
+            PrefillFailed(WorkerFailure(503, "server_error", "busy")),
+            Prefilled(now + LEASE_S),
+            Prefilled(now + LEASE_S),
+            Prefilled(now + LEASE_S),
+        ]
+        rare += [
+            PrefillFailed(WorkerFailure(400, "invalid_request_error", "bad prompt", "p")),
+            Prefilled(None),
+        ]
+    elif phase in (Phase.PLACING_DECODE, Phase.REPLACING_DECODE):
         on += [DecodeStartSent(f"d{n}", ("link", n))]
         rare += [
             DecodeUnavailable(Failure(Reason.SERVICE_UNAVAILABLE, "none")),
             DecodeUnavailable(Failure(Reason.QUEUE_FULL, "full")),
         ]
-    elif phase is Phase.DECODE_SENDING:
+    elif phase in (Phase.DECODE_SENDING, Phase.DECODE_RESENDING):
         on += [DecodeStartQueued(), DecodeStartQueued(), DecodeNotSent("closed")]
     elif phase is Phase.DECODE_STARTING:
         on += [
@@ -186,18 +189,18 @@ def _events_for(
             DecodeFailed("link lost", "link_lost", migratable=True),
         ]
         rare += [DecodeRejected("mismatch", retryable=False, layout_mismatch=True)]
-        if not machine.first_token_from_prefill:
+        if not from_prefill:
             four = WorkerFailure(400, "invalid_request_error", "decode says no")
             rare += [DecodeRejected("decode says no", retryable=False, failure=four)]
             rare += _PREFILL_BESIDE_FAILURES  # (SGLang's prefill runs beside its decode)
-    elif phase is Phase.DECODING:
+    elif phase in (Phase.CONFIRMING_DECODE, Phase.STREAMING):
         on += [
             DecodeTokens(),
             DecodeFailed("link lost", "link_lost", migratable=True),
             DecodeFailed("worker error", "decode_failed", migratable=rng.random() < 0.5),
         ]
         rare += [DecodeTokens(final=True), DecodeFailed("cut off", "cut_off", cut_off=True)]
-        if not machine.first_token_from_prefill:
+        if not from_prefill:
             rare += _PREFILL_BESIDE_FAILURES
     elif phase in (Phase.AWAITING_RETRY, Phase.AWAITING_MIGRATION):
         on += [DecodeConnected()]
@@ -209,6 +212,7 @@ class Run:
     events: list[Event] = attrs.Factory(list)
     commands: list[Command] = attrs.Factory(list)
     ended: End | None = None
+    entries: set[tuple[Phase, EventKey]] = attrs.Factory(set)  # the table's, as taken
 
 
 def _drive(
@@ -218,7 +222,10 @@ def _drive(
     keep_tokens: bool,
     regenerates: bool = False,
     steps: int = 60,
+    probe: bool = False,
 ) -> Run:
+    """A run of ``steps`` events at most; ``probe``: at each step, every event the shell
+    may report then is tried on a copy of the machine too (``Run.entries`` has them all)."""
     machine = RequestMachine(
         LIMITS,
         streaming=streaming,
@@ -232,12 +239,17 @@ def _drive(
         if machine.phase is Phase.DONE:
             break
         on, rare = _events_for(machine, rng, now)
-        event = rng.choice(rare if rng.random() < 0.08 else on)
+        # (a wait for a decode is where time runs out, or the request is cut: more often)
+        awaiting = machine.phase in (Phase.AWAITING_RETRY, Phase.AWAITING_MIGRATION)
+        odds = 0.3 if awaiting else 0.08
+        if probe:
+            run.entries |= _probe(machine, [*on, *rare], now)
+        event = rng.choice(rare if rng.random() < odds else on)
         if step == steps - 1:
             event = DeadlinePassed(Deadline.REQUEST)  # it always comes: it ends what is pending
         armed = machine.next_deadline()
         if isinstance(event, DeadlinePassed):
-            due = machine._armed.get(event.deadline)  # noqa: SLF001
+            due = machine.armed_at(event.deadline)
             if due is not None and due >= now:
                 now = due  # the shell's timer reports it when it is due
         else:
@@ -248,6 +260,9 @@ def _drive(
             now += step_s
         held.event(event)
         awaited = machine.phase
+        entry = _entry(machine, event, now)
+        if entry is not None:
+            run.entries.add(entry)
         commands = machine.handle(event, now)
         if isinstance(event, DecodeConnected):
             # the phase says what the wait was for: a migration continues from prefill,
@@ -266,7 +281,7 @@ def _drive(
         if machine.phase is not Phase.DONE and machine.phase is not Phase.NEW:
             # something always comes: at the least, the request's deadline is armed
             assert machine.next_deadline() is not None
-            assert Deadline.REQUEST in machine._armed  # noqa: SLF001
+            assert machine.armed_at(Deadline.REQUEST) is not None
     assert machine.phase is Phase.DONE, run.events
     run.ended = machine.ended
     # cleanup owes nothing at the end: the instances hold nothing of it
@@ -284,11 +299,43 @@ def _drive(
     return run
 
 
+def _entry(machine: RequestMachine, event: Event, now: float) -> tuple[Phase, EventKey] | None:
+    """The table's entry ``event`` takes (None: a stale timer, which takes none)."""
+    if not isinstance(event, DeadlinePassed):
+        return machine.phase, type(event)
+    due = machine.armed_at(event.deadline)
+    return None if due is None or due > now else (machine.phase, event.deadline)
+
+
+def _probe(machine: RequestMachine, events: list[Event], now: float) -> set[tuple[Phase, EventKey]]:
+    """Each of ``events`` on a copy of ``machine``: the table takes every one (a deadline
+    when it is due), and the entries they took."""
+    entries = set()
+    for event in events:
+        at = now
+        if isinstance(event, DeadlinePassed):
+            at = max(now, machine.armed_at(event.deadline) or now)
+        # (the table is the machine's rule, not its state: shared, not copied)
+        table = machine._table  # noqa: SLF001
+        copy = deepcopy(machine, {id(table): table})
+        entry = _entry(copy, event, at)
+        copy.handle(event, at)
+        if entry is not None:
+            entries.add(entry)
+    return entries
+
+
 def _check_well_formed(run: Run, *, streaming: bool, regenerates: bool = False) -> None:
     commands = run.commands
     if regenerates:
         # decode generates every token: prefill's is never sent, nothing migrates
         assert not [c for c in commands if isinstance(c, EmitFirstToken | Migrate | WaitForDecode)]
+    else:
+        # prefill's token goes out once a leg: the first one's, and each migration's
+        # (which may end before its own, cut short)
+        emitted = sum(isinstance(c, EmitFirstToken) for c in commands)
+        migrated = sum(isinstance(c, Migrate) for c in commands)
+        assert migrated <= emitted <= migrated + 1, commands
     ends = [c for c in commands if isinstance(c, End)]
     assert len(ends) == 1 and commands[-1] is ends[0], commands
     end = ends[0]
@@ -367,6 +414,27 @@ def test_seeded_random_interleavings(streaming: bool, keep_tokens: bool) -> None
     assert expected_kinds <= kinds
 
 
+@pytest.mark.parametrize("first_token", list(FirstToken))
+def test_the_runs_take_every_entry_of_the_table(first_token: FirstToken) -> None:
+    """Every (phase, event) the table lists, a deadline passing among them, is one a run
+    meets: no phase or entry is out of the runs' reach."""
+    regenerates = first_token is FirstToken.FROM_DECODE
+    entries: set[tuple[Phase, EventKey]] = set()
+    for seed in range(25):
+        for streaming in (True, False):
+            for keep_tokens in (True, False):
+                rng = random.Random(seed)
+                run = _drive(
+                    rng,
+                    streaming=streaming,
+                    keep_tokens=keep_tokens,
+                    regenerates=regenerates,
+                    probe=True,
+                )
+                entries |= run.entries
+    assert set(TABLES[first_token]) - entries == set()
+
+
 @pytest.mark.parametrize("streaming", [True, False])
 def test_seeded_random_interleavings_of_a_regenerating_engine(streaming: bool) -> None:
     endings: set[Ending] = set()
@@ -431,12 +499,12 @@ def test_the_table_refuses_what_cannot_happen() -> None:
     machine.handle(Arrived(), 0.0)
     with pytest.raises(MachineError, match="DecodeTokens"):
         machine.handle(DecodeTokens(), 0.0)
-    # every phase but the first and the last can be cut short
-    for phase in Phase:
-        if phase in (Phase.NEW, Phase.DONE):
-            continue
-        for cut in (DeadlinePassed, ClientGone, ClientStalled, DrainCut, Failed):
-            assert (phase, cut) in _TABLE
+    # every phase of a table but the first can be cut short, by the request's deadline too
+    for table in TABLES.values():
+        for phase in {phase for phase, _ in table} - {Phase.NEW}:
+            for cut in (Deadline.REQUEST, ClientGone, ClientStalled, DrainCut, Failed):
+                assert (phase, cut) in table
+        assert not [phase for phase, _ in table if phase is Phase.DONE]
 
 
 # --- scenarios: what the client sees, as the router answered before ------------------
@@ -460,7 +528,8 @@ def _play(
     now = 0.0
     for event in events:
         if isinstance(event, DeadlinePassed):
-            now = machine._armed.get(event.deadline, now)  # noqa: SLF001
+            armed = machine.armed_at(event.deadline)
+            now = now if armed is None else armed
         out += machine.handle(event, now)
     return machine, out
 
@@ -720,7 +789,7 @@ def test_an_engines_response_starts_with_decodes_first_batch() -> None:
     machine, out = _play(ENGINE_HAPPY[:5], regenerates=True)
     assert not [c for c in out if isinstance(c, EmitFirstToken)]
     assert not machine.headers_sent  # nothing went out: a failure now is the response
-    assert Deadline.KV_LEASE not in machine._armed  # noqa: SLF001
+    assert machine.armed_at(Deadline.KV_LEASE) is None
     out = machine.handle(DecodeAccepted(), 0.0) + machine.handle(DecodeTokens(), 0.0)
     assert out == [ReleasePrefill("p0")]  # decode pulled the KV
     assert machine.headers_sent
@@ -773,14 +842,94 @@ def test_a_prefill_sampling_the_first_token_never_fails_beside_its_decode() -> N
         RequestMachine(LIMITS, streaming=True, keep_tokens=True, first_token_from_prefill=False)
 
 
-def test_a_choice_retried_alone_keeps_the_requests_limits() -> None:
-    retry = ChoiceRetry(LIMITS)
-    retry.prefill_sent("p0")
-    retry.decode_failed("d0")  # a new round: any prefill again, never d0
-    assert retry.tried_prefills == set() and retry.excluded_decodes == {"d0"}
+def test_a_choice_run_again_alone_keeps_the_requests_limits() -> None:
+    machine = RequestMachine(LIMITS, streaming=True, keep_tokens=False)
+    reruns = machine.choice_reruns
+    assert machine.choice_reruns is reruns  # (the machine's own, one for the request)
+    # its decode failed: never on d0 again, and a new round of prefills (p0 is free again)
+    assert reruns.failed(1, cut_off=False, decode="d0", prefill="p0") == RerunChoice(
+        1, frozenset({"d0"})
+    )
     for instance in ("p0", "p1", "p2"):  # prefills failing in a round
-        assert retry.may_prefill()
-        retry.prefill_sent(instance)
-    assert not retry.may_prefill()  # LIMITS.prefill_attempts of them
-    retry.decode_failed("d1")
-    assert retry.may_prefill() and retry.excluded_decodes == {"d0", "d1"}
+        send = reruns.next_prefill(1)
+        assert send is not None and instance not in send.exclude
+        reruns.prefill_sent(1, instance)
+        assert reruns.prefill_failed(1, PrefillLost("gone"))
+    assert reruns.next_prefill(1) is None  # LIMITS.prefill_attempts of them
+    reruns.decode_refused(1, "d1", DecodeFailed("decode answered 500"))
+    assert reruns.next_prefill(1) == SendChoicePrefill(1, frozenset())
+    rerun = reruns.failed(1, cut_off=False, decode=None, prefill="p0")
+    assert rerun == RerunChoice(1, frozenset({"d0", "d1"}))
+    # a client too far behind, or the request's own failure, is not run again
+    assert reruns.failed(2, cut_off=True, decode=None, prefill="p0") is None
+    bad = PrefillFailed(WorkerFailure(400, "invalid_request_error", "bad prompt"))
+    assert not reruns.prefill_failed(1, bad)
+    assert reruns.failed(1, cut_off=False, decode=None, prefill="p0") is None
+
+
+_RERUN_STEPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["failed", "cut_off", "prefill", "prefill_failed", "prefill_4xx", "decode"]
+            + ["decode_failed", "decode_refused", "give_up"]
+        ),
+        st.integers(0, 2),  # the choice
+        st.integers(0, 3),  # an instance
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(steps=_RERUN_STEPS)
+def test_hypothesis_choice_reruns(steps: list[tuple[str, int, int]]) -> None:
+    """Any order of what a rerun choice meets, against a model of what it may do: a decode
+    it failed on is never its decode again, a round tries at most ``prefill_attempts``
+    prefills and none twice, and a choice given up (its client too slow, its failure the
+    request's own, no instance left) is never run again."""
+    reruns = RequestMachine(LIMITS, streaming=True, keep_tokens=False).choice_reruns
+    excluded: dict[int, set[str]] = {}
+    tried: dict[int, set[str]] = {}
+    given_up: set[int] = set()
+    for kind, choice, n in steps:
+        if kind in ("failed", "cut_off", "decode_failed"):
+            decode = f"d{n}" if kind == "decode_failed" else None
+            rerun = reruns.failed(choice, cut_off=kind == "cut_off", decode=decode, prefill="p0")
+            if kind == "cut_off" or choice in given_up:
+                assert rerun is None
+                continue
+            if choice not in excluded:
+                excluded[choice], tried[choice] = set(), {"p0"}  # its first run's
+            if decode is not None:
+                excluded[choice].add(decode)
+                tried[choice] = set()  # a new round
+            assert rerun == RerunChoice(choice, frozenset(excluded[choice]))
+        elif choice not in excluded:
+            continue  # (only a choice run again goes on)
+        elif kind == "prefill":
+            send = reruns.next_prefill(choice)
+            if len(tried[choice]) >= LIMITS.prefill_attempts:
+                assert send is None
+                continue
+            assert send == SendChoicePrefill(choice, frozenset(tried[choice]))
+            instance = next(f"p{k}" for k in range(n, n + 5) if f"p{k}" not in send.exclude)
+            reruns.prefill_sent(choice, instance)
+            tried[choice].add(instance)
+        elif kind in ("prefill_failed", "prefill_4xx"):
+            status = 400 if kind == "prefill_4xx" else 500
+            failed = PrefillFailed(WorkerFailure(status, "error", "boom"))
+            assert reruns.prefill_failed(choice, failed) == (status == 500)
+            if status == 400:
+                given_up.add(choice)
+        elif kind in ("decode", "decode_refused"):
+            if kind == "decode":
+                reruns.decode_refused(choice, f"d{n}", DecodeFailed("lost"))
+                excluded[choice].add(f"d{n}")
+                tried[choice] = set()
+            else:
+                four = WorkerFailure(400, "invalid_request_error", "no")
+                reruns.decode_refused(choice, f"d{n}", DecodeRejected("no", False, failure=four))
+                given_up.add(choice)
+        else:
+            reruns.give_up(choice)
+            given_up.add(choice)

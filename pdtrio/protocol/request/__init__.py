@@ -1,8 +1,11 @@
-"""One request on the router, sans-IO: the request machine's table (``machine.py``), what
-it hears and answers (``events.py``), and the lifecycle's KV-ownership table
-underneath (``lifecycle.py``).  The machine's public surface is re-exported here: the
-shell reads it as ``rm.RequestMachine``, ``rm.Arrived``, ``rm.SendPrefill``, ..."""
+"""One request on the router, sans-IO: the request machine's tables (``machine.py``, the
+state its handlers share in ``steps.py``), what it hears and answers (``events.py``), the
+lifecycle's KV-ownership table underneath (``lifecycle.py``), and what an ``n`` > 1
+request's choices run again alone may do (``choices.py``).  The machine's public surface
+is re-exported here: the shell reads it as ``rm.RequestMachine``, ``rm.Arrived``,
+``rm.SendPrefill``, ..."""
 
+from pdtrio.protocol.request.choices import ChoiceReruns, RerunChoice, SendChoicePrefill
 from pdtrio.protocol.request.events import (
     DRAIN_CUT,
     DRAIN_REFUSAL,
@@ -14,7 +17,6 @@ from pdtrio.protocol.request.events import (
     AbortDecode,
     AnyFailure,
     Arrived,
-    ChoiceRetry,
     ClientGone,
     ClientStalled,
     Command,
@@ -37,6 +39,7 @@ from pdtrio.protocol.request.events import (
     Failed,
     Failure,
     Finish,
+    FirstToken,
     Limits,
     MachineError,
     Migrate,
@@ -63,7 +66,7 @@ __all__ = [
     "AbortDecode",
     "AnyFailure",
     "Arrived",
-    "ChoiceRetry",
+    "ChoiceReruns",
     "ClientGone",
     "ClientStalled",
     "Command",
@@ -88,6 +91,7 @@ __all__ = [
     "Failed",
     "Failure",
     "Finish",
+    "FirstToken",
     "Limits",
     "MachineError",
     "Migrate",
@@ -105,8 +109,10 @@ __all__ = [
     "Prefilled",
     "ReleasePrefill",
     "RequestMachine",
+    "RerunChoice",
     "RespondWithError",
     "STALLED_MESSAGE",
+    "SendChoicePrefill",
     "SendPrefill",
     "StreamError",
     "TIMEOUT_MESSAGE",

@@ -21,16 +21,37 @@ class Phase(enum.Enum):
     __hash__ = object.__hash__  # (see Deadline's)
 
     NEW = "new"
-    PREFILLING = "prefilling"  # SendPrefill is out (the call, once PrefillSent)
+    PLACING_PREFILL = "placing_prefill"  # SendPrefill is out: an instance is being picked
+    PREFILLING = "prefilling"  # the call is out to it (PrefillSent)
     PLACING_DECODE = "placing_decode"  # PlaceDecode is out: waiting for room, or a pick
     DECODE_SENDING = "decode_sending"  # the start is being queued on the link
+    # a decode refused the start, or failed it before its first token: PlaceDecode is out
+    # again, for the KV prefill holds (where prefill samples the first token, it went out
+    # with the first start: not again)
+    REPLACING_DECODE = "replacing_decode"
+    DECODE_RESENDING = "decode_resending"
     DECODE_STARTING = "decode_starting"  # the start is out, not answered
-    DECODING = "decoding"  # decode accepted (its first token: the lifecycle says)
+    CONFIRMING_DECODE = "confirming_decode"  # decode accepted, sent no token yet
+    STREAMING = "streaming"  # decode's tokens flow to the client
     # WaitForDecode is out: for another decode to pull prefill's KV again (decode failed
     # before its first token), or for one to continue a stream whose decode was lost
     AWAITING_RETRY = "awaiting_retry"
     AWAITING_MIGRATION = "awaiting_migration"
     DONE = "done"
+
+
+class FirstToken(enum.Enum):
+    """Which side samples the response's first token: a backend's rule, and so the table
+    its requests' machines run by (chosen once, when one is built)."""
+
+    __hash__ = object.__hash__  # (see Deadline's)
+
+    # pdtrio's workers: the client gets prefill's token once the decode start is out; a
+    # decode failing before its own first token is replaced while prefill holds the KV
+    FROM_PREFILL = "from_prefill"
+    # vLLM's KV connector, SGLang's bootstrap: decode generates every token from the
+    # request again; one failing before its first sends the request again from prefill
+    FROM_DECODE = "from_decode"
 
 
 class MachineError(RuntimeError):
@@ -51,35 +72,6 @@ class Limits:
     migration_limit: int = 0
     decode_reconnect_wait_s: float = 0.0
     lease_margin_s: float = 1.0  # decode must pull the KV this long before the lease ends
-
-
-@final
-class ChoiceRetry:
-    """One choice of an ``n`` > 1 request whose decode regenerates every token, started
-    again alone: it failed before any of its tokens went out, once other choices' had
-    (the request can no longer go again whole).  Under the request's own limits: each
-    decode it failed on is excluded, and each round from a new prefill tries at most
-    ``prefill_attempts`` prefill instances."""
-
-    __slots__ = ("_prefill_attempts", "excluded_decodes", "given_up", "tried_prefills")
-
-    def __init__(self, limits: Limits) -> None:
-        self._prefill_attempts = limits.prefill_attempts
-        self.excluded_decodes: set[str] = set()
-        self.tried_prefills: set[str] = set()  # this round's
-        self.given_up = False  # its last failure is the request's
-
-    def decode_failed(self, instance: str) -> None:
-        """Its leg on ``instance`` failed: never there again, and a new round of prefills
-        (as the request's own retry from prefill)."""
-        self.excluded_decodes.add(instance)
-        self.tried_prefills.clear()
-
-    def prefill_sent(self, instance: str) -> None:
-        self.tried_prefills.add(instance)
-
-    def may_prefill(self) -> bool:
-        return len(self.tried_prefills) < self._prefill_attempts
 
 
 class Deadline(enum.Enum):

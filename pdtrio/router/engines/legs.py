@@ -114,8 +114,9 @@ class EngineDecodeLeg:
     is one to the machine: a choice failing before any token went out sends the whole
     request again from new prefills.  One failing before its own first token, once other
     choices' went out, is started again alone (:meth:`_rerun_choice`: a new prefill, a new
-    decode leg, under the request's limits: ``rm.ChoiceRetry``) while the others stream
-    on; one failing after its first token, or out of retries, fails the request.
+    decode leg, as the machine's ``choice_reruns`` answer, under the request's limits)
+    while the others stream on; one failing after its first token, or out of retries,
+    fails the request.
     """
 
     def __init__(self, host: LegHost, legs: EngineLegs, prefill: EnginePrefillLeg) -> None:
@@ -130,8 +131,6 @@ class EngineDecodeLeg:
         self._prefill_failed: PrefillFailure | None = None
         self._choices: list[ChoiceLeg] = []  # the current run's, by choice
         self._reader: trio.Nursery | None = None  # the current run's legs, while streaming
-        # the choices started again alone, each with its retries' bookkeeping
-        self._retries: dict[int, rm.ChoiceRetry] = {}
 
     @property
     def instance_id(self) -> str | None:
@@ -276,18 +275,20 @@ class EngineDecodeLeg:
         leg = self._choices[choice]
         stream = leg.stream
         reader = self._reader
-        if reader is None or failure.cut_off:
+        if reader is None:
             return False
-        retry = self._retries.get(choice)
-        if retry is None:
-            retry = self._retries[choice] = rm.ChoiceRetry(self._host.machine.limits)
-            if self._prefill.instance is not None:
-                retry.prefill_sent(self._prefill.instance.instance_id)
-        if retry.given_up:
+        blamed = failure.loss is DecodeLoss.DECODE_FAILED
+        first_prefill = self._prefill.instance
+        rerun = self._host.machine.choice_reruns.failed(
+            choice,
+            cut_off=failure.cut_off,
+            decode=leg.decode.instance_id if blamed else None,
+            prefill=None if first_prefill is None else first_prefill.instance_id,
+        )
+        if rerun is None:
             return False
-        if failure.loss is DecodeLoss.DECODE_FAILED:
+        if blamed:
             self._pool.failed(leg.decode, failure.message)
-            retry.decode_failed(leg.decode.instance_id)
         log.info(
             "request %s: choice %d failed before its first token (%s): started again alone",
             self._host.request_id,
@@ -298,17 +299,18 @@ class EngineDecodeLeg:
         leg.scope.cancel()
         leg.prefill_scope.cancel()
         stream.restart()
-        reader.start_soon(self._rerun_choice, leg, retry, failure.message)
+        reader.start_soon(self._rerun_choice, leg, rerun, failure.message)
         return True
 
-    async def _rerun_choice(self, failed: ChoiceLeg, retry: rm.ChoiceRetry, failure: str) -> None:
-        """Choice ``failed.choice`` again: a prefill (not one this round tried) and a decode
-        leg (not on a decode it failed on), streamed into its stream as its first run's
-        would have been; what fails is its stream's failure (:meth:`_retry_choice` is then
-        asked again)."""
+    async def _rerun_choice(self, failed: ChoiceLeg, rerun: rm.RerunChoice, failure: str) -> None:
+        """Choice ``failed.choice`` again, as ``rerun`` says: a prefill (as the machine's
+        ``choice_reruns`` allows) and a decode leg (not on a decode it failed on), streamed
+        into its stream as its first run's would have been; what fails is its stream's
+        failure (:meth:`_retry_choice` is then asked again)."""
         host = self._host
         pool = self._pool
         prefill = self._prefill
+        reruns = host.machine.choice_reruns
         choice = failed.choice
         stream = failed.stream
         model = host.request.model
@@ -318,9 +320,9 @@ class EngineDecodeLeg:
         if unpulled is not None:
             prefill.release_params(choice, unpulled)
         # its decode first: with none left, no prefill is computed for nothing
-        decode = pool.pick("decode", model, frozenset(retry.excluded_decodes), prefill.prefix_keys)
+        decode = pool.pick("decode", model, rerun.exclude_decodes, prefill.prefix_keys)
         if decode is None:
-            retry.given_up = True
+            reruns.give_up(choice)
             stream.fail(
                 f"choice {choice}: no decode instance is available (last: {failure})",
                 DecodeLoss.NOT_DECODES_FAULT,
@@ -329,26 +331,23 @@ class EngineDecodeLeg:
         request_id = prefill.rerun_request_id(choice)
         while True:
             instance = None
-            if retry.may_prefill():
-                instance = pool.pick(
-                    "prefill", model, frozenset(retry.tried_prefills), prefill.prefix_keys
-                )
+            send = reruns.next_prefill(choice)
+            if send is not None:
+                instance = pool.pick("prefill", model, send.exclude, prefill.prefix_keys)
             if instance is None:
-                retry.given_up = True
+                reruns.give_up(choice)
                 why = prefill.no_instance_reason()
                 stream.fail(f"choice {choice}: {why}", DecodeLoss.NOT_DECODES_FAULT)
                 return
-            retry.prefill_sent(instance.instance_id)
+            reruns.prefill_sent(choice, instance.instance_id)
             host.router.metrics.retries.labels("prefill").inc()
             bodies = await prefill.rerun_bodies(instance, choice)
             if isinstance(bodies, tuple):
                 body, prefill_call = bodies
                 break
             prefill_failed = bodies
-            if isinstance(prefill_failed, rm.PrefillFailed) and is_clients_fault(
-                prefill_failed.failure.status
-            ):
-                retry.given_up = True  # the request's own (a 4xx): not retried
+            if not reruns.prefill_failed(choice, prefill_failed):
+                assert isinstance(prefill_failed, rm.PrefillFailed)  # the request's own (a 4xx)
                 stream.fail(prefill_failed.failure.message, DecodeLoss.NOT_DECODES_FAULT)
                 return
         host.router.metrics.retries.labels("decode").inc()
@@ -357,20 +356,18 @@ class EngineDecodeLeg:
         answers = LegAnswers(1)
         async with trio.open_nursery() as beside:
             if prefill_call is not None:
-                beside.start_soon(self._prefill_beside_alone, leg, retry)
+                beside.start_soon(self._prefill_beside_alone, leg)
             await self._leg(leg, answers)
             if answers.refusal is not None or isinstance(stream.outcome, StreamFailed):
                 beside.cancel_scope.cancel()  # (its prefill would wait for a fetch)
         refusal = answers.refusal
         if refusal is None:
             return
-        if isinstance(refusal, rm.DecodeRejected):  # the client's own (a 4xx)
-            retry.given_up = True
-        else:  # (the decode is out of rotation already: never again for this choice)
-            retry.decode_failed(decode.instance_id)
+        # (a decode that failed is out of rotation already)
+        reruns.decode_refused(choice, decode.instance_id, refusal)
         stream.fail(refusal.message, DecodeLoss.NOT_DECODES_FAULT)
 
-    async def _prefill_beside_alone(self, leg: ChoiceLeg, retry: rm.ChoiceRetry) -> None:
+    async def _prefill_beside_alone(self, leg: ChoiceLeg) -> None:
         """SGLang: a choice started again alone's prefill call, beside its decode leg."""
         assert leg.prefill is not None and leg.prefill_body is not None
         failed = None
@@ -379,8 +376,7 @@ class EngineDecodeLeg:
         if failed is None or leg.decoded or leg.scope.cancel_called:
             return
         leg.scope.cancel()  # its decode would wait for KV that never comes
-        if isinstance(failed, rm.PrefillFailed) and is_clients_fault(failed.failure.status):
-            retry.given_up = True  # the request's own (a 4xx): not retried
+        self._host.machine.choice_reruns.prefill_failed(leg.choice, failed)
         why = prefill_failure_message(failed)
         leg.stream.fail(f"prefill failed choice {leg.choice}: {why}", DecodeLoss.NOT_DECODES_FAULT)
 
