@@ -70,9 +70,12 @@ async def proxied_cluster(router: RouterConfig, *, decodes: int) -> AsyncIterato
         nursery.cancel_scope.cancel()
 
 
-def _router(reconnect_wait_s: float) -> RouterConfig:
+def _router(reconnect_wait_s: float, *, migration_limit: int = 2) -> RouterConfig:
     return RouterConfig(
-        link_timeout_s=0.5, link_heartbeat_s=0.1, decode_reconnect_wait_s=reconnect_wait_s
+        link_timeout_s=0.5,
+        link_heartbeat_s=0.1,
+        decode_reconnect_wait_s=reconnect_wait_s,
+        migration_limit=migration_limit,
     )
 
 
@@ -97,7 +100,8 @@ async def _fill_and_queue_one(
             async for line in response.aiter_lines():
                 if line:
                     waiting.stream_events.append(line)
-                    flowing.set()
+                    if len(waiting.stream_events) >= 3:
+                        flowing.set()  # decode's own tokens flow (prefill's came first)
 
     async def wait_for_room() -> None:
         body = {"model": "synthetic", "prompt": "hi", "max_tokens": 4}
@@ -139,9 +143,14 @@ async def test_a_request_queued_for_a_hung_decodes_room_ends_with_its_streams() 
 
 
 async def test_a_request_queued_for_a_hung_decodes_room_moves_to_one_that_connects() -> None:
-    """The same, with another decode connecting while it waits: it is served there."""
+    """The same, with another decode connecting while it waits: it is served there.  The
+    stream that filled the hung decode does not migrate (one request fills a decode: a
+    migrated stream would take the room the queued request waits for, and hold it past
+    prefill's lease); it hangs once decode's tokens flow, when it can no longer be placed
+    again as one before its first token would be."""
+    router_config = _router(reconnect_wait_s=LIVENESS_S / 2, migration_limit=0)
     async with (
-        proxied_cluster(_router(reconnect_wait_s=LIVENESS_S / 2), decodes=2) as proxied,
+        proxied_cluster(router_config, decodes=2) as proxied,
         httpx.AsyncClient(base_url=proxied.cluster.url, timeout=LIVENESS_S) as http,
     ):
         hung, other = proxied.proxies
@@ -158,7 +167,6 @@ async def test_a_request_queued_for_a_hung_decodes_room_moves_to_one_that_connec
                 await wait_for_stats(lambda: not router.instances.decode_links(), LIVENESS_S)
                 other.update(refuse=False)
                 await waiting.answered.wait()
-                nursery.cancel_scope.cancel()  # (the stream that filled it goes on there)
         (answer,) = waiting.answers
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["finish_reason"] == "length"
