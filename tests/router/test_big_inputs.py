@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pdtrio import memory
 from pdtrio.asgi import BodyTooLarge, ClientDisconnected, Receive, read_body
-from pdtrio.protocol.link import wire
+from pdtrio.protocol.link import encoding
 from pdtrio.protocol.openai import (
     OpenAIError,
     json_pieces,
@@ -76,7 +76,7 @@ async def test_a_long_prompt_goes_to_prefill_without_being_encoded_whole() -> No
             return data
 
     prompt = "\u00e9" * 400_000  # 800,000 bytes of UTF-8: the synthetic engine's tokens, +1
-    with mock.patch.object(wire, "_encoder", SpyEncoder()):
+    with mock.patch.object(encoding, "_encoder", SpyEncoder()):
         async with running_cluster() as cluster, client(cluster) as http:
             response = await http.post(
                 "/v1/completions", json={"model": "synthetic", "prompt": prompt}
