@@ -9,7 +9,8 @@ Per delivered event: a clock read and a local bucket count (no ``prometheus_clie
 call); the inter-token gaps, tokens and the per-request figures go to Prometheus when
 ``/metrics`` is scraped (under multiprocess mode: when the request ends, and at most
 once a second while it streams).  What already lives in the router (instances, links,
-egress) is read at scrape time by :class:`RouterStateCollector`.
+egress) is read at scrape time by
+:class:`~pdtrio.router.state_metrics.RouterStateCollector`.
 """
 
 from __future__ import annotations
@@ -17,20 +18,16 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Protocol, final
+from typing import Any, Final, final
 
+import attrs
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from pdtrio.logs import ACCESS_LOGGER, log_access
 from pdtrio.metrics import LATENCY_BUCKETS_S, LocalHistogram, exposition, multiprocess_dir
 from pdtrio.protocol.link.registration import REJECTION_REASONS
 from pdtrio.protocol.request import MigrationReason
-
-if TYPE_CHECKING:
-    from prometheus_client.metrics_core import Metric
+from pdtrio.router.state_metrics import RouterState, RouterStateCollector
 
 access_log = logging.getLogger(ACCESS_LOGGER)
 
@@ -72,20 +69,173 @@ class Outcome(enum.Enum):
     """Ended by an error event after the stream had started (with the error's status)."""
 
 
-class RouterState(Protocol):
-    """What the collector reads of the router (``pdtrio.router.core.Router``)."""
+@attrs.frozen
+class MetricSpec:
+    """One metric of the router's registry: the attribute :class:`RouterMetrics` keeps it
+    in, and what Prometheus shows of it."""
 
-    @property
-    def instances(self) -> Mapping[str, Any]: ...
+    attribute: str
+    kind: type[Counter | Gauge | Histogram | Summary]
+    name: str
+    documentation: str
+    labels: tuple[str, ...] = ()
+    # label values shown at 0 from the start
+    at_zero: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+    # a gauge's, under multiprocess mode: how the processes' values make one
+    multiprocess_mode: str | None = None
 
-    @property
-    def workers(self) -> Sequence[Any]: ...
+    def declare(self, registry: CollectorRegistry) -> Counter | Gauge | Histogram | Summary:
+        options: dict[str, Any] = {}
+        if self.buckets is not None:
+            options["buckets"] = self.buckets
+        if self.multiprocess_mode is not None:
+            options["multiprocess_mode"] = self.multiprocess_mode
+        metric = self.kind(self.name, self.documentation, self.labels, registry=registry, **options)
+        for value in self.at_zero:
+            metric.labels(value)
+        return metric
 
-    @property
-    def tokens_delivered(self) -> int: ...
 
-    @property
-    def egress(self) -> Any: ...
+# every metric RouterMetrics declares, in the order /metrics lists them
+DECLARED_METRICS: Final = (
+    MetricSpec(
+        "requests",
+        Counter,
+        "pdtrio_requests",
+        "Completion requests ended, by endpoint, model and outcome "
+        "(status: the error's status class for rejected and failed).",
+        ("endpoint", "model", "outcome", "status"),
+    ),
+    MetricSpec(
+        "requests_active",
+        Gauge,
+        "pdtrio_requests_active",
+        "Completion requests running now.",
+        multiprocess_mode="livesum",
+    ),
+    MetricSpec(
+        "streams_active",
+        Gauge,
+        "pdtrio_streams_active",
+        "Requests decoding now (decode accepted them, they have not ended).",
+        multiprocess_mode="livesum",
+    ),
+    MetricSpec(
+        "ttft",
+        Histogram,
+        "pdtrio_time_to_first_token_seconds",
+        "From the request's start to its first token going out.",
+        ("model",),
+        buckets=LATENCY_BUCKETS_S,
+    ),
+    MetricSpec(
+        "itl",
+        Histogram,
+        "pdtrio_inter_token_latency_seconds",
+        "Gaps between two events of a response (an event may carry several tokens).",
+        ("model",),
+        buckets=ITL_BUCKETS_S,
+    ),
+    MetricSpec(
+        "e2e",
+        Histogram,
+        "pdtrio_e2e_request_latency_seconds",
+        "From the request's start to its end, whatever the outcome.",
+        ("model",),
+        buckets=LATENCY_BUCKETS_S,
+    ),
+    MetricSpec(
+        "queued",
+        Histogram,
+        "pdtrio_queue_wait_seconds",
+        "Time a prefilled request waited for decode KV room.",
+        ("model",),
+        buckets=LATENCY_BUCKETS_S,
+    ),
+    MetricSpec(
+        "prefill",
+        Histogram,
+        "pdtrio_prefill_seconds",
+        "From the first prefill call to prefill's answer (retries on other instances included).",
+        ("model",),
+        buckets=LATENCY_BUCKETS_S,
+    ),
+    MetricSpec(
+        "handoff",
+        Histogram,
+        "pdtrio_kv_handoff_seconds",
+        "From the decode start sent to decode accepting it (its KV pull included).",
+        ("model",),
+        buckets=LATENCY_BUCKETS_S,
+    ),
+    MetricSpec(
+        "prompt_tokens",
+        Counter,
+        "pdtrio_prompt_tokens",
+        "Prompt tokens of prefilled requests.",
+        ("model",),
+    ),
+    MetricSpec(
+        "completion_tokens",
+        Counter,
+        "pdtrio_completion_tokens",
+        "Generated tokens delivered to clients.",
+        ("model",),
+    ),
+    MetricSpec(
+        "retries",
+        Counter,
+        "pdtrio_retries",
+        "A request tried again: on another prefill instance, or for decode room or "
+        "another decode instance.",
+        ("phase",),
+        at_zero=("prefill", "decode"),
+    ),
+    MetricSpec(
+        "migrations",
+        Counter,
+        "pdtrio_migrations",
+        "Requests continued on another decode after their decode was lost mid-stream, "
+        "by reason: link_lost, link_timeout, decode_failed, stalled.",
+        ("reason",),
+        at_zero=tuple(reason.value for reason in MigrationReason),
+    ),
+    MetricSpec(
+        "prefill_placements",
+        Counter,
+        "pdtrio_prefill_placements",
+        "Prefill calls by where they ran: remote (a prefill instance, the KV handed to "
+        "decode) or local (on the decode instance itself: little of the prompt was "
+        "missing from its prefix cache, router.local_prefill_max_tokens).",
+        ("where",),
+        at_zero=PREFILL_PLACES,
+    ),
+    MetricSpec(
+        "ttft_by_placement",
+        Summary,
+        "pdtrio_ttft_by_prefill_placement_seconds",
+        "Time to first token by where the request's prompt was prefilled (remote, local): "
+        "what conditional disaggregation does to TTFT (sum / count: the mean).",
+        ("where",),
+        at_zero=PREFILL_PLACES,
+    ),
+    MetricSpec(
+        "queue_full",
+        Counter,
+        "pdtrio_queue_full_rejections",
+        "Requests refused with 429 because the decode queue was full.",
+    ),
+    MetricSpec(
+        "registry_rejected",
+        Counter,
+        "pdtrio_registry_rejected_entries",
+        "Registry (etcd) entries ignored, once per change of the entry, by reason: "
+        "malformed, invalid, unsigned, bad_signature, wrong_key, router_url, internal.",
+        ("reason",),
+        at_zero=REJECTION_REASONS,
+    ),
+)
 
 
 @final
@@ -238,144 +388,43 @@ class RequestFigures:
 class RouterMetrics:
     """The router's Prometheus metrics, in a registry of their own."""
 
+    # each metric of DECLARED_METRICS, in the attribute it names (the constructor sets it)
+    requests: Counter
+    requests_active: Gauge
+    streams_active: Gauge
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queued: Histogram
+    prefill: Histogram
+    handoff: Histogram
+    prompt_tokens: Counter
+    completion_tokens: Counter
+    retries: Counter
+    migrations: Counter
+    prefill_placements: Counter
+    ttft_by_placement: Summary
+    queue_full: Counter
+    registry_rejected: Counter
+
     def __init__(self, router: RouterState) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        registry = self.registry
         self.state = RouterStateCollector(router)
-        registry.register(self.state)
-        self.requests = Counter(
-            "pdtrio_requests",
-            "Completion requests ended, by endpoint, model and outcome "
-            "(status: the error's status class for rejected and failed).",
-            ["endpoint", "model", "outcome", "status"],
-            registry=registry,
-        )
+        self.registry.register(self.state)
+        for spec in DECLARED_METRICS:
+            setattr(self, spec.attribute, spec.declare(self.registry))
         # each label set's child, looked up once: labels() is dear on the hot path
         self._requests_by_labels: dict[tuple[str, str, str, str], Any] = {}
         # ended requests not counted in their child yet, by label set (see request_ended)
         self._requests_pending: dict[tuple[str, str, str, str], int] = {}
-        self.requests_active = Gauge(
-            "pdtrio_requests_active",
-            "Completion requests running now.",
-            registry=registry,
-            multiprocess_mode="livesum",
-        )
-        self.streams_active = Gauge(
-            "pdtrio_streams_active",
-            "Requests decoding now (decode accepted them, they have not ended).",
-            registry=registry,
-            multiprocess_mode="livesum",
-        )
-        latency = ["model"]
-        self.ttft = Histogram(
-            "pdtrio_time_to_first_token_seconds",
-            "From the request's start to its first token going out.",
-            latency,
-            registry=registry,
-            buckets=LATENCY_BUCKETS_S,
-        )
-        self.itl = Histogram(
-            "pdtrio_inter_token_latency_seconds",
-            "Gaps between two events of a response (an event may carry several tokens).",
-            latency,
-            registry=registry,
-            buckets=ITL_BUCKETS_S,
-        )
-        self.e2e = Histogram(
-            "pdtrio_e2e_request_latency_seconds",
-            "From the request's start to its end, whatever the outcome.",
-            latency,
-            registry=registry,
-            buckets=LATENCY_BUCKETS_S,
-        )
-        self.queued = Histogram(
-            "pdtrio_queue_wait_seconds",
-            "Time a prefilled request waited for decode KV room.",
-            latency,
-            registry=registry,
-            buckets=LATENCY_BUCKETS_S,
-        )
-        self.prefill = Histogram(
-            "pdtrio_prefill_seconds",
-            "From the first prefill call to prefill's answer (retries on other instances included).",
-            latency,
-            registry=registry,
-            buckets=LATENCY_BUCKETS_S,
-        )
-        self.handoff = Histogram(
-            "pdtrio_kv_handoff_seconds",
-            "From the decode start sent to decode accepting it (its KV pull included).",
-            latency,
-            registry=registry,
-            buckets=LATENCY_BUCKETS_S,
-        )
-        self.prompt_tokens = Counter(
-            "pdtrio_prompt_tokens",
-            "Prompt tokens of prefilled requests.",
-            ["model"],
-            registry=registry,
-        )
-        self.completion_tokens = Counter(
-            "pdtrio_completion_tokens",
-            "Generated tokens delivered to clients.",
-            ["model"],
-            registry=registry,
-        )
-        self.retries = Counter(
-            "pdtrio_retries",
-            "A request tried again: on another prefill instance, or for decode room or "
-            "another decode instance.",
-            ["phase"],
-            registry=registry,
-        )
-        for phase in ("prefill", "decode"):
-            self.retries.labels(phase)  # shown at 0 from the start
-        self.migrations = Counter(
-            "pdtrio_migrations",
-            "Requests continued on another decode after their decode was lost mid-stream, "
-            "by reason: link_lost, link_timeout, decode_failed, stalled.",
-            ["reason"],
-            registry=registry,
-        )
-        for migration_reason in MigrationReason:
-            self.migrations.labels(migration_reason.value)  # shown at 0 from the start
-        prefill_placements = Counter(
-            "pdtrio_prefill_placements",
-            "Prefill calls by where they ran: remote (a prefill instance, the KV handed to "
-            "decode) or local (on the decode instance itself: little of the prompt was "
-            "missing from its prefix cache, router.local_prefill_max_tokens).",
-            ["where"],
-            registry=registry,
-        )
-        # by where (shown at 0 from the start; resolved once: labels() costs as an inc())
-        self.prefill_placed = {w: prefill_placements.labels(w) for w in PREFILL_PLACES}
-        ttft_by_placement = Summary(
-            "pdtrio_ttft_by_prefill_placement_seconds",
-            "Time to first token by where the request's prompt was prefilled (remote, local): "
-            "what conditional disaggregation does to TTFT (sum / count: the mean).",
-            ["where"],
-            registry=registry,
-        )
-        # (resolved once: labels() costs as much as an observe)
-        self._ttft_by_placement = {w: ttft_by_placement.labels(w) for w in PREFILL_PLACES}
+        # the placements' children by where, resolved once: labels() costs as much as an
+        # inc() or an observe()
+        self.prefill_placed = {w: self.prefill_placements.labels(w) for w in PREFILL_PLACES}
+        self._ttft_by_placement = {w: self.ttft_by_placement.labels(w) for w in PREFILL_PLACES}
         # [sum, count] of the TTFTs not observed in those children yet (see request_ended)
         self._ttft_by_placement_pending: dict[str, list[float]] = {
             w: [0.0, 0] for w in PREFILL_PLACES
         }
-        self.queue_full = Counter(
-            "pdtrio_queue_full_rejections",
-            "Requests refused with 429 because the decode queue was full.",
-            registry=registry,
-        )
-        self.registry_rejected = Counter(
-            "pdtrio_registry_rejected_entries",
-            "Registry (etcd) entries ignored, once per change of the entry, by reason: "
-            "malformed, invalid, unsigned, bad_signature, wrong_key, router_url, internal.",
-            ["reason"],
-            registry=registry,
-        )
-        for reason in REJECTION_REASONS:
-            self.registry_rejected.labels(reason)  # shown at 0 from the start
         self._series: dict[str, _ModelSeries] = {}
         self.multiprocess = multiprocess_dir()
 
@@ -490,110 +539,3 @@ class RouterMetrics:
         for series in self._series.values():
             series.merge_pending()
         return exposition(self.registry, (self.state,), multiprocess=self.multiprocess)
-
-
-@final
-class RouterStateCollector(Collector):
-    """What the router already holds, read at scrape time: instances, links, egress.
-
-    Under multiprocess mode these come from the process that answers the scrape.
-    """
-
-    def __init__(self, router: RouterState) -> None:
-        self._router = router
-
-    def describe(self) -> Iterator[Metric]:
-        return iter(())  # nothing to check at registration; collect reads the router
-
-    def collect(self) -> Iterator[Metric]:
-        router = self._router
-        labels = ["instance", "role", "model"]
-        up = GaugeMetricFamily(
-            "pdtrio_instance_up",
-            "1 while the instance takes new work (healthy, registered, linked, not draining).",
-            labels=labels,
-        )
-        active = GaugeMetricFamily(
-            "pdtrio_instance_active_requests",
-            "Requests on the instance now: prefill calls waiting and decode streams.",
-            labels=labels,
-        )
-        free = GaugeMetricFamily(
-            "pdtrio_instance_kv_free_blocks",
-            "Free KV blocks the decode instance last reported.",
-            labels=labels,
-        )
-        reconnects = CounterMetricFamily(
-            "pdtrio_link_reconnects",
-            "Times the router's link to the instance connected again after a break.",
-            labels=["instance"],
-        )
-        misses = CounterMetricFamily(
-            "pdtrio_link_heartbeat_misses",
-            "Links dropped because the instance sent nothing (heartbeats included) in time.",
-            labels=["instance"],
-        )
-        cached = GaugeMetricFamily(
-            "pdtrio_instance_cached_blocks",
-            "KV blocks the instance's prefix cache holds, as its KV events told this router "
-            "(the prefix index cache-aware routing reads; absent while it reports none).",
-            labels=labels,
-        )
-        frames = CounterMetricFamily(
-            "pdtrio_decode_frames_received",
-            "Frames the router read from the instance's link.",
-            labels=["instance"],
-        )
-        cut_off = 0
-        for instance in router.instances.values():
-            values = [instance.instance_id, instance.role, instance.model]
-            link = instance.link
-            up.add_metric(values, 1.0 if instance.usable else 0.0)
-            streams = 0 if link is None else link.active_requests
-            active.add_metric(values, float(streams + instance.active_prefills))
-            if link is None:
-                continue
-            if link.capacity is not None:
-                free.add_metric(values, float(link.capacity.free_blocks))
-            if link.cached_blocks.reporting:
-                cached.add_metric(values, float(len(link.cached_blocks)))
-            counts = link.statistics()
-            reconnects.add_metric([instance.instance_id], float(max(0, counts.connects - 1)))
-            misses.add_metric([instance.instance_id], float(counts.hangs))
-            frames.add_metric([instance.instance_id], float(counts.frames_received))
-            cut_off += counts.clients_cut_off
-        yield from (up, active, free, cached, reconnects, misses, frames)
-        yield GaugeMetricFamily(
-            "pdtrio_local_prefill_max_tokens",
-            "Conditional disaggregation's threshold: a request missing no more of its prompt "
-            "from its decode's prefix cache is prefilled there (0: never).",
-            value=float(getattr(router.instances, "local_prefill_max_tokens", 0)),
-        )
-        yield CounterMetricFamily(
-            "pdtrio_slow_clients_cut_off",
-            "Streams ended because their client read too slowly.",
-            value=float(cut_off),
-        )
-        yield CounterMetricFamily(
-            "pdtrio_tokens_delivered",
-            "Tokens delivered by this process (all models; counted per event).",
-            value=float(router.tokens_delivered),
-        )
-        yield GaugeMetricFamily(
-            "pdtrio_egress_spacing_seconds",
-            "How far apart each stream's sends go now (adaptive egress; 0: at once).",
-            value=router.egress.spacing_s,
-        )
-        yield GaugeMetricFamily(
-            "pdtrio_event_loop_busy_ratio",
-            "How busy the router's event loop was lately (0 to 1).",
-            value=router.egress.busy_fraction,
-        )
-        restarts = CounterMetricFamily(
-            "pdtrio_worker_restarts",
-            "Restarts of each embedded worker.",
-            labels=["worker"],
-        )
-        for worker in router.workers:
-            restarts.add_metric([worker.name], float(worker.restarts))
-        yield restarts

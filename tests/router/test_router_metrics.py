@@ -7,13 +7,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import typing
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, multiprocess
 
 from pdtrio.metrics import LocalHistogram, exposition
-from pdtrio.router.metrics import ITL_BUCKETS_S
+from pdtrio.router.metrics import DECLARED_METRICS, ITL_BUCKETS_S, RouterMetrics
 from tests.cluster import client, running_cluster, wait_until_idle
 from tests.metrics import value
 
@@ -171,3 +172,11 @@ def test_multiprocess_mode_sums_every_process(tmp_path: Path) -> None:
     after = exposition(CollectorRegistry(), multiprocess=str(tmp_path)).decode()
     assert value(after, "pdtrio_requests_active") == 0
     assert value(after, "pdtrio_requests_total", outcome="ok") == 2
+
+
+def test_every_declared_metric_has_its_typed_attribute_and_no_other() -> None:
+    # the constructor sets them by name: a typo or a forgotten annotation shows here
+    declared = {spec.attribute: spec.kind for spec in DECLARED_METRICS}
+    assert len(declared) == len(DECLARED_METRICS)
+    assert typing.get_type_hints(RouterMetrics) == declared
+    assert len({spec.name for spec in DECLARED_METRICS}) == len(DECLARED_METRICS)
