@@ -6,7 +6,8 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Final, final
 
 import trio
@@ -64,11 +65,13 @@ log = logging.getLogger("pdtrio.router")
 
 _COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 # each completion path's request parser and the answer kind the pipeline shapes
-_PARSERS: Final[dict[str, tuple[Callable[..., AnyRequest], AnswerKind]]] = {
-    "/v1/chat/completions": (parse_chat_completion_request, "chat"),
-    "/v1/completions": (parse_completion_request, "completion"),
-    "/v1/responses": (parse_responses_request, "responses"),
-}
+_PARSERS: Final[Mapping[str, tuple[Callable[..., AnyRequest], AnswerKind]]] = MappingProxyType(
+    {
+        "/v1/chat/completions": (parse_chat_completion_request, "chat"),
+        "/v1/completions": (parse_completion_request, "completion"),
+        "/v1/responses": (parse_responses_request, "responses"),
+    }
+)
 
 TRIO_ONLY_MESSAGE = (
     "pdtrio runs on Trio, not asyncio: start it with `hypercorn -k trio pdtrio.app:app`"

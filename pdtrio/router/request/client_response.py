@@ -27,11 +27,11 @@ from pdtrio.protocol.openai.tools import ToolCall, ToolCallParser, tool_finish_r
 
 log = logging.getLogger("pdtrio.router.pipeline")
 
-_SSE_HEADERS = [
+_SSE_HEADERS = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
-]
+)
 
 
 @final

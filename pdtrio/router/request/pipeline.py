@@ -38,6 +38,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import final
 
 import trio
@@ -66,7 +67,7 @@ from pdtrio.router.request.client_response import ClientResponse
 
 log = logging.getLogger("pdtrio.router.pipeline")
 
-_OUTCOMES = {ending: Outcome[ending.name] for ending in rm.Ending}
+_OUTCOMES = MappingProxyType({ending: Outcome[ending.name] for ending in rm.Ending})
 _STRANDED = rm.Failure(Reason.INTERNAL, "the router lost track of the request")
 
 
