@@ -494,27 +494,17 @@ class RouterMetrics:
         if access_log.isEnabledFor(logging.INFO):
             if status is None:
                 status = 200 if outcome is Outcome.OK else CLIENT_CLOSED_STATUS
-            fields = {
-                "request_id": request_id,
-                "model": model or "-",
-                "status": status,
-                "outcome": outcome.value,
-                "prompt_tokens": "-"
-                if figures is None or figures.prompt_tokens is None
-                else figures.prompt_tokens,
-                "completion_tokens": 0 if figures is None else figures.completion_tokens,
-                "ttft_ms": "-" if ttft_ms is None else round(ttft_ms, 1),
-                "total_ms": "-" if total_ms is None else round(total_ms, 1),
-                "prefill": prefill,
-                "decode": decode,
-                "migrations": "-"
-                if figures is None or not figures.migrations
-                else ",".join(figures.migrations),
-                "prefill_at": "-"
-                if figures is None or figures.prefill_at is None
-                else figures.prefill_at,
-            }
-            log_access(" ".join([f"{key}={value}" for key, value in fields.items()]), fields)
+            _log_access_line(
+                request_id=request_id,
+                model=model,
+                status=status,
+                outcome=outcome,
+                figures=figures,
+                ttft_ms=ttft_ms,
+                total_ms=total_ms,
+                prefill=prefill,
+                decode=decode,
+            )
 
     def _merge_pending(self) -> None:
         """The ended requests' counts and TTFTs by placement, into their children."""
@@ -539,3 +529,37 @@ class RouterMetrics:
         for series in self._series.values():
             series.merge_pending()
         return exposition(self.registry, (self.state,), multiprocess=self.multiprocess)
+
+
+def _log_access_line(
+    *,
+    request_id: str,
+    model: str,
+    status: int,
+    outcome: Outcome,
+    figures: RequestFigures | None,
+    ttft_ms: float | None,
+    total_ms: float | None,
+    prefill: str,
+    decode: str,
+) -> None:
+    """A request's one access line: its figures, none of its content."""
+    fields = {
+        "request_id": request_id,
+        "model": model or "-",
+        "status": status,
+        "outcome": outcome.value,
+        "prompt_tokens": "-"
+        if figures is None or figures.prompt_tokens is None
+        else figures.prompt_tokens,
+        "completion_tokens": 0 if figures is None else figures.completion_tokens,
+        "ttft_ms": "-" if ttft_ms is None else round(ttft_ms, 1),
+        "total_ms": "-" if total_ms is None else round(total_ms, 1),
+        "prefill": prefill,
+        "decode": decode,
+        "migrations": "-"
+        if figures is None or not figures.migrations
+        else ",".join(figures.migrations),
+        "prefill_at": "-" if figures is None or figures.prefill_at is None else figures.prefill_at,
+    }
+    log_access(" ".join([f"{key}={value}" for key, value in fields.items()]), fields)
