@@ -11,6 +11,7 @@ the instance sets it; the request's decode leg reads it and tells the machine.
 from __future__ import annotations
 
 import enum
+from types import MappingProxyType
 from typing import Final, TypeAlias, final
 
 import attrs
@@ -51,12 +52,14 @@ class DecodeLoss(enum.Enum):
         return _MIGRATIONS.get(self, rm.MigrationReason.DECODE_FAILED)
 
 
-_MIGRATIONS: Final = {
-    DecodeLoss.DECODE_FAILED: rm.MigrationReason.DECODE_FAILED,
-    DecodeLoss.STALLED: rm.MigrationReason.STALLED,
-    DecodeLoss.LINK_LOST: rm.MigrationReason.LINK_LOST,
-    DecodeLoss.LINK_TIMEOUT: rm.MigrationReason.LINK_TIMEOUT,
-}
+_MIGRATIONS: Final = MappingProxyType(
+    {
+        DecodeLoss.DECODE_FAILED: rm.MigrationReason.DECODE_FAILED,
+        DecodeLoss.STALLED: rm.MigrationReason.STALLED,
+        DecodeLoss.LINK_LOST: rm.MigrationReason.LINK_LOST,
+        DecodeLoss.LINK_TIMEOUT: rm.MigrationReason.LINK_TIMEOUT,
+    }
+)
 
 
 @final
