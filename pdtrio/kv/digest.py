@@ -14,12 +14,12 @@ stale or damaged KV.  CRC-32 finds accidents (stale, reused, torn or flipped
 bytes), not an attacker: the KV port's peers are authenticated already.
 
 Coverage (the worker's ``kv_digest``): ``full`` digests every byte; ``sampled``
-digests ``SAMPLE_LINES`` runs of ``LINE_BYTES`` bytes spread evenly over each block,
+digests ``SAMPLE_LINES`` of each block's lines of ``LINE_BYTES`` bytes, spread evenly,
 the first and the last included, which costs a small fixed amount per block whatever
 its size.  A sample catches a block that holds other bytes than prefill's (another
 request's KV, a block never written, a transfer that put blocks in the wrong place or
 left some out) and, with the generations, a block reused since prefill wrote it; it
-misses damage confined to bytes between its runs (a flipped bit there), which
+misses damage confined to the lines it does not read (a flipped bit there), which
 ``full`` catches.
 """
 
@@ -39,7 +39,7 @@ from pdtrio.engine.api import KvRegion
 from pdtrio.kv.api import KvTransferError
 from pdtrio.protocol.link.wire import KvDigests
 
-# runs of bytes a sampled digest reads from each block, and their length (a cache line)
+# lines a sampled digest reads from each block, and their length (a cache line)
 SAMPLE_LINES: Final = 64
 LINE_BYTES: Final = 64
 # full digests of more bytes than this are computed on a worker thread (zlib lets go
@@ -67,19 +67,32 @@ class KvBlocks(Protocol):
 @attrs.frozen
 class Coverage:
     """Which bytes of a block a digest reads: every one (``sample_lines`` 0), or
-    ``sample_lines`` runs of ``line_bytes``."""
+    ``sample_lines`` of its ``line_bytes``-long lines, spread evenly, first and last included."""
 
     sample_lines: int
     line_bytes: int = LINE_BYTES
 
-    def sample(self, block_nbytes: int) -> np.ndarray[Any, Any] | None:
-        """The byte offsets a digest of a block of ``block_nbytes`` reads, in order; None:
-        every byte (full coverage, or a block no bigger than the sample)."""
-        lines, width = self.sample_lines, self.line_bytes
-        if lines <= 0 or lines * width >= block_nbytes:
+    def lines(self, block_nbytes: int) -> np.ndarray[Any, Any] | None:
+        """The indexes of the lines a digest of a block of ``block_nbytes`` reads, in order
+        (line ``k`` is bytes ``k * line_bytes`` up to the next line); None: every byte (full
+        coverage, or a block of no more lines than the sample)."""
+        count, width = self.sample_lines, self.line_bytes
+        whole_lines = block_nbytes // width
+        if count <= 0 or count >= whole_lines:
             return None
-        starts = np.linspace(0, block_nbytes - width, lines).astype(np.int64)
-        return (starts[:, None] + np.arange(width, dtype=np.int64)).reshape(-1)
+        if count == 1:
+            return np.zeros(1, dtype=np.int64)
+        return np.arange(count, dtype=np.int64) * (whole_lines - 1) // (count - 1)
+
+    def sample(self, block_nbytes: int) -> np.ndarray[Any, Any] | None:
+        """The byte offsets a digest reads, in order; None: every byte."""
+        lines = self.lines(block_nbytes)
+        return None if lines is None else _line_bytes(lines, self.line_bytes)
+
+
+def _line_bytes(lines: np.ndarray[Any, Any], width: int) -> np.ndarray[Any, Any]:
+    """The offsets of every byte of these lines, in order."""
+    return (lines[:, None] * width + np.arange(width, dtype=np.int64)).reshape(-1)
 
 
 FULL: Final = Coverage(0)
@@ -103,10 +116,18 @@ def _region_array(region: KvRegion) -> np.ndarray[Any, Any] | None:
 def _digest_rows(
     blocks: np.ndarray[Any, Any], rows: Sequence[int], coverage: Coverage
 ) -> tuple[int, ...]:
-    sample = coverage.sample(blocks.shape[1])
-    if sample is None:
+    block_nbytes = blocks.shape[1]
+    lines = coverage.lines(block_nbytes)
+    if lines is None:
         return tuple(zlib.crc32(blocks[row]) for row in rows)
-    gathered = blocks[np.ix_(np.asarray(rows, dtype=np.int64), sample)]
+    chosen = np.asarray(rows, dtype=np.int64)
+    width = coverage.line_bytes
+    if block_nbytes % width == 0:
+        # whole lines gathered at once: a sample costs a copy of its lines, no more
+        by_line = blocks.reshape(blocks.shape[0], block_nbytes // width, width)
+        gathered = by_line[np.ix_(chosen, lines)].reshape(len(chosen), -1)
+    else:
+        gathered = blocks[np.ix_(chosen, _line_bytes(lines, width))]
     return tuple(zlib.crc32(row) for row in gathered)
 
 
@@ -197,7 +218,7 @@ async def mismatched_blocks(
         )
     if expected.sample_lines < 0 or expected.line_bytes <= 0:
         raise KvTransferError(
-            f"prefill's digests cover {expected.sample_lines} runs of {expected.line_bytes} "
+            f"prefill's digests cover {expected.sample_lines} lines of {expected.line_bytes} "
             "bytes: not checkable"
         )
     coverage = Coverage(expected.sample_lines, expected.line_bytes)

@@ -529,8 +529,8 @@ class KvDigests(_Positional, frozen=True):
     """What prefill wrote in the blocks it grants, for decode to check once they are its own.
 
     For the i-th block asked for: ``digests[i]``, the CRC-32 of its bytes as prefill
-    wrote them (of every byte when ``sample_lines`` is 0; else of ``sample_lines`` runs of
-    ``line_bytes`` bytes spread evenly over the block, the first and the last included:
+    wrote them (of every byte when ``sample_lines`` is 0; else of ``sample_lines`` of its
+    lines of ``line_bytes`` bytes, spread evenly, the first and the last included:
     ``pdtrio.kv.digest``), and its generation then and when the read was granted: a block
     freed and reused meanwhile shows two, whatever its bytes.
     """
