@@ -4,7 +4,8 @@ A KV handoff at SmolLM2-135M's sizes (30 layers, 3 KV heads of 64, blocks of 16
 tokens: 720 KiB a block in float32, 360 KiB in bfloat16), ISL 256 and 1024 (16 and
 64 blocks), from a prefill process into this one, over NIXL and over TCP, with each
 ``kv_digest`` coverage in the same run, interleaved: ``off`` (no record, no check),
-``sampled`` and ``full``.  A handoff is what the check adds to and sits in: prefill's
+``sampled``, ``full``, and a sample of a quarter as many lines (``lines:16``, for
+comparison: no setting asks for it).  A handoff is what the check adds to and sits in: prefill's
 record of what it wrote (generations and digests, before it answers: timed in the
 prefill process), the pull, and decode's check of the pulled blocks, each through the
 worker's own functions (``pdtrio.kv.digest``).  The table gives each part's median,
@@ -30,7 +31,7 @@ from pdtrio.config import KvDigestCoverage, SyntheticEngineConfig
 from pdtrio.engine.api import NoRoom
 from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.kv.api import KvTransport
-from pdtrio.kv.digest import coverage_for, mismatched_blocks, record_written
+from pdtrio.kv.digest import Coverage, coverage_for, mismatched_blocks, record_written
 from pdtrio.kv.nixl import NixlKvTransport
 from pdtrio.kv.tcp import TcpKvTransport
 from pdtrio.protocol.link.wire import KvDigests, KvHandle
@@ -48,7 +49,8 @@ SMOLLM2_TOKEN_BYTES_F32: Final = 30 * 2 * 3 * 64 * 4
 SMOLLM2_BLOCK_TOKENS: Final = 16
 DTYPE_BYTES: Final = {"float32": 4, "bfloat16": 2}
 ISLS: Final = (256, 1024)
-COVERAGES: Final[tuple[KvDigestCoverage, ...]] = ("off", "sampled", "full")
+# the settings, and a smaller sample beside them
+COVERAGES: Final = ("off", "sampled", "full", "lines:16")
 GOAL_SHARE: Final = 0.05  # the full check's share of a handoff above which sampling is the default
 
 
@@ -121,14 +123,20 @@ async def serve_prefill(nbytes: int) -> None:
                         source.release(request_id)
                         continue
                     count, setting = int(rest[0]), rest[1]
-                    reply = await lease(source, request_id, count, setting)  # type: ignore[arg-type]
+                    reply = await lease(source, request_id, count, setting)
                     print(HANDLE.decode() + json.dumps(reply), flush=True)
         nursery.cancel_scope.cancel()
 
 
-async def lease(
-    source: Leased, request_id: str, count: int, setting: KvDigestCoverage
-) -> dict[str, Any]:
+def coverage_named(setting: str) -> Coverage | None:
+    """A ``kv_digest`` setting's coverage, or ``lines:N``: a sample of N lines."""
+    if setting.startswith("lines:"):
+        return Coverage(int(setting.removeprefix("lines:")))
+    settings: dict[str, KvDigestCoverage] = {"off": "off", "sampled": "sampled", "full": "full"}
+    return coverage_for(settings[setting])
+
+
+async def lease(source: Leased, request_id: str, count: int, setting: str) -> dict[str, Any]:
     prefill = source.engine
     while True:
         try:
@@ -136,7 +144,7 @@ async def lease(
             break
         except NoRoom:  # the last lease's release is on its way
             await trio.sleep(0.001)
-    coverage = coverage_for(setting)
+    coverage = coverage_named(setting)
     written = None
     cpu_before, started = time.process_time(), time.perf_counter()
     if coverage is not None:
@@ -175,9 +183,7 @@ async def handoffs(procs: Processes, dtype: str, reps: int) -> list[dict[str, An
         process.stdin.write(f"{line}\n".encode())
         process.stdin.flush()
 
-    async def one(
-        transport: KvTransport, blocks: int, setting: KvDigestCoverage
-    ) -> dict[str, float]:
+    async def one(transport: KvTransport, blocks: int, setting: str) -> dict[str, float]:
         nonlocal leases
         leases += 1
         request_id = f"r{leases}"

@@ -264,7 +264,7 @@ def _kv_digest(printed: str, report: Any) -> None:
         (isl, transport, digest)
         for isl in (256, 1024)
         for transport in ("nixl", "tcp")
-        for digest in ("off", "sampled", "full")
+        for digest in ("off", "sampled", "full", "lines:16")
     }
     for row in rows:
         assert row["pull_ms"] > 0 and row["handoff_ms"] > 0, row
