@@ -33,6 +33,8 @@ ENGINE_KINDS = frozenset({"vllm", "sglang"})
 _KIND_NAMES = {"pdtrio": "pdtrio", "vllm": "vLLM", "sglang": "SGLang"}
 # how decode pulls KV from prefill: "auto" takes NIXL where it imports and works, else TCP
 KvTransportChoice = Literal["nixl", "tcp", "auto"]
+# which bytes of each KV block prefill digests and decode checks (pdtrio.kv.digest)
+KvDigestCoverage = Literal["sampled", "full", "off"]
 
 # addresses that accept connections on every interface: nobody can dial them
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "", "[::]", "*"})
@@ -156,6 +158,9 @@ class WorkerFaultsConfig:
     kv_transfer_fail: bool = False
     # every KV pull on this (decode) instance stalls this long inside the pull's deadline
     kv_transfer_stall_s: float = attrs.field(default=0.0, validator=_non_negative)
+    # after every KV pull on this (decode) instance, the first byte of each pulled block is
+    # flipped: decode's check of what prefill wrote refuses the handoff
+    kv_transfer_corrupt: bool = False
     # the worker reports a KV layout with another block size: prefill and decode are refused
     layout_mismatch: bool = False
 
@@ -218,6 +223,9 @@ class WorkerConfig:
     instance_id: str = ""
     kv_lease_s: float = attrs.field(default=30.0, validator=_positive)
     kv_transport: KvTransportChoice = "auto"
+    # prefill: what it records of each KV block it writes, for decode to check after the pull
+    # ("sampled": a sample of every block's bytes, "full": every byte, "off": nothing)
+    kv_digest: KvDigestCoverage = "sampled"
     # on SIGTERM: deregister, refuse new work, let running requests finish this long, exit
     drain_s: float = attrs.field(default=30.0, validator=_non_negative)
     engine: EngineConfig = EngineConfig()

@@ -256,6 +256,25 @@ def _kv_transfer(printed: str, report: Any) -> None:
     }
 
 
+def _kv_digest(printed: str, report: Any) -> None:
+    # every checked pull passed its check, asserted by the benchmark itself
+    assert "with and without the check" in printed and "the default this run argues for" in printed
+    rows = report["handoffs"]
+    assert {(r["isl"], r["transport"], r["kv_digest"]) for r in rows} == {
+        (isl, transport, digest)
+        for isl in (256, 1024)
+        for transport in ("nixl", "tcp")
+        for digest in ("off", "sampled", "full", "lines:16")
+    }
+    for row in rows:
+        assert row["pull_ms"] > 0 and row["handoff_ms"] > 0, row
+        if row["kv_digest"] == "off":
+            assert row["record_ms"] + row["check_ms"] < 0.1 and row["digest_share"] < 0.01, row
+        else:
+            assert row["record_ms"] > 0 and row["check_ms"] > 0, row
+    assert report["sampling_needed"] == (report["full_share_max"] > 0.05)
+
+
 def _abandoned_prefill(printed: str, report: Any) -> None:
     # clients that leave during prefill, a stalled prefill link and a stopped prefill
     # worker leave both workers idle, no lease expired
@@ -401,6 +420,7 @@ QUICK = [
     Quick("benchmarks.discovery", _discovery, 240, needs_etcd=True),
     Quick("benchmarks.router_cost", _router_cost, 300),
     Quick("benchmarks.kv_transfer", _kv_transfer, 400),
+    Quick("benchmarks.kv_digest", _kv_digest, 240),
     Quick("benchmarks.abandoned_prefill", _abandoned_prefill, 300),
     Quick("benchmarks.migration", _migration, 240),
     Quick("benchmarks.engine", _engine, 240),

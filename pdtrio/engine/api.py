@@ -272,6 +272,11 @@ class Engine(Protocol):
         """The blocks' bytes, block after block, in the engine's KV layout."""
         ...
 
+    def block_generations(self, block_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Each block's generation, which grows every time the block is allocated: a block
+        freed and reused since a generation was read shows another one."""
+        ...
+
     async def write_blocks(self, block_ids: tuple[int, ...], data: bytes) -> None:
         """Fill the blocks from bytes produced by ``read_blocks`` on a compatible engine."""
         ...

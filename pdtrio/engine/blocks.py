@@ -26,6 +26,9 @@ class BlockAllocator:
         # pop() hands out low ids first, which keeps block tables readable
         self._free = list(range(num_blocks - 1, -1, -1))
         self._in_use = [False] * num_blocks
+        # bumped each time a block is handed out: a block freed and reused since someone
+        # recorded its generation no longer has it, whatever bytes it holds
+        self._generation = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
@@ -44,7 +47,13 @@ class BlockAllocator:
         ids = [self._free.pop() for _ in range(n)]
         for block_id in ids:
             self._in_use[block_id] = True
+            self._generation[block_id] += 1
         return ids
+
+    def generations(self, ids: Iterable[int]) -> tuple[int, ...]:
+        """Each block's generation: how many times it has been handed out."""
+        generation = self._generation
+        return tuple(generation[block_id] for block_id in ids)
 
     def free(self, ids: Iterable[int]) -> None:
         """Return blocks; freeing a block that is not allocated is a bug, and frees nothing."""

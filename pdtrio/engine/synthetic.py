@@ -483,6 +483,9 @@ class SyntheticEngine:
         size = self._layout.block_nbytes
         return b"".join(self._kv[b * size : (b + 1) * size] for b in block_ids)
 
+    def block_generations(self, block_ids: tuple[int, ...]) -> tuple[int, ...]:
+        return self._blocks.allocator.generations(block_ids)
+
     def kv_region(self) -> KvRegion:
         return KvRegion(
             address=ctypes.addressof(self._kv_view),

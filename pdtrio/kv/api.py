@@ -3,7 +3,9 @@
 A transport runs for the worker's lifetime (``run``): on a prefill instance it
 serves the KV transfer port named in every KV handle; on every instance it
 keeps whatever it knows about its peers.  ``pull`` moves one handle's blocks
-into blocks decode has allocated, or raises :class:`KvTransferError`.
+into blocks decode has allocated, or raises :class:`KvTransferError`; it returns
+what prefill says it wrote in them (``KvDigests``), which decode checks before it
+admits the request (``pdtrio.kv.digest``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Protocol
 import trio
 
 from pdtrio.engine.api import KvRegion
-from pdtrio.protocol.link.wire import KvHandle
+from pdtrio.protocol.link.wire import KvDigests, KvHandle
 from pdtrio.security import PeerCredentials
 
 
@@ -43,12 +45,21 @@ class KvBlockSource(Protocol):
 
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes: ...
 
+    def kv_digests(self, request_id: str, block_ids: tuple[int, ...]) -> KvDigests | None:
+        """What prefill wrote in these blocks of the request's, with their generations
+        now, for a grant's answer; None when it recorded nothing for them."""
+        ...
+
 
 class KvBlockSink(KvMemory, Protocol):
     """Where pulled blocks land: the decode engine."""
 
     async def write_blocks(self, block_ids: tuple[int, ...], data: bytes) -> None:
         """Fill the blocks; EngineError if the bytes do not fit them."""
+        ...
+
+    async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
+        """The blocks' bytes (what a digest of memory this process cannot map reads)."""
         ...
 
 
@@ -78,8 +89,9 @@ class KvTransport(Protocol):
 
     async def pull(
         self, handle: KvHandle, sink: KvBlockSink, dest_block_ids: tuple[int, ...]
-    ) -> None:
-        """Copy the handle's blocks into ``dest_block_ids`` of ``sink``. Raises KvTransferError."""
+    ) -> KvDigests | None:
+        """Copy the handle's blocks into ``dest_block_ids`` of ``sink``: what prefill says it
+        wrote in them (None: it said nothing). Raises KvTransferError."""
         ...
 
     def info(self) -> dict[str, Any]:

@@ -9,7 +9,8 @@ time it meets a prefill instance, loads the metadata, and keeps the session
 open: when it ends, the prefill instance went away, and its metadata is dropped.
 
 One pull: decode asks on the session for the handle's blocks (prefill
-refuses blocks the request's lease does not hold), READs them straight into
+refuses blocks the request's lease does not hold, and says what it wrote in those
+it grants, for decode to check), READs them straight into
 its own blocks (one descriptor per run of contiguous blocks), and the READ
 carries a NIXL notification (a msgpack ``TransferDone``) that tells prefill
 the read is done (the blocks stay leased until the router releases them, once
@@ -72,6 +73,7 @@ from pdtrio.kv.tcp import (
 )
 from pdtrio.protocol.link import wire
 from pdtrio.protocol.link.wire import (
+    KvDigests,
     KvHandle,
     NixlAgentInfo,
     TransferDone,
@@ -225,21 +227,22 @@ class NixlKvTransport:
 
     async def pull(
         self, handle: KvHandle, sink: KvBlockSink, dest_block_ids: tuple[int, ...]
-    ) -> None:
+    ) -> KvDigests | None:
         check_destination(handle, dest_block_ids)
         # the handle's TTL counts from now (the caller passes what is left of it)
         lease_ends = lease_deadline(handle, trio.current_time())
         started = time.perf_counter()
         transport = "tcp"
+        digests: KvDigests | None = None
         with trio.move_on_after(self.timeout_s) as deadline:
             for attempt in (1, 2):
                 peer = await self._peer_for(handle) if self.agent is not None else None
                 if peer is None or peer.transport != "nixl" or sink.kv_region() != self._region():
-                    await pull_over_tcp(handle, sink, dest_block_ids, self.secret)
+                    digests = await pull_over_tcp(handle, sink, dest_block_ids, self.secret)
                     break
                 transport = "nixl"
                 try:
-                    await self._read(peer, handle, dest_block_ids, lease_ends)
+                    digests = await self._read(peer, handle, dest_block_ids, lease_ends)
                     break
                 except SessionEnded:
                     # prefill restarted at the same address since we met it: meet it anew, once
@@ -252,6 +255,7 @@ class NixlKvTransport:
         self.pulls[transport] += 1
         self.pull_seconds[transport] += time.perf_counter() - started
         self.pull_bytes[transport] += len(handle.block_ids) * handle.layout.block_nbytes
+        return digests
 
     def _region(self) -> KvRegion:
         assert self.agent is not None
@@ -377,8 +381,9 @@ class NixlKvTransport:
 
     async def _read(
         self, peer: _Peer, handle: KvHandle, dest_block_ids: tuple[int, ...], lease_ends: float
-    ) -> None:
-        """READ the blocks, done before ``lease_ends`` (trio clock) less the margin."""
+    ) -> KvDigests | None:
+        """READ the blocks, done before ``lease_ends`` (trio clock) less the margin; what
+        prefill's grant says it wrote in them."""
         agent = self._agent_or_fail()
         info = peer.info
         region = agent.region
@@ -402,6 +407,7 @@ class NixlKvTransport:
             await self._read_granted(peer, local, remote, notification)
         if lease_deadline.cancelled_caught:
             raise KvTransferError("the NIXL read did not finish before prefill's lease ends")
+        return answer.digests
 
     async def _read_granted(
         self,

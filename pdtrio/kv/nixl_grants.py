@@ -3,7 +3,8 @@
 Decode asks for a handle's blocks with a ``TransferRequest`` and prefill answers
 each, in order, with a ``TransferAnswer`` (:class:`DecodeSession`, decode's end);
 prefill grants only blocks the request's lease holds (:class:`PrefillGrants`,
-prefill's end).  The READ itself carries a NIXL notification (a msgpack
+prefill's end), and a grant says what prefill wrote in them when it recorded that
+(``TransferAnswerWithDigests``, checked by decode once it has read them).  The READ itself carries a NIXL notification (a msgpack
 ``TransferDone``) that tells prefill the read is done (the blocks stay leased
 until the router releases them, once decode has produced a token).  Prefill
 looks for notifications only while a read it granted is outstanding, so an idle
@@ -25,6 +26,7 @@ from pdtrio.kv.nixl_agent import NixlAgent, blocks_within
 from pdtrio.kv.tcp import (
     answer_decoder,
     done_decoder,
+    granted,
     receive_message,
     request_decoder,
     send_message,
@@ -32,6 +34,7 @@ from pdtrio.kv.tcp import (
 from pdtrio.protocol.link.wire import (
     NixlAgentInfo,
     TransferAnswer,
+    TransferAnswerWithDigests,
     TransferRequest,
     WireError,
 )
@@ -53,7 +56,7 @@ class SessionEnded(KvTransferError):
 @attrs.define(eq=False)
 class _Waiter:
     done: trio.Event = attrs.Factory(trio.Event)
-    answer: TransferAnswer | None = None
+    answer: TransferAnswerWithDigests | None = None
 
 
 @final
@@ -67,7 +70,7 @@ class DecodeSession:
         self._waiting: deque[_Waiter] = deque()
         self._send_lock = trio.Lock()
 
-    async def ask(self, request: TransferRequest) -> TransferAnswer:
+    async def ask(self, request: TransferRequest) -> TransferAnswerWithDigests:
         """Prefill's answer; SessionEnded if the session ends first."""
         if self.ended.is_set():
             raise SessionEnded(self.end_reason)
@@ -179,7 +182,9 @@ class PrefillGrants:
             return TransferAnswer(False, reason=f"no lease held for {request_id} on those blocks")
         self._granted[request_id] = trio.current_time() + self._timeout_s + LEASE_MARGIN_S
         self._granted_changed.set()
-        return TransferAnswer(True, nbytes=len(block_ids) * region.block_nbytes)
+        # (the generations as granted: the READ follows, within the lease)
+        digests = self._source.kv_digests(request_id, block_ids)
+        return granted(len(block_ids) * region.block_nbytes, digests)
 
     async def collect_releases(self) -> None:
         """Free blocks as decode's notifications say; looks only while a read is outstanding."""

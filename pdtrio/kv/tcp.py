@@ -10,7 +10,8 @@ checks before it reads anything else.  Without a secret the proofs are zeros
 and go unchecked.  Sessions:
 
 - ``B`` (blocks, the TCP transport): decode sends a ``TransferRequest``;
-  prefill answers with a ``TransferAnswer`` and, when granted, the raw block
+  prefill answers with a ``TransferAnswer`` (``TransferAnswerWithDigests`` when it
+  recorded what it wrote in the blocks) and, when granted, the raw block
   bytes; decode acknowledges with ``TransferDone`` once the bytes are in its
   own blocks (prefill keeps them leased until the router releases them, once
   decode has produced a token).
@@ -38,9 +39,11 @@ from pdtrio.kv.api import KvBlockSink, KvBlockSource, KvTransferError
 from pdtrio.logs import LogBudget
 from pdtrio.protocol.link import wire
 from pdtrio.protocol.link.wire import (
+    KvDigests,
     KvHandle,
     NixlAgentInfo,
     TransferAnswer,
+    TransferAnswerWithDigests,
     TransferDone,
     TransferRequest,
     WireError,
@@ -66,7 +69,8 @@ _T = TypeVar("_T")
 
 # the KV port's messages (the NIXL session speaks them too)
 request_decoder: wire.Decoder[TransferRequest] = wire.Decoder(TransferRequest)
-answer_decoder: wire.Decoder[TransferAnswer] = wire.Decoder(TransferAnswer)
+# (a plain answer, without digests, reads as one too)
+answer_decoder: wire.Decoder[TransferAnswerWithDigests] = wire.Decoder(TransferAnswerWithDigests)
 done_decoder: wire.Decoder[TransferDone] = wire.Decoder(TransferDone)
 
 # serves one NIXL control session on an accepted connection (its opening byte already read)
@@ -336,11 +340,12 @@ class TcpKvTransport:
 
     async def pull(
         self, handle: KvHandle, sink: KvBlockSink, dest_block_ids: tuple[int, ...]
-    ) -> None:
+    ) -> KvDigests | None:
         check_destination(handle, dest_block_ids)
         started = time.perf_counter()
+        digests: KvDigests | None = None
         with trio.move_on_after(self.timeout_s) as deadline:
-            await pull_over_tcp(handle, sink, dest_block_ids, self.secret)
+            digests = await pull_over_tcp(handle, sink, dest_block_ids, self.secret)
             self.pulls += 1
             self.pull_seconds += time.perf_counter() - started
             self.pull_bytes += len(handle.block_ids) * handle.layout.block_nbytes
@@ -348,6 +353,14 @@ class TcpKvTransport:
             raise KvTransferError(
                 f"the KV transfer stalled past its deadline ({self.timeout_s:g} s)"
             )
+        return digests
+
+
+def granted(nbytes: int, digests: KvDigests | None) -> TransferAnswer:
+    """A grant's answer: with what prefill wrote in the blocks, when it recorded that."""
+    if digests is None:
+        return TransferAnswer(True, nbytes=nbytes)
+    return TransferAnswerWithDigests(True, nbytes=nbytes, digests=digests)
 
 
 def check_destination(handle: KvHandle, dest_block_ids: tuple[int, ...]) -> None:
@@ -359,8 +372,9 @@ def check_destination(handle: KvHandle, dest_block_ids: tuple[int, ...]) -> None
 
 async def pull_over_tcp(
     handle: KvHandle, sink: KvBlockSink, dest_block_ids: tuple[int, ...], secret: PeerCredentials
-) -> None:
-    """One blocks session: the bytes through a TCP stream into ``sink``. Raises KvTransferError."""
+) -> KvDigests | None:
+    """One blocks session: the bytes through a TCP stream into ``sink``, and what prefill
+    says it wrote in them. Raises KvTransferError."""
     stream = await connect(handle, SESSION_BLOCKS, secret)
     async with stream:
         try:
@@ -381,6 +395,7 @@ async def pull_over_tcp(
             await send_message(stream, TransferDone(handle.request_id, handle.access_token))
         except (trio.BrokenResourceError, WireError) as exc:
             raise KvTransferError(f"KV transfer broke: {exc}") from exc
+    return answer.digests
 
 
 async def _serve_blocks(source: KvBlockSource, stream: trio.abc.Stream) -> None:
@@ -391,7 +406,8 @@ async def _serve_blocks(source: KvBlockSource, stream: trio.abc.Stream) -> None:
         await send_message(stream, answer)
         return
     data = await source.read_blocks(request.block_ids)
-    await send_message(stream, TransferAnswer(True, nbytes=len(data)))
+    # (the generations are read after the bytes: a reuse before or during the read shows)
+    await send_message(stream, granted(len(data), source.kv_digests(request_id, request.block_ids)))
     await stream.send_all(data)
     done = await receive_message(stream, done_decoder)
     if done.request_id != request_id:

@@ -8,6 +8,10 @@ its longest prefix cached here (an earlier turn of the conversation, say): only
 the rest are pulled (none at all when every block is cached; prefill's lease
 still ends with the router's release, as always), and once they are in place the
 prompt's full blocks are cached for the next turn.
+Pulled blocks are checked against what prefill says it wrote in them (each block's
+digest and generation, ``pdtrio.kv.digest``) before anything else uses them: a
+mismatch rejects the start as a failed transfer (``transfer_failed``: the router
+places it elsewhere), is counted and logged, and never decodes.
 It answers with a value, never an exception, and leaves nothing allocated
 unless it accepts.  The router link decides what to send; admission sends
 nothing.
@@ -15,6 +19,7 @@ nothing.
 
 from __future__ import annotations
 
+import logging
 from typing import final
 
 import attrs
@@ -24,16 +29,24 @@ import trio
 from pdtrio.engine.api import Engine, EngineError, NoRoom
 from pdtrio.engine.budget import tokens_left
 from pdtrio.kv.api import KvTransferError, KvTransport
+from pdtrio.kv.digest import KvDigestCounts, KvDigestMismatch, mismatched_blocks
 from pdtrio.protocol.kv_layout import KvLayout, blocks_needed, layout_mismatch
 from pdtrio.protocol.link.wire import (
     DecodeStart,
     DecodeStartChoices,
+    KvDigests,
+    KvHandle,
     RejectReason,
     choice_request_id,
     lease_deadline,
     with_lease_left,
 )
 from pdtrio.worker.leases import KvLeases
+
+log = logging.getLogger("pdtrio.worker")
+
+# mismatched blocks described one by one in the log (all are named)
+_DETAILED_MISMATCHES = 4
 
 
 @final
@@ -66,8 +79,10 @@ class DecodeAdmission:
         instance_id: str,
         *,
         layout: KvLayout | None = None,
+        digest_counts: KvDigestCounts | None = None,
     ) -> None:
         self._engine = engine
+        self.digest_counts = digest_counts if digest_counts is not None else KvDigestCounts()
         # what starts are checked against: the engine's, unless a fault hook alters it
         self._layout = layout
         self._leases = leases
@@ -119,7 +134,10 @@ class DecodeAdmission:
                     handle = with_lease_left(handle, lease_ends, trio.current_time())
                     handle = msgspec.structs.replace(handle, block_ids=handle.block_ids[reused:])
                     # (the request's blocks: the choices share their full ones, filled with them)
-                    await self._transport.pull(handle, engine, blocks[reused:prompt_blocks])
+                    pulled = blocks[reused:prompt_blocks]
+                    digests = await self._transport.pull(handle, engine, pulled)
+                    if digests is not None:
+                        await self._check(handle, pulled, digests, reused)
                 engine.cache_received_prompt(request_id)
             accepted = True
             return _ACCEPTED
@@ -134,6 +152,41 @@ class DecodeAdmission:
                 for choice_id in forks:
                     engine.free_request(choice_id)
                 engine.free_request(request_id)
+
+    async def _check(
+        self, handle: KvHandle, pulled: tuple[int, ...], digests: KvDigests, reused: int
+    ) -> None:
+        """The pulled blocks are what prefill wrote in them; else KvDigestMismatch, counted
+        and logged with the blocks (their indexes in the prompt) named."""
+        counts = self.digest_counts
+        counts.checked += 1
+        mismatches = await mismatched_blocks(self._engine, pulled, digests)
+        if not mismatches:
+            return
+        counts.mismatched += 1
+        indexes = tuple(reused + mismatch.index for mismatch in mismatches)
+        # every block named; why, for the first few (a torn pull fails them all alike)
+        details = "; ".join(
+            f"block {reused + m.index} (prefill's {handle.block_ids[m.index]}): {m.why}"
+            for m in mismatches[:_DETAILED_MISMATCHES]
+        )
+        log.warning(
+            "KV digest mismatch: the KV of %s pulled from %s is not what prefill wrote "
+            "in prompt blocks %s (%d of %d pulled); %s",
+            handle.request_id,
+            handle.instance_id,
+            ",".join(map(str, indexes)),
+            len(mismatches),
+            len(pulled),
+            details,
+        )
+        shown = ",".join(map(str, indexes[:_DETAILED_MISMATCHES]))
+        more = "..." if len(indexes) > _DETAILED_MISMATCHES else ""
+        raise KvDigestMismatch(
+            f"the KV pulled from {handle.instance_id} is not what prefill wrote "
+            f"(digest mismatch in prompt blocks {shown}{more})",
+            indexes,
+        )
 
     def _fork(self, start: DecodeStartChoices, total_tokens: int, forks: list[str]) -> None:
         """Blocks for every choice but 0 (which runs on the request's own): the prompt's

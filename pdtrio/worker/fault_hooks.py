@@ -13,8 +13,8 @@ naming them.  What each does, and where it sits:
   generated for each request);
 - ``decode_stall_s``: :meth:`FaultHooks.before_frame`, in each link's writer;
 - ``heartbeats_off``: the link's sender never schedules a heartbeat;
-- ``kv_transfer_fail``, ``kv_transfer_stall_s``: :class:`FaultyKvTransport`,
-  wrapped around the worker's transport (decode's pulls);
+- ``kv_transfer_fail``, ``kv_transfer_stall_s``, ``kv_transfer_corrupt``:
+  :class:`FaultyKvTransport`, wrapped around the worker's transport (decode's pulls);
 - ``layout_mismatch``: :meth:`FaultHooks.layout`, the layout the worker reports
   in ``/pd/info``, puts in its KV handles (prefill) and checks starts against
   (decode).
@@ -38,7 +38,7 @@ from pdtrio.engine.api import StepOutputs
 from pdtrio.kv.api import KvBlockSink, KvBlockSource, KvTransferError, KvTransport
 from pdtrio.kv.tcp import DEFAULT_TRANSFER_TIMEOUT_S
 from pdtrio.protocol.kv_layout import KvLayout
-from pdtrio.protocol.link.wire import KvHandle, PrefillFailed, TokenFrame
+from pdtrio.protocol.link.wire import KvDigests, KvHandle, PrefillFailed, TokenFrame
 from pdtrio.security import PeerCredentials
 
 log = logging.getLogger("pdtrio.worker.faults")
@@ -156,27 +156,34 @@ class FaultHooks:
     # --- KV transfer ---------------------------------------------------------------
 
     def wrap_transport(self, transport: KvTransport) -> KvTransport:
-        """``transport``, failing or stalling its pulls when those hooks are on."""
+        """``transport``, failing, stalling or damaging its pulls when those hooks are on."""
         config = self.config
-        if not (config.kv_transfer_fail or config.kv_transfer_stall_s):
+        if not (
+            config.kv_transfer_fail or config.kv_transfer_stall_s or config.kv_transfer_corrupt
+        ):
             return transport
         return FaultyKvTransport(transport, config)
 
 
 @final
 class FaultyKvTransport:
-    """A transport whose pulls fail (``kv_transfer_fail``) or stall (``kv_transfer_stall_s``).
+    """A transport whose pulls fail (``kv_transfer_fail``), stall (``kv_transfer_stall_s``)
+    or land damaged (``kv_transfer_corrupt``).
 
     The stall runs inside the pull's deadline, the wrapped transport's ``timeout_s``
     (both TCP and NIXL name it so): a stall past it fails the pull as a stalled
-    transfer would, with :class:`KvTransferError`.  Serving (prefill) is untouched.
+    transfer would, with :class:`KvTransferError`.  The damage is done after the pull,
+    in decode's own blocks: the first byte of each, which every digest coverage reads
+    (``pdtrio.kv.digest``), is flipped.  Serving (prefill) is untouched.
     """
 
     def __init__(self, inner: KvTransport, config: WorkerFaultsConfig) -> None:
         self.inner = inner
         self._fail = config.kv_transfer_fail
         self._stall_s = config.kv_transfer_stall_s
+        self._corrupt = config.kv_transfer_corrupt
         self.failed_pulls = 0
+        self.corrupted_pulls = 0
 
     @property
     def name(self) -> str:
@@ -207,30 +214,52 @@ class FaultyKvTransport:
 
     async def pull(
         self, handle: KvHandle, sink: KvBlockSink, dest_block_ids: tuple[int, ...]
-    ) -> None:
+    ) -> KvDigests | None:
         if self._fail:
             self.failed_pulls += 1
             raise KvTransferError("the KV transfer failed: fault hook kv_transfer_fail")
         timeout_s = self.timeout_s
+        digests: KvDigests | None = None
         with trio.move_on_after(timeout_s) as deadline:
-            log.warning("fault hook kv_transfer_stall_s: a KV pull stalls %g s", self._stall_s)
-            await trio.sleep(self._stall_s)
-            await self.inner.pull(handle, sink, dest_block_ids)
+            if self._stall_s:
+                log.warning("fault hook kv_transfer_stall_s: a KV pull stalls %g s", self._stall_s)
+                await trio.sleep(self._stall_s)
+            digests = await self.inner.pull(handle, sink, dest_block_ids)
         if deadline.cancelled_caught:
             self.failed_pulls += 1
             raise KvTransferError(
                 f"the KV transfer stalled past its deadline ({timeout_s:g} s): "
                 "fault hook kv_transfer_stall_s"
             )
+        if self._corrupt and dest_block_ids:
+            await _flip_first_bytes(sink, dest_block_ids)
+            self.corrupted_pulls += 1
+            log.warning(
+                "fault hook kv_transfer_corrupt: flipped a byte of each of the %d blocks of %s",
+                len(dest_block_ids),
+                handle.request_id,
+            )
+        return digests
 
     def info(self) -> dict[str, Any]:
         info = dict(self.inner.info())
         info["fault_hooks"] = {
             "kv_transfer_fail": self._fail,
             "kv_transfer_stall_s": self._stall_s,
+            "kv_transfer_corrupt": self._corrupt,
             "failed_pulls": self.failed_pulls,
+            "corrupted_pulls": self.corrupted_pulls,
         }
         return info
+
+
+async def _flip_first_bytes(sink: KvBlockSink, block_ids: tuple[int, ...]) -> None:
+    """Invert the first byte of each block, through the engine (its memory may be a GPU's)."""
+    block_nbytes = sink.kv_region().block_nbytes
+    data = bytearray(await sink.read_blocks(block_ids))
+    for offset in range(0, len(data), block_nbytes):
+        data[offset] ^= 0xFF
+    await sink.write_blocks(block_ids, bytes(data))
 
 
 def _exit(why: str) -> None:

@@ -9,6 +9,7 @@ from typing import final
 import attrs
 import trio
 
+from pdtrio.kv.digest import WrittenBlocks
 from pdtrio.security import tokens_match
 
 
@@ -26,6 +27,8 @@ class Lease:
     access_token: str = attrs.field(default="", repr=False)  # the grant in the KV handle
     # the router's proof that it asked for the prefill (PrefillRequest.release_token)
     release_token: str = attrs.field(default="", repr=False)
+    # what prefill wrote in the blocks, for decode to check (None: not recorded)
+    written: WrittenBlocks | None = attrs.field(default=None, repr=False)
 
 
 @final
@@ -48,9 +51,17 @@ class KvLeases:
         expiry: float,
         access_token: str = "",
         release_token: str = "",
+        written: WrittenBlocks | None = None,
     ) -> None:
-        self._leases[request_id] = Lease(request_id, block_ids, expiry, access_token, release_token)
+        self._leases[request_id] = Lease(
+            request_id, block_ids, expiry, access_token, release_token, written
+        )
         self._changed.set()
+
+    def written(self, request_id: str) -> WrittenBlocks | None:
+        """What prefill recorded of the leased blocks' contents, if it did."""
+        lease = self._leases.get(request_id)
+        return None if lease is None else lease.written
 
     def holds(
         self, request_id: str, block_ids: tuple[int, ...], access_token: str | None = None

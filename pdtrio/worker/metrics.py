@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from pdtrio.engine.api import Engine
 from pdtrio.kv.api import KvTransport
+from pdtrio.kv.digest import KvDigestCounts
 from pdtrio.worker.http_listener import HttpConnections
 
 if TYPE_CHECKING:
@@ -33,6 +34,9 @@ class WorkerState(Protocol):
 
     @property
     def leases(self) -> Sized: ...
+
+    @property
+    def kv_digest_counts(self) -> KvDigestCounts: ...
 
     @property
     def http_connections(self) -> HttpConnections: ...
@@ -171,6 +175,17 @@ class WorkerStateCollector(Collector):
         open_connections.add_metric(["false"], connections.strangers)
         open_connections.add_metric(["true"], connections.peers)
         yield open_connections
+        digests = worker.kv_digest_counts
+        yield CounterMetricFamily(
+            "pdtrio_worker_kv_digest_checks",
+            "KV handoffs whose pulled blocks decode checked against what prefill wrote.",
+            value=digests.checked,
+        )
+        yield CounterMetricFamily(
+            "pdtrio_worker_kv_digest_mismatches",
+            "KV handoffs refused: pulled blocks not what prefill wrote (stale, reused, damaged).",
+            value=digests.mismatched,
+        )
         yield CounterMetricFamily(
             "pdtrio_worker_http_connections_evicted",
             "Connections without the secret closed to make room for a new connection.",

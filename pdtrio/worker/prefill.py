@@ -5,9 +5,11 @@ A prefill call comes over a router's link (``pdtrio.worker.router_link``) or as
 :meth:`PrefillRole.prefill_call` runs it: the request is checked (the worker trusts
 no peer), refused while the worker drains or while its id is in use, prefilled,
 and its blocks leased (``pdtrio.worker.leases``) under a fresh grant that the
-handle carries to decode.  The role is also the KV transport's ``KvBlockSource``:
-which blocks a peer may read, and the releases that free them; a release that
-comes while the prefill still runs stops it.
+handle carries to decode, with what it wrote in them (each block's generation and
+digest, ``pdtrio.kv.digest``) recorded before it answers.  The role is also the KV
+transport's ``KvBlockSource``: which blocks a peer may read, what it wrote in them
+(for decode to check), and the releases that free them; a release that comes while
+the prefill still runs stops it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from typing import Protocol, final
 import trio
 
 from pdtrio.engine.api import Engine, EngineError, NoRoom, PromptRejected
+from pdtrio.kv.digest import Coverage, WrittenBlocks, record_written
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.link.wire import (
     DRAINING_ERROR_TYPE,
     MAX_TOP_LOGPROBS,
+    KvDigests,
     KvHandle,
     PrefillFailed,
     PrefillReply,
@@ -74,12 +78,14 @@ class PrefillRole:
         leases: KvLeases,
         *,
         lease_s: float,
+        digest: Coverage | None = None,
         faults: FaultHooks | None = None,
     ) -> None:
         self._host = host
         self._engine = engine
         self._leases = leases
         self._lease_s = lease_s
+        self._digest = digest  # what of each block's bytes is recorded; None: nothing
         self._faults = faults  # testing only: None unless a fault hook is configured
         # prefills in progress: their scope, and the release token of the router that asked
         self._running: dict[str, tuple[trio.CancelScope, str]] = {}
@@ -112,6 +118,12 @@ class PrefillRole:
 
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
         return await self._engine.read_blocks(block_ids)
+
+    def kv_digests(self, request_id: str, block_ids: tuple[int, ...]) -> KvDigests | None:
+        written = self._leases.written(request_id)
+        if written is None:
+            return None
+        return written.for_grant(block_ids, self._engine.block_generations(block_ids))
 
     def release(self, request_id: str) -> bool:
         running = self._running.get(request_id)
@@ -192,6 +204,7 @@ class PrefillRole:
         handle: KvHandle | None = None
         # (n > 1: the blocks stay while any choice runs, choice 0 finished or not)
         if result.finish_reason is None or result.block_ids:
+            written = await self._record_written(result.block_ids)
             lease_s = self._lease_s
             access_token = new_access_token()
             self._leases.hold(
@@ -200,6 +213,7 @@ class PrefillRole:
                 trio.current_time() + lease_s,
                 access_token,
                 request.release_token,
+                written,
             )
             host = self._host
             transfer_host, transfer_port = host.transfer_endpoint
@@ -233,6 +247,14 @@ class PrefillRole:
         if result.first_logprob is not None:
             return PrefillReplyWithLogprob(*fields, first_logprob=result.first_logprob)
         return PrefillReply(*fields)
+
+    async def _record_written(self, block_ids: tuple[int, ...]) -> WrittenBlocks | None:
+        """The blocks' generations and digests as prefill leaves them, for decode to check."""
+        if self._digest is None or not block_ids:
+            return None
+        engine = self._engine
+        generations = engine.block_generations(block_ids)
+        return await record_written(engine, block_ids, generations, self._digest)
 
 
 def check_prefill_request(request: PrefillRequest) -> None:

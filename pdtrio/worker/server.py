@@ -25,6 +25,7 @@ import trio
 from pdtrio.config import WorkerConfig
 from pdtrio.engine.api import Engine, EngineOutput
 from pdtrio.kv.api import KvTransport
+from pdtrio.kv.digest import KvDigestCounts, coverage_for
 from pdtrio.kv.selection import kv_transport_for
 from pdtrio.memory import (
     WORKER_MMAP_THRESHOLD_BYTES,
@@ -89,8 +90,15 @@ class Worker:
         # asked to stop: new work is refused while running requests finish (see drain)
         self.draining = False
         self.prefill = PrefillRole(
-            self, engine, self.leases, lease_s=config.kv_lease_s, faults=self.faults
+            self,
+            engine,
+            self.leases,
+            lease_s=config.kv_lease_s,
+            digest=coverage_for(config.kv_digest),
+            faults=self.faults,
         )
+        # decode's checks of pulled KV against what prefill wrote (for /metrics)
+        self.kv_digest_counts = KvDigestCounts()
         self.http_connections = HttpConnections(
             max_strangers=config.max_unauthenticated_connections,
             max_peers=config.max_authenticated_connections,
@@ -191,6 +199,7 @@ class Worker:
                     self.transport,
                     self.instance_id,
                     layout=self.kv_layout,
+                    digest_counts=self.kv_digest_counts,
                 )
                 if self.serves_decode
                 else None

@@ -195,6 +195,42 @@ def test_decode_exiting_before_its_first_token_is_replaced_by_another(
     assert _eventually(lambda: _holds_nothing(prefill) and _holds_nothing(decode))
 
 
+def test_a_damaged_kv_handoff_is_refused_and_answered_unchanged_by_the_other_decode(
+    procs: Processes, tmp_path: Path
+) -> None:
+    # decode checks the KV it pulled against what prefill wrote: the faulty decode's pulls
+    # land damaged (a byte of each block flipped), each is refused as a failed handoff, and
+    # the router answers the request from the other decode, as undisturbed
+    workers = [
+        _worker_config("prefill"),
+        _worker_config("decode", kv_transfer_corrupt=True),
+        _worker_config("decode"),
+    ]
+    (prefill, faulty, decode), router = _cluster(
+        procs, tmp_path, workers, router={**ROUTER, "decode_policy": "round_robin"}
+    )
+    bodies = [{**_body(6, stream=False), "prompt": f"handoff {i} " * (3 + 5 * i)} for i in range(4)]
+    answers = []
+    for body in bodies:
+        response = _post(router, body)
+        assert response.status_code == 200, response.text
+        answers.append(response.json()["choices"][0]["text"])
+    faulty_metrics = httpx.get(f"{faulty.url}/metrics", timeout=LIVENESS_S).text
+    mismatches = value(faulty_metrics, "pdtrio_worker_kv_digest_mismatches_total")
+    info = httpx.get(f"{faulty.url}/pd/info", timeout=LIVENESS_S).json()
+    assert mismatches == info["kv_transport"]["fault_hooks"]["corrupted_pulls"] >= 1
+    healthy_metrics = httpx.get(f"{decode.url}/metrics", timeout=LIVENESS_S).text
+    assert value(healthy_metrics, "pdtrio_worker_kv_digest_checks_total") == len(bodies)
+    assert value(healthy_metrics, "pdtrio_worker_kv_digest_mismatches_total") == 0
+    # the same requests again, undisturbed: on the healthy decode (round robin skips none)
+    procs.stop(faulty.process)
+    assert _eventually(lambda: _holds_nothing(prefill) and _holds_nothing(decode))
+    for body, answer in zip(bodies, answers, strict=True):
+        response = _post(router, body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == answer
+
+
 def _chat_stream(
     router: Service, index: int, flowing: threading.Barrier | None = None
 ) -> list[dict[str, Any]]:

@@ -59,6 +59,7 @@ from pdtrio.protocol.link.wire import (
     DecodeRejected,
     DecodeStart,
     Heartbeat,
+    KvDigests,
     KvHandle,
     NixlAgentInfo,
     PrefillFailed,
@@ -70,7 +71,7 @@ from pdtrio.protocol.link.wire import (
     TokenEntry,
     TokenFrame,
     TokenPrompt,
-    TransferAnswer,
+    TransferAnswerWithDigests,
     TransferDone,
     TransferRequest,
     Usage,
@@ -620,7 +621,11 @@ from_worker_messages = (
     | st.just(Heartbeat())
 )
 transfer_requests = st.builds(TransferRequest, _wire_text, _id_tuples)
-transfer_answers = st.builds(TransferAnswer, st.booleans(), _ints, _wire_text)
+kv_digests = st.builds(KvDigests, _ints, _ints, _id_tuples, _id_tuples, _id_tuples)
+# decode reads every answer as one with digests (a plain answer's array has none)
+transfer_answers = st.builds(
+    TransferAnswerWithDigests, st.booleans(), _ints, _wire_text, st.none() | kv_digests
+)
 transfer_dones = st.builds(TransferDone, _wire_text)
 nixl_infos = st.builds(
     NixlAgentInfo,

@@ -12,7 +12,8 @@ import trio
 from pdtrio.config import SyntheticEngineConfig
 from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.kv.api import KvTransport
-from pdtrio.protocol.link.wire import KvHandle
+from pdtrio.kv.digest import SAMPLED, Coverage, record_written
+from pdtrio.protocol.link.wire import KvDigests, KvHandle
 from pdtrio.security import new_access_token
 from pdtrio.worker.leases import KvLeases
 
@@ -42,6 +43,12 @@ class LeasedBlocks:
 
     async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
         return await self.engine.read_blocks(block_ids)
+
+    def kv_digests(self, request_id: str, block_ids: tuple[int, ...]) -> KvDigests | None:
+        written = self.leases.written(request_id)
+        if written is None:
+            return None
+        return written.for_grant(block_ids, self.engine.block_generations(block_ids))
 
     def release(self, request_id: str) -> bool:
         released = self.leases.release(request_id)
@@ -73,14 +80,22 @@ async def leased_request(
     *,
     lease_s: float = 30.0,
     seed: int = 0,
+    digest: Coverage | None = SAMPLED,
 ) -> tuple[KvHandle, bytes]:
-    """Blocks for ``request_id`` filled with random bytes, leased, and the handle naming them."""
+    """Blocks for ``request_id`` filled with random bytes, leased (with what was written in
+    them, as prefill records it, unless ``digest`` is None), and the handle naming them."""
     engine = source.engine
     block_ids = engine.allocate_blocks(request_id, num_tokens)
     data = random.Random(seed).randbytes(len(block_ids) * engine.layout.block_nbytes)
     await engine.write_blocks(block_ids, data)
+    written = None
+    if digest is not None:
+        generations = engine.block_generations(block_ids)
+        written = await record_written(engine, block_ids, generations, digest)
     access_token = new_access_token()
-    source.leases.hold(request_id, block_ids, trio.current_time() + lease_s, access_token)
+    source.leases.hold(
+        request_id, block_ids, trio.current_time() + lease_s, access_token, written=written
+    )
     handle = KvHandle(
         request_id=request_id,
         instance_id="prefill-0",

@@ -151,6 +151,12 @@ _GOLDEN: list[tuple[Any, str]] = [
     ),
     (wire.TransferRequest("r-1", (1, 2), "grant"), "93a3722d31920102a56772616e74"),
     (wire.TransferAnswer(False, 0, "no"), "93c200a26e6f"),
+    (
+        wire.TransferAnswerWithDigests(
+            True, 4096, "", wire.KvDigests(64, 64, (1, 2), (3, 4), (3, 4))
+        ),
+        "94c3cd1000a0954040920102920304920304",
+    ),
     (wire.TransferDone("r-1", "grant"), "92a3722d31a56772616e74"),
     (
         wire.NixlAgentInfo("", "agent", b"meta", "VRAM", 1, 4096, 8, 512),

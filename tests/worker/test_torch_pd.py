@@ -15,7 +15,7 @@ import trio.testing
 
 pytest.importorskip("torch")
 
-from pdtrio.config import EngineConfig, RouterConfig, WorkerConfig  # noqa: E402
+from pdtrio.config import EngineConfig, RouterConfig, WorkerConfig, WorkerFaultsConfig  # noqa: E402
 from pdtrio.engine.api import StepObserver  # noqa: E402
 from pdtrio.engine.torch.engine import TorchEngine  # noqa: E402
 from pdtrio.worker.server import Worker  # noqa: E402
@@ -314,3 +314,69 @@ async def test_no_room_on_one_decode_goes_to_another() -> None:
                 )
                 assert response.status_code == 200, response.text
         await wait_until_idle(cluster)
+
+
+def _digest_counts(worker: Worker) -> tuple[float, float]:
+    text = worker.metrics.render().decode()
+    return (
+        value(text, "pdtrio_worker_kv_digest_checks_total"),
+        value(text, "pdtrio_worker_kv_digest_mismatches_total"),
+    )
+
+
+@pytest.mark.parametrize("kv_transport", TRANSPORTS)
+async def test_checked_handoffs_answer_as_unchecked_and_a_damaged_one_moves_to_another_decode(
+    kv_transport: str,
+) -> None:
+    # the verified handoff on a real model's KV (float64 blocks of 16 tokens, big enough to be
+    # sampled): every coverage answers as no check does; a decode whose pulls land damaged
+    # (kv_transfer_corrupt) refuses each, and the request is answered by the other, unchanged
+    bodies = [
+        {"model": "tiny-random", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        for prompt in _prompts(3, seed=53)
+    ]
+
+    def worker(role: str, digest: str, corrupt: bool = False) -> Worker:
+        config = WorkerConfig(
+            role=role,  # type: ignore[arg-type]
+            engine=TINY,
+            kv_transport=kv_transport,  # type: ignore[arg-type]
+            kv_digest=digest,  # type: ignore[arg-type]
+            faults=WorkerFaultsConfig(kv_transfer_corrupt=corrupt),
+        )
+        return Worker(config, TorchEngine.from_config(TINY))  # type: ignore[arg-type]
+
+    answers = {}
+    for digest in ("off", "sampled", "full"):
+        make = partial(worker, digest=digest)
+        async with running_cluster(make_worker=make, router=ROUTER) as cluster:
+            replies = await _complete_all(cluster, bodies, 0.0)
+            await wait_until_idle(cluster)
+            assert_pulled_with(cluster, kv_transport)
+            expected = (0.0, 0.0) if digest == "off" else (float(len(bodies)), 0.0)
+            assert _digest_counts(cluster.workers[1]) == expected
+        answers[digest] = [r["choices"][0]["text"] for r in replies]
+    assert answers["sampled"] == answers["off"] == answers["full"]
+
+    workers = iter(
+        [
+            worker("prefill", "sampled"),
+            worker("decode", "sampled", True),
+            worker("decode", "sampled"),
+        ]
+    )
+    async with running_cluster(
+        roles=("prefill", "decode", "decode"), make_worker=lambda role: next(workers), router=ROUTER
+    ) as cluster:
+        async with client(cluster) as http:
+            texts = []
+            for body in bodies:
+                response = await http.post("/v1/completions", json=body)
+                assert response.status_code == 200, response.text
+                texts.append(response.json()["choices"][0]["text"])
+        await wait_until_idle(cluster)
+        _, damaged, healthy = cluster.workers
+        checks, mismatches = _digest_counts(damaged)
+        assert checks == mismatches > 0
+        assert _digest_counts(healthy) == (float(len(bodies)), 0.0)
+    assert texts == answers["off"]

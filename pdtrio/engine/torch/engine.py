@@ -459,6 +459,10 @@ class TorchEngine:
         except ValueError as exc:
             raise EngineError(str(exc)) from exc
 
+    def block_generations(self, block_ids: tuple[int, ...]) -> tuple[int, ...]:
+        with self._lock:
+            return self._blocks.allocator.generations(block_ids)
+
     def kv_region(self) -> KvRegion:
         return self._cache.region()
 

@@ -14,12 +14,37 @@ class TransferRequest(Positional, frozen=True):
     access_token: str = ""
 
 
+class KvDigests(Positional, frozen=True):
+    """What prefill wrote in the blocks it grants, for decode to check once they are its own.
+
+    For the i-th block asked for: ``digests[i]``, the CRC-32 of its bytes as prefill
+    wrote them (of every byte when ``sample_lines`` is 0; else of ``sample_lines`` of its
+    lines of ``line_bytes`` bytes, spread evenly, the first and the last included:
+    ``pdtrio.kv.digest``), and its generation then and when the read was granted: a block
+    freed and reused meanwhile shows two, whatever its bytes.
+    """
+
+    sample_lines: int
+    line_bytes: int
+    digests: tuple[int, ...]
+    written_generations: tuple[int, ...]
+    granted_generations: tuple[int, ...]
+
+
 class TransferAnswer(Positional, frozen=True):
     """``nbytes`` of block data follow when ``granted``; else ``reason`` says why not."""
 
     granted: bool
     nbytes: int = 0
     reason: str = ""
+
+
+class TransferAnswerWithDigests(TransferAnswer, frozen=True):
+    """A ``TransferAnswer`` with what prefill wrote in the blocks: what a prefill that
+    recorded it sends.  Its own struct, so a plain answer stays the array an older decode
+    reads; decode reads either as this (a plain one without digests)."""
+
+    digests: KvDigests | None = None
 
 
 class TransferDone(Positional, frozen=True):

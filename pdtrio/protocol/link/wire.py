@@ -48,8 +48,10 @@ from pdtrio.protocol.link.encoding import (
     prompt_is_long,
 )
 from pdtrio.protocol.link.kv_port_messages import (
+    KvDigests,
     NixlAgentInfo,
     TransferAnswer,
+    TransferAnswerWithDigests,
     TransferDone,
     TransferRequest,
 )
@@ -110,6 +112,7 @@ from_worker_decoder: Decoder[FromWorker] = Decoder(FromWorker)
 from_worker_batch_decoder: Decoder[list[FromWorker]] = Decoder(list[FromWorker])
 
 __all__ = [
+    "KvDigests",
     "DECODE_ERRORS",
     "DRAINING_ERROR_TYPE",
     "MAX_TOKEN_IDS",
@@ -153,6 +156,7 @@ __all__ = [
     "TokenLogprobs",
     "TokenPrompt",
     "TransferAnswer",
+    "TransferAnswerWithDigests",
     "TransferDone",
     "TransferRequest",
     "Usage",
