@@ -97,10 +97,10 @@ class ClientResponse:
         # shuts the client's connection down (a client that stopped reading); True if done
         self._hang_up = hang_up
         self._draining = draining
-        # Two states, not one: a client leaves, or is hung up on, at any point of the
-        # response, and the shell's writes still go to the server after that (those it
-        # shields), under the ASGI exchange's rules (its headers once, nothing after a
-        # torn event): what was sent is kept apart from whose the connection is.
+        # how far the response got, and whose the connection is: two states, not one (a
+        # client leaves, or is hung up on, at any point of the response, and the writes
+        # the shell shields still go to the server after that, under the ASGI exchange's
+        # rules: the headers once, no byte after a torn event)
         self._progress = Progress.NOT_STARTED
         self._connection = Connection.OPEN
         # for the stall sweep, no clock read per send: a send under way is an activity of
