@@ -78,8 +78,10 @@ class RunningRequests:
         self._write_timeout_s = write_timeout_s
         self._cut_grace_s = cut_grace_s
         self._watch_after_s = watch_after_s
-        # requests whose client nobody watches yet, with when to start, in that order
-        self._unwatched: deque[tuple[float, RunningRequest]] = deque()
+        # requests whose client nobody watches yet, by their scope (one that ended is gone
+        # from _running: its objects are not kept for the sweep), with when to start, in
+        # that order
+        self._unwatched: deque[tuple[float, trio.CancelScope]] = deque()
         self._unwatched_arrived = trio.lowlevel.ParkingLot()
         # each running request's cancel scope, and what it is (to look for stalled writes)
         self._running: dict[trio.CancelScope, RunningRequest] = {}
@@ -105,7 +107,7 @@ class RunningRequests:
         if self.drain_over.is_set():
             scope.cancel()
         unwatched = self._unwatched
-        unwatched.append((now + self._watch_after_s, request))
+        unwatched.append((now + self._watch_after_s, scope))
         if len(unwatched) == 1:
             self._unwatched_arrived.unpark()
 
@@ -146,9 +148,12 @@ class RunningRequests:
                 await trio.sleep_until(wake)
                 now = trio.current_time()
             taken_at = now
+            running = self._running
             while unwatched and unwatched[0][0] <= now:
-                _, request = unwatched.popleft()
-                request.watch_client()
+                _, scope = unwatched.popleft()
+                request = running.get(scope)
+                if request is not None:
+                    request.watch_client()
 
     async def drain(self, drain_s: float) -> None:
         """Refuse new requests, give running ones ``drain_s`` to finish, then cut them.
