@@ -1,5 +1,6 @@
 """The watch on a client leaving starts once its request has run a while: a short answer
-never pays for the task, a long one is cut when its client leaves."""
+never pays for the task, a long one is cut when its client leaves (the watch is a task
+of the request's nursery)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class _Request:
     def hang_up_if_stalled(self, now: float, write_timeout: float, cut_grace: float) -> None:
         pass
 
-    def watch_client(self, watches: trio.Nursery) -> None:
+    def watch_client(self) -> None:
         self._watched.append((self.name, trio.current_time()))
 
 
@@ -44,6 +45,30 @@ async def test_each_request_is_watched_once_after_its_time_in_start_order(
             ("a", 0.05),
             ("b", 0.05),
             ("c", 0.08),
+        ]
+        nursery.cancel_scope.cancel()
+
+
+async def test_requests_starting_close_together_are_watched_in_one_wake_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # the sweep wakes no sooner than half the wait after its last taking: a request due
+    # meanwhile waits for the next, with the others due by then
+    watched: list[tuple[str, float]] = []
+    requests = RunningRequests(lambda _: None, 30.0, 1.0, watch_after_s=0.05)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(requests.watch_lasting_requests)
+        await trio.sleep(1)
+        t0 = trio.current_time()
+        for name in "abcd":
+            requests.started(trio.CancelScope(), _Request(name, watched), trio.current_time())
+            await trio.sleep(0.01)
+        await trio.sleep(0.5)
+        assert [(name, round(at - t0, 3)) for name, at in watched] == [
+            ("a", 0.05),
+            ("b", 0.075),
+            ("c", 0.075),
+            ("d", 0.1),
         ]
         nursery.cancel_scope.cancel()
 
@@ -103,8 +128,8 @@ async def test_a_short_answer_spawns_no_watch_and_a_long_one_does() -> None:
                 assert response.status_code == 200
                 assert trio.current_time() - started > CLIENT_WATCH_AFTER_S
                 assert watches.spawned == 1
-                # the watch runs in the router's sweep, not in the request: none outlives
-                # its request (the client is still connected, kept alive)
+                # the watch is a task of the request's nursery: none outlives its request
+                # (the client is still connected, kept alive)
                 await trio.testing.wait_all_tasks_blocked()
                 assert watches.exited == 1
     finally:

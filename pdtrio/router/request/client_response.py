@@ -5,12 +5,14 @@ The request shell (:mod:`pdtrio.router.request.pipeline`) decides what goes out;
 object puts it on the wire as hypercorn's ASGI sends, streamed (server-sent
 events through the :class:`~pdtrio.protocol.openai.sse.StreamShaper`) or gathered into
 one JSON body, and keeps what the shell and the router's stall sweep need to
-know of the wire: whether a write is under way or was torn, whether the client
-left, whether it was hung up on.
+know of the wire: how far the response got (:class:`Progress`: a write torn
+among it), whose the connection still is (:class:`Connection`: the client left,
+or was hung up on), and whether a send is under way.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, final
@@ -32,6 +34,33 @@ _SSE_HEADERS = (
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 )
+
+
+@enum.unique
+class Progress(enum.Enum):
+    """How far the response got towards its client."""
+
+    NOT_STARTED = enum.auto()  # nothing sent: a body being gathered, a stream before its headers
+    STREAMING = enum.auto()  # the stream's headers are out, and whole events after them
+    TORN = enum.auto()  # an event's write was cut mid-way: no byte may follow it
+    COMPLETE = enum.auto()  # the response's last body message is going (or went) out
+
+
+@enum.unique
+class Connection(enum.Enum):
+    """Whether the client's connection is still the response's, and if not, who ended it."""
+
+    OPEN = enum.auto()
+    CLIENT_LEFT = enum.auto()  # it disconnected before the response was complete
+    # it left with a send stuck on its connection (half-closed), which the router shut down
+    CLIENT_LEFT_HUNG_UP = enum.auto()
+    # the router shut the connection down on a send stuck on a client that stopped reading:
+    HUNG_UP = enum.auto()  # after the request was cut (a deadline, the drain, an error)
+    STALLED = enum.auto()  # before: that ends the request
+
+
+# the connection is the response's no more: the router shut it down
+_HUNG_UP = (Connection.CLIENT_LEFT_HUNG_UP, Connection.HUNG_UP, Connection.STALLED)
 
 
 @final
@@ -68,18 +97,18 @@ class ClientResponse:
         # shuts the client's connection down (a client that stopped reading); True if done
         self._hang_up = hang_up
         self._draining = draining
-        # for the stall sweep: no clock read per send
-        self._sending = False  # a send to the server is under way
+        # how far the response got, and whose the connection is: two states, not one (a
+        # client leaves, or is hung up on, at any point of the response, and the writes
+        # the shell shields still go to the server after that, under the ASGI exchange's
+        # rules: the headers once, no byte after a torn event)
+        self._progress = Progress.NOT_STARTED
+        self._connection = Connection.OPEN
+        # for the stall sweep, no clock read per send: a send under way is an activity of
+        # the request's task (it ends as the send returns, or is cut), not a state of the
+        # response; the sweep times it by which send it saw under way, and since when
+        self._sending = False
         self._sends = 0  # sends started: the sweep tells one from the next
         self._stall_mark: tuple[int, float] | None = None  # (send, when first seen under way)
-        self.client_gone = False  # the client disconnected before the response was complete
-        self.client_stalled = False  # a send waited past client_write_timeout_s
-        self.hung_up = False  # a stuck send was given up: the connection is ours no more
-        self.writing = False  # a body write is under way (a cancelled one leaves the wire torn)
-        self._headers_out = False
-        # the last body message is going out: a disconnect after it is hypercorn closing
-        # the connection, not the client leaving
-        self._complete = False
         # the request asked for logprobs (with this many alternatives): gathered too
         self._top_logprobs = top_logprobs
         self._choices = choices
@@ -100,16 +129,33 @@ class ClientResponse:
     @property
     def torn(self) -> bool:
         """No byte may go to the client any more: a write was cut mid-way, or it ended."""
-        return self.writing or (self.shaper is not None and self.shaper.closed)
+        return self._progress is Progress.TORN or (self.shaper is not None and self.shaper.closed)
+
+    @property
+    def client_gone(self) -> bool:
+        """The client disconnected before the response was complete."""
+        connection = self._connection
+        return connection is Connection.CLIENT_LEFT or connection is Connection.CLIENT_LEFT_HUNG_UP
+
+    @property
+    def client_stalled(self) -> bool:
+        """The router hung up on a client that stopped reading, which ends the request."""
+        return self._connection is Connection.STALLED
+
+    @property
+    def hung_up(self) -> bool:
+        """A stuck send was given up: the connection is the response's no more."""
+        return self._connection in _HUNG_UP
 
     async def watch_disconnect(self, receive: Receive, on_gone: Callable[[], None]) -> None:
         """Until the client disconnects; ``on_gone`` if it left before the end."""
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                # (after our hang-up on a client that stopped reading, it is ours)
-                if not self._complete and not self.hung_up:
-                    self.client_gone = True
+                # (after the last body message, it is hypercorn closing the connection;
+                # after our hang-up on a client that stopped reading, it is ours)
+                if self._progress is not Progress.COMPLETE and self._connection is Connection.OPEN:
+                    self._connection = Connection.CLIENT_LEFT
                     on_gone()
                 return
 
@@ -136,8 +182,8 @@ class ClientResponse:
             )
         else:
             chunk = self._tool_chunks(shaper, self._tool_parsers[choice], delta)
-        if not self._headers_out:
-            self._headers_out = True
+        if self._progress is Progress.NOT_STARTED:
+            self._progress = Progress.STREAMING
             await self._send(
                 {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS}
             )
@@ -146,7 +192,7 @@ class ClientResponse:
             # connection once it has them has hypercorn close it inside this send and
             # cancel the request's task, before the machine heard the stream end (a
             # client that stops reading cannot hold it: the stall sweep hangs up on it)
-            self._complete = True
+            self._progress = Progress.COMPLETE
             with trio.CancelScope(shield=True):
                 await self._write(
                     {
@@ -156,9 +202,11 @@ class ClientResponse:
                     }
                 )
         elif chunk:
-            self.writing = True
-            await self._write({"type": "http.response.body", "body": chunk, "more_body": True})
-            self.writing = False
+            try:
+                await self._write({"type": "http.response.body", "body": chunk, "more_body": True})
+            except BaseException:
+                self._progress = Progress.TORN  # cancelled or failed: part of it may be out
+                raise
 
     @staticmethod
     def _tool_chunks(shaper: Shaper, parser: ToolCallParser, delta: AnswerDelta) -> bytes:
@@ -190,7 +238,7 @@ class ClientResponse:
         """End a successful response (streamed: ``[DONE]``; else the whole body)."""
         if self.shaper is not None and self.shaper.closed:
             return  # the last delta ended the stream
-        self._complete = True
+        self._progress = Progress.COMPLETE
         if self.shaper is not None:
             await self._send(
                 {"type": "http.response.body", "body": self.shaper.done(), "more_body": False}
@@ -277,7 +325,11 @@ class ClientResponse:
         if self.hung_up:
             return  # the connection is gone
         if headers_sent:
-            if self.shaper is not None and not self.shaper.closed and not self.writing:
+            if (
+                self.shaper is not None
+                and not self.shaper.closed
+                and self._progress is not Progress.TORN
+            ):
                 # a client that is not reading cannot hold this: the router's stall sweep
                 # hangs up on it after cleanup_grace_s
                 await self._send(
@@ -335,7 +387,8 @@ class ClientResponse:
         hangs up on the client and the send fails.  No clock read per send: the
         look notes which send it saw, and when.
         """
-        if not self._sending or self.hung_up:
+        connection = self._connection
+        if not self._sending or connection in _HUNG_UP:
             self._stall_mark = None
             return False
         mark = self._stall_mark
@@ -344,9 +397,12 @@ class ClientResponse:
             return False
         if now - mark[1] < (cut_grace if cut else write_timeout):
             return False
-        self.hung_up = True
-        if not cut:
-            self.client_stalled = True  # the request ends for it
+        if connection is Connection.CLIENT_LEFT:
+            self._connection = Connection.CLIENT_LEFT_HUNG_UP  # (its leaving cut the request)
+        elif cut:
+            self._connection = Connection.HUNG_UP
+        else:
+            self._connection = Connection.STALLED  # the request ends for it
         why = "stopped reading" if cut else f"has read nothing for {write_timeout:g}s"
         if self._hang_up():
             log.warning("request %s: its client %s; hung up on it", self.request_id, why)

@@ -1,10 +1,10 @@
-"""One request, one cancel scope: the trio shell that carries out the request machine's commands.
+"""One request, one nursery: the trio shell that carries out the request machine's commands.
 
 Every decision of the request path (admission, prefill attempts and retries,
 decode placement and its retries before the first token, migration, which
 deadline applies, what cleanup owes, how the response ends) is the machine's:
 ``pdtrio.protocol.request.machine``, one (phase, event) table.  This shell
-owns the cancel scope, the disconnect watcher and the I/O: it reports what happened
+owns the nursery, the disconnect watcher and the I/O: it reports what happened
 as events, does what the machine answers, and holds no request logic.
 
 The commands that reach an instance are carried out by the request's legs, which
@@ -17,14 +17,14 @@ shell knows them only as :class:`~pdtrio.router.backend.PrefillSide` and
 Deadlines: each wait (a prefill call, a decode placement and its stream, a wait
 for a decode to connect) runs under the machine's earliest armed deadline; when
 it passes, the shell reports which (``DeadlinePassed``).  A client that leaves,
-one that stops reading, and the drain's cut cancel the scope, and are
-reported once it has unwound.  The watch for a client leaving is a task that the
-router's watch sweep starts, in its own nursery, once the request has run
-``CLIENT_WATCH_AFTER_S`` (``pdtrio.router.request.running_requests``); the request's end
-cancels it.  A short answer ends before, without one: neither the task nor a
-nursery of its own (its opening and closing) is paid for.  Cleanup (an abort on decode, a release on
-prefill) is queued on the links, never awaited: it cannot hang.  Errors go to
-the client after the scope, with nothing left to cut them.
+one that stops reading, and the drain's cut cancel the nursery (its path, and
+every task it started), and are reported once it has unwound.  The watch for a
+client leaving is a task in the request's nursery, started once the request has
+run ``CLIENT_WATCH_AFTER_S`` (the router's watch sweep says when:
+``pdtrio.router.request.running_requests``); a short answer ends before, without
+one.  Cleanup (an abort on decode, a release on prefill) is queued on the links,
+never awaited: it cannot hang.  Errors go to the client after the nursery, with
+nothing left to cut them.
 
 Capacity: decode reserves KV for prompt + budget when it accepts, so a request
 whose room is not there waits, before any byte goes out, in the router's
@@ -131,13 +131,12 @@ class RequestPipeline:
             tool_names=_tool_names(request),
             choices=request.sampling.n,
         )
-        self._error: OpenAIError | None = None  # what the client is told, after the scope
+        self._error: OpenAIError | None = None  # what the client is told, after the nursery
         self._recorded = False
-        self._scope: trio.CancelScope | None = None
-        # the request's path runs (its client may be watched: watch_client)
-        self._running = False
-        # the watch on the client, once the sweep started one: cancelled as the path ends
-        self._watch: trio.CancelScope | None = None
+        self._scope: trio.CancelScope | None = None  # the nursery's
+        # the request's nursery while its path runs (its client's watch starts in it)
+        self._nursery: trio.Nursery | None = None
+        self._watching = False
         self._timer: trio.CancelScope | None = None  # the waits' deadline
         # the timer's deadline, as set (read here: the scope's property is a call)
         self._timer_deadline = math.inf
@@ -156,18 +155,18 @@ class RequestPipeline:
         try:
             if wait is not None:
                 try:
-                    with trio.CancelScope() as scope:
-                        self._scope = scope
+                    async with trio.open_nursery() as nursery:
+                        scope = self._scope = nursery.cancel_scope
                         # (its client is watched once it has run a while: watch_client)
-                        self._running = True
+                        self._nursery = nursery
                         try:
                             router.requests.started(scope, self, now)
                             while wait is not None:
                                 wait = await self._wait(wait)
                         finally:
-                            self._running = False
-                            if self._watch is not None:
-                                self._watch.cancel()
+                            self._nursery = None  # (closed to new tasks once this is done)
+                            if self._watching:
+                                scope.cancel()  # the watch: the path it watched is over
                 finally:
                     self.decode.unreserve()
                     if not self.machine.done:
@@ -183,7 +182,7 @@ class RequestPipeline:
             del self.prefill, self.decode
 
     def _cut(self) -> None:
-        """The scope was cut short (or raised): tell the machine by whom."""
+        """The nursery was cut short (or raised): tell the machine by whom."""
         if self.response.client_gone:
             event: rm.Event = rm.ClientGone()
         elif self.response.client_stalled:
@@ -191,7 +190,7 @@ class RequestPipeline:
         elif self.router.requests.drain_over.is_set():
             event = rm.DrainCut(torn=self._torn())
         else:
-            # no one else cuts a request: a bug of ours raised out of the scope (logged
+            # no one else cuts a request: a bug of ours raised out of the nursery (logged
             # where it surfaces) or left the machine waiting on nothing (logged here)
             log.error(
                 "request %s: its path ended in phase %s with nothing to wait on",
@@ -338,27 +337,26 @@ class RequestPipeline:
 
     # --- the client ---------------------------------------------------------------
 
-    def watch_client(self, watches: trio.Nursery) -> None:
+    def watch_client(self) -> None:
         """The router's watch sweep: from now on, a client that leaves cuts the request.
 
-        The watch runs in the sweep's nursery (a nursery of the request's own would
-        cost every request, short ones too, its opening and closing); the request's
-        end cancels it.
+        The watch is a task in the request's nursery (a no-op once its path is over).
         """
-        if self._running and self._watch is None:
-            self._watch = trio.CancelScope()
-            watches.start_soon(self._watch_client, self._watch, name="watch_disconnect")
+        nursery = self._nursery
+        if nursery is not None and not self._watching:
+            self._watching = True
+            nursery.start_soon(self._watch_client, name="watch_disconnect")
 
-    async def _watch_client(self, watch: trio.CancelScope) -> None:
+    async def _watch_client(self) -> None:
         scope = self._scope
         assert scope is not None
-        with watch:
-            try:
-                await self.response.watch_disconnect(self._receive, scope.cancel)
-            except Exception:
-                # (the sweep's nursery is the router's: nothing may raise into it)
-                log.exception("request %s: watching its client failed", self.request_id)
-                scope.cancel()
+        try:
+            await self.response.watch_disconnect(self._receive, scope.cancel)
+        except Exception:
+            # cut as if the client left: the request still ends as a cut one does (its
+            # error said, what it owed done), not with a raise out of its handler
+            log.exception("request %s: watching its client failed", self.request_id)
+            scope.cancel()
 
     def hang_up_if_stalled(self, now: float, write_timeout: float, cut_grace: float) -> None:
         """The router's sweep: hang up on a client whose send has waited too long (see
