@@ -15,6 +15,7 @@ long-lived runs in the lifespan's nursery.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import secrets
@@ -229,7 +230,11 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
     ) as http:
         async with trio.open_nursery() as nursery:
             router = Router(config, nursery, http)
-            await nursery.start(run_egress_control, router.egress)
+            await nursery.start(
+                functools.partial(
+                    run_egress_control, router.egress, until_busy=router.requests.until_busy
+                )
+            )
             nursery.start_soon(router.hold_timer.run)
             nursery.start_soon(router.requests.hang_up_stalled_clients)
             nursery.start_soon(router.requests.watch_lasting_requests)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn, Protocol, final
 
@@ -153,14 +153,19 @@ async def run_egress_sampler(
     *,
     interval_s: float = SAMPLE_INTERVAL_S,
     on_spacing: Callable[[float], None] | None = None,
+    until_busy: Callable[[], Awaitable[bool]] | None = None,
 ) -> NoReturn:
     """Every ``interval_s``: the meter's busy fraction into ``controller``.
 
-    ``on_spacing`` is called with each new spacing when it changes.
+    ``on_spacing`` is called with each new spacing when it changes.  ``until_busy``:
+    until a request runs (True: it waited for one); with no request to space and the
+    spacing back to none, the sampler waits for one instead of waking an idle loop.
     """
     published = controller.spacing_s
     meter.take_busy_fraction()  # start the first window now
     while True:
+        if until_busy is not None and controller.spacing_s == 0.0 and await until_busy():
+            meter.take_busy_fraction()  # the window starts with the work, not before it
         await trio.sleep(interval_s)
         spacing = controller.update(meter.take_busy_fraction())
         if on_spacing is not None and spacing != published:
@@ -173,6 +178,7 @@ async def run_egress_control(
     *,
     interval_s: float = SAMPLE_INTERVAL_S,
     on_spacing: Callable[[float], None] | None = None,
+    until_busy: Callable[[], Awaitable[bool]] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Keep ``controller.spacing_s`` up to date with the loop's load until cancelled.
@@ -185,4 +191,10 @@ async def run_egress_control(
         return
     with open_load_meter() as meter:
         task_status.started()
-        await run_egress_sampler(meter, controller, interval_s=interval_s, on_spacing=on_spacing)
+        await run_egress_sampler(
+            meter,
+            controller,
+            interval_s=interval_s,
+            on_spacing=on_spacing,
+            until_busy=until_busy,
+        )

@@ -24,6 +24,7 @@ from pdtrio.router.loop_load import (
     run_egress_control,
     run_egress_sampler,
 )
+from pdtrio.router.request.running_requests import RunningRequests
 from tests.cluster import wait_for_stats
 
 
@@ -182,6 +183,66 @@ async def test_the_sampler_feeds_each_window_to_the_controller(
     changes = [b for a, b in zip(expected, expected[1:], strict=False) if b != a]
     assert published == changes
     assert published[-1] == 0.0 and max(published) > 0.0
+
+
+async def test_an_idle_router_samples_nothing_until_a_request_runs(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # with nothing to space (no request, spacing back to none) the sampler waits for a
+    # request rather than wake the loop ten times a second; a busy spell that ended is
+    # sampled until its spacing is gone
+    config = EgressConfig()
+    controller = EgressController(config)
+    requests: list[bool] = []  # running requests
+    arrived = trio.lowlevel.ParkingLot()
+
+    async def until_busy() -> bool:
+        if requests:
+            return False
+        await arrived.park()
+        return True
+
+    meter = ScriptedMeter([1.0, 1.0])  # then idle
+    async with trio.open_nursery() as nursery:
+        requests.append(True)
+        nursery.start_soon(
+            functools.partial(
+                run_egress_sampler, meter, controller, interval_s=0.1, until_busy=until_busy
+            )
+        )
+        await trio.sleep(0.25)
+        assert controller.spacing_s > 0.0  # the busy windows
+        requests.clear()
+        await trio.sleep(60)
+        assert controller.spacing_s == 0.0  # idle windows took it back to none ...
+        readings = meter.readings
+        await trio.sleep(60)
+        assert meter.readings == readings  # ... and then nothing was sampled
+        requests.append(True)
+        arrived.unpark_all()
+        await trio.sleep(0.25)
+        # a reading to start the window with the request, and one a window since
+        assert meter.readings == readings + 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_running_requests_wake_what_waits_for_the_first_request() -> None:
+    requests = RunningRequests(lambda _: None, write_timeout_s=10.0, cut_grace_s=1.0)
+    woke: list[bool] = []
+    async with trio.open_nursery() as nursery:
+
+        async def wait() -> None:
+            woke.append(await requests.until_busy())
+
+        nursery.start_soon(wait)
+        await trio.testing.wait_all_tasks_blocked()
+        assert woke == []
+        scope = trio.CancelScope()
+        requests.started(scope, object(), 0.0)  # type: ignore[arg-type]
+        await trio.testing.wait_all_tasks_blocked()
+        assert woke == [True]
+        assert await requests.until_busy() is False  # one runs: no wait
+        requests.ended(scope)
 
 
 async def test_egress_control_off_opens_no_meter(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -87,6 +87,7 @@ class RunningRequests:
         self._running: dict[trio.CancelScope, RunningRequest] = {}
         self._idle = trio.Event()
         self._idle.set()
+        self._busy_again = trio.lowlevel.ParkingLot()  # woken by the first request after idle
         # draining: new requests are refused; drain_over: running ones are cut
         self.draining = False
         self.drain_over = trio.Event()
@@ -104,12 +105,20 @@ class RunningRequests:
         self._count_changed(1)
         if self._idle.is_set():
             self._idle = trio.Event()
+            self._busy_again.unpark_all()
         if self.drain_over.is_set():
             scope.cancel()
         unwatched = self._unwatched
         unwatched.append((now + self._watch_after_s, scope))
         if len(unwatched) == 1:
             self._unwatched_arrived.unpark()
+
+    async def until_busy(self) -> bool:
+        """Until a request runs; whether it had to wait for one."""
+        if self._running:
+            return False
+        await self._busy_again.park()
+        return True
 
     def ended(self, scope: trio.CancelScope) -> None:
         if self._running.pop(scope, None) is None:
