@@ -1,7 +1,7 @@
 """What a router in front of a real vLLM PD pair costs while idle, and how soon it finds
 an engine that stopped answering or died: this tree against a baseline commit.
 
-    python -m benchmarks.engine_reads [--baseline REV] [--idle-s S] [--json PATH]
+    python -m benchmarks.engine_reads [--quick] [--baseline REV] [--idle-s S] [--json PATH]
 
 One vLLM prefill and one vLLM decode (``pdtrio.testing.vllm``; PDTRIO_VLLM_PYTHON and
 PDTRIO_VLLM_MODEL as for ``nox -s vllm``), and two routers over them at once, each
@@ -20,7 +20,8 @@ request each, then sit through a quiet spell, then:
 
 Both routers see the same engines and the same signals at the same instant, so
 the detection times compare directly; the idle CPU figures are read over the same
-window. The machine's CPU is printed: compare figures within one run.
+window. The machine's CPU is printed: compare figures within one run. ``--quick``
+(run by ``nox -s vllm``, whose figures mean little) idles 3 s.
 """
 
 from __future__ import annotations
@@ -220,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default=DEFAULT_BASELINE, help="the commit to compare with")
     parser.add_argument("--idle-s", type=float, default=20.0, help="the idle window, seconds")
+    parser.add_argument("--quick", action="store_true", help="a 3 s idle window (a check)")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.idle_s = 3.0
     with tempfile.TemporaryDirectory(prefix="engine-reads-") as work:
         report = _run(args, Path(work))
     print(f"CPU: {_cpu_name()}, {os.cpu_count()} cores")

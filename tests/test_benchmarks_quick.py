@@ -432,6 +432,7 @@ QUICK = [
 ELSEWHERE = {
     "benchmarks.soak": "tests/e2e/test_soak.py",
     "benchmarks.front_vllm": "tests/vllm/test_real_vllm.py",  # a real vLLM: nox -s vllm
+    "benchmarks.engine_reads": "tests/vllm/test_engine_reads.py",  # a pair of its own
 }
 # modules of benchmarks/ that are not benchmarks
 NOT_BENCHMARKS = {"benchmarks.kit", "benchmarks.plotting", "benchmarks.trivial_sse_app"}

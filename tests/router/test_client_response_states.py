@@ -10,6 +10,7 @@ import trio.testing
 from pdtrio.asgi import Message
 from pdtrio.protocol.link.wire import Usage
 from pdtrio.protocol.openai import OpenAIError
+from pdtrio.protocol.openai.answers import AnswerDelta
 from pdtrio.protocol.openai.sse import StreamShaper
 from pdtrio.router.request.client_response import ClientResponse
 
@@ -60,8 +61,8 @@ def _bodies(server: _Server) -> list[Any]:
 async def test_a_disconnect_after_the_last_event_is_the_server_closing() -> None:
     server = _Server()
     response = _response(server)
-    await response.deliver(" t1", 1, None, None)
-    await response.deliver(" t2", 1, "stop", Usage(1, 2), final=True)
+    await response.deliver(AnswerDelta(" t1", 1, None, None))
+    await response.deliver(AnswerDelta(" t2", 1, "stop", Usage(1, 2), final=True))
     gone: list[bool] = []
     server.disconnect()
     await response.watch_disconnect(server.receive, lambda: gone.append(True))
@@ -71,7 +72,7 @@ async def test_a_disconnect_after_the_last_event_is_the_server_closing() -> None
 async def test_a_client_leaving_mid_stream_is_gone() -> None:
     server = _Server()
     response = _response(server)
-    await response.deliver(" t1", 1, None, None)
+    await response.deliver(AnswerDelta(" t1", 1, None, None))
     gone: list[bool] = []
     server.disconnect()
     await response.watch_disconnect(server.receive, lambda: gone.append(True))
@@ -82,10 +83,10 @@ async def test_a_client_leaving_mid_stream_is_gone() -> None:
 async def test_a_cut_write_tears_the_stream_and_no_error_event_follows() -> None:
     server = _Server()
     response = _response(server)
-    await response.deliver(" t1", 1, None, None)
+    await response.deliver(AnswerDelta(" t1", 1, None, None))
     server.stuck = True
     with trio.move_on_after(0) as cut:
-        await response.deliver(" t2", 1, None, None)
+        await response.deliver(AnswerDelta(" t2", 1, None, None))
     assert cut.cancelled_caught and response.torn
     sent = len(server.sent)
     server.stuck = False
@@ -96,7 +97,7 @@ async def test_a_cut_write_tears_the_stream_and_no_error_event_follows() -> None
 async def test_an_error_event_ends_a_whole_stream() -> None:
     server = _Server()
     response = _response(server)
-    await response.deliver(" t1", 1, None, None)
+    await response.deliver(AnswerDelta(" t1", 1, None, None))
     await response.fail(OpenAIError("failed", status=500), headers_sent=True)
     assert b"failed" in _bodies(server)[-1] and response.torn
 
@@ -108,7 +109,7 @@ async def test_a_client_that_stops_reading_is_hung_up_on_and_its_disconnect_is_o
     response = _response(server)
     server.stuck = True
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(response.deliver, " t1", 1, None, None)
+        nursery.start_soon(response.deliver, AnswerDelta(" t1", 1))
         await trio.testing.wait_all_tasks_blocked()
         t0 = trio.current_time()
         # the first look notes the send under way; one a write timeout later gives it up
@@ -130,12 +131,12 @@ async def test_a_client_gone_with_a_send_stuck_on_it_is_hung_up_on_once_and_stay
 ) -> None:
     server = _Server()
     response = _response(server)
-    await response.deliver(" t1", 1, None, None)
+    await response.deliver(AnswerDelta(" t1", 1, None, None))
     server.disconnect()
     await response.watch_disconnect(server.receive, lambda: None)
     server.stuck = True
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(response.deliver, " t2", 1, None, None)
+        nursery.start_soon(response.deliver, AnswerDelta(" t2", 1))
         await trio.testing.wait_all_tasks_blocked()
         t0 = trio.current_time()
         # its leaving cut the request: the cut's grace applies, and the request is not
@@ -146,7 +147,7 @@ async def test_a_client_gone_with_a_send_stuck_on_it_is_hung_up_on_once_and_stay
     assert response.client_gone and response.hung_up and not response.client_stalled
     server.unstuck = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(response.deliver, " t3", 1, None, None)
+        nursery.start_soon(response.deliver, AnswerDelta(" t3", 1))
         await trio.testing.wait_all_tasks_blocked()
         t1 = trio.current_time()
         assert not response.hang_up_if_stalled(t1, 5.0, 1.0, cut=True)
