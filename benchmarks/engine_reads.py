@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -40,7 +39,7 @@ from typing import Any, Final
 import httpx
 import trio
 
-from benchmarks.kit import aligned_table, write_json
+from benchmarks.kit import aligned_table, cpu_model, write_json
 from pdtrio.testing.processes import cpu_seconds, descendants, free_port, router_command
 from pdtrio.testing.vllm import NIXL_KV_CONFIG, SERVED_MODEL, VllmServer, vllm_pd_pair
 
@@ -54,16 +53,6 @@ _STOP_S: Final = 30.0
 
 def _progress(line: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 async def _until_healthy(url: str, within_s: float = 300.0) -> None:
@@ -228,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         args.idle_s = 3.0
     with tempfile.TemporaryDirectory(prefix="engine-reads-") as work:
         report = _run(args, Path(work))
-    print(f"CPU: {_cpu_name()}, {os.cpu_count()} cores")
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores")
     rows = [
         [
             name,

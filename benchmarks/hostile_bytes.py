@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import signal
 import sys
@@ -36,7 +35,14 @@ from typing import Any, Final
 import httpx
 import trio
 
-from benchmarks.kit import StreamResult, markdown_table, percentile, stream_completion, write_json
+from benchmarks.kit import (
+    StreamResult,
+    cpu_model,
+    markdown_table,
+    percentile,
+    stream_completion,
+    write_json,
+)
 from pdtrio.config import RouterConfig
 from pdtrio.testing import Processes, Service
 
@@ -78,13 +84,6 @@ api_keys = ["{key}"]
 """
 SERVING = re.compile(rb"serving as (\S+) on http://127\.0\.0\.1:(\d+)")
 READY_PID = re.compile(rb"worker (\S+) \(\w+\) ready in [\d.]+ s at \S+, pid (\d+)")
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 async def answer_of(port: int, request: bytes, timeout_s: float = 10.0) -> bytes:

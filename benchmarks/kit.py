@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -233,3 +234,14 @@ def write_json(path: Path | None, report: Any) -> None:
     """``--json PATH``: the report, indented; values JSON lacks (paths, ...) as strings."""
     if path is not None:
         path.write_text(json.dumps(report, indent=2, default=str))
+
+
+def cpu_model() -> str:
+    """The CPU's model name (benchmarks print it: figures compare only within one machine)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

@@ -229,10 +229,11 @@ class Workers:
     decode: Service
 
 
-def _env() -> dict[str, str | None]:
-    # the servers import this checkout (benchmarks.trivial_sse_app, pdtrio), wherever we run from
+def _env(tree: Path = ROOT) -> dict[str, str | None]:
+    # the servers import this checkout (benchmarks.trivial_sse_app, pdtrio), wherever we run
+    # from; or another tree's pdtrio (benchmarks.router_cost_versus)
     path = os.environ.get("PYTHONPATH")
-    return {"PYTHONPATH": str(ROOT) if not path else f"{ROOT}{os.pathsep}{path}"}
+    return {"PYTHONPATH": str(tree) if not path else f"{tree}{os.pathsep}{path}"}
 
 
 def start_workers(procs: Processes, cpu: int) -> dict[float, Workers]:
@@ -250,14 +251,20 @@ def start_workers(procs: Processes, cpu: int) -> dict[float, Workers]:
 
 
 def start_server(
-    procs: Processes, server: Server, workers: Workers, cpus: set[int], tmp: Path
+    procs: Processes,
+    server: Server,
+    workers: Workers,
+    cpus: set[int],
+    tmp: Path,
+    tree: Path = ROOT,
 ) -> Service:
-    """``server`` under ``hypercorn -k trio`` on ``cpus``, healthy."""
+    """``server`` under ``hypercorn -k trio`` on ``cpus``, healthy (``tree``: the checkout
+    whose pdtrio it imports)."""
     port = free_port()
-    env = _env()
+    env = _env(tree)
     if server.app == "pdtrio":
         config = write_router_config(
-            tmp / f"{server.key}.toml",
+            tmp / f"{server.key}-{port}.toml",
             [("prefill", workers.prefill.url), ("decode", workers.decode.url)],
             router=None if server.egress_s is None else {"egress_max_delay_s": server.egress_s},
         )
@@ -356,8 +363,8 @@ def link_floor(spec: dict[str, Any]) -> None:
     from pdtrio.protocol.link import wire
     from pdtrio.protocol.openai import parse_completion_request
     from pdtrio.router.stream_outcome import StreamFailed, StreamRejected
+    from pdtrio.router.workers.kv_leases import LeaseClock
     from pdtrio.router.workers.link import WorkerLink
-    from pdtrio.router.workers.link_releases import release_token
 
     config = RouterConfig()
     body = completion_request(LOOPBACK, spec["max_tokens"]).split(b"\r\n\r\n", 1)[1]
@@ -369,6 +376,7 @@ def link_floor(spec: dict[str, Any]) -> None:
     clients = spec["clients"]
     counted = {"requests": 0, "failures": 0}
     window = (0.0, 0.0)
+    leases = LeaseClock()  # the router's, handed to every link
 
     def link(instance_id: str, url: str, on_capacity: Callable[[], None]) -> WorkerLink:
         ws_url = "ws" + url.removeprefix("http") + "/pd/link"
@@ -380,6 +388,7 @@ def link_floor(spec: dict[str, Any]) -> None:
             link_timeout_s=config.link_timeout_s,
             heartbeat_s=config.link_heartbeat_s,
             stream_idle_timeout_s=config.stream_idle_timeout_s,
+            leases=leases,
         )
 
     async def exchange(prefill: WorkerLink, decode: WorkerLink) -> bool:
@@ -391,7 +400,7 @@ def link_floor(spec: dict[str, Any]) -> None:
                 request.prompt,
                 request.sampling,
                 request.max_tokens,
-                release_token(request_id),
+                leases.release_token(request_id),
             )
         )
         if not isinstance(reply, wire.PrefillReply):

@@ -118,3 +118,12 @@ async def test_three_hosts_whose_clocks_disagree_by_hours_agree_on_the_lease(
     assert isinstance(await admission.admit(received, received_at), Accepted)
     # 30 s in all: 10 waited on the router, 3 on decode, 17 left for the pull itself
     assert transport.ttls == [pytest.approx(17.0)]
+
+
+def test_release_tokens_are_the_routers_own() -> None:
+    # two routers in one process never make each other's release tokens
+    one, other = LeaseClock(), LeaseClock()
+    assert one.release_token("req-1") == one.release_token("req-1")
+    assert one.release_token("req-1") != one.release_token("req-2")
+    assert one.release_token("req-1") != other.release_token("req-1")
+    assert len(bytes.fromhex(one.release_token("req-1"))) == 16

@@ -8,6 +8,9 @@ reply), waits for decode room no longer than what is left (:meth:`left_s`), and
 hands decode what is left as the start is sent (:meth:`to_send`), so each hop
 counts from its own receipt.
 
+It also makes the router's release tokens (:meth:`LeaseClock.release_token`): the proof,
+sent with a prefill call, that lets a release free that KV over any link.
+
 One per router (its worker backend's), handed to every link: the prefill link that
 reads a reply and the decode link that sends its start are two links.  Kept by the
 handle's grant (``access_token``, random per lease): a float per lease,
@@ -17,6 +20,8 @@ clock never saw (no grant, or built by hand) counts from now.
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 from typing import final
 
 import msgspec
@@ -29,6 +34,15 @@ class LeaseClock:
     def __init__(self) -> None:
         # grant -> when its lease ends (trio clock), in the order the replies came
         self._ends: dict[str, float] = {}
+        # the key of this router's release tokens: no other peer (or router) can make one
+        self._release_key = secrets.token_bytes(32)
+
+    def release_token(self, request_id: str) -> str:
+        """This router's proof that it asked for the request's prefill (sent with the
+        call): a release showing it frees the KV on any link.  Derived, not stored."""
+        return hashlib.blake2b(
+            request_id.encode(), key=self._release_key, digest_size=16
+        ).hexdigest()
 
     def __len__(self) -> int:
         return len(self._ends)

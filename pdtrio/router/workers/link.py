@@ -76,7 +76,7 @@ from pdtrio.router.backend import BackendLost, BackendUnreachable
 from pdtrio.router.stream_outcome import DecodeLoss
 from pdtrio.router.workers.kv_leases import LeaseClock
 from pdtrio.router.workers.link_outbox import LinkOutbox
-from pdtrio.router.workers.link_releases import OwedReleases, release_token
+from pdtrio.router.workers.link_releases import OwedReleases
 from pdtrio.router.workers.link_streams import LinkStreams
 from pdtrio.router.workers.stream import DecodeStream
 from pdtrio.router.workers.ws_client import (
@@ -470,7 +470,7 @@ class WorkerLink:
         While the link is down the release waits for it to come back."""
         if access_token:
             self._leases.forget(access_token)
-        token = access_token or release_token(request_id)
+        token = access_token or self._leases.release_token(request_id)
         if self._ws is None:
             self._releases.later(request_id, token)
             return

@@ -1,7 +1,7 @@
 """The releases of prefill's KV a worker link owes, so that none is lost with the link.
 
-A release shows the request's release token (:func:`release_token`, sent with the
-call), so the worker honours it over any link, whether its reply was sent or not.
+A release shows the request's release token (``LeaseClock.release_token``, sent with
+the call), so the worker honours it over any link, whether its reply was sent or not.
 Releases made while the link is down, those sent in the last two link timeouts before
 it was lost (they may be lost with it), and one for each prefill call the link's loss
 cut off (its reply may be lost with it, the KV leased) are sent when it comes back:
@@ -10,24 +10,12 @@ nothing stays pinned until its lease ends.
 
 from __future__ import annotations
 
-import hashlib
-import secrets
 from collections import deque
 from typing import final
 
 # releases kept for when a link that is down comes back (past this, the oldest are dropped:
 # their leases expire)
 _RELEASES_DUE_LIMIT = 65536
-
-# the key of this router process's release tokens: no other peer can make one
-_RELEASE_KEY = secrets.token_bytes(32)
-
-
-def release_token(request_id: str) -> str:
-    """This router's proof that it asked for the request's prefill (sent with the call):
-    a release showing it frees the KV on any link.  Derived, not stored (no state per
-    request, no system call)."""
-    return hashlib.blake2b(request_id.encode(), key=_RELEASE_KEY, digest_size=16).hexdigest()
 
 
 @final

@@ -49,7 +49,6 @@ from pdtrio.router.request.token_path import (
 )
 from pdtrio.router.workers.instances import Instance, InstanceTable
 from pdtrio.router.workers.kv_leases import LeaseClock
-from pdtrio.router.workers.link_releases import release_token
 from pdtrio.router.workers.supervisor import LinkSupervisor
 
 
@@ -264,7 +263,7 @@ class PrefillLeg:
             request.prompt,
             request.sampling,
             request.max_tokens,
-            release_token(self.wire_id),
+            self._workers.leases.release_token(self.wire_id),
         )
 
     def release(self) -> None:
@@ -304,7 +303,7 @@ class PrefillLeg:
             TokenPrompt((*self.prompt_ids, *generated)),
             host.request.sampling,
             reply.token_budget,  # the whole budget: prefill spends the generated from it
-            release_token(self.wire_id),
+            self._workers.leases.release_token(self.wire_id),
             generated_tokens=len(generated),
         )
 
