@@ -335,11 +335,12 @@ async def test_a_decode_that_failed_one_choice_stays_out_of_rotation_though_it_f
             0: (_seeded(3, 3), "length"),
             1: (_seeded(4, 3), "length"),
         }
-        # it finished choice 0 but failed choice 1: suspended, as a failed n = 1 request
-        # leaves it; the decode that served choice 1 again is back in rotation
+        # the decode that served choice 1 again is back in rotation (once the request's
+        # task, past its last write, has said so); the one that finished choice 0 but
+        # failed choice 1 stays suspended, as a failed n = 1 request leaves it
+        await wait_for_stats(lambda: pool.instances[working.url].failures_in_a_row == 0)
         assert pool.instances[failing.url].failures_in_a_row == 1
         assert pool.instances[failing.url].suspended_until > trio.current_time()
-        assert pool.instances[working.url].failures_in_a_row == 0
 
 
 async def test_a_choice_out_of_retries_ends_the_answer_with_an_error_event() -> None:
