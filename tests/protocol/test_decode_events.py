@@ -53,3 +53,12 @@ def test_a_stream_that_ends_before_its_answer_or_breaks_says_why() -> None:
     lost = DecodeEventReader("completion", with_logprobs=False)
     lost.lost("decode lost: reset")
     assert lost.end() == "decode lost: reset"
+
+
+def test_an_answer_the_engine_aborted_is_a_failure_never_a_finish() -> None:
+    for reason in ("abort", "error"):
+        reader = DecodeEventReader("chat", with_logprobs=False)
+        assert reader.line(_chat("Hel", tokens=1)) == Delta("Hel", 1, None, None, [])
+        assert reader.line(_chat("", reason, tokens=1)) is None
+        assert reader.line(_usage(1)) is None and reader.line("data: [DONE]") is None
+        assert reader.end() == f"decode ended the request early (finish_reason {reason!r})"

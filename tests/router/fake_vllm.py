@@ -40,6 +40,9 @@ class FakeVllm:
     # after this many tokens, a prefill whose kv_transfer_params is null, an unhealthy /health
     fail_status: int = 0
     fail_after_tokens: int | None = None
+    # a streamed leg ends after this many tokens with finish_reason "abort" and its usage,
+    # as vLLM ends a request it aborted itself (a KV load that failed, its shutdown)
+    abort_after_tokens: int | None = None
     null_kv_params: bool = False
     health_status: int = 200
     health_gate: trio.Event | None = None  # /health answers once this is set (a slow engine)
@@ -344,6 +347,15 @@ class FakeVllm:
                 await event(
                     {"error": {"message": "the engine broke", "type": "InternalServerError"}}
                 )
+                await send(
+                    {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+                )
+                return
+            if self.abort_after_tokens is not None and i == self.abort_after_tokens:
+                for index in range(n):
+                    choice = {"index": index, "delta": {}} if chat else {"index": index, "text": ""}
+                    await event({"choices": [{**choice, "finish_reason": "abort"}]})
+                await event({"choices": [], "usage": usage(i * n)})
                 await send(
                     {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
                 )

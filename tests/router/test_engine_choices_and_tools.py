@@ -317,6 +317,32 @@ async def test_a_choice_failing_before_its_first_token_once_others_streamed_runs
     assert prefill.unrecognized_pulls == []
 
 
+async def test_a_decode_that_failed_one_choice_stays_out_of_rotation_though_it_finished_others() -> (
+    None
+):
+    async with fronted(decodes=2) as (url, [prefill], [failing, working], app):
+        pool = _pool(app)
+        pool.failed(pool.instances[working.url], "kept out of the first placement")
+        failing.early_failed_choices = frozenset({1})  # 200, then an error before a token
+        gate = failing.early_failure_gate = trio.Event()
+
+        chunks = await _two_choices_streamed(url, 3, once_choice_0_out=gate.set)
+        with trio.fail_after(10):
+            await prefill.wait_until(holding=False)
+        await wait_for_stats(lambda: all(i.in_flight == 0 for i in pool.instances.values()))
+
+        assert streamed_choices(chunks) == {
+            0: (_seeded(3, 3), "length"),
+            1: (_seeded(4, 3), "length"),
+        }
+        # the decode that served choice 1 again is back in rotation (once the request's
+        # task, past its last write, has said so); the one that finished choice 0 but
+        # failed choice 1 stays suspended, as a failed n = 1 request leaves it
+        await wait_for_stats(lambda: pool.instances[working.url].failures_in_a_row == 0)
+        assert pool.instances[failing.url].failures_in_a_row == 1
+        assert pool.instances[failing.url].suspended_until > trio.current_time()
+
+
 async def test_a_choice_out_of_retries_ends_the_answer_with_an_error_event() -> None:
     async with fronted() as (url, [prefill], [decode], _):
         # one decode: choice 1, failing there once choice 0 streamed, has none left to go to

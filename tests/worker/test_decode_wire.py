@@ -16,10 +16,11 @@ import httpx
 import msgpack
 import pytest
 import trio
+import trio.testing
 import trio_websocket
 
 from pdtrio.config import WorkerFaultsConfig
-from pdtrio.engine.api import EngineOutput, StepFailed
+from pdtrio.engine.api import BlocksFreed, EngineOutput, StepFailed
 from pdtrio.protocol.tokens.flush import FlushConfig
 from pdtrio.worker.server import Worker
 from tests.cluster import synthetic_worker, wait_for_stats
@@ -523,6 +524,60 @@ async def test_a_request_the_engine_loses_ends_with_decode_failed_on_its_link() 
                     assert all(e[E_FINISH] is None for e in message[1])
         assert message == [FAILED, "lost", "decode step failed: boom"]
         assert decode.stats()["decode_requests"] == 0
+        assert base.engine.statistics().kv_blocks_in_use == 0
+        nursery.cancel_scope.cancel()
+
+
+class LateFreeingEngine(LosingEngine):
+    """The synthetic engine, freeing an aborted request's blocks only when told to (as the
+    torch engine's thread does between steps), and saying so with ``BlocksFreed``."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.held: list[str] = []
+
+    def abort(self, request_id: str) -> None:
+        self.held.append(request_id)  # stops nothing: the test sends no more steps' worth
+
+    async def free_held(self) -> None:
+        assert self.inject is not None
+        for request_id in self.held:
+            self.inner.abort(request_id)
+        await self.inject.send(BlocksFreed(tuple(self.held)))
+        self.held.clear()
+
+
+async def test_blocks_an_engine_frees_after_an_abort_are_reported_on_the_link() -> None:
+    prefill = synthetic_worker("prefill")
+    base = synthetic_worker("decode", decode_step_s=3600)  # (one step: the first token's)
+    engine = LateFreeingEngine(base.engine)
+    decode = Worker(base.config, engine)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        prefill_ready = await nursery.start(prefill.run)
+        decode_ready = await nursery.start(decode.run)
+        reply = await _prefill(f"http://127.0.0.1:{prefill_ready['http_port']}", "r", "hi", 100)
+        async with trio_websocket.open_websocket_url(
+            f"ws://127.0.0.1:{decode_ready['http_port']}/pd/link"
+        ) as ws:
+            reports: list[int] = []  # the free blocks each capacity report said
+
+            async def report_saying(condition: Any) -> None:
+                with trio.fail_after(10):
+                    while not (reports and condition(reports[-1])):
+                        message = _strict_unpack(await ws.get_message())
+                        if message[0] == CAPACITY:
+                            reports.append(message[1])
+
+            await report_saying(lambda free: free > 0)
+            total = reports[-1]
+            await ws.send_message(decode_start(reply))
+            await report_saying(lambda free: free < total)
+            await ws.send_message(msgpack.packb([ABORT, "r"]))
+            await wait_for_stats(lambda: decode.stats()["decode_requests"] == 0)
+            await trio.testing.wait_all_tasks_blocked()
+            assert base.engine.statistics().kv_blocks_in_use > 0  # the engine holds them yet
+            await engine.free_held()
+            await report_saying(lambda free: free == total)
         assert base.engine.statistics().kv_blocks_in_use == 0
         nursery.cancel_scope.cancel()
 

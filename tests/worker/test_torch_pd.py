@@ -8,6 +8,7 @@ import random
 import threading
 from functools import partial
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -252,6 +253,65 @@ async def test_a_decode_aborted_mid_stream_is_free_again_in_the_routers_view_by_
                 deadline_s=20,
                 what="the aborted request's blocks free in the router's view",
             )
+        await wait_until_idle(cluster)
+
+
+async def test_a_request_queued_behind_an_aborted_one_starts_when_the_engine_frees_its_blocks() -> (
+    None
+):
+    # decode holds one request at a time; a second waits in the router's queue.  The first
+    # is aborted while the engine is held between steps: only the engine's freeing of its
+    # blocks, later, can place the second (nothing else starts or finishes on that decode)
+    gates: list[StepGate] = []
+
+    def make(role: str) -> Worker:
+        if role != "decode":
+            return tiny_worker(role)
+        worker = tiny_worker(role, attrs.evolve(TINY, num_kv_blocks=16))
+        gates.append(StepGate(worker.metrics.step))
+        worker.engine.observe_steps(gates[-1])
+        return worker
+
+    # 200 tokens and a short prompt: 13 blocks of 16, so two never fit together
+    body = {"model": "tiny-random", "prompt": "hang up", "max_tokens": 200, "ignore_eos": True}
+    async with running_cluster(make_worker=make, router=ROUTER) as cluster:
+        (gate,) = gates
+        prefill, decode = cluster.workers
+        gate.shut()
+        try:
+            async with client(cluster) as http, trio.open_nursery() as nursery:
+                hang_up_later = partial(
+                    raw_post_then_hang_up,
+                    cluster.url,
+                    "/v1/completions",
+                    json.dumps(body | {"stream": True}).encode(),
+                    events=10**6,
+                )
+                answers: list[httpx.Response] = []
+
+                async def queued() -> None:
+                    answers.append(await http.post("/v1/completions", json=body))
+
+                async with trio.open_nursery() as first:
+                    first.start_soon(hang_up_later)
+                    await wait_for_stats(gate.holding.is_set, 30, what="a decode step")
+                    nursery.start_soon(queued)
+                    await wait_for_stats(lambda: prefill.stats()["served_prefills"] == 2, 30)
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert decode.stats()["decode_requests"] == 1  # the second waits for room
+                    first.cancel_scope.cancel()  # the first client's connection closes
+                await wait_for_stats(lambda: decode.stats()["decode_requests"] == 0, 10)
+                await trio.testing.wait_all_tasks_blocked()
+                # the abort's own report went out while the engine still held the blocks
+                assert decode.stats()["decode_requests"] == 0
+                gate.open()
+                with trio.fail_after(20):  # far inside the prefill lease
+                    await wait_for_stats(lambda: bool(answers), 20)
+        finally:
+            gate.open()
+        (answer,) = answers
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["finish_reason"] == "length"
         await wait_until_idle(cluster)
 
 

@@ -10,7 +10,7 @@ sends one, one per logprob item when logprobs are read, else one per non-empty c
 
 from __future__ import annotations
 
-from typing import final
+from typing import Final, final
 
 import attrs
 
@@ -22,6 +22,9 @@ from pdtrio.protocol.engines.vllm import (
 )
 from pdtrio.protocol.link.wire import TokenLogprob, Usage
 from pdtrio.protocol.openai.tools import ToolCall
+
+# the finish reasons with which an engine ends an answer it did not complete
+ENDED_EARLY: Final = frozenset({"abort", "error"})
 
 
 @final
@@ -83,6 +86,11 @@ class DecodeEventReader:
             self.produced = True
         if chunk.finish_reason is None:
             return Delta(chunk.text, tokens, None, chunk.logprobs, whole)
+        if chunk.finish_reason in ENDED_EARLY:
+            # the engine gave up on the request (vLLM's and SGLang's abort): the answer
+            # is not whole, so it is never passed on as a finish
+            self.failure = f"decode ended the request early (finish_reason {chunk.finish_reason!r})"
+            return None
         try:
             whole += self._tool_calls.finish()
         except EngineAnswerError as exc:

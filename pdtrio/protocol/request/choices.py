@@ -76,6 +76,12 @@ class ChoiceReruns:
             self._decode_failed(state, decode)
         return RerunChoice(choice, frozenset(state.excluded_decodes))
 
+    @property
+    def failed_decodes(self) -> frozenset[str]:
+        """The decodes some choice failed on (to blame): none of them served the request,
+        whatever the other choices did there."""
+        return frozenset().union(*(state.excluded_decodes for state in self._choices.values()))
+
     def next_prefill(self, choice: int) -> SendChoicePrefill | None:
         """The rerun's next prefill, or None: this round tried as many as the request may
         (the leg gives the choice up)."""

@@ -496,8 +496,14 @@ class EngineDecodeLeg:
         return Usage(final.prompt_tokens, final.completion_tokens, cached)
 
     def _served(self) -> None:
-        assert self.instance is not None
-        self._pool.served(self.instance)
+        """Every decode the answer's choices finished on served it, but one that failed
+        another of its choices: that failure stands (as it would have for ``n`` = 1)."""
+        decodes = {leg.decode.instance_id: leg.decode for leg in self._choices}
+        if len(self._choices) > 1:
+            for instance_id in self._host.machine.choice_reruns.failed_decodes:
+                decodes.pop(instance_id, None)
+        for decode in decodes.values():
+            self._pool.served(decode)
 
     async def _failed(self, stream: DecodeRun, failure: StreamFailed) -> Wait | None:
         host = self._host
