@@ -207,7 +207,7 @@ class RouterConnection:
                 )
             )
             return
-        choice_ids = _choice_ids(message) if type(message) is DecodeStartChoices else ()
+        choice_ids = _choice_ids(message) if isinstance(message, DecodeStartChoices) else ()
         if request_id in server.owner or any(c in server.owner for c in choice_ids):
             message_text = f"request {request_id} is already running here"
             await self.sender.send_control(
@@ -296,9 +296,9 @@ class RouterConnection:
         self, start: DecodeStart, scope: trio.CancelScope, received_at: float | None = None
     ) -> None:
         request_id = start.request_id
-        choices = start.choices if type(start) is DecodeStartChoices else ()
+        choices = start.choices if isinstance(start, DecodeStartChoices) else ()
         # the ids the start runs under besides the request's own (n > 1: choices 1..)
-        choice_ids = _choice_ids(start) if type(start) is DecodeStartChoices else ()
+        choice_ids = _choice_ids(start) if isinstance(start, DecodeStartChoices) else ()
         accepted = started = False
         ending: Control | None = None
         try:
