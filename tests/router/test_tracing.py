@@ -84,7 +84,10 @@ def one(spans: list[ReceivedSpan], name: str, service: str = "pdtrio-router") ->
     return found[0]
 
 
-async def test_a_streamed_request_is_one_trace_across_router_prefill_and_decode() -> None:
+async def test_a_streamed_request_is_one_trace_across_router_prefill_and_decode(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="pdtrio.access")
     with trace_receiver() as receiver:
         async with traced_cluster(receiver.url) as url:
             assert await stream_chat(url, {"traceparent": CLIENT_TRACEPARENT})
@@ -115,6 +118,10 @@ async def test_a_streamed_request_is_one_trace_across_router_prefill_and_decode(
     assert worker_prefill.parent_id == prefill.span_id
     assert worker_prefill.attributes["gen_ai.usage.input_tokens"] > 0
     assert admission.parent_id == decode.span_id
+    # the access line names the trace
+    [access] = [r for r in caplog.records if r.name == "pdtrio.access"]
+    assert f"trace_id={CLIENT_TRACE}" in access.getMessage()
+    assert access.trace_id == CLIENT_TRACE  # (a JSON log's key)
     # each process its own instance id
     assert len({request.instance, worker_prefill.instance, admission.instance}) == 3
 
