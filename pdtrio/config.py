@@ -207,6 +207,28 @@ class DiscoveryConfig:
         return bool(self.etcd_endpoints)
 
 
+def _ratio(instance: Any, attribute: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{attribute.name} must be between 0 and 1, got {value}")
+
+
+@final
+@attrs.frozen(kw_only=True)
+class TracingConfig:
+    """OpenTelemetry traces (``[tracing]``, and a worker's ``[worker.tracing]``): off unless
+    an endpoint is set here or in ``OTEL_EXPORTER_OTLP_ENDPOINT`` /
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (see ``pdtrio.tracing``)."""
+
+    # the collector's OTLP/HTTP address (http://collector:4318; /v1/traces is added unless
+    # the path already ends so); "": the OTEL_* environment decides
+    endpoint: str = ""
+    # the share of new traces kept (a client's sampled traceparent is always followed);
+    # None: OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG, else every trace
+    sampler_ratio: float | None = attrs.field(default=None, validator=_ratio)
+    # "": OTEL_SERVICE_NAME, else pdtrio-router / pdtrio-worker
+    service_name: str = ""
+
+
 @final
 @attrs.frozen(kw_only=True)
 class WorkerConfig:
@@ -232,6 +254,8 @@ class WorkerConfig:
     flush: FlushConfig = FlushConfig()
     faults: WorkerFaultsConfig = WorkerFaultsConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    # the embedded workers take the router's [tracing] when theirs sets no endpoint
+    tracing: TracingConfig = TracingConfig()
     # the credential routers and other workers must present (PDTRIO_WORKER_SECRET, or a
     # file); empty: none asked (loopback-only deployments)
     secret: str = attrs.field(default="", repr=False)
@@ -436,6 +460,7 @@ class PdtrioConfig:
     embedded: EmbeddedClusterConfig = EmbeddedClusterConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     security: SecurityConfig = SecurityConfig()
+    tracing: TracingConfig = TracingConfig()
 
     def __attrs_post_init__(self) -> None:
         kinds = sorted({instance.kind for instance in self.instances})

@@ -60,6 +60,7 @@ from pdtrio.protocol.routes import RouteTable
 from pdtrio.router.core import Router
 from pdtrio.router.gil_handoff import GilHandoff
 from pdtrio.router.metrics import Outcome
+from pdtrio.tracing import TRACEPARENT_HEADER
 
 log = logging.getLogger("pdtrio.router")
 
@@ -215,7 +216,7 @@ class RouterApp:
                 limits = router.client_limits
                 limits.admit(key_id)
                 try:
-                    await self._completion(router, scope, receive, send, path)
+                    await self._completion(router, scope, receive, send, path, key_id)
                 finally:
                     limits.release(key_id)
             elif path == "/v1/models":
@@ -248,7 +249,13 @@ class RouterApp:
             return
 
     async def _completion(
-        self, router: Router, scope: Scope, receive: Receive, send: Send, path: str
+        self,
+        router: Router,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        path: str,
+        key_id: str = "",
     ) -> None:
         from pdtrio.router.request.pipeline import RequestPipeline
 
@@ -305,6 +312,11 @@ class RouterApp:
                 send,
                 make_legs,
                 functools.partial(hang_up, scope),
+                # (read only when tracing: the request path pays nothing for it otherwise)
+                incoming_traceparent=""
+                if router.tracing is None
+                else (header(scope, TRACEPARENT_HEADER) or ""),
+                key_id=key_id,
             )
             del request
             await pipeline.run()

@@ -143,6 +143,8 @@ class LegHost(Protocol):
     shaper: Shaper | None
     # decode sent a delta's tokens without the logprobs asked for: said once per request
     logprobs_shortfall_logged: bool
+    # the span a leg sent now is a child of ("": the request is not traced)
+    traceparent: str
 
     async def report(self, event: rm.Event) -> Wait | None:
         """Tell the machine ``event``, write what it emits; the wait it starts, if any."""

@@ -21,7 +21,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, final
+from typing import TYPE_CHECKING, Any, final
 
 import httpx
 import trio
@@ -53,8 +53,12 @@ from pdtrio.security import (
     resolve_worker_secret,
     system_tls_context,
 )
+from pdtrio.tracing import start_tracing
 
 __all__ = ["Instance", "Router", "RouterStartFailed", "open_router"]
+
+if TYPE_CHECKING:
+    from pdtrio.tracing import Tracing
 
 log = logging.getLogger("pdtrio.router")
 
@@ -62,10 +66,16 @@ log = logging.getLogger("pdtrio.router")
 @final
 class Router:
     def __init__(
-        self, config: PdtrioConfig, nursery: trio.Nursery, http: httpx.AsyncClient
+        self,
+        config: PdtrioConfig,
+        nursery: trio.Nursery,
+        http: httpx.AsyncClient,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
         self.http = http
+        # the requests' spans (None: tracing is off; the request path checks only this)
+        self.tracing = tracing
         # the run's clock, read straight: trio.current_time() is two calls more on the
         # way to it, and the request path reads it a dozen times a request
         self.now: Callable[[], float] = trio.lowlevel.current_clock().current_time
@@ -228,22 +238,27 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
     async with httpx.AsyncClient(
         limits=limits, timeout=None, verify=tls or system_tls_context()
     ) as http:
-        async with trio.open_nursery() as nursery:
-            router = Router(config, nursery, http)
-            await nursery.start(
-                functools.partial(
-                    run_egress_control, router.egress, until_busy=router.requests.until_busy
+        tracing = start_tracing(config.tracing, "router")
+        try:
+            async with trio.open_nursery() as nursery:
+                router = Router(config, nursery, http, tracing)
+                await nursery.start(
+                    functools.partial(
+                        run_egress_control, router.egress, until_busy=router.requests.until_busy
+                    )
                 )
-            )
-            nursery.start_soon(router.hold_timer.run)
-            nursery.start_soon(router.requests.hang_up_stalled_clients)
-            nursery.start_soon(router.requests.watch_lasting_requests)
-            etcd = _etcd_registry(router) if config.discovery.uses_etcd else None
-            await router.backend.start(nursery, etcd)
-            try:
-                yield router
-            finally:
-                nursery.cancel_scope.cancel()
+                nursery.start_soon(router.hold_timer.run)
+                nursery.start_soon(router.requests.hang_up_stalled_clients)
+                nursery.start_soon(router.requests.watch_lasting_requests)
+                etcd = _etcd_registry(router) if config.discovery.uses_etcd else None
+                await router.backend.start(nursery, etcd)
+                try:
+                    yield router
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            if tracing is not None:
+                await tracing.aclose()  # the last spans, sent off the loop, bounded
 
 
 def _etcd_registry(router: Router) -> EtcdRegistry:

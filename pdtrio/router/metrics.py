@@ -446,10 +446,12 @@ class RouterMetrics:
         request_id: str = "-",
         prefill: str = "-",
         decode: str = "-",
+        trace_id: str = "",
     ) -> None:
         """Count a completion request by how it ended, observe its figures, log its line.
 
-        ``status``: the error's HTTP status (None for ok and disconnected).
+        ``status``: the error's HTTP status (None for ok and disconnected); ``trace_id``:
+        its trace's, when it is traced (the access line then names it).
         """
         status_class = "" if status is None else f"{status // 100}xx"
         labels = (endpoint, model, outcome.value, status_class)
@@ -504,6 +506,7 @@ class RouterMetrics:
                 total_ms=total_ms,
                 prefill=prefill,
                 decode=decode,
+                trace_id=trace_id,
             )
 
     def _merge_pending(self) -> None:
@@ -542,6 +545,7 @@ def _log_access_line(
     total_ms: float | None,
     prefill: str,
     decode: str,
+    trace_id: str,
 ) -> None:
     """A request's one access line: its figures, none of its content."""
     fields = {
@@ -562,4 +566,6 @@ def _log_access_line(
         else ",".join(figures.migrations),
         "prefill_at": "-" if figures is None or figures.prefill_at is None else figures.prefill_at,
     }
+    if trace_id:
+        fields["trace_id"] = trace_id
     log_access(" ".join([f"{key}={value}" for key, value in fields.items()]), fields)

@@ -117,13 +117,13 @@ class DecodeAdmission:
                 if not self._leases.hand_over(request_id):
                     return Rejected(RejectReason.TRANSFER_FAILED, "the KV lease has expired")
                 engine.allocate_blocks(request_id, total_tokens)
-                if type(start) is DecodeStartChoices:
+                if isinstance(start, DecodeStartChoices):
                     self._fork(start, total_tokens, forks)
             else:
                 blocks, reused = engine.allocate_blocks_reusing_prefix(
                     request_id, list(start.prompt_token_ids), total_tokens
                 )
-                if type(start) is DecodeStartChoices:
+                if isinstance(start, DecodeStartChoices):
                     self._fork(start, total_tokens, forks)
                 prompt_blocks = len(handle.block_ids)
                 if reused < prompt_blocks:
@@ -223,7 +223,7 @@ def _malformed(start: DecodeStart) -> str | None:
         )
     if not 0 <= start.cached_tokens <= prompt_tokens:
         return f"cached_tokens {start.cached_tokens} is not within the prompt's {prompt_tokens}"
-    if type(start) is DecodeStartChoices:
+    if isinstance(start, DecodeStartChoices):
         return _malformed_choices(start)
     return None
 

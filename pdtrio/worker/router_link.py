@@ -36,7 +36,8 @@ from __future__ import annotations
 import logging
 import math
 import urllib.parse
-from typing import Final, Protocol, final
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Final, Protocol, final
 
 import trio
 
@@ -68,11 +69,15 @@ from pdtrio.protocol.link.wire import (
     WireError,
     prefill_failed,
     request_id_in_use,
+    traceparent_of,
 )
 from pdtrio.protocol.tokens.flush import FlushConfig
 from pdtrio.worker.admission import Decision, DecodeAdmission, Rejected
 from pdtrio.worker.fault_hooks import FaultHooks
 from pdtrio.worker.link_sender import DEFAULT_HEARTBEAT_S, Control, LinkSender
+
+if TYPE_CHECKING:
+    from pdtrio.tracing import Tracing, WorkSpan
 
 log = logging.getLogger("pdtrio.worker.link")
 
@@ -207,7 +212,7 @@ class RouterConnection:
                 )
             )
             return
-        choice_ids = _choice_ids(message) if type(message) is DecodeStartChoices else ()
+        choice_ids = _choice_ids(message) if isinstance(message, DecodeStartChoices) else ()
         if request_id in server.owner or any(c in server.owner for c in choice_ids):
             message_text = f"request {request_id} is already running here"
             await self.sender.send_control(
@@ -254,7 +259,14 @@ class RouterConnection:
                     request_id, Reason.INVALID_REQUEST, "this instance does not prefill"
                 )
             elif not self.prefilling.get(request_id, True):
-                answer = await prefiller.prefill_call(request)
+                with self._work("prefill", request) as span:
+                    answer = await prefiller.prefill_call(request)
+                    if span is not None and isinstance(answer, PrefillReply):
+                        span.set("gen_ai.usage.input_tokens", answer.prompt_tokens)
+                        span.set("pdtrio.cached_tokens", answer.cached_tokens)
+                        span.set("pdtrio.kv_leased", answer.kv_handle is not None)
+                    elif span is not None and isinstance(answer, PrefillFailed):
+                        span.fail(f"{answer.status} {answer.error_type}: {answer.message}")
                 if isinstance(answer, PrefillReply):
                     # a decode worker's local prefill leased blocks: its report says so
                     self._server.capacity_changed()
@@ -273,6 +285,20 @@ class RouterConnection:
             if not isinstance(answer, PrefillReply):
                 self.prefilling.pop(request_id, None)  # nothing held: nothing to track
             # (a reply is tracked until it is written; the link's close frees it if not)
+
+    def _work(
+        self, name: str, message: PrefillRequest | DecodeStart
+    ) -> AbstractContextManager[WorkSpan | None]:
+        """A span of this worker's part of a request, when the router traces it."""
+        tracing = self._server.tracing
+        traceparent = traceparent_of(message)
+        if tracing is None or not traceparent:
+            return nullcontext()
+        attributes = {
+            "pdtrio.request_id": message.request_id,
+            "pdtrio.instance": self._server.instance_id,
+        }
+        return tracing.work(name, traceparent, attributes)
 
     def abort(self, request_id: str) -> None:
         """The router gave up on a request: only one this link started."""
@@ -296,9 +322,9 @@ class RouterConnection:
         self, start: DecodeStart, scope: trio.CancelScope, received_at: float | None = None
     ) -> None:
         request_id = start.request_id
-        choices = start.choices if type(start) is DecodeStartChoices else ()
+        choices = start.choices if isinstance(start, DecodeStartChoices) else ()
         # the ids the start runs under besides the request's own (n > 1: choices 1..)
-        choice_ids = _choice_ids(start) if type(start) is DecodeStartChoices else ()
+        choice_ids = _choice_ids(start) if isinstance(start, DecodeStartChoices) else ()
         accepted = started = False
         ending: Control | None = None
         try:
@@ -309,7 +335,11 @@ class RouterConnection:
                 if self._server.draining:
                     decision = Rejected(RejectReason.SHUTTING_DOWN, "decode is draining")
                 else:
-                    decision = await admission.admit(start, received_at)
+                    # (its KV pull from prefill is part of admission)
+                    with self._work("decode admission", start) as span:
+                        decision = await admission.admit(start, received_at)
+                        if span is not None and isinstance(decision, Rejected):
+                            span.fail(f"rejected ({decision.reason}): {decision.message}")
                 if isinstance(decision, Rejected):
                     ending = DecodeRejected(request_id, decision.reason, decision.message)
                 else:
@@ -393,8 +423,13 @@ class RouterLinkServer:
         flush: FlushConfig,
         *,
         faults: FaultHooks | None = None,
+        tracing: Tracing | None = None,
+        instance_id: str = "",
     ) -> None:
         self.faults = faults  # testing only: None unless a fault hook is configured
+        # spans of the work a tracing router asks for (None: tracing is off here)
+        self.tracing = tracing
+        self.instance_id = instance_id
         self.admission = admission
         self.prefiller = prefiller
         self.engine = engine

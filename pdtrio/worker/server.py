@@ -42,6 +42,7 @@ from pdtrio.security import (
     resolve_worker_secret,
     server_tls_context,
 )
+from pdtrio.tracing import start_tracing
 from pdtrio.worker.admission import DecodeAdmission
 from pdtrio.worker.fault_hooks import fault_hooks_for
 from pdtrio.worker.http_api import WorkerHttpApi
@@ -105,6 +106,8 @@ class Worker:
         )
         self.metrics = WorkerMetrics(self)
         engine.observe_steps(self.metrics.step)
+        # spans of the work a tracing router asks for (None: tracing is off here)
+        self.tracing = start_tracing(config.tracing, "worker")
         self.http = WorkerHttpApi(
             self,
             # routers prove they hold the secret by answering a challenge of ours, once each
@@ -147,6 +150,13 @@ class Worker:
         task_status: trio.TaskStatus[dict[str, Any]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Run until cancelled. Reports {"http_port", "transfer_port", "instance_id", "url"}."""
+        try:
+            await self._serve(task_status)
+        finally:
+            if self.tracing is not None:
+                await self.tracing.aclose()  # the last spans, sent off the loop, bounded
+
+    async def _serve(self, task_status: trio.TaskStatus[dict[str, Any]]) -> None:
         from hypercorn.config import Config as HypercornConfig
 
         config = self.config
@@ -211,6 +221,8 @@ class Worker:
                 self.engine,
                 config.flush,
                 faults=self.faults,
+                tracing=self.tracing,
+                instance_id=self.instance_id,
             )
             nursery.start_soon(links.dispatch_outputs, outputs_receive)
             self.link_server = links

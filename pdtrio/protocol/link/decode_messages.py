@@ -87,6 +87,33 @@ class DecodeStartChoices(DecodeStart, frozen=True, tag=int(MessageKind.START_CHO
         )
 
 
+class DecodeStartTraced(DecodeStart, frozen=True, tag=int(MessageKind.START_TRACED)):
+    """A :class:`DecodeStart` of a request the router traces (``traceparent``: the router's
+    decode span; a kind of its own as :class:`~.prefill_messages.PrefillRequestTraced` is)."""
+
+    traceparent: str = ""
+
+
+class DecodeStartChoicesTraced(
+    DecodeStartChoices, frozen=True, tag=int(MessageKind.START_CHOICES_TRACED)
+):
+    """A :class:`DecodeStartChoices` of a request the router traces."""
+
+    traceparent: str = ""
+
+
+def traced_start(start: DecodeStart, traceparent: str) -> DecodeStart:
+    """``start`` carrying ``traceparent`` (as it is, for "": not traced)."""
+    if not traceparent:
+        return start
+    base: type[DecodeStart] = DecodeStart
+    kind: type[DecodeStart] = DecodeStartTraced
+    if isinstance(start, DecodeStartChoices):
+        base, kind = DecodeStartChoices, DecodeStartChoicesTraced
+    fields = (getattr(start, name) for name in base.__struct_fields__)
+    return kind(*fields, traceparent=traceparent)  # type: ignore[call-arg]
+
+
 class DecodeAbort(Positional, frozen=True, tag=int(MessageKind.ABORT)):
     request_id: str
 

@@ -38,6 +38,10 @@ class MessageKind(enum.IntEnum):
     PREFILLED_WITH_CHOICES = 15
     START_CHOICES = 16
     KV_EVENTS = 17
+    # the prefill call and the decode starts of a request the router traces
+    PREFILL_TRACED = 18
+    START_TRACED = 19
+    START_CHOICES_TRACED = 20
 
 
 class Positional(

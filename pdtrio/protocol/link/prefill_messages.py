@@ -82,6 +82,32 @@ class PrefillRequest(Positional, frozen=True, tag=int(MessageKind.PREFILL)):
     generated_tokens: int = 0
 
 
+class PrefillRequestTraced(PrefillRequest, frozen=True, tag=int(MessageKind.PREFILL_TRACED)):
+    """A :class:`PrefillRequest` of a request the router traces: ``traceparent`` names the
+    router's prefill span (W3C trace context), the parent of the worker's.
+
+    A kind of its own, not a field of PrefillRequest: every field of a positional struct
+    is written, so a field would change every call's bytes and an older worker would
+    refuse them all; it meets this kind only from a router that traces.
+    """
+
+    traceparent: str = ""
+
+
+def traced_call(call: PrefillRequest, traceparent: str) -> PrefillRequest:
+    """``call`` carrying ``traceparent`` (as it is, for "": not traced)."""
+    if not traceparent:
+        return call
+    fields = (getattr(call, name) for name in PrefillRequest.__struct_fields__)
+    return PrefillRequestTraced(*fields, traceparent=traceparent)  # type: ignore[misc]
+
+
+def traceparent_of(message: object) -> str:
+    """The router's span a prefill call or a decode start names ("": not traced)."""
+    traceparent: str = getattr(message, "traceparent", "")
+    return traceparent
+
+
 class PrefillReply(Positional, frozen=True, tag=int(MessageKind.PREFILLED)):
     """The prompt is in the cache; here is the first token and where the KV lives.
 

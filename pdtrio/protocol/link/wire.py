@@ -31,11 +31,14 @@ from pdtrio.protocol.link.decode_messages import (
     DecodeRejected,
     DecodeStart,
     DecodeStartChoices,
+    DecodeStartChoicesTraced,
+    DecodeStartTraced,
     RejectReason,
     TokenEntry,
     TokenFrame,
     TokenLogprobs,
     choice_request_id,
+    traced_start,
 )
 from pdtrio.protocol.link.encoding import (
     DECODE_ERRORS,
@@ -78,6 +81,7 @@ from pdtrio.protocol.link.prefill_messages import (
     PrefillReplyWithChoices,
     PrefillReplyWithLogprob,
     PrefillRequest,
+    PrefillRequestTraced,
     Prompt,
     ReleaseReply,
     ReleaseRequest,
@@ -87,10 +91,21 @@ from pdtrio.protocol.link.prefill_messages import (
     prefill_failed,
     reply_choices,
     request_id_in_use,
+    traced_call,
+    traceparent_of,
 )
 
 # what travels on the worker link, each way
-ToWorker = DecodeStart | DecodeStartChoices | DecodeAbort | PrefillRequest | ReleaseRequest
+ToWorker = (
+    DecodeStart
+    | DecodeStartChoices
+    | DecodeStartTraced
+    | DecodeStartChoicesTraced
+    | DecodeAbort
+    | PrefillRequest
+    | PrefillRequestTraced
+    | ReleaseRequest
+)
 FromWorker = (
     DecodeAccepted
     | DecodeRejected
@@ -130,6 +145,8 @@ __all__ = [
     "DecodeRejected",
     "DecodeStart",
     "DecodeStartChoices",
+    "DecodeStartChoicesTraced",
+    "DecodeStartTraced",
     "Decoder",
     "FirstToken",
     "FromWorker",
@@ -143,6 +160,7 @@ __all__ = [
     "PrefillReplyWithChoices",
     "PrefillReplyWithLogprob",
     "PrefillRequest",
+    "PrefillRequestTraced",
     "Prompt",
     "RejectReason",
     "ReleaseReply",
@@ -165,6 +183,9 @@ __all__ = [
     "encode",
     "encode_in_pieces",
     "first_logprob",
+    "traced_call",
+    "traced_start",
+    "traceparent_of",
     "from_worker_batch_decoder",
     "from_worker_decoder",
     "is_batch",

@@ -90,12 +90,16 @@ class EngineInstance:
     def usable(self) -> bool:
         return self.healthy and bool(self.model)
 
-    def headers(self, request_id: str | None = None) -> dict[str, str]:
+    def headers(self, request_id: str | None = None, traceparent: str = "") -> dict[str, str]:
+        """What a call to the engine carries: its key, the leg's id, and (``traceparent``:
+        the router's span of the leg) the trace context its own spans join."""
         headers = {}
         if self.config.api_key:
             headers["Authorization"] = f"Bearer {self.config.api_key}"
         if request_id is not None:
             headers["X-Request-Id"] = request_id
+        if traceparent:
+            headers["traceparent"] = traceparent
         return headers
 
     def candidate(self, now: float, allow_suspended: bool, cached_prefix: int = 0) -> Candidate:

@@ -198,7 +198,7 @@ class EnginePrefillLeg:
                 response = await pool.http.post(
                     instance.url + PATHS[self._legs.kind],
                     json=body,
-                    headers=instance.headers(request_id),
+                    headers=instance.headers(request_id, self._host.traceparent),
                 )
         except BackendUnreachable as exc:
             self._failed(instance, f"prefill unreachable: {exc}")

@@ -39,7 +39,7 @@ import math
 import time
 from collections.abc import Callable
 from types import MappingProxyType
-from typing import final
+from typing import TYPE_CHECKING, final
 
 import trio
 
@@ -64,6 +64,10 @@ from pdtrio.router.backend import (
 from pdtrio.router.core import Router
 from pdtrio.router.metrics import Outcome
 from pdtrio.router.request.client_response import ClientResponse
+from pdtrio.tracing import request_trace
+
+if TYPE_CHECKING:
+    from pdtrio.tracing import RequestTrace
 
 log = logging.getLogger("pdtrio.router.pipeline")
 
@@ -82,6 +86,9 @@ class RequestPipeline:
         send: Send,
         make_legs: MakeLegs,
         hang_up: Callable[[], bool] = lambda: False,
+        *,
+        incoming_traceparent: str = "",
+        key_id: str = "",
     ) -> None:
         self.router = router
         self._now = router.now
@@ -94,6 +101,19 @@ class RequestPipeline:
         self._receive = receive
         config = router.config.router
         self.request_id = router.new_request_id(shape.id_prefix)
+        # its spans (None: tracing is off); what its legs carry on as their spans' parent
+        self.trace: RequestTrace | None = None
+        self.traceparent = ""
+        if router.tracing is not None:
+            self.trace = request_trace(
+                router.tracing,
+                incoming_traceparent,
+                request_id=self.request_id,
+                model=request.model,
+                endpoint=self.endpoint,
+                key_id=key_id,
+            )
+            self.traceparent = self.trace.traceparent
         # what /metrics and the access line say of it, recorded as it goes
         self.figures = router.metrics.figures(request.model)
         # the request on the instances: its prefill calls and its decode run
@@ -216,7 +236,12 @@ class RequestPipeline:
         the response's end are written by :meth:`_step` (awaited) from ``_emits``.
         """
         wait: Wait | None = None
-        for command in self.machine.handle(event, now):
+        commands = self.machine.handle(event, now)
+        trace = self.trace
+        if trace is not None:
+            trace.observe(event, commands)
+            self.traceparent = trace.traceparent
+        for command in commands:
             kind = type(command)
             if kind is rm.WaitUntil:
                 continue  # the machine's next_deadline bounds every wait
@@ -430,7 +455,18 @@ class RequestPipeline:
             request_id=self.request_id,
             prefill="-" if prefill is None else prefill,
             decode="-" if decode is None else decode,
+            trace_id="" if self.trace is None else self.trace.trace_id,
         )
+        if self.trace is not None:
+            self.trace.end(
+                outcome=_OUTCOMES[end.ending].value,
+                status=status,
+                failure=end.failure,
+                prompt_tokens=figures.prompt_tokens or 0,
+                completion_tokens=figures.completion_tokens,
+                prefill=prefill,
+                decode=decode,
+            )
 
 
 def _tool_names(request: ChatCompletionRequest | CompletionRequest) -> list[str] | None:

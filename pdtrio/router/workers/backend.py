@@ -13,10 +13,11 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, final
 
+import attrs
 import httpx
 import trio
 
-from pdtrio.config import PdtrioConfig
+from pdtrio.config import PdtrioConfig, TracingConfig, WorkerConfig
 from pdtrio.discovery.registry import DiscoveryState, EngineListener, Registry, StaticRegistry
 from pdtrio.protocol.openai.answers import AnswerKind, AnyRequest
 from pdtrio.router.backend import DecodeSide, LegHost, MakeLegs, PrefillSide
@@ -151,7 +152,7 @@ class WorkerBackend:
                 WorkerProcess(
                     name,
                     role,
-                    embedded.worker,
+                    _traced_like_the_router(embedded.worker, self._config.tracing),
                     ready_timeout_s=embedded.ready_timeout_s,
                     restart_backoff_s=embedded.restart_backoff_s,
                     on_ready=self.links.add_instance,
@@ -167,3 +168,13 @@ class WorkerBackend:
         async with trio.open_nursery() as starters:
             for worker in self.workers:
                 starters.start_soon(start_one, worker)
+
+
+def _traced_like_the_router(worker: WorkerConfig, tracing: TracingConfig) -> WorkerConfig:
+    """The embedded workers send spans where the router does, unless their own table says
+    where (their service name stays theirs)."""
+    if worker.tracing.endpoint or not tracing.endpoint:
+        return worker
+    return attrs.evolve(
+        worker, tracing=attrs.evolve(tracing, service_name=worker.tracing.service_name)
+    )

@@ -21,6 +21,7 @@ from pdtrio.protocol.link.wire import (
     RejectReason,
     TokenPrompt,
     choice_request_id,
+    traced_start,
 )
 from pdtrio.router.backend import (
     BackendUnreachable,
@@ -257,6 +258,7 @@ class DecodeLeg:
         choices = running_choices(reply)
         if host.request.sampling.n > 1:
             start = DecodeStartChoices.of(start, choices)
+        start = traced_start(start, host.traceparent)
         self._choice_ids = [choice_request_id(prefill.wire_id, c) for c, _ in choices if c]
         try:
             stream = await link.start(

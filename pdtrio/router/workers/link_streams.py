@@ -83,7 +83,7 @@ class LinkStreams:
             stream.token_ids = []
         if start.sampling.wants_logprobs:
             stream.logprobs = []
-        if type(start) is DecodeStartChoices:
+        if isinstance(start, DecodeStartChoices):
             stream.choices = {}
             for choice, _ in start.choices:
                 if choice == 0:

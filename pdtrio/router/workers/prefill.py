@@ -33,6 +33,7 @@ from pdtrio.protocol.link.wire import (
     TokenPrompt,
     first_logprob,
     reply_choices,
+    traced_call,
 )
 from pdtrio.protocol.openai.answers import AnswerDelta
 from pdtrio.protocol.placement.prefix_index import PromptBlocks
@@ -169,7 +170,7 @@ class PrefillLeg:
         instance.prefill_started()
         try:
             # a cancelled call releases the request on prefill itself
-            answer = await instance.link.prefill(call)
+            answer = await instance.link.prefill(traced_call(call, host.traceparent))
         except BackendUnreachable:
             return await host.report(rm.PrefillNotSent())  # it never saw it: another may
         except BackendLost as exc:

@@ -1,0 +1,229 @@
+"""OpenTelemetry traces (issue 54): one trace per request across the router and its
+workers, as an OTLP/HTTP receiver gets it; off, broken or absent, requests are served."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+import trio
+
+from pdtrio.config import (
+    InstanceConfig,
+    PdtrioConfig,
+    RouterConfig,
+    TracingConfig,
+    WorkerFaultsConfig,
+)
+from pdtrio.router.app import RouterApp
+from pdtrio.tracing import parse_traceparent, start_tracing
+from tests.cluster import serve_app, synthetic_worker
+from tests.tracing_receiver import ReceivedSpan, trace_receiver
+
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+REQUEST_SPAN = "POST /v1/chat/completions"
+
+
+@asynccontextmanager
+async def traced_cluster(
+    endpoint: str, decodes: tuple[WorkerFaultsConfig, ...] = (WorkerFaultsConfig(),)
+) -> AsyncIterator[str]:
+    """A router, a prefill and decodes, all sending spans to ``endpoint``; on exit every
+    process part has flushed its spans."""
+    tracing = TracingConfig(endpoint=endpoint)
+    workers = [synthetic_worker("prefill", worker_overrides={"tracing": tracing})]
+    workers += [
+        synthetic_worker("decode", faults=faults, worker_overrides={"tracing": tracing})
+        for faults in decodes
+    ]
+    async with trio.open_nursery() as nursery:
+        instances = []
+        for worker in workers:
+            ready = await nursery.start(worker.run)
+            instances.append(InstanceConfig(role=worker.config.role, url=ready["url"]))
+        config = PdtrioConfig(
+            router=RouterConfig(decode_policy="round_robin"),
+            instances=tuple(instances),
+            tracing=tracing,
+        )
+        yield await serve_app(RouterApp(config), nursery)
+        nursery.cancel_scope.cancel()
+
+
+async def stream_chat(url: str, headers: dict[str, str] | None = None) -> str:
+    body = {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 8,
+        "stream": True,
+    }
+    text = ""
+    async with httpx.AsyncClient(base_url=url, timeout=20) as http:
+        async with http.stream(
+            "POST", "/v1/chat/completions", json=body, headers=headers or {}
+        ) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    for choice in chunk["choices"]:
+                        text += choice["delta"].get("content") or ""
+    return text
+
+
+def one(spans: list[ReceivedSpan], name: str, service: str = "pdtrio-router") -> ReceivedSpan:
+    found = [s for s in spans if s.name == name and s.service == service]
+    assert len(found) == 1, (name, service, [(s.service, s.name) for s in spans])
+    return found[0]
+
+
+async def test_a_streamed_request_is_one_trace_across_router_prefill_and_decode(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="pdtrio.access")
+    with trace_receiver() as receiver:
+        async with traced_cluster(receiver.url) as url:
+            assert await stream_chat(url, {"traceparent": CLIENT_TRACEPARENT})
+        spans = receiver.received()
+    assert {s.trace_id for s in spans} == {CLIENT_TRACE}
+    request = one(spans, REQUEST_SPAN)
+    assert request.parent_id == CLIENT_SPAN  # the client's span is its parent
+    assert request.attributes["gen_ai.request.model"] == "synthetic"
+    assert request.attributes["http.route"] == "/v1/chat/completions"
+    assert request.attributes["pdtrio.outcome"] == "ok"
+    assert request.attributes["http.response.status_code"] == 200
+    assert request.attributes["gen_ai.usage.input_tokens"] > 0
+    assert request.attributes["gen_ai.usage.output_tokens"] == 8
+    assert "first_token" in [name for name, _ in request.events]
+    assert request.error is None
+    prefill = one(spans, "prefill")
+    placement = one(spans, "decode placement")
+    decode = one(spans, "decode")
+    for leg in (prefill, placement, decode):
+        assert leg.parent_id == request.span_id
+        assert leg.error is None
+        assert request.start_ns <= leg.start_ns <= leg.end_ns <= request.end_ns
+    assert prefill.end_ns <= placement.start_ns <= placement.end_ns <= decode.start_ns
+    assert "accepted" in [name for name, _ in decode.events]
+    # the workers' spans are children of the router's legs
+    worker_prefill = one(spans, "prefill", "pdtrio-worker")
+    admission = one(spans, "decode admission", "pdtrio-worker")
+    assert worker_prefill.parent_id == prefill.span_id
+    assert worker_prefill.attributes["gen_ai.usage.input_tokens"] > 0
+    assert admission.parent_id == decode.span_id
+    # the access line names the trace
+    [access] = [r for r in caplog.records if r.name == "pdtrio.access"]
+    assert f"trace_id={CLIENT_TRACE}" in access.getMessage()
+    assert access.trace_id == CLIENT_TRACE  # (a JSON log's key)
+    # each process its own instance id
+    assert len({request.instance, worker_prefill.instance, admission.instance}) == 3
+
+
+async def test_a_decode_retry_appears_in_the_trace_with_its_reason() -> None:
+    # the first decode's KV pulls fail: a request placed there is placed again
+    failing, healthy = WorkerFaultsConfig(kv_transfer_fail=True), WorkerFaultsConfig()
+    with trace_receiver() as receiver:
+        async with traced_cluster(receiver.url, decodes=(failing, healthy)) as url:
+            for _ in range(2):  # (round robin: one of them meets the failing decode first)
+                assert await stream_chat(url)
+        spans = receiver.received()
+    retried = [
+        s for s in spans if s.name == REQUEST_SPAN and any(n == "retry" for n, _ in s.events)
+    ]
+    assert retried
+    request = retried[0]
+    retry = next(attributes for name, attributes in request.events if name == "retry")
+    assert retry["pdtrio.leg"] == "decode"
+    assert retry["pdtrio.reason"]
+    decodes = sorted(
+        (s for s in spans if s.trace_id == request.trace_id and s.name == "decode"),
+        key=lambda s: s.start_ns,
+    )
+    assert [d.attributes["pdtrio.attempt"] for d in decodes] == [1, 2]
+    assert decodes[0].error is not None and "rejected" in decodes[0].error
+    assert decodes[1].error is None
+    assert request.attributes["pdtrio.outcome"] == "ok"
+
+
+async def test_a_malformed_traceparent_is_ignored_and_the_request_starts_a_trace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING)
+    with trace_receiver() as receiver:
+        async with traced_cluster(receiver.url) as url:
+            assert await stream_chat(url, {"traceparent": "00-not-a-trace-01"})
+        spans = receiver.received()
+    request = one(spans, REQUEST_SPAN)
+    assert request.parent_id == ""
+    assert request.trace_id != CLIENT_TRACE
+    assert not [r for r in caplog.records if r.name.startswith("pdtrio.tracing")]
+
+
+async def test_an_unreachable_collector_is_said_once_and_requests_are_served(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
+    caplog.set_level(logging.WARNING)
+    with trace_receiver() as receiver:
+        closed = receiver.url  # (closed below: nothing listens there any more)
+    async with traced_cluster(closed) as url:
+        for _ in range(2):
+            assert await stream_chat(url)
+    warnings = [
+        r for r in caplog.records if r.name == "pdtrio.tracing" and r.levelno == logging.WARNING
+    ]
+    # one per process part that had spans to send (the router, the prefill, the decode)
+    assert 1 <= len(warnings) <= 3
+    assert all("could not be sent" in r.getMessage() for r in warnings)
+
+
+def test_without_the_sdk_tracing_is_off_with_one_warning(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "pdtrio.tracing._otel", None)  # (import fails)
+    caplog.set_level(logging.WARNING)
+    assert start_tracing(TracingConfig(endpoint="http://127.0.0.1:9"), "router") is None
+    [warning] = [r for r in caplog.records if r.name == "pdtrio.tracing"]
+    assert "pdtrio[otel]" in warning.getMessage()
+
+
+def test_tracing_is_off_unless_an_endpoint_is_named() -> None:
+    assert start_tracing(TracingConfig(), "router", environ={}) is None
+
+
+async def test_without_tracing_a_request_is_served_as_before() -> None:
+    from tests.cluster import running_cluster
+
+    async with running_cluster() as cluster:
+        assert cluster.router_app.router is not None
+        assert cluster.router_app.router.tracing is None
+        assert await stream_chat(cluster.url, {"traceparent": CLIENT_TRACEPARENT})
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+    ],
+)
+def test_a_malformed_traceparent_names_no_parent(value: str) -> None:
+    assert parse_traceparent(value) is None
+
+
+def test_a_later_versions_traceparent_is_read_by_its_prefix() -> None:
+    parent = parse_traceparent(f"01-{CLIENT_TRACE}-{CLIENT_SPAN}-01-more")
+    assert parent is not None and parent.sampled
+    assert parent.trace_id == int(CLIENT_TRACE, 16)
