@@ -113,13 +113,7 @@ class Router:
         # when the KV leases of the handles prefill sent end, on this router's clock
         self.leases = LeaseClock()
         # where instances come from, for /health
-        self.discovery = DiscoveryState(
-            "etcd"
-            if config.discovery.uses_etcd
-            else "embedded"
-            if config.uses_embedded_cluster
-            else "static"
-        )
+        self.discovery = DiscoveryState(_discovery_kind(config))
         # who may call: clients' API keys and their limits; the credential workers ask for
         security = config.security
         self.api_keys = ApiKeys.resolve(security.api_keys, security.api_keys_file)
@@ -259,6 +253,12 @@ async def open_router(config: PdtrioConfig) -> AsyncIterator[Router]:
         finally:
             if tracing is not None:
                 await tracing.aclose()  # the last spans, sent off the loop, bounded
+
+
+def _discovery_kind(config: PdtrioConfig) -> str:
+    if config.discovery.uses_etcd:
+        return "etcd"
+    return "embedded" if config.uses_embedded_cluster else "static"
 
 
 def _etcd_registry(router: Router) -> EtcdRegistry:

@@ -102,18 +102,8 @@ class RequestPipeline:
         config = router.config.router
         self.request_id = router.new_request_id(shape.id_prefix)
         # its spans (None: tracing is off); what its legs carry on as their spans' parent
-        self.trace: RequestTrace | None = None
-        self.traceparent = ""
-        if router.tracing is not None:
-            self.trace = request_trace(
-                router.tracing,
-                incoming_traceparent,
-                request_id=self.request_id,
-                model=request.model,
-                endpoint=self.endpoint,
-                key_id=key_id,
-            )
-            self.traceparent = self.trace.traceparent
+        self.trace = self._start_trace(incoming_traceparent, key_id)
+        self.traceparent = "" if self.trace is None else self.trace.traceparent
         # what /metrics and the access line say of it, recorded as it goes
         self.figures = router.metrics.figures(request.model)
         # the request on the instances: its prefill calls and its decode run
@@ -200,6 +190,21 @@ class RequestPipeline:
             # objects go with its last reference, not at a garbage collection (each one
             # alive until then is traversed, and promoted, by the collections it meets)
             del self.prefill, self.decode
+
+    def _start_trace(self, incoming_traceparent: str, key_id: str) -> RequestTrace | None:
+        """The request's spans, under the client's trace if it sent one; None: tracing
+        is off."""
+        tracing = self.router.tracing
+        if tracing is None:
+            return None
+        return request_trace(
+            tracing,
+            incoming_traceparent,
+            request_id=self.request_id,
+            model=self.request.model,
+            endpoint=self.endpoint,
+            key_id=key_id,
+        )
 
     def _cut(self) -> None:
         """The nursery was cut short (or raised): tell the machine by whom."""
