@@ -100,7 +100,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -257,11 +257,12 @@ def start_server(
     cpus: set[int],
     tmp: Path,
     tree: Path = ROOT,
+    environment: Mapping[str, str] | None = None,
 ) -> Service:
     """``server`` under ``hypercorn -k trio`` on ``cpus``, healthy (``tree``: the checkout
-    whose pdtrio it imports)."""
+    whose pdtrio it imports; ``environment``: more of the server's environment)."""
     port = free_port()
-    env = _env(tree)
+    env = {**_env(tree), **(environment or {})}
     if server.app == "pdtrio":
         config = write_router_config(
             tmp / f"{server.key}-{port}.toml",

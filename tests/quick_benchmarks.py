@@ -10,13 +10,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_quick(
-    module: str, tmp_path: Path, *, timeout: float
+    module: str, tmp_path: Path, *, timeout: float, args: tuple[str, ...] = ()
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """``python -m <module> --quick --json <file>`` from the repository root; the
+    """``python -m <module> --quick --json <file> [args]`` from the repository root; the
     finished process and where its JSON report is (if it wrote one)."""
     out = tmp_path / f"{module.rsplit('.', 1)[-1]}.json"
     completed = subprocess.run(
-        [sys.executable, "-m", module, "--quick", "--json", str(out)],
+        [sys.executable, "-m", module, "--quick", "--json", str(out), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

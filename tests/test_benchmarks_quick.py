@@ -399,6 +399,19 @@ def _choices(printed: str, report: Any) -> None:
             assert row["peak_decode_blocks"] > 0, row
 
 
+def _router_cost_versus(printed: str, report: Any) -> None:
+    routers = ["tracing off", "tracing 1.0", "tracing 0.01"]
+    assert report["routers"] == routers
+    # each row, for each router, a figure a round
+    assert len(report["figures"]) == 2
+    for by_router in report["figures"].values():
+        assert set(by_router) == set(routers)
+        assert all(
+            len(values) == 2 and all(v and v > 0 for v in values) for values in by_router.values()
+        )
+    assert "tracing 1.0 (median)" in printed and "/ tracing off" in printed
+
+
 # --- the list -------------------------------------------------------------------------------
 
 
@@ -408,6 +421,7 @@ class Quick:
     check: Check
     timeout_s: float  # several times what it takes on a shared 2-core machine
     needs_etcd: bool = False
+    args: tuple[str, ...] = ()  # more of its command line
 
 
 QUICK = [
@@ -419,6 +433,13 @@ QUICK = [
     Quick("benchmarks.hostile_bytes", _hostile_bytes, 240),
     Quick("benchmarks.discovery", _discovery, 240, needs_etcd=True),
     Quick("benchmarks.router_cost", _router_cost, 300),
+    # (its tracing set: the default set checks out a baseline commit)
+    Quick(
+        "benchmarks.router_cost_versus",
+        _router_cost_versus,
+        240,
+        args=("--tracing", "--rounds", "2"),
+    ),
     Quick("benchmarks.kv_transfer", _kv_transfer, 400),
     Quick("benchmarks.kv_digest", _kv_digest, 240),
     Quick("benchmarks.abandoned_prefill", _abandoned_prefill, 300),
@@ -443,7 +464,7 @@ NOT_BENCHMARKS = {"benchmarks.kit", "benchmarks.plotting", "benchmarks.trivial_s
 def test_quick_run(case: Quick, tmp_path: Path) -> None:
     if case.needs_etcd:
         require_etcd()
-    completed, out = run_quick(case.module, tmp_path, timeout=case.timeout_s)
+    completed, out = run_quick(case.module, tmp_path, timeout=case.timeout_s, args=case.args)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-8000:]
     assert out.exists(), f"{case.module} --quick wrote no --json report"
     case.check(completed.stdout, json.loads(out.read_text()))
