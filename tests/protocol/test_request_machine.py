@@ -680,18 +680,32 @@ def test_a_decode_failing_before_its_first_token_is_replaced_while_prefill_holds
 
 
 def test_kv_no_decode_pulls_in_time_goes_again_from_a_new_prefill() -> None:
-    machine, out = _play([*HAPPY[:6], DecodeFailed("worker died", "decode_failed")])
+    refused = DecodeRejected("cannot reach KV endpoint", retryable=True, kv_source_failed=True)
+    again = [DecodeStartSent("d1", 2), DecodeStartQueued(), DecodeAccepted()]
+    machine, out = _play([*HAPPY[:5], refused, *again, DecodeFailed("died", "decode_failed")])
+    assert isinstance(out[-1], WaitForDecode) and dict(out[-1].exclude) == {"d0": 1, "d1": 2}
     out = machine.handle(DeadlinePassed(Deadline.RECONNECT), 2.0)
     # a new leg of the handoff's: prefill's KV freed, the tokens delivered continued
     assert out == [
         ReleasePrefill("p0"),
-        Migrate("handoff_failed", "d0"),
-        SendPrefill(frozenset(), continuation=True),
+        Migrate("handoff_failed", "d1"),
+        SendPrefill(frozenset(), continuation=True, avoid=frozenset({"p0"})),
     ]
-    out = machine.handle(PrefillSent("p0"), 2.0) + machine.handle(Prefilled(LEASE_S), 2.0)
-    # the decode that failed it stays excluded (the prefill was not to blame)
-    assert isinstance(out[-1], PlaceDecode) and dict(out[-1].exclude) == {"d0": 1}
+    out = machine.handle(PrefillSent("p1"), 2.0) + machine.handle(Prefilled(LEASE_S), 2.0)
+    # the decode that failed itself stays excluded; the one prefill's KV failed may take it
+    assert isinstance(out[-1], PlaceDecode) and dict(out[-1].exclude) == {"d1": 2}
     assert machine.migrations == ["handoff_failed"]
+
+
+def test_decodes_that_failed_themselves_are_not_worth_a_new_prefill() -> None:
+    # (nothing blamed prefill's KV: as before, a migration once a decode comes)
+    machine, _ = _play([*HAPPY[:6], DecodeFailed("worker died", "decode_failed")])
+    out = machine.handle(DeadlinePassed(Deadline.RECONNECT), 2.0)
+    assert not [c for c in out if isinstance(c, SendPrefill)]
+    assert isinstance(out[-1], WaitForDecode)
+    machine, _ = _play([*HAPPY[:5], DecodeRejected("shutting down", retryable=True)])
+    none_left = DecodeUnavailable(Failure(Reason.SERVICE_UNAVAILABLE, "no decode could"))
+    assert _ending(machine.handle(none_left, 1.0)).failure == none_left.failure
 
 
 def test_kv_no_decode_pulls_in_time_is_given_up_and_the_request_migrates() -> None:
@@ -841,8 +855,9 @@ def test_the_handoffs_rounds_are_bounded() -> None:
 
 def test_a_handoff_round_is_not_a_migration_of_a_lost_decode() -> None:
     # the handoff's rounds have their bound; the migrations after a loss theirs
-    machine, _ = _play([*HAPPY[:6], DecodeFailed("died", "decode_failed")])
-    machine.handle(DeadlinePassed(Deadline.RECONNECT), 2.0)
+    refused = DecodeRejected("refused", retryable=True, kv_source_failed=True)
+    none_left = DecodeUnavailable(Failure(Reason.SERVICE_UNAVAILABLE, "no decode could"))
+    machine, _ = _play([*HAPPY[:5], refused, none_left])
     lost = DecodeFailed("link lost", "link_lost", migratable=True)
     leg = [PrefillSent("p1"), Prefilled(LEASE_S), DecodeStartSent("d1", 1), DecodeStartQueued()]
     leg += [DecodeAccepted(), DecodeTokens(), lost, DecodeConnected()]

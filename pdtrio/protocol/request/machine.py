@@ -278,9 +278,10 @@ class RequestMachine(MachineState):
         return self._fail(event.failure)
 
     def _on_no_decode_left(self, event: ev.DecodeUnavailable, now: float) -> list[ev.Command]:
-        """Every decode that could take prefill's KV failed it: a new prefill, if the
-        handoff has rounds left (no room, or no decode at all, is not the handoff's)."""
-        if event.failure.reason is not Reason.SERVICE_UNAVAILABLE:
+        """Every decode that could take prefill's KV failed it: a new prefill, if one of
+        them blamed prefill's KV (it may take a new prefill's) and the handoff has rounds
+        left; decodes that failed themselves would not take a new one either."""
+        if event.failure.reason is not Reason.SERVICE_UNAVAILABLE or not self._kv_blamed:
             return self._fail(event.failure)
         return self._handoff_again(event.failure)
 
@@ -421,11 +422,12 @@ class RequestMachine(MachineState):
 
     def _on_retry_wait_passed(self, event: ev.DeadlinePassed, now: float) -> list[ev.Command]:
         """No decode can pull prefill's KV before its lease ends: it is freed, and the
-        request goes on from a new prefill, a new round of its handoff; past them, as one
-        lost mid-stream does (or fails, as one that may not migrate)."""
+        request goes on from a new prefill: a new round of its handoff where a decode
+        blamed prefill's KV (it may take a new prefill's), as one lost mid-stream does
+        otherwise (or fails, as one that may not migrate)."""
         early = self._early
         assert early is not None and self.prefill_instance is not None
-        if self._handoff_rounds_left and not event.torn:
+        if self._kv_blamed and self._handoff_rounds_left and not event.torn:
             return self._handoff_again(ev.decode_failed(early.message))
         out: list[ev.Command] = [ev.ReleasePrefill(self.prefill_instance)]
         self.lifecycle.handle(Kv.KV_GIVEN_UP)
