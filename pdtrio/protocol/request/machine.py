@@ -4,7 +4,8 @@ In the spirit of h11's ``_state.py``: the router's shell does the I/O (prefill c
 decode starts, writes to the client, timers) and reports what happened as an event;
 the machine answers with what to do next as commands.  The machine holds every
 decision of the request path: admission, prefill attempts and retries, decode
-placement and its retries before the first token, the migration of a request whose
+placement and its retries before the first token, a failed handoff's new prefill
+rounds, the bounded wait for a prefill when none is up, the migration of a request whose
 decode was lost, which deadline applies, what cleanup owes
 (:class:`~pdtrio.protocol.request.lifecycle.RequestLifecycle`, the KV-ownership table
 underneath), and how the client's response ends.  The shell and the legs ask it
