@@ -516,7 +516,7 @@ async def test_an_engine_not_up_is_not_routed_to_and_health_says_why() -> None:
                 instances=(
                     InstanceConfig(role="prefill", url=engines["p0"].url, kind="vllm"),
                     InstanceConfig(role="decode", url=engines["d0"].url, kind="vllm"),
-                )
+                ),
             )
             url = await serve_app(RouterApp(config), nursery)
             async with httpx.AsyncClient(base_url=url) as client:
