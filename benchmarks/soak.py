@@ -20,7 +20,9 @@ open ones, or a worker process SIGSTOPped for a while; on a KV transfer port, a
 proxy that adds latency, caps the bandwidth, stalls (sometimes past the KV lease),
 resets each connection after a few bytes or refuses.  A failed pull makes decode
 reject the start (``TRANSFER_FAILED``); the router tries the other decode, and
-when that fails too the client gets a 503 (or, once streaming, an error event):
+when that fails too it goes again from the other prefill (``handoff_attempts``
+rounds); only when those fail too does the client get a 503 (or, once streaming, an
+error event):
 the outcomes count them by error code, as they count a fault's other visible
 effects; one whose code no fault explains is listed as unexplained (a bug to look
 into, not a failed run).  What must hold whatever the faults did is checked once
@@ -197,7 +199,9 @@ def _cause(outcome: str, data: bytes) -> str:
 
 EXPLAINED_CODES = frozenset(
     {
-        "service_unavailable",  # 503: no instance could take it (a KV pull failed on each decode)
+        # 503: no instance could take it (a KV pull failed on each decode, every round; no
+        # prefill came within prefill_wait_s)
+        "service_unavailable",
         "decode_failed",  # 502: decode failed or went silent on its link
         "timeout",  # 504: prefill did not answer in time
         "client_too_slow",  # a slow reader cut off

@@ -379,6 +379,13 @@ class RouterConfig:
     # other decode connected waits this long for one to connect (a link reset, a worker back
     # from a stop or a restart) before it ends as before; 0: it ends at once
     decode_reconnect_wait_s: float = attrs.field(default=5.0, validator=_non_negative)
+    # a handoff that no decode could take (every pull failed, or no room within prefill's
+    # lease) goes again from a new prefill, before decode's first token: at most this many
+    # prefill rounds in all (the first among them); 1: it ends as before
+    handoff_attempts: int = attrs.field(default=3, validator=_positive)
+    # a request that finds no prefill instance up waits this long for one to connect before
+    # its 503; 0: refused at once
+    prefill_wait_s: float = attrs.field(default=5.0, validator=_non_negative)
     # a request whose body has not fully arrived this long after its headers gets a 408
     body_read_timeout_s: float = attrs.field(default=30.0, validator=_positive)
     # worker link liveness: a link that brings no frame for link_timeout_s is dropped (its

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol, final
 import attrs
 import trio
 
-from pdtrio.config import PdtrioConfig
+from pdtrio.config import PdtrioConfig, RouterConfig
 from pdtrio.protocol import request as rm
 from pdtrio.protocol.link.wire import TokenLogprob
 from pdtrio.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -118,7 +118,7 @@ class RunDecode:
     sent_at: float  # (perf_counter) when the start went out: the handoff's time counts from it
 
 
-Wait = rm.SendPrefill | rm.PlaceDecode | rm.WaitForDecode | RunDecode
+Wait = rm.SendPrefill | rm.WaitForPrefill | rm.PlaceDecode | rm.WaitForDecode | RunDecode
 """What the shell waits on: the machine's commands that start a wait, and its own."""
 
 
@@ -164,6 +164,11 @@ class PrefillSide(Protocol):
 
     async def send(self, command: rm.SendPrefill) -> Wait | None: ...
 
+    async def wait_for_instance(self, command: rm.WaitForPrefill) -> Wait | None:
+        """Until a prefill instance not in the command's ``exclude`` could take the request
+        (the machine's PREFILL_WAIT deadline bounds it); reports ``PrefillConnected``."""
+        ...
+
     def release(self) -> None:
         """Free what prefill holds of the request (its KV, or its running call)."""
 
@@ -204,6 +209,13 @@ class DecodeSide(Protocol):
     def abort(self) -> None: ...
 
     def stop_counting(self) -> None: ...
+
+
+def continues(config: RouterConfig) -> bool:
+    """Whether a request whose prefill samples the first token may go on from a new
+    prefill of the tokens delivered (a migration, a failed handoff's new round): it keeps
+    them."""
+    return config.migration_limit > 0 or config.handoff_attempts > 1
 
 
 MakeLegs = Callable[[LegHost], tuple[PrefillSide, DecodeSide, bool]]

@@ -215,6 +215,8 @@ def request_limits(config: RouterConfig) -> rm.Limits:
         migration_limit=config.migration_limit,
         decode_reconnect_wait_s=config.decode_reconnect_wait_s,
         lease_margin_s=LEASE_MARGIN_S,
+        handoff_attempts=config.handoff_attempts,
+        prefill_wait_s=config.prefill_wait_s,
     )
 
 

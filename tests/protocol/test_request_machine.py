@@ -54,6 +54,7 @@ from pdtrio.protocol.request import (
     Migrate,
     Phase,
     PlaceDecode,
+    PrefillConnected,
     Prefilled,
     PrefillFailed,
     PrefillLost,
@@ -68,6 +69,7 @@ from pdtrio.protocol.request import (
     SendPrefill,
     StreamError,
     WaitForDecode,
+    WaitForPrefill,
     WaitUntil,
     WorkerFailure,
 )
@@ -80,6 +82,8 @@ LIMITS = Limits(
     prefill_attempts=3,
     migration_limit=2,
     decode_reconnect_wait_s=2.0,
+    handoff_attempts=3,
+    prefill_wait_s=1.0,
 )
 LEASE_S = 20.0
 
@@ -186,6 +190,7 @@ def _events_for(
             DecodeAccepted(),
             DecodeRejected("no room", retryable=True, exclude=False),
             DecodeRejected("pull failed", retryable=True),
+            DecodeRejected("KV port refused", retryable=True, kv_source_failed=True),
             DecodeFailed("link lost", "link_lost", migratable=True),
         ]
         rare += [DecodeRejected("mismatch", retryable=False, layout_mismatch=True)]
@@ -204,6 +209,8 @@ def _events_for(
             rare += _PREFILL_BESIDE_FAILURES
     elif phase in (Phase.AWAITING_RETRY, Phase.AWAITING_MIGRATION):
         on += [DecodeConnected()]
+    elif phase is Phase.AWAITING_PREFILL:
+        on += [PrefillConnected()]
     return on, rare
 
 
@@ -240,7 +247,11 @@ def _drive(
             break
         on, rare = _events_for(machine, rng, now)
         # (a wait for a decode is where time runs out, or the request is cut: more often)
-        awaiting = machine.phase in (Phase.AWAITING_RETRY, Phase.AWAITING_MIGRATION)
+        awaiting = machine.phase in (
+            Phase.AWAITING_RETRY,
+            Phase.AWAITING_MIGRATION,
+            Phase.AWAITING_PREFILL,
+        )
         odds = 0.3 if awaiting else 0.08
         if probe:
             run.entries |= _probe(machine, [*on, *rare], now)
@@ -332,10 +343,14 @@ def _check_well_formed(run: Run, *, streaming: bool, regenerates: bool = False) 
         assert not [c for c in commands if isinstance(c, EmitFirstToken | Migrate | WaitForDecode)]
     else:
         # prefill's token goes out once a leg: the first one's, and each migration's
-        # (which may end before its own, cut short)
+        # (which may end before its own, cut short; a failed handoff's new leg may come
+        # before its leg's token went out)
         emitted = sum(isinstance(c, EmitFirstToken) for c in commands)
         migrated = sum(isinstance(c, Migrate) for c in commands)
-        assert migrated <= emitted <= migrated + 1, commands
+        handoffs = sum(isinstance(c, Migrate) and c.reason == "handoff_failed" for c in commands)
+        assert migrated - handoffs <= emitted <= migrated + 1, commands
+        # a handoff goes again from a new prefill at most the rounds allowed
+        assert handoffs <= LIMITS.handoff_attempts - 1, commands
     ends = [c for c in commands if isinstance(c, End)]
     assert len(ends) == 1 and commands[-1] is ends[0], commands
     end = ends[0]
@@ -398,6 +413,7 @@ def test_seeded_random_interleavings(streaming: bool, keep_tokens: bool) -> None
     expected_kinds = {
         WaitUntil,
         SendPrefill,
+        WaitForPrefill,
         PlaceDecode,
         WaitForDecode,
         EmitFirstToken,
@@ -420,7 +436,7 @@ def test_the_runs_take_every_entry_of_the_table(first_token: FirstToken) -> None
     meets: no phase or entry is out of the runs' reach."""
     regenerates = first_token is FirstToken.FROM_DECODE
     entries: set[tuple[Phase, EventKey]] = set()
-    for seed in range(25):
+    for seed in range(100):
         for streaming in (True, False):
             for keep_tokens in (True, False):
                 rng = random.Random(seed)
@@ -597,11 +613,48 @@ def test_a_4xx_from_prefill_is_not_retried() -> None:
     assert _ending(out).failure == bad.failure
 
 
+ONE_ROUND = attrs.evolve(LIMITS, handoff_attempts=1, prefill_wait_s=0.0)  # as before either
+
+
 def test_no_prefill_instance_is_explained_by_the_shell() -> None:
-    _, out = _play([Arrived(), PrefillUnavailable()])
+    _, out = _play([Arrived(), PrefillUnavailable()], limits=ONE_ROUND)
     end = _ending(out)
     assert isinstance(end.failure, Failure) and end.failure.explain_no_prefill
     assert end.failure.reason is Reason.SERVICE_UNAVAILABLE
+
+
+def test_a_request_that_finds_no_prefill_waits_for_one() -> None:
+    machine, out = _play([Arrived(), PrefillUnavailable()])
+    assert out[-2:] == [WaitUntil(Deadline.PREFILL_WAIT, 1.0), WaitForPrefill(frozenset())]
+    out = machine.handle(PrefillConnected(), 0.5)
+    assert out == [SendPrefill(frozenset())]
+    assert machine.armed_at(Deadline.PREFILL_WAIT) is None
+    # what is left of the same wait, until a prefill answers
+    out = machine.handle(PrefillUnavailable(), 0.6)
+    assert out[-2:] == [WaitUntil(Deadline.PREFILL_WAIT, 1.0), WaitForPrefill(frozenset())]
+    end = _ending(machine.handle(DeadlinePassed(Deadline.PREFILL_WAIT), 1.0))
+    assert end.ending is Ending.REJECTED
+    assert isinstance(end.failure, Failure) and end.failure.explain_no_prefill
+
+
+def test_the_wait_for_a_prefill_is_bounded_by_the_request_and_cut_like_any() -> None:
+    short = attrs.evolve(LIMITS, request_timeout_s=0.5)
+    machine, out = _play([Arrived(), PrefillUnavailable()], limits=short)
+    assert WaitUntil(Deadline.PREFILL_WAIT, 0.5) in out
+    machine, _ = _play([Arrived(), PrefillUnavailable()])
+    assert machine.handle(ClientGone(), 0.2) == [End(Ending.DISCONNECTED)]  # nothing held
+    machine, _ = _play([Arrived(), PrefillUnavailable()])
+    assert _reason(_ending(machine.handle(DrainCut(), 0.2)).failure) is Reason.SHUTTING_DOWN
+
+
+def test_a_prefill_lost_is_waited_for_but_a_prefills_own_error_is_passed_on_at_once() -> None:
+    # its link went down with the call out: a prefill (it, back, or another) may connect
+    machine, out = _play([Arrived(), PrefillSent("p0"), PrefillLost("gone")])
+    out = machine.handle(PrefillUnavailable(), 0.0)
+    assert out[-1] == WaitForPrefill(frozenset({"p0"}))
+    failed = PrefillFailed(WorkerFailure(500, "server_error", "boom"))
+    machine, out = _play([Arrived(), PrefillSent("p0"), failed, PrefillUnavailable()])
+    assert _ending(out).failure == failed.failure
 
 
 def test_draining_and_a_full_queue_are_refused_at_once() -> None:
@@ -626,8 +679,39 @@ def test_a_decode_failing_before_its_first_token_is_replaced_while_prefill_holds
     assert isinstance(out[-1], PlaceDecode) and dict(out[-1].exclude) == {"d0": 1}
 
 
+def test_kv_no_decode_pulls_in_time_goes_again_from_a_new_prefill() -> None:
+    refused = DecodeRejected("cannot reach KV endpoint", retryable=True, kv_source_failed=True)
+    again = [DecodeStartSent("d1", 2), DecodeStartQueued(), DecodeAccepted()]
+    machine, out = _play([*HAPPY[:5], refused, *again, DecodeFailed("died", "decode_failed")])
+    assert isinstance(out[-1], WaitForDecode) and dict(out[-1].exclude) == {"d0": 1, "d1": 2}
+    out = machine.handle(DeadlinePassed(Deadline.RECONNECT), 2.0)
+    # a new leg of the handoff's: prefill's KV freed, the tokens delivered continued
+    assert out == [
+        ReleasePrefill("p0"),
+        Migrate("handoff_failed", "d1"),
+        SendPrefill(frozenset(), continuation=True, avoid=frozenset({"p0"})),
+    ]
+    out = machine.handle(PrefillSent("p1"), 2.0) + machine.handle(Prefilled(LEASE_S), 2.0)
+    # the decode that failed itself stays excluded; the one prefill's KV failed may take it
+    assert isinstance(out[-1], PlaceDecode) and dict(out[-1].exclude) == {"d1": 2}
+    assert machine.migrations == ["handoff_failed"]
+
+
+def test_decodes_that_failed_themselves_are_not_worth_a_new_prefill() -> None:
+    # (nothing blamed prefill's KV: as before, a migration once a decode comes)
+    machine, _ = _play([*HAPPY[:6], DecodeFailed("worker died", "decode_failed")])
+    out = machine.handle(DeadlinePassed(Deadline.RECONNECT), 2.0)
+    assert not [c for c in out if isinstance(c, SendPrefill)]
+    assert isinstance(out[-1], WaitForDecode)
+    machine, _ = _play([*HAPPY[:5], DecodeRejected("shutting down", retryable=True)])
+    none_left = DecodeUnavailable(Failure(Reason.SERVICE_UNAVAILABLE, "no decode could"))
+    assert _ending(machine.handle(none_left, 1.0)).failure == none_left.failure
+
+
 def test_kv_no_decode_pulls_in_time_is_given_up_and_the_request_migrates() -> None:
-    machine, out = _play([*HAPPY[:6], DecodeFailed("worker died", "decode_failed")])
+    machine, out = _play(
+        [*HAPPY[:6], DecodeFailed("worker died", "decode_failed")], limits=ONE_ROUND
+    )
     out = machine.handle(DeadlinePassed(Deadline.RECONNECT), 2.0)
     assert out[0] == ReleasePrefill("p0")
     # (the wait is spent: a decode connected now still takes it)
@@ -641,7 +725,7 @@ def test_a_decode_lost_before_its_first_token_is_waited_for_once() -> None:
     decode's not) ends with the streams the decode had started: the wait for a decode to
     pull prefill's KV and the migration's after it are one wait, from the loss."""
     early = [*HAPPY[:5], DecodeFailed("sent nothing", "link_timeout")]
-    machine, out = _play(early)
+    machine, out = _play(early, limits=ONE_ROUND)
     assert out[-2] == WaitUntil(Deadline.RECONNECT, 2.0) and isinstance(out[-1], WaitForDecode)
     out = machine.handle(DeadlinePassed(Deadline.RECONNECT), 2.0)
     assert out[0] == ReleasePrefill("p0") and isinstance(out[-1], WaitForDecode)
@@ -654,7 +738,9 @@ def test_a_decode_lost_before_its_first_token_is_waited_for_once() -> None:
     )
 
     # a wait the KV lease cut short goes on for the rest of it, as a migration
-    machine, out = _play([Arrived(), PrefillSent("p0"), Prefilled(1.5), *early[3:]])
+    machine, out = _play(
+        [Arrived(), PrefillSent("p0"), Prefilled(1.5), *early[3:]], limits=ONE_ROUND
+    )
     assert WaitUntil(Deadline.RECONNECT, 0.5) in out
     out = machine.handle(DeadlinePassed(Deadline.RECONNECT), 0.5)
     assert out[0] == ReleasePrefill("p0")
@@ -726,8 +812,72 @@ def test_a_stalled_client_is_hung_up_on() -> None:
     assert _reason(_ending(out).failure) is Reason.CLIENT_TOO_SLOW
 
 
-def test_the_lease_bounds_the_wait_for_decode_room() -> None:
+def test_a_lease_ending_with_no_decode_room_goes_again_from_a_new_prefill() -> None:
     machine, out = _play([Arrived(), PrefillSent("p0"), Prefilled(LEASE_S)])
+    out = machine.handle(DeadlinePassed(Deadline.KV_LEASE), LEASE_S - 1.0)
+    # no token went out yet: the new leg's prefill samples the first one
+    assert out == [
+        ReleasePrefill("p0"),
+        Migrate("handoff_failed", "-"),
+        SendPrefill(frozenset(), continuation=True),
+    ]
+    out = machine.handle(PrefillSent("p1"), 20) + machine.handle(Prefilled(40.0), 20)
+    out += machine.handle(DecodeStartSent("d0", 1), 21) + machine.handle(DecodeStartQueued(), 21)
+    assert EmitFirstToken(final=False) in out
+
+
+def test_the_handoffs_rounds_are_bounded() -> None:
+    refused = DecodeRejected("cannot reach KV endpoint", retryable=True, kv_source_failed=True)
+    none_left = DecodeUnavailable(Failure(Reason.SERVICE_UNAVAILABLE, "no decode could"))
+    machine, out = _play([*HAPPY[:5], refused])
+    # prefill's KV is to blame: no wait for a decode to connect, a new round is the hope
+    assert isinstance(out[-1], PlaceDecode) and not out[-1].await_link
+    out = machine.handle(none_left, 1.0)
+    assert out[:2] == [ReleasePrefill("p0"), Migrate("handoff_failed", "d0")]
+    # the prefill blamed is avoided; the decodes it failed on may take the new round
+    assert out[-1] == SendPrefill(frozenset(), continuation=True, avoid=frozenset({"p0"}))
+    rounds = 2  # (the round under way)
+    while True:
+        out = machine.handle(PrefillSent(f"p{rounds}"), 1.0)
+        out += machine.handle(Prefilled(LEASE_S), 1.0)
+        assert isinstance(out[-1], PlaceDecode) and dict(out[-1].exclude) == {}
+        out = machine.handle(DecodeStartSent("d0", 1), 1.0)
+        out += machine.handle(DecodeStartQueued(), 1.0) + machine.handle(refused, 1.0)
+        out += machine.handle(none_left, 1.0)
+        if machine.done:
+            break
+        rounds += 1
+    assert rounds == LIMITS.handoff_attempts
+    end = _ending(out)
+    assert end.failure == none_left.failure and end.ending is Ending.FAILED
+    assert machine.migrations == ["handoff_failed"] * (LIMITS.handoff_attempts - 1)
+
+
+def test_a_handoff_round_is_not_a_migration_of_a_lost_decode() -> None:
+    # the handoff's rounds have their bound; the migrations after a loss theirs
+    refused = DecodeRejected("refused", retryable=True, kv_source_failed=True)
+    none_left = DecodeUnavailable(Failure(Reason.SERVICE_UNAVAILABLE, "no decode could"))
+    machine, _ = _play([*HAPPY[:5], refused, none_left])
+    lost = DecodeFailed("link lost", "link_lost", migratable=True)
+    leg = [PrefillSent("p1"), Prefilled(LEASE_S), DecodeStartSent("d1", 1), DecodeStartQueued()]
+    leg += [DecodeAccepted(), DecodeTokens(), lost, DecodeConnected()]
+    out: list[Command] = []
+    for event in leg + leg:
+        out += machine.handle(event, 3.0)
+    assert machine.migrations == ["handoff_failed", "link_lost", "link_lost"]
+    assert not machine.done
+
+
+def test_without_kept_tokens_a_handoff_fails_as_before() -> None:
+    # an n > 1 request: a new leg could not continue every choice
+    none_left = DecodeUnavailable(Failure(Reason.SERVICE_UNAVAILABLE, "no decode could"))
+    refused = DecodeRejected("refused", retryable=True, kv_source_failed=True)
+    _, out = _play([*HAPPY[:5], refused, none_left], keep_tokens=False)
+    assert _ending(out).failure == none_left.failure
+
+
+def test_the_lease_bounds_the_wait_for_decode_room() -> None:
+    machine, out = _play([Arrived(), PrefillSent("p0"), Prefilled(LEASE_S)], limits=ONE_ROUND)
     assert WaitUntil(Deadline.KV_LEASE, LEASE_S - 1.0) in out
     out = machine.handle(DeadlinePassed(Deadline.KV_LEASE), LEASE_S - 1.0)
     assert _ending(out).failure == Failure(
@@ -806,6 +956,21 @@ def test_an_engines_decode_failing_before_its_first_token_goes_again_from_a_new_
     assert isinstance(out[-1], PlaceDecode) and dict(out[-1].exclude) == {"d0": "d0"}
     out = machine.handle(DecodeUnavailable(Failure(Reason.SERVICE_UNAVAILABLE, "none")), 1.0)
     assert _ending(out).ending is Ending.REJECTED
+
+
+def test_an_engines_new_prefills_are_bounded_by_the_handoffs_rounds() -> None:
+    failed = DecodeFailed("decode answered 500")
+    machine, out = _play([*ENGINE_HAPPY[:6], failed], regenerates=True)
+    for n in range(1, LIMITS.handoff_attempts):
+        out = machine.handle(PrefillSent("p0"), 1.0) + machine.handle(Prefilled(None), 1.0)
+        out += machine.handle(DecodeStartSent(f"d{n}", f"d{n}"), 1.0)
+        out += machine.handle(DecodeStartQueued(), 1.0) + machine.handle(failed, 1.0)
+    assert not [c for c in out if isinstance(c, Migrate)]  # the request is sent again
+    end = _ending(out)
+    assert end.failure == Failure(
+        Reason.SERVICE_UNAVAILABLE,
+        "no decode instance could take the request: decode failed to start: decode answered 500",
+    )
 
 
 def test_an_engines_4xx_from_decode_is_passed_on() -> None:

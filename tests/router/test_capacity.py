@@ -254,7 +254,9 @@ async def test_a_wait_for_decode_room_lasts_what_is_left_of_prefills_lease() -> 
             decode_step_s=0.05,  # for ~12 s
         )
 
-    async with running_cluster(make_worker=make) as cluster:
+    # (one round: a new prefill's lease would be another wait)
+    router = RouterConfig(handoff_attempts=1)
+    async with running_cluster(make_worker=make, router=router) as cluster:
         async with client(cluster, timeout=60) as http, trio.open_nursery() as nursery:
             decoding = trio.Event()
 

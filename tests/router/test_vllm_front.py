@@ -512,10 +512,11 @@ async def test_an_engine_not_up_is_not_routed_to_and_health_says_why() -> None:
         async with fake_engines(nursery, "p0", "d0") as engines:
             engines["p0"].health_status = 503
             config = PdtrioConfig(
+                router=RouterConfig(prefill_wait_s=0.0),  # (refused at once: no wait for it)
                 instances=(
                     InstanceConfig(role="prefill", url=engines["p0"].url, kind="vllm"),
                     InstanceConfig(role="decode", url=engines["d0"].url, kind="vllm"),
-                )
+                ),
             )
             url = await serve_app(RouterApp(config), nursery)
             async with httpx.AsyncClient(base_url=url) as client:
@@ -534,7 +535,9 @@ async def test_an_engine_not_up_is_not_routed_to_and_health_says_why() -> None:
 
 async def test_an_engine_slow_to_answer_its_health_read_stays_until_it_misses_three() -> None:
     # busy is not down: vLLM's API server, starved of CPU by its own engine, answers late
-    router = RouterConfig(instance_backoff_s=60.0, egress_max_delay_s=0.0, connect_timeout_s=0.5)
+    router = RouterConfig(
+        instance_backoff_s=60.0, egress_max_delay_s=0.0, connect_timeout_s=0.5, prefill_wait_s=0.0
+    )
     async with fronted(router=router) as (url, [prefill], _, app):
         pool = app.router.backend.pool  # type: ignore[union-attr]
         [engine] = [e for e in pool.instances.values() if e.url == prefill.url]

@@ -46,6 +46,7 @@ from pdtrio.protocol.request.events import (
     MigrationReason,
     Phase,
     PlaceDecode,
+    PrefillConnected,
     Prefilled,
     PrefillFailed,
     PrefillLost,
@@ -57,6 +58,7 @@ from pdtrio.protocol.request.events import (
     SendPrefill,
     StreamError,
     WaitForDecode,
+    WaitForPrefill,
     WaitUntil,
     WorkerFailure,
 )
@@ -104,6 +106,7 @@ __all__ = [
     "PrefillFailed",
     "PrefillLost",
     "PrefillNotSent",
+    "PrefillConnected",
     "PrefillSent",
     "PrefillUnavailable",
     "Prefilled",
@@ -117,6 +120,7 @@ __all__ = [
     "StreamError",
     "TIMEOUT_MESSAGE",
     "WaitForDecode",
+    "WaitForPrefill",
     "WaitUntil",
     "WorkerFailure",
 ]

@@ -22,6 +22,8 @@ class Phase(enum.Enum):
 
     NEW = "new"
     PLACING_PREFILL = "placing_prefill"  # SendPrefill is out: an instance is being picked
+    # none could be picked: WaitForPrefill is out, for a prefill to connect (bounded)
+    AWAITING_PREFILL = "awaiting_prefill"
     PREFILLING = "prefilling"  # the call is out to it (PrefillSent)
     PLACING_DECODE = "placing_decode"  # PlaceDecode is out: waiting for room, or a pick
     DECODE_SENDING = "decode_sending"  # the start is being queued on the link
@@ -72,6 +74,11 @@ class Limits:
     migration_limit: int = 0
     decode_reconnect_wait_s: float = 0.0
     lease_margin_s: float = 1.0  # decode must pull the KV this long before the lease ends
+    # the prefill rounds a handoff may take: one whose KV no decode could take goes again
+    # from a new prefill until this many rounds in all (1: it fails as the round ends)
+    handoff_attempts: int = 1
+    # a request that finds no prefill instance waits this long for one (0: refused at once)
+    prefill_wait_s: float = 0.0
 
 
 class Deadline(enum.Enum):
@@ -83,6 +90,7 @@ class Deadline(enum.Enum):
     PREFILL = "prefill"  # one prefill call's
     KV_LEASE = "kv_lease"  # prefill frees the KV (less the margin): decode must be placed by it
     RECONNECT = "reconnect"  # a bounded wait for a decode not tried to (re)connect
+    PREFILL_WAIT = "prefill_wait"  # a bounded wait for a prefill instance to connect
 
 
 class MigrationReason(enum.StrEnum):
@@ -93,6 +101,9 @@ class MigrationReason(enum.StrEnum):
     LINK_TIMEOUT = "link_timeout"  # its link went silent
     DECODE_FAILED = "decode_failed"  # decode failed the request (or nothing above says why)
     STALLED = "stalled"  # decode sent nothing for the request for the stream idle timeout
+    # no decode could take prefill's KV (every pull failed, or none had room within its
+    # lease): a new prefill, before decode's first token
+    HANDOFF_FAILED = "handoff_failed"
 
 
 class Ending(enum.Enum):
@@ -166,6 +177,12 @@ class PrefillUnavailable:
 
 @final
 @attrs.frozen
+class PrefillConnected:
+    """A prefill instance the request may go to is connected (after :class:`WaitForPrefill`)."""
+
+
+@final
+@attrs.frozen
 class PrefillNotSent:
     """The instance's link was closed: it never saw the request."""
 
@@ -234,12 +251,16 @@ class DecodeAccepted:
 @attrs.frozen
 class DecodeRejected:
     """``failure``: the instance refused the request as the client's own (a 4xx):
-    the answer passed on, nothing retried."""
+    the answer passed on, nothing retried.  ``kv_source_failed``: decode could not pull
+    prefill's KV as prefill wrote it (its KV port unreachable, stalled or refusing, a
+    digest mismatch, the lease over): prefill's side is to blame, not this decode's, so
+    a new prefill round avoids that prefill and may come back to this decode."""
 
     message: str
     retryable: bool
     exclude: bool = True  # retried elsewhere (False: NO_ROOM, a stale report: any may)
     layout_mismatch: bool = False
+    kv_source_failed: bool = False
     failure: WorkerFailure | None = None
 
 
@@ -308,6 +329,7 @@ Event: TypeAlias = (
     Arrived
     | PrefillSent
     | PrefillUnavailable
+    | PrefillConnected
     | PrefillNotSent
     | PrefillLost
     | PrefillFailed
@@ -342,11 +364,22 @@ class WaitUntil:
 @attrs.frozen
 class SendPrefill:
     """Pick a prefill instance not in ``exclude`` and send it the call (``continuation``:
-    of the prompt and the tokens delivered, after a migration); ``retry``: not the first."""
+    of the prompt and the tokens delivered, after a migration); ``retry``: not the first;
+    ``avoid``: taken only when no other is left (the prefill a failed handoff blamed)."""
 
     exclude: frozenset[str]
     continuation: bool = False
     retry: bool = False
+    avoid: frozenset[str] = frozenset()
+
+
+@final
+@attrs.frozen
+class WaitForPrefill:
+    """Report :class:`PrefillConnected` once a prefill instance not in ``exclude`` could
+    take the request (now, or before the PREFILL_WAIT deadline armed with it)."""
+
+    exclude: frozenset[str]
 
 
 @final
@@ -354,11 +387,14 @@ class SendPrefill:
 class PlaceDecode:
     """Place the request on a decode instance with room, not on a connection in
     ``exclude`` (name -> connection), and start it there; ``last_reason``: why the
-    last one could not, for the failure if none can."""
+    last one could not, for the failure if none can.  ``await_link``: with no decode
+    left, wait (as a lost one does) for one to connect before :class:`DecodeUnavailable`;
+    not when a new prefill round is the better hope (prefill's KV was to blame)."""
 
     exclude: Mapping[str, Hashable]
     last_reason: str
     retry: bool = False
+    await_link: bool = True
 
 
 @final
@@ -437,6 +473,7 @@ class End:
 Command: TypeAlias = (
     WaitUntil
     | SendPrefill
+    | WaitForPrefill
     | PlaceDecode
     | WaitForDecode
     | EmitFirstToken
@@ -454,6 +491,13 @@ QUEUE_FULL_MESSAGE: Final = "the server is at capacity and its queue is full; re
 
 def no_prefill() -> Failure:
     return Failure(Reason.SERVICE_UNAVAILABLE, "", explain_no_prefill=True)
+
+
+def no_decode_took_it(last_reason: str) -> Failure:
+    """No decode could take the request (each one tried failed, or none is left)."""
+    return Failure(
+        Reason.SERVICE_UNAVAILABLE, f"no decode instance could take the request: {last_reason}"
+    )
 
 
 def decode_failed(message: str) -> Failure:

@@ -4,7 +4,8 @@ In the spirit of h11's ``_state.py``: the router's shell does the I/O (prefill c
 decode starts, writes to the client, timers) and reports what happened as an event;
 the machine answers with what to do next as commands.  The machine holds every
 decision of the request path: admission, prefill attempts and retries, decode
-placement and its retries before the first token, the migration of a request whose
+placement and its retries before the first token, a failed handoff's new prefill
+rounds, the bounded wait for a prefill when none is up, the migration of a request whose
 decode was lost, which deadline applies, what cleanup owes
 (:class:`~pdtrio.protocol.request.lifecycle.RequestLifecycle`, the KV-ownership table
 underneath), and how the client's response ends.  The shell and the legs ask it
@@ -77,6 +78,11 @@ class RequestMachine(MachineState):
             ev.FirstToken.FROM_PREFILL if first_token_from_prefill else ev.FirstToken.FROM_DECODE
         )
         self._table = _ENTRIES[self.first_token]  # the backend's rules (TABLES' dict)
+        # a failed handoff goes again from a new prefill: where prefill samples the first
+        # token, as a continuation of the tokens delivered (which must be kept for it)
+        if keep_tokens or not first_token_from_prefill:
+            self._handoff_limit = limits.handoff_attempts
+        self._new_round_continues = first_token_from_prefill
 
     # --- the entry --------------------------------------------------------------
 
@@ -152,7 +158,27 @@ class RequestMachine(MachineState):
         return out
 
     def _on_prefill_unavailable(self, event: ev.PrefillUnavailable, now: float) -> list[ev.Command]:
-        return self._fail(self._prefill_failure or ev.no_prefill())
+        """No prefill instance takes it: wait (what is left of one wait) for one to connect,
+        unless the last one answered with an error of its own (that answer is passed on)."""
+        failure = self._prefill_failure
+        until = self._prefill_wait_until
+        if until is None:
+            until = self._prefill_wait_until = now + self.limits.prefill_wait_s
+        until = min(until, self._armed[ev.Deadline.REQUEST])
+        if until <= now or isinstance(failure, ev.WorkerFailure):
+            return self._fail(failure or ev.no_prefill())
+        self.phase = P.AWAITING_PREFILL
+        out: list[ev.Command] = []
+        self._arm(ev.Deadline.PREFILL_WAIT, until, out)
+        out.append(ev.WaitForPrefill(frozenset(self._prefill_tried)))
+        return out
+
+    def _on_prefill_connected(self, event: ev.PrefillConnected, now: float) -> list[ev.Command]:
+        self._disarm(ev.Deadline.PREFILL_WAIT)
+        return self._send_prefill([])
+
+    def _on_prefill_wait_passed(self, event: ev.DeadlinePassed, now: float) -> list[ev.Command]:
+        return self._fail(self._prefill_failure or ev.no_prefill(), torn=event.torn)
 
     def _on_prefill_not_sent(self, event: ev.PrefillNotSent, now: float) -> list[ev.Command]:
         self._disarm(ev.Deadline.PREFILL)
@@ -186,6 +212,7 @@ class RequestMachine(MachineState):
             self._end(out, ev.Ending.OK)
             return out
         self.lifecycle.handle(Kv.PREFILLED)
+        self._prefilled()
         self._lease_ends_at = event.lease_ends_at
         self._tried = dict(self._lost_on)
         self._last_reason = "no decode instance is connected"
@@ -197,8 +224,16 @@ class RequestMachine(MachineState):
         no lease known, or none kept: decode gets the plain request)."""
         self._disarm(ev.Deadline.PREFILL)
         self.lifecycle.handle(Kv.PREFILLED)
+        self._prefilled()
         self._lease_ends_at = event.lease_ends_at
         return self._place_decode(P.PLACING_DECODE, [])
+
+    def _prefilled(self) -> None:
+        """A prefill answered: a later outage waits afresh; a new round's avoidance and
+        blame were this one's."""
+        self._prefill_wait_until = None
+        self._prefill_avoid = frozenset()
+        self._kv_blamed = False
 
     # --- handlers: decode's placement and start -----------------------------------------
 
@@ -243,6 +278,14 @@ class RequestMachine(MachineState):
     def _on_decode_unavailable(self, event: ev.DecodeUnavailable, now: float) -> list[ev.Command]:
         return self._fail(event.failure)
 
+    def _on_no_decode_left(self, event: ev.DecodeUnavailable, now: float) -> list[ev.Command]:
+        """Every decode that could take prefill's KV failed it: a new prefill, if one of
+        them blamed prefill's KV (it may take a new prefill's) and the handoff has rounds
+        left; decodes that failed themselves would not take a new one either."""
+        if event.failure.reason is not Reason.SERVICE_UNAVAILABLE or not self._kv_blamed:
+            return self._fail(event.failure)
+        return self._handoff_again(event.failure)
+
     def _on_decode_accepted(self, event: ev.DecodeAccepted, now: float) -> list[ev.Command]:
         self.lifecycle.handle(Kv.DECODE_ACCEPTED)
         self.phase = P.CONFIRMING_DECODE
@@ -255,6 +298,7 @@ class RequestMachine(MachineState):
         if event.failure is not None:
             return self._fail(event.failure)  # the client's own error: passed on
         if event.retryable:
+            self._kv_blamed = self._kv_blamed or event.kv_source_failed
             if event.exclude:
                 assert self.decode_instance is not None
                 self._tried[self.decode_instance] = self._decode_connection
@@ -360,6 +404,7 @@ class RequestMachine(MachineState):
         out: list[ev.Command] = [ev.Migrate(early.reason, self.decode_instance)]
         self._prefill_tried = set()
         self._prefill_failure = None
+        self._prefill_avoid = frozenset()
         return self._send_prefill(out)
 
     # --- handlers: deadlines (each one's, in the phases it may be armed in) ----------------
@@ -372,15 +417,19 @@ class RequestMachine(MachineState):
         return self._fail(ev.Failure(Reason.TIMEOUT, ev.PREFILL_TIMEOUT_MESSAGE), torn=event.torn)
 
     def _on_lease_deadline(self, event: ev.DeadlinePassed, now: float) -> list[ev.Command]:
+        """No decode took prefill's KV within its lease: a new prefill, within the rounds."""
         failure = ev.Failure(Reason.SERVICE_UNAVAILABLE, ev.NO_LEASE_ROOM)
-        return self._fail(failure, torn=event.torn)
+        return self._handoff_again(failure, torn=event.torn)
 
     def _on_retry_wait_passed(self, event: ev.DeadlinePassed, now: float) -> list[ev.Command]:
         """No decode can pull prefill's KV before its lease ends: it is freed, and the
-        request goes on from a new prefill, as one lost mid-stream does (or fails, as one
-        that may not migrate)."""
+        request goes on from a new prefill: a new round of its handoff where a decode
+        blamed prefill's KV (it may take a new prefill's), as one lost mid-stream does
+        otherwise (or fails, as one that may not migrate)."""
         early = self._early
         assert early is not None and self.prefill_instance is not None
+        if self._kv_blamed and self._handoff_rounds_left and not event.torn:
+            return self._handoff_again(ev.decode_failed(early.message))
         out: list[ev.Command] = [ev.ReleasePrefill(self.prefill_instance)]
         self.lifecycle.handle(Kv.KV_GIVEN_UP)
         # what is left of the same wait: a decode lost with requests placed just before
@@ -438,6 +487,8 @@ _SHARED: dict[tuple[ev.Phase, EventKey], Handler] = {
     (P.NEW, ev.Arrived): _M._on_arrived,
     (P.PLACING_PREFILL, ev.PrefillSent): _M._on_prefill_sent,
     (P.PLACING_PREFILL, ev.PrefillUnavailable): _M._on_prefill_unavailable,
+    (P.AWAITING_PREFILL, ev.PrefillConnected): _M._on_prefill_connected,
+    (P.AWAITING_PREFILL, _D.PREFILL_WAIT): _M._on_prefill_wait_passed,
     (P.PREFILLING, ev.PrefillNotSent): _M._on_prefill_not_sent,
     (P.PREFILLING, ev.PrefillLost): _M._on_prefill_lost,
     (P.PREFILLING, ev.PrefillFailed): _M._on_prefill_failed,
@@ -447,7 +498,7 @@ _SHARED: dict[tuple[ev.Phase, EventKey], Handler] = {
     (P.PLACING_DECODE, _D.KV_LEASE): _M._on_lease_deadline,
     (P.DECODE_SENDING, ev.DecodeNotSent): _M._on_decode_not_sent,
     (P.REPLACING_DECODE, ev.DecodeStartSent): _M._on_decode_start_resent,
-    (P.REPLACING_DECODE, ev.DecodeUnavailable): _M._on_decode_unavailable,
+    (P.REPLACING_DECODE, ev.DecodeUnavailable): _M._on_no_decode_left,
     (P.REPLACING_DECODE, _D.KV_LEASE): _M._on_lease_deadline,
     (P.DECODE_RESENDING, ev.DecodeStartQueued): _M._on_decode_start_queued,
     (P.DECODE_RESENDING, ev.DecodeNotSent): _M._on_decode_not_resent,

@@ -47,9 +47,24 @@ class MachineState:
         self._decode_connection: Hashable = None
         self._prefill_tried: set[str] = set()
         self._prefill_failure: ev.AnyFailure | None = None
+        # taken only when no other prefill is left: the one a failed handoff blamed
+        self._prefill_avoid: frozenset[str] = frozenset()
+        # when the wait for a prefill to connect ends: one wait until a prefill answers
+        self._prefill_wait_until: float | None = None
+        # the prefill rounds this request's handoffs took beyond the first, and how many
+        # it may take in all (set by the machine: 1 where it cannot go again)
+        self._handoff_rounds = 0
+        self._handoff_limit = 1
+        # whether a new round is a continuation (a new leg: prefill samples the first token,
+        # which may have gone out) or the request sent again (decode regenerates every token)
+        self._new_round_continues = False
+        # a decode of this round could not pull prefill's KV: that prefill is to blame
+        self._kv_blamed = False
         self._lease_ends_at: float | None = None
         self._tried: dict[str, Hashable] = {}  # this leg's decode failures, by connection
-        self._lost_on: dict[str, Hashable] = {}  # decodes lost mid-stream, every leg
+        # decodes that failed the request themselves (lost mid-stream, or failed a start),
+        # every leg: a new leg does not go to them (a reconnected one may take it again)
+        self._lost_on: dict[str, Hashable] = {}
         self._last_reason = "no decode instance is connected"
         self._decode_attempts = 0
         self._early: ev.DecodeFailed | None = None  # the failure an AWAITING_* phase retries
@@ -148,6 +163,7 @@ class MachineState:
                 frozenset(self._prefill_tried),
                 continuation=bool(self.migrations),
                 retry=bool(self._prefill_tried),
+                avoid=self._prefill_avoid,
             )
         )
         return out
@@ -161,6 +177,7 @@ class MachineState:
                 MappingProxyType(dict(self._tried)),
                 self._last_reason,
                 retry=self._decode_attempts > 0,
+                await_link=not (self._kv_blamed and self._handoff_rounds_left),
             )
         )
         self._decode_attempts += 1
@@ -185,7 +202,7 @@ class MachineState:
         """
         assert self.decode_instance is not None
         self._lost_on[self.decode_instance] = self._decode_connection
-        if len(self.migrations) >= self._migration_limit:
+        if self._migrations_after_loss >= self._migration_limit:
             return self._fail(ev.decode_failed(failure.message), torn=torn)
         self._early = failure
         if not waited:
@@ -206,6 +223,7 @@ class MachineState:
         self.lifecycle.handle(Kv.DECODE_ENDED)
         assert self.decode_instance is not None
         self._tried[self.decode_instance] = self._decode_connection
+        self._lost_on[self.decode_instance] = self._decode_connection  # its own failure
         self._last_reason = event.message
 
     def _await_retry(self, event: ev.DecodeFailed, now: float) -> list[ev.Command]:
@@ -220,14 +238,42 @@ class MachineState:
         return self._await_decode(P.AWAITING_RETRY, until, self._tried, any_layout=False)
 
     def _again_from_prefill(self, event: ev.DecodeFailed) -> list[ev.Command]:
-        """Decode failed before its first token, and it regenerates every token: prefill's
-        KV is freed and the request sent again from a new prefill (to another decode: the
-        ones it failed on stay excluded)."""
+        """Decode failed before its first token, and it regenerates every token: the request
+        goes again from a new prefill (to another decode: the ones it failed on stay
+        excluded), within the handoff's rounds."""
         self._decode_failed_early(event)
+        return self._handoff_again(ev.no_decode_took_it(event.message))
+
+    @property
+    def _handoff_rounds_left(self) -> bool:
+        return self._handoff_rounds + 1 < self._handoff_limit
+
+    @property
+    def _migrations_after_loss(self) -> int:
+        """The migrations of decodes lost mid-stream (a handoff's new rounds not counted:
+        they have a bound of their own)."""
+        handoff = ev.MigrationReason.HANDOFF_FAILED
+        return sum(1 for reason in self.migrations if reason != handoff)
+
+    def _handoff_again(self, failure: ev.AnyFailure, *, torn: bool = False) -> list[ev.Command]:
+        """No decode could take prefill's KV: it is freed and the request goes again from a
+        new prefill (the one its pull blamed avoided), a new leg where prefill samples the
+        first token; past the handoff's rounds (or a client no byte may reach) it fails
+        with ``failure``."""
+        if torn or not self._handoff_rounds_left:
+            return self._fail(failure, torn=torn)
+        self._disarm(ev.Deadline.KV_LEASE)
         out: list[ev.Command] = []
         assert self.prefill_instance is not None
         out.append(ev.ReleasePrefill(self.prefill_instance))
         self.lifecycle.handle(Kv.KV_GIVEN_UP)
+        self._handoff_rounds += 1
+        blamed = self._kv_blamed
+        self._prefill_avoid = frozenset({self.prefill_instance}) if blamed else frozenset()
         self._prefill_tried = set()
         self._prefill_failure = None
+        if self._new_round_continues:
+            reason = ev.MigrationReason.HANDOFF_FAILED
+            self.migrations.append(reason)
+            out.append(ev.Migrate(reason, self.decode_instance or "-"))
         return self._send_prefill(out)

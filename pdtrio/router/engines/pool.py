@@ -151,6 +151,8 @@ class EnginePool:
         self._last_pick = -math.inf
         # set by the first pick after a quiet spell: the loads are read at once
         self._loads_wanted = trio.Event()
+        # whoever waits for an engine to come up (a request that found none)
+        self._came_up = trio.lowlevel.ParkingLot()
 
     # --- what the app asks ---------------------------------------------------------
 
@@ -261,6 +263,13 @@ class EnginePool:
             if chosen is not None:
                 return self.instances[chosen]
         return None
+
+    async def wait_for_instance(self, role: str, model: str, exclude: frozenset[str]) -> None:
+        """Until a usable engine for ``role`` serving ``model``, not in ``exclude``, is up
+        (its health read found it so).  The caller bounds the wait."""
+        while not any(i.usable and i.instance_id not in exclude for i in self.all_of(role, model)):
+            self._loads_wanted.set()  # (read the engines now, not at the next interval)
+            await self._came_up.park()
 
     def served_prefix(self, instance: EngineInstance, prefix_keys: Sequence[bytes]) -> None:
         """``instance`` served a leg of a prompt of ``prefix_keys`` (prefill answered, decode
@@ -397,6 +406,7 @@ class EnginePool:
         instance.slow_probes_in_a_row = 0
         instance.healthy = True
         if not was_healthy:
+            self._came_up.unpark_all()
             log.info(
                 "engine %s is up: %s %s, model %s (context %d)",
                 instance.instance_id,

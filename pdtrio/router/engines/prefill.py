@@ -145,14 +145,27 @@ class EnginePrefillLeg:
     async def send(self, command: rm.SendPrefill) -> Wait | None:
         host = self._host
         pool = self._pool
-        instance = pool.pick("prefill", host.request.model, command.exclude, self.prefix_keys)
+        instance = None
+        if command.avoid:  # (the one a failed handoff blamed: last)
+            avoid = command.exclude | command.avoid
+            instance = pool.pick("prefill", host.request.model, avoid, self.prefix_keys)
         if instance is None:
+            instance = pool.pick("prefill", host.request.model, command.exclude, self.prefix_keys)
+        if instance is None and not command.exclude:
+            return await host.report(rm.PrefillUnavailable())  # none is up: it may wait
+        if instance is None:  # every one tried: the last failure says why
             raise ShellFailure(rm.Failure(Reason.SERVICE_UNAVAILABLE, self.no_instance_reason()))
         if command.retry:
             host.router.metrics.retries.labels("prefill").inc()
         self.instance = instance
         await host.report(rm.PrefillSent(instance.instance_id))
         return await self._prefill(instance)
+
+    async def wait_for_instance(self, command: rm.WaitForPrefill) -> Wait | None:
+        """Until a prefill engine not in the command's ``exclude`` is up (the machine's
+        PREFILL_WAIT deadline bounds it)."""
+        await self._pool.wait_for_instance("prefill", self._host.request.model, command.exclude)
+        return await self._host.report(rm.PrefillConnected())
 
     def choice_request_id(self, choice: int) -> str:
         """What the engines know choice ``choice``'s legs by (choice 0: the request's own

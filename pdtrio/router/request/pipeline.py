@@ -60,6 +60,7 @@ from pdtrio.router.backend import (
     RunDecode,
     ShellFailure,
     Wait,
+    continues,
 )
 from pdtrio.router.core import Router
 from pdtrio.router.metrics import Outcome
@@ -109,9 +110,10 @@ class RequestPipeline:
         # the request on the instances: its prefill calls and its decode run
         self.prefill: PrefillSide
         self.decode: DecodeSide
-        # a stream that may migrate keeps its tokens (n > 1 does not migrate: a continuation
-        # would have to replay every choice's history)
-        migrates = config.migration_limit > 0 and request.sampling.n == 1
+        # a stream that may migrate, or whose failed handoff may go on from a new prefill,
+        # keeps its tokens (n > 1 does neither: a continuation would have to replay every
+        # choice's history)
+        migrates = continues(config) and request.sampling.n == 1
         self.prefill, self.decode, first_token_from_prefill = make_legs(self)
         self.machine = rm.RequestMachine(
             router.request_limits,
@@ -308,6 +310,8 @@ class RequestPipeline:
                         after = await self.decode.place(wait)
                     elif type(wait) is RunDecode:
                         after = await self.decode.run(wait)
+                    elif type(wait) is rm.WaitForPrefill:
+                        after = await self.prefill.wait_for_instance(wait)
                     else:
                         assert isinstance(wait, rm.WaitForDecode)
                         after = await self.decode.wait_for_link(wait)

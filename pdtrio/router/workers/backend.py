@@ -20,7 +20,7 @@ import trio
 from pdtrio.config import PdtrioConfig, TracingConfig, WorkerConfig
 from pdtrio.discovery.registry import DiscoveryState, EngineListener, Registry, StaticRegistry
 from pdtrio.protocol.openai.answers import AnswerKind, AnyRequest
-from pdtrio.router.backend import DecodeSide, LegHost, MakeLegs, PrefillSide
+from pdtrio.router.backend import DecodeSide, LegHost, MakeLegs, PrefillSide, continues
 from pdtrio.router.request.capacity import CapacityQueue
 from pdtrio.router.workers.cluster import WorkerProcess, embedded_workers
 from pdtrio.router.workers.decode import DecodeLeg
@@ -116,7 +116,7 @@ class WorkerBackend:
     def _legs(self, host: LegHost) -> tuple[PrefillSide, DecodeSide, bool]:
         # a stream that may migrate keeps its tokens (n > 1 does not migrate: a
         # continuation would have to replay every choice's history)
-        keep_tokens = self._config.router.migration_limit > 0 and host.request.sampling.n == 1
+        keep_tokens = continues(self._config.router) and host.request.sampling.n == 1
         prefill = PrefillLeg(host, self, keep_tokens=keep_tokens)
         decode = DecodeLeg(host, self, prefill, lease_margin_s=self._lease_margin_s)
         return prefill, decode, True

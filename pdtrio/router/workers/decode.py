@@ -54,6 +54,15 @@ class _NoDecodeLeft(Exception):
     for room (the next in the queue then looks)."""
 
 
+class _NoDecodeTakesIt(Exception):
+    """No decode could take the request (each tried failed, or none is up): the machine
+    hears it as ``DecodeUnavailable`` (a failed handoff may go on from a new prefill)."""
+
+    def __init__(self, failure: rm.Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
 @final
 class DecodeLeg:
     """The request on a decode instance: its placement, its start, and its stream.
@@ -142,9 +151,10 @@ class DecodeLeg:
             host.router.metrics.retries.labels("decode").inc()
         figures = host.figures
         waited_from = time.perf_counter()
-        instance = await self._with_room(
-            reply, reply.kv_handle, command.exclude, command.last_reason
-        )
+        try:
+            instance = await self._with_room(reply, reply.kv_handle, command)
+        except _NoDecodeTakesIt as exc:
+            return await host.report(rm.DecodeUnavailable(exc.failure))
         sent_at = time.perf_counter()
         figures.queued_s = (figures.queued_s or 0.0) + (sent_at - waited_from)
         link = instance.link
@@ -158,15 +168,16 @@ class DecodeLeg:
         self,
         reply: PrefillReply,
         handle: KvHandle,
-        tried: Mapping[str, Hashable],
-        last_reason: str,
+        command: rm.PlaceDecode,
     ) -> Instance:
-        """A decode instance with room for the request (not one of ``tried``, unless it has
-        reconnected since), waiting in FIFO order for one.
+        """A decode instance with room for the request (not one the command excludes,
+        unless it has reconnected since), waiting in FIFO order for one.
 
         While it waits, the decodes that could take it may all go (a link lost, or
         silent: a hung worker): it then waits for one to (re)connect as a newcomer does,
-        ``decode_reconnect_wait_s``, not for the worker to wake within the KV lease."""
+        ``decode_reconnect_wait_s``, not for the worker to wake within the KV lease
+        (unless the command says a new prefill is the better hope)."""
+        tried, last_reason = command.exclude, command.last_reason
         router = self._host.router
         instances = self._workers.instances
         num_tokens = self._kv_tokens(reply)
@@ -188,7 +199,11 @@ class DecodeLeg:
         while True:
             not_on = self._not_on(tried)
             links = instances.decode_links(not_on, handle.layout)
-            if not links and await self._a_decode_connects(tried, handle.layout, handle):
+            if (
+                not links
+                and command.await_link
+                and await self._a_decode_connects(tried, handle.layout, handle)
+            ):
                 not_on = self._not_on(tried)  # (asked again after a wait)
                 links = instances.decode_links(not_on, handle.layout)
             unplaceable = instances.decode_unplaceable(
@@ -201,6 +216,8 @@ class DecodeLeg:
                 last_reason,
             )
             if unplaceable is not None:
+                if unplaceable[0] is Reason.SERVICE_UNAVAILABLE:
+                    raise _NoDecodeTakesIt(rm.Failure(*unplaceable))
                 raise ShellFailure(rm.Failure(*unplaceable))
             # the reserved place becomes a waiter's (no checkpoint until wait_for holds it);
             # a request back after a decode refused it holds none: it was admitted already
@@ -295,6 +312,7 @@ class DecodeLeg:
                 # shutting down, or its pull failed: another; NO_ROOM: a fresh report
                 exclude=rejection.reason != RejectReason.NO_ROOM,
                 layout_mismatch=rejection.reason == RejectReason.LAYOUT_MISMATCH,
+                kv_source_failed=rejection.reason == RejectReason.TRANSFER_FAILED,
             )
         )
 

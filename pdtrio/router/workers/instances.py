@@ -162,6 +162,7 @@ class InstanceTable(Mapping[str, Instance]):
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self._backoff_s = backoff_s
         # requests waiting for a decode link to (re)connect, woken by the links' reports
+        # whoever waits for a link (a decode's, or a prefill's) to connect
         self._decode_link_waiters = trio.lowlevel.ParkingLot()
 
     # --- the mapping ----------------------------------------------------------------
@@ -277,6 +278,24 @@ class InstanceTable(Mapping[str, Instance]):
             if chosen is not None:
                 return self._instances[chosen]
         return None
+
+    def prefill_available(self, model: str | None, exclude: frozenset[str]) -> bool:
+        """Whether :meth:`pick_prefill` would find an instance (suspended ones count)."""
+        decodes = [i for i in self._instances.values() if i.serves_decode and i.usable]
+        return any(
+            i.serves_prefill
+            and i.usable
+            and i.instance_id not in exclude
+            and (model is None or i.model == model)
+            and any(i.pairs_with(d) for d in decodes)
+            for i in self._instances.values()
+        )
+
+    async def wait_for_prefill(self, model: str | None, exclude: frozenset[str]) -> None:
+        """Until a prefill instance not in ``exclude`` could take a request for ``model``
+        (a link connected, an instance registered).  The caller bounds the wait."""
+        while not self.prefill_available(model, exclude):
+            await self._decode_link_waiters.park()
 
     def prefill_failed(self, instance: Instance, answer: PrefillFailed, now: float) -> None:
         """What prefill's failure says of the instance: a 5xx is its fault (a 4xx is the

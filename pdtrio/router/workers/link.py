@@ -326,6 +326,7 @@ class WorkerLink:
                 self._post_release(request_id, token)
             log.info("worker %s: %d releases sent on reconnecting", self.instance_id, len(due))
         self._last_read = trio.current_time()
+        self._on_capacity()  # connected: waiters for a link (a prefill's among them) look again
 
     def _fail_all(self, message: str, loss: DecodeLoss) -> None:
         """The link is down: every stream and prefill call on it fails with ``message``."""

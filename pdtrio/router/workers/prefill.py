@@ -154,6 +154,9 @@ class PrefillLeg:
         # little of the prompt missing from a decode's cache: that decode prefills it
         instance = instances.pick_local_prefill(model, now, command.exclude, self._prompt_blocks)
         self.local = instance is not None
+        if instance is None and command.avoid:  # (the one a failed handoff blamed: last)
+            avoid = command.exclude | command.avoid
+            instance = instances.pick_prefill(model, now, avoid, self._prompt_blocks)
         if instance is None:
             instance = instances.pick_prefill(model, now, command.exclude, self._prompt_blocks)
         if instance is None or instance.link is None:
@@ -209,6 +212,16 @@ class PrefillLeg:
         await self._check_kv_source(handle, instance)
         ends_at = self._workers.leases.ends_at(handle, router.now())
         return await host.report(rm.Prefilled(ends_at))
+
+    async def wait_for_instance(self, command: rm.WaitForPrefill) -> Wait | None:
+        """Until a prefill instance not in the command's ``exclude`` could take the request
+        (the machine's PREFILL_WAIT deadline bounds it)."""
+        host = self._host
+        instances = self._workers.instances
+        if not instances.prefill_available(host.request.model, command.exclude):
+            log.info("request %s: no prefill instance is up; waiting for one", host.request_id)
+            await instances.wait_for_prefill(host.request.model, command.exclude)
+        return await host.report(rm.PrefillConnected())
 
     def _check_choices(self, answer: PrefillReply, instance: Instance) -> None:
         """A reply has a first token for every choice asked for, and counts for those
@@ -289,13 +302,22 @@ class PrefillLeg:
         assert generated is not None and reply is not None
         host.figures.migrations.append(command.reason)
         host.router.metrics.migrations.labels(command.reason).inc()
-        log.warning(
-            "request %s: decode on %s lost after %d tokens (%s); continuing elsewhere",
-            host.request_id,
-            command.lost_on,
-            len(generated),
-            command.reason,
-        )
+        if command.reason == rm.MigrationReason.HANDOFF_FAILED:
+            log.warning(
+                "request %s: no decode could take prefill %s's KV (last: %s); "
+                "going again from a new prefill",
+                host.request_id,
+                self.instance_id,
+                command.lost_on,
+            )
+        else:
+            log.warning(
+                "request %s: decode on %s lost after %d tokens (%s); continuing elsewhere",
+                host.request_id,
+                command.lost_on,
+                len(generated),
+                command.reason,
+            )
         self.drop_lease()  # its KV was released (at decode's first token, or given up)
         self.wire_id = f"{host.request_id}-m{len(host.figures.migrations)}"
         self.leg_generated = len(generated)
