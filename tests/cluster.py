@@ -29,10 +29,21 @@ from pdtrio.config import (
 from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.protocol.tokens.flush import FlushConfig
 from pdtrio.router.app import RouterApp
+from pdtrio.router.core import Router
+from pdtrio.router.workers.backend import WorkerBackend
 from pdtrio.security import system_tls_context
 from pdtrio.worker.server import Worker
 
 T = TypeVar("T")
+
+
+def worker_backend(router: Router | None) -> WorkerBackend:
+    """The router's pdtrio backend, for a test that looks at its parts (its instance
+    table, links, decode-room queue, lease clock)."""
+    assert router is not None
+    backend = router.backend
+    assert isinstance(backend, WorkerBackend)
+    return backend
 
 
 @attrs.define

@@ -200,7 +200,7 @@ class RouterApp:
         method: str = scope["method"]
         server = scope.get("server")
         if server is not None:
-            router.links.serving_at(server)
+            router.backend.serving_at(server)
         try:
             if path not in ROUTES and path.startswith("/pd/"):
                 # a worker's path: say who answers, so that a registration pointing
@@ -278,7 +278,7 @@ class RouterApp:
             raise request_too_large(limit) from None
         if body is None:
             raise body_timeout(timeout_s)
-        if router.decode_queue.full and not router.requests.draining:
+        if router.backend.admission_full and not router.requests.draining:
             # it could only join the queue's tail after prefill: refused before it is even
             # parsed (the pipeline checks again, for a queue that fills meanwhile)
             raise queue_full()

@@ -3,11 +3,15 @@
 Which kind of instance serves is chosen once, as the router starts
 (``pdtrio.router.core.choose_backend``): pdtrio's workers over their links
 (``pdtrio.router.workers.backend``), or the vLLM or SGLang engines the router fronts
-over HTTP (``pdtrio.router.engines.backend``).  The router, the app and the request
-shell know it only through :class:`Backend`: its models, context lengths, health,
-its start, and the legs it makes for each request (:class:`PrefillSide`,
-:class:`DecodeSide`), which carry out the request machine's commands that reach an
-instance.
+over HTTP (``pdtrio.router.engines.backend``).  The router, the app, the lifespan, the
+metrics collector and the request shell know it only through :class:`Backend`: its
+models, context lengths, health, admission, the figures ``/metrics`` exports
+(``pdtrio.router.state_metrics.BackendFigures``), who hears the registries, its start and stop, and the legs
+it makes for each request (:class:`PrefillSide`, :class:`DecodeSide`), which carry out
+the request machine's commands that reach an instance.  A backend owns its parts (the
+pdtrio backend its instance table, links, decode-room queue and KV lease clock); the
+router lends it only what is the router's (the nursery, the HTTP client, the
+credentials, the metrics' callbacks).
 
 A backend reports why a call did not go through by raising
 :class:`BackendUnreachable` (the instance never saw it: another may take it) or
@@ -31,10 +35,11 @@ from pdtrio.protocol.openai.tools import ToolCall
 from pdtrio.protocol.tokens.egress import EgressController
 from pdtrio.protocol.tokens.stream_buffer import StreamBuffer
 from pdtrio.router.metrics import RequestFigures, RouterMetrics
+from pdtrio.router.state_metrics import BackendFigures
 from pdtrio.router.stream_outcome import StreamOutcome
 
 if TYPE_CHECKING:
-    from pdtrio.discovery.registry import EngineListener, Registry
+    from pdtrio.discovery.registry import EngineListener, Registry, RegistryListener
     from pdtrio.router.request.hold_timer import HoldTimer
 
 
@@ -235,13 +240,32 @@ class Backend(Protocol):
         """Who hears of the engines registered in etcd (None: pdtrio workers' only)."""
         ...
 
+    @property
+    def registry_listener(self) -> RegistryListener:
+        """Who hears what registries say: pdtrio workers' registrations, and every entry
+        ignored or refused."""
+        ...
+
+    @property
+    def admission_full(self) -> bool:
+        """No request more may wait for room: one is refused up front (429)."""
+        ...
+
+    def serving_at(self, server: Any) -> None:
+        """A request reached the router at ``server`` (ASGI's [host, port]): a
+        registration naming it is the router itself."""
+
+    def figures(self) -> BackendFigures:
+        """What ``/metrics`` exports of the backend, now."""
+        ...
+
     def context_lengths(self) -> dict[str, int]:
         """Each model's context length: the largest of the instances that prefill it, so
         that a prompt is refused only if no instance could take it."""
         ...
 
-    def health(self, active_requests: int, ignored: Mapping[str, str]) -> dict[str, Any]:
-        """``/health``'s report (``ignored``: the registrations the links ignored, why)."""
+    def health(self, active_requests: int) -> dict[str, Any]:
+        """``/health``'s report (with the registrations ignored, and why)."""
         ...
 
     def describe(self) -> str:
@@ -251,6 +275,10 @@ class Backend(Protocol):
     async def start(self, nursery: trio.Nursery, etcd: Registry | None) -> None:
         """Start what finds and watches the instances in ``nursery`` (``etcd``: the
         registry of etcd's registrations, when configured); return once they are known."""
+
+    async def stop_processes(self) -> None:
+        """Stop the processes it started, as hypercorn's stop would (the embedded
+        cluster's workers; nothing for a backend that starts none)."""
 
     def legs_for(self, request: AnyRequest, kind: AnswerKind, body: bytes | bytearray) -> MakeLegs:
         """What makes ``request``'s legs (``body``: the client's request as it came)."""

@@ -2,13 +2,11 @@
 
 The :class:`Router` is its named parts: its one backend, chosen here as it starts
 (:meth:`Router._choose_backend`: pdtrio's workers, or the vLLM or SGLang engines it
-fronts; ``pdtrio.router.backend``), the instance table and placement
-(``pdtrio.router.workers.instances``), the link supervisor that keeps one worker link
-per instance (``pdtrio.router.workers.supervisor``; the links carry every
-per-request message), the registry of running requests
-(``pdtrio.router.request.running_requests``), the decode room queue, the egress
-controller, the KV lease clock, the request machines' limits, security and metrics;
-plus the one ``httpx.AsyncClient``
+fronts; ``pdtrio.router.backend``), which owns its instances, their health and
+placement (and for pdtrio's workers their links, the decode room queue and the KV
+lease clock); the registry of running requests
+(``pdtrio.router.request.running_requests``), the egress controller, the request
+machines' limits, security and metrics; plus the one ``httpx.AsyncClient``
 (instance metadata and health probes only: nothing per request).  Everything
 long-lived runs in the lifespan's nursery.
 """
@@ -35,15 +33,11 @@ from pdtrio.router.engines.backend import EngineBackend
 from pdtrio.router.engines.pool import EnginePool
 from pdtrio.router.loop_load import run_egress_control
 from pdtrio.router.metrics import Outcome, RouterMetrics
-from pdtrio.router.request.capacity import CapacityQueue
 from pdtrio.router.request.client_limits import ClientLimits
 from pdtrio.router.request.hold_timer import HoldTimer
 from pdtrio.router.request.running_requests import RunningRequests
 from pdtrio.router.workers.backend import WorkerBackend
-from pdtrio.router.workers.cluster import WorkerProcess
-from pdtrio.router.workers.instances import Instance, InstanceTable
-from pdtrio.router.workers.kv_leases import LeaseClock
-from pdtrio.router.workers.supervisor import LinkSupervisor, RouterStartFailed
+from pdtrio.router.workers.supervisor import RouterStartFailed
 from pdtrio.security import (
     ApiKeys,
     PeerCredentials,
@@ -55,7 +49,7 @@ from pdtrio.security import (
 )
 from pdtrio.tracing import start_tracing
 
-__all__ = ["Instance", "Router", "RouterStartFailed", "open_router"]
+__all__ = ["Router", "RouterStartFailed", "open_router"]
 
 if TYPE_CHECKING:
     from pdtrio.tracing import Tracing
@@ -79,15 +73,6 @@ class Router:
         # the run's clock, read straight: trio.current_time() is two calls more on the
         # way to it, and the request path reads it a dozen times a request
         self.now: Callable[[], float] = trio.lowlevel.current_clock().current_time
-        # the pdtrio instances, their state and placement on them
-        self.instances = InstanceTable(
-            config.router.prefill_policy,
-            config.router.decode_policy,
-            backoff_s=config.router.instance_backoff_s,
-            prefill_cache_weight=config.router.prefill_cache_weight,
-            decode_cache_weight=config.router.decode_cache_weight,
-            local_prefill_max_tokens=config.router.local_prefill_max_tokens,
-        )
         self.tokens_delivered = 0
         # the running requests: their count, the drain, the stall sweep
         self.requests = RunningRequests(
@@ -95,23 +80,15 @@ class Router:
             write_timeout_s=config.router.client_write_timeout_s,
             cut_grace_s=config.router.cleanup_grace_s,
         )
-        # prefilled requests waiting for decode KV room, woken by the links' reports
-        self.decode_queue: CapacityQueue[Instance] = CapacityQueue(
-            config.router.admission_queue_limit
-        )
         # how far apart each stream's sends go under load (0: at once), kept by open_router
         self.egress = EgressController(EgressConfig(max_delay_s=config.router.egress_max_delay_s))
         self.hold_timer = HoldTimer()  # ends the streams' holds; run by open_router
-        # the worker processes this router started and supervises (the embedded cluster)
-        self.workers: list[WorkerProcess] = []
         # request ids: unique across routers sharing workers (the random part), and no
         # system call per request (uuid4 reads the OS's randomness every time)
         self._request_id_part = secrets.token_hex(8)
         self._request_numbers = itertools.count()
         # what each request's state machine is held to
         self.request_limits = request_limits(config.router)
-        # when the KV leases of the handles prefill sent end, on this router's clock
-        self.leases = LeaseClock()
         # where instances come from, for /health
         self.discovery = DiscoveryState(_discovery_kind(config))
         # who may call: clients' API keys and their limits; the credential workers ask for
@@ -130,37 +107,27 @@ class Router:
         # etcd entries must be signed with the key the secret gives (None: no secret, any
         # entry is taken)
         self.registration_signing_key = derive_key(secret, "registration") if secret else None
-        # last: its collector reads the rest of this object at scrape time
+        # its collector reads the rest of this object, the backend too, at scrape time
         self.metrics = RouterMetrics(self)
-        # what registries say becomes instances with links, kept open and retired
-        self.links = LinkSupervisor(
-            self.instances,
-            config,
-            nursery,
-            http,
-            self.worker_secret,
-            capacity_changed=self._decode_capacity_changed,
-            registration_rejected=self._registration_rejected,
-            leases=self.leases,
-        )
         # what serves: chosen here, once; everything else asks it through its interface
-        self.backend = self._choose_backend()
+        self.backend = self._choose_backend(nursery)
 
-    def _choose_backend(self) -> Backend:
+    def _choose_backend(self, nursery: trio.Nursery) -> Backend:
         config = self.config
         if config.engine_kind is not None:  # vLLM or SGLang instances, fronted over HTTP
-            return EngineBackend(EnginePool(config, self.http), self.discovery)
+            return EngineBackend(
+                EnginePool(config, self.http),
+                self.discovery,
+                registration_rejected=self._registration_rejected,
+            )
         return WorkerBackend(
             config,
+            nursery,
             self.http,
-            self.instances,
-            self.links,
-            self.decode_queue,
-            self.leases,
             discovery=self.discovery,
             credentials=self.worker_secret,
             lease_margin_s=self.request_limits.lease_margin_s,
-            processes=self.workers,
+            registration_rejected=self._registration_rejected,
         )
 
     # --- instances ------------------------------------------------------------------
@@ -171,11 +138,6 @@ class Router:
 
     def _registration_rejected(self, key: str, reason: str) -> None:
         self.metrics.registry_rejected.labels(reason).inc()
-
-    def _decode_capacity_changed(self) -> None:
-        """A link reported capacity, connected or went: waiters for room or a link look again."""
-        self.decode_queue.changed()
-        self.instances.links_changed()
 
     # --- requests ----------------------------------------------------------------
 
@@ -189,7 +151,7 @@ class Router:
             self.metrics.requests_active.dec()
 
     def health(self) -> dict[str, Any]:
-        return self.backend.health(len(self.requests), self.links.ignored_registrations)
+        return self.backend.health(len(self.requests))
 
     def count_outcome(
         self, outcome: Outcome, status: int | None = None, *, endpoint: str, model: str = ""
@@ -273,7 +235,7 @@ def _etcd_registry(router: Router) -> EtcdRegistry:
         )
     return EtcdRegistry(
         router.config.discovery,
-        router.links,
+        router.backend.registry_listener,
         router.discovery,
         signing_key=router.registration_signing_key,
         engines=router.backend.registrations,

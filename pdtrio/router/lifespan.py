@@ -322,9 +322,7 @@ async def _on_sigterm(
         # cannot be asked to stop: the drain is done; our workers are stopped as
         # hypercorn's stop would have them (left to our pipes closing, they would take
         # the router for dead)
-        async with trio.open_nursery() as stopping:
-            for worker in router.workers:
-                stopping.start_soon(worker.stop)
+        await router.backend.stop_processes()
         _exit_now("pdtrio: drained after SIGTERM; exiting (SIGINT is ignored here)", 0)
     _interrupt_hypercorn()
 

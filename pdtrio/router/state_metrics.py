@@ -1,14 +1,17 @@
 """What the router already holds, read at scrape time: instances, links, egress, workers.
 
 Nothing here counts anything: :class:`RouterStateCollector` reads the router's own state
-when ``/metrics`` is scraped (under multiprocess mode: in the process that answers it).
+when ``/metrics`` is scraped (under multiprocess mode: in the process that answers it);
+what its backend holds comes as the backend's figures (``Backend.figures``), whichever
+backend serves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, final
 
+import attrs
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -16,14 +19,55 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
 
+@final
+@attrs.frozen
+class LinkFigures:
+    """What a router's link to an instance counted (``/metrics``' link families)."""
+
+    reconnects: int  # connections made after the first
+    heartbeat_misses: int  # connections dropped for silence
+    frames_received: int
+    clients_cut_off: int  # its streams ended because their client read too slowly
+
+
+@final
+@attrs.frozen
+class InstanceFigures:
+    """One instance's row of ``/metrics``' per-instance families."""
+
+    instance_id: str
+    role: str
+    model: str
+    up: bool  # takes new work
+    active_requests: int
+    kv_free_blocks: int | None = None  # None: it reports none
+    cached_blocks: int | None = None  # what its prefix cache holds (None: it reports none)
+    link: LinkFigures | None = None  # None: no link to it
+
+
+@final
+@attrs.frozen
+class BackendFigures:
+    """What a backend holds that ``/metrics`` exports, read at scrape time."""
+
+    instances: tuple[InstanceFigures, ...] = ()
+    # conditional disaggregation's threshold (0: never prefilled on decode)
+    local_prefill_max_tokens: int = 0
+    # the restarts of each worker process the backend started and supervises
+    worker_restarts: Mapping[str, int] = attrs.field(factory=dict)
+
+
+class FiguresSource(Protocol):
+    """Whatever serves (``pdtrio.router.backend.Backend``), as the collector reads it."""
+
+    def figures(self) -> BackendFigures: ...
+
+
 class RouterState(Protocol):
     """What the collector reads of the router (``pdtrio.router.core.Router``)."""
 
     @property
-    def instances(self) -> Mapping[str, Any]: ...
-
-    @property
-    def workers(self) -> Sequence[Any]: ...
+    def backend(self) -> FiguresSource: ...
 
     @property
     def tokens_delivered(self) -> int: ...
@@ -47,12 +91,15 @@ class RouterStateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         router = self._router
+        figures = router.backend.figures()
         instances = _InstanceFamilies()
-        for instance in router.instances.values():
+        for instance in figures.instances:
             instances.add(instance)
         yield from instances.families()
-        yield from _router_families(router, instances.clients_cut_off)
-        yield _worker_restarts(router.workers)
+        yield from _router_families(
+            router, instances.clients_cut_off, figures.local_prefill_max_tokens
+        )
+        yield _worker_restarts(figures.worker_restarts)
 
 
 @final
@@ -100,23 +147,21 @@ class _InstanceFamilies:
         # streams of every link ended because their client read too slowly
         self.clients_cut_off = 0
 
-    def add(self, instance: Any) -> None:
+    def add(self, instance: InstanceFigures) -> None:
         values = [instance.instance_id, instance.role, instance.model]
+        self.up.add_metric(values, 1.0 if instance.up else 0.0)
+        self.active.add_metric(values, float(instance.active_requests))
+        if instance.kv_free_blocks is not None:
+            self.free.add_metric(values, float(instance.kv_free_blocks))
+        if instance.cached_blocks is not None:
+            self.cached.add_metric(values, float(instance.cached_blocks))
         link = instance.link
-        self.up.add_metric(values, 1.0 if instance.usable else 0.0)
-        streams = 0 if link is None else link.active_requests
-        self.active.add_metric(values, float(streams + instance.active_prefills))
         if link is None:
             return
-        if link.capacity is not None:
-            self.free.add_metric(values, float(link.capacity.free_blocks))
-        if link.cached_blocks.reporting:
-            self.cached.add_metric(values, float(len(link.cached_blocks)))
-        counts = link.statistics()
-        self.reconnects.add_metric([instance.instance_id], float(max(0, counts.connects - 1)))
-        self.misses.add_metric([instance.instance_id], float(counts.hangs))
-        self.frames.add_metric([instance.instance_id], float(counts.frames_received))
-        self.clients_cut_off += counts.clients_cut_off
+        self.reconnects.add_metric([instance.instance_id], float(link.reconnects))
+        self.misses.add_metric([instance.instance_id], float(link.heartbeat_misses))
+        self.frames.add_metric([instance.instance_id], float(link.frames_received))
+        self.clients_cut_off += link.clients_cut_off
 
     def families(self) -> tuple[Metric, ...]:
         return (
@@ -130,13 +175,15 @@ class _InstanceFamilies:
         )
 
 
-def _router_families(router: RouterState, clients_cut_off: int) -> Iterator[Metric]:
+def _router_families(
+    router: RouterState, clients_cut_off: int, local_prefill_max_tokens: int
+) -> Iterator[Metric]:
     """The router's own figures, one value each."""
     yield GaugeMetricFamily(
         "pdtrio_local_prefill_max_tokens",
         "Conditional disaggregation's threshold: a request missing no more of its prompt "
         "from its decode's prefix cache is prefilled there (0: never).",
-        value=float(getattr(router.instances, "local_prefill_max_tokens", 0)),
+        value=float(local_prefill_max_tokens),
     )
     yield CounterMetricFamily(
         "pdtrio_slow_clients_cut_off",
@@ -160,12 +207,12 @@ def _router_families(router: RouterState, clients_cut_off: int) -> Iterator[Metr
     )
 
 
-def _worker_restarts(workers: Iterable[Any]) -> Metric:
+def _worker_restarts(restarts_by_worker: Mapping[str, int]) -> Metric:
     restarts = CounterMetricFamily(
         "pdtrio_worker_restarts",
         "Restarts of each embedded worker.",
         labels=["worker"],
     )
-    for worker in workers:
-        restarts.add_metric([worker.name], float(worker.restarts))
+    for worker, count in restarts_by_worker.items():
+        restarts.add_metric([worker], float(count))
     return restarts

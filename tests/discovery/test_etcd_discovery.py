@@ -26,7 +26,7 @@ from pdtrio.router.app import RouterApp
 from pdtrio.router.core import Router
 from pdtrio.testing.etcd import EtcdServer
 from pdtrio.testing.processes import Processes, Service, synthetic_worker_config
-from tests.cluster import serve_app, wait_for_answer, wait_for_stats
+from tests.cluster import serve_app, wait_for_answer, wait_for_stats, worker_backend
 
 WAIT_S = 20.0  # a bound on waiting for the system to act, never a performance threshold
 LEASE_TTL_S = 2
@@ -72,10 +72,10 @@ class RunningRouter:
         return router
 
     def routable(self) -> set[str]:
-        return {i.instance_id for i in self.router.instances.values() if i.usable}
+        return {i.instance_id for i in worker_backend(self.router).instances.values() if i.usable}
 
     def known(self) -> set[str]:
-        return set(self.router.instances)
+        return set(worker_backend(self.router).instances)
 
 
 @asynccontextmanager
@@ -326,7 +326,9 @@ async def test_advertised_addresses_are_used_end_to_end(
         httpx.AsyncClient(base_url=router.url, timeout=30) as http,
     ):
         await until(lambda: router.routable() == {"p1", "d1"}, "the pair is routable")
-        assert {i.url.split(":")[1] for i in router.router.instances.values()} == {"//127.0.0.2"}
+        assert {i.url.split(":")[1] for i in worker_backend(router.router).instances.values()} == {
+            "//127.0.0.2"
+        }
         response = await complete(http)
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == 16

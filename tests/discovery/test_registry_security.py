@@ -33,7 +33,7 @@ from pdtrio.router.core import Router
 from pdtrio.security import PeerCredentials, derive_key
 from pdtrio.testing.etcd import EtcdServer, require_etcd, running_etcd
 from pdtrio.testing.processes import Processes, synthetic_worker_config
-from tests.cluster import serve_app, wait_for_stats
+from tests.cluster import serve_app, wait_for_stats, worker_backend
 from tests.discovery.test_registry import Recorder, registration
 
 PREFIX = "/pdtrio-security/instances/"
@@ -55,7 +55,7 @@ class RunningRouter:
         return router
 
     def known(self) -> set[str]:
-        return {name for name, i in self.router.instances.items() if i.registered}
+        return {name for name, i in worker_backend(self.router).instances.items() if i.registered}
 
     async def health(self) -> dict[str, Any]:
         async with httpx.AsyncClient() as http:
@@ -108,7 +108,10 @@ def ignored(health: dict[str, Any]) -> dict[str, str]:
 
 
 def ignored_names(router: RunningRouter) -> list[str]:
-    return [key.removeprefix(PREFIX) for key in router.router.links.ignored_registrations]
+    return [
+        key.removeprefix(PREFIX)
+        for key in worker_backend(router.router).links.ignored_registrations
+    ]
 
 
 def rejected_count(metrics: str, reason: str) -> float:
@@ -163,8 +166,11 @@ async def test_a_registration_pointing_at_the_router_itself_is_refused(etcd: Etc
     ):
         # before anyone asked the router anything: found out by dialing it
         await client.put(key_of("self"), encode_registration(registration("self", url=router.url)))
-        await until(lambda: key_of("self") in router.router.links.ignored_registrations, "refused")
-        assert "router" in router.router.links.ignored_registrations[key_of("self")]
+        await until(
+            lambda: key_of("self") in worker_backend(router.router).links.ignored_registrations,
+            "refused",
+        )
+        assert "router" in worker_backend(router.router).links.ignored_registrations[key_of("self")]
         assert router.known() == set()
         # once it was reached at its address: known at once
         await router.health()
@@ -172,7 +178,10 @@ async def test_a_registration_pointing_at_the_router_itself_is_refused(etcd: Etc
         await client.put(key_of("alias"), encode_registration(alias))
         await client.put(key_of("good"), encode_registration(registration("good")))
         await until(lambda: router.known() == {"good"}, "the good entry is seen")
-        await until(lambda: key_of("alias") in router.router.links.ignored_registrations, "refused")
+        await until(
+            lambda: key_of("alias") in worker_backend(router.router).links.ignored_registrations,
+            "refused",
+        )
         assert router.known() == {"good"}
         assert rejected_count(await router.metrics(), "router_url") == 2
 
@@ -280,7 +289,9 @@ async def test_etcd_user_and_password_a_worker_registers_and_the_router_sees_it(
             assert health["discovery"]["connected"] is True
             assert ignored(health) == {}
             async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
-                await until(lambda: router.router.instances["w1"].usable, "routable")
+                await until(
+                    lambda: worker_backend(router.router).instances["w1"].usable, "routable"
+                )
                 response = await http.post(
                     "/v1/completions", json={"model": "synthetic", "prompt": "hi", "max_tokens": 4}
                 )
@@ -406,7 +417,7 @@ async def test_an_etcd_writer_without_the_secret_gets_no_traffic_and_learns_noth
             await until(
                 lambda: (
                     router.known() == {"prefill-0", "decode-0"}
-                    and all(i.usable for i in router.router.instances.values())
+                    and all(i.usable for i in worker_backend(router.router).instances.values())
                 ),
                 "the real pair is routable",
             )

@@ -15,6 +15,7 @@ from tests.cluster import (
     running_cluster,
     wait_for_answer,
     wait_until_idle,
+    worker_backend,
 )
 
 CHAT = "/v1/chat/completions"
@@ -158,7 +159,9 @@ async def test_a_dead_prefill_is_skipped_and_taken_back_when_it_returns() -> Non
             )
             # it failed a request when it went: back in rotation once its backoff (1 s) ends
             assert app.router is not None
-            await trio.sleep_until(app.router.instances[back.instance_id].suspended_until)
+            await trio.sleep_until(
+                worker_backend(app.router).instances[back.instance_id].suspended_until
+            )
             with trio.fail_after(30):
                 while not back.prefill.served_prefills:
                     assert (await http.post("/v1/completions", json=body)).status_code == 200

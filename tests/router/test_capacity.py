@@ -23,6 +23,7 @@ from tests.cluster import (
     synthetic_worker,
     wait_for_stats,
     wait_until_idle,
+    worker_backend,
 )
 
 # a 3-token prompt plus the default budget capped by the context: 64 tokens = 4 blocks,
@@ -165,7 +166,7 @@ async def test_a_request_arriving_at_a_full_queue_gets_429_without_a_prefill() -
         limits = httpx.Limits(max_connections=16)
         async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as http:
             assert (await http.get("/health")).status_code == 200
-            queue = app.router.decode_queue
+            queue = worker_backend(app.router).decode_queue
             # one decoding first (a place is held from arrival, so three at once would
             # find the queue full), then two that wait
             nursery.start_soon(_stream_until_cancelled, http, body)
@@ -308,7 +309,7 @@ async def test_room_found_as_the_lease_deadline_passes_still_starts_the_decode(
     async with running_cluster(make_worker=make) as cluster:
         router = cluster.router_app.router
         assert router is not None
-        queue = router.decode_queue
+        queue = worker_backend(router).decode_queue
         announce = queue.changed
         blocked_until: list[float] = []
 
@@ -318,7 +319,7 @@ async def test_room_found_as_the_lease_deadline_passes_still_starts_the_decode(
                 for r in router.requests._running.values()
                 if getattr(r, "machine", None) and r.machine.phase_name == "PLACING_DECODE"
             ]
-            room = router.instances.decode_with_room(
+            room = worker_backend(router).instances.decode_with_room(
                 16 * 16, trio.current_time()
             )  # (what a default request needs)
             announce()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import trio
 
 from pdtrio.config import RouterConfig
-from tests.cluster import client, running_cluster, wait_until_idle
+from tests.cluster import client, running_cluster, wait_until_idle, worker_backend
 
 BODY = {"model": "synthetic", "prompt": "hi", "max_tokens": 3}
 
@@ -19,9 +19,10 @@ async def test_a_failing_decode_is_suspended_then_probed_again() -> None:
         _, first, _ = cluster.workers
         router = cluster.router_app.router
         assert router is not None
-        failing = router.instances[first.instance_id]
+        workers = worker_backend(router)
+        failing = workers.instances[first.instance_id]
         assert failing.link is not None
-        router.instances.instance_failed(
+        workers.instances.instance_failed(
             failing, trio.current_time()
         )  # as a stream failing on it does
         frames_before = failing.link.statistics().frames_received

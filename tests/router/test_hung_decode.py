@@ -23,7 +23,14 @@ from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig
 from pdtrio.faults import FaultProxy
 from pdtrio.router.app import RouterApp
 from pdtrio.testing import LOOPBACK
-from tests.cluster import Cluster, serve_app, synthetic_worker, wait_for_stats, wait_until_idle
+from tests.cluster import (
+    Cluster,
+    serve_app,
+    synthetic_worker,
+    wait_for_stats,
+    wait_until_idle,
+    worker_backend,
+)
 
 # generous: these bound liveness, they do not measure it
 LIVENESS_S = 20.0
@@ -64,7 +71,8 @@ async def proxied_cluster(router: RouterConfig, *, decodes: int) -> AsyncIterato
         router_state = app.router
         assert router_state is not None
         await wait_for_stats(
-            lambda: len(router_state.instances.decode_links()) == decodes, LIVENESS_S
+            lambda: len(worker_backend(router_state).instances.decode_links()) == decodes,
+            LIVENESS_S,
         )
         yield Proxied(cluster, proxies)
         nursery.cancel_scope.cancel()
@@ -112,9 +120,10 @@ async def _fill_and_queue_one(
     await flowing.wait()
     router = proxied.cluster.router_app.router
     assert router is not None
+    workers = worker_backend(router)
     nursery.start_soon(wait_for_room)
     # it holds its place in the decode queue from its arrival
-    await wait_for_stats(lambda: len(router.decode_queue) == 1, LIVENESS_S)
+    await wait_for_stats(lambda: len(workers.decode_queue) == 1, LIVENESS_S)
     return waiting
 
 
@@ -158,13 +167,14 @@ async def test_a_request_queued_for_a_hung_decodes_room_moves_to_one_that_connec
         other.reset_all()
         router = proxied.cluster.router_app.router
         assert router is not None
-        await wait_for_stats(lambda: len(router.instances.decode_links()) == 1, LIVENESS_S)
+        workers = worker_backend(router)
+        await wait_for_stats(lambda: len(workers.instances.decode_links()) == 1, LIVENESS_S)
         with trio.fail_after(LIVENESS_S):
             async with trio.open_nursery() as nursery:
                 waiting = await _fill_and_queue_one(proxied, http, nursery)
                 hung.update(stall=True)
                 # the other comes back once the hung one's link is dropped
-                await wait_for_stats(lambda: not router.instances.decode_links(), LIVENESS_S)
+                await wait_for_stats(lambda: not workers.instances.decode_links(), LIVENESS_S)
                 other.update(refuse=False)
                 await waiting.answered.wait()
         (answer,) = waiting.answers

@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from tests.cluster import running_cluster, wait_for_stats, wait_until_idle
+from tests.cluster import running_cluster, wait_for_stats, wait_until_idle, worker_backend
 
 LIVENESS_S = 20.0
 
@@ -21,7 +21,8 @@ async def test_a_deregistered_decode_keeps_its_link_until_its_stream_ends_then_g
     ):
         router = cluster.router_app.router
         assert router is not None
-        (decode,) = [i for i in router.instances.values() if i.serves_decode]
+        workers = worker_backend(router)
+        (decode,) = [i for i in workers.instances.values() if i.serves_decode]
         link_scope = decode.link_scope
         assert link_scope is not None
         body = {"model": router.models[0], "prompt": "hi", "max_tokens": 60, "stream": True}
@@ -35,19 +36,19 @@ async def test_a_deregistered_decode_keeps_its_link_until_its_stream_ends_then_g
                     chunks += 1
                     if chunks == 3:
                         # mid-stream: the registry says it left
-                        router.links.instance_deregistered(decode.instance_id)
+                        workers.links.instance_deregistered(decode.instance_id)
                         await trio.testing.wait_all_tasks_blocked()
                         assert not decode.usable
                         assert not link_scope.cancel_called  # its stream still runs on it
-                        assert router.instances.get(decode.instance_id) is decode
+                        assert workers.instances.get(decode.instance_id) is decode
             assert chunks > 3  # the stream ran to its end on the deregistered instance
             # nothing polls: once every task waits, the link has gone (a poll would
             # still be asleep)
             await wait_for_stats(lambda: not router.requests, LIVENESS_S)
             await trio.testing.wait_all_tasks_blocked(cushion=0.01)
             assert link_scope.cancel_called
-        assert decode.instance_id not in router.instances
-        stats = router.links.statistics()
+        assert decode.instance_id not in workers.instances
+        stats = workers.links.statistics()
         assert stats.links == 1  # prefill's
         await wait_until_idle(cluster)
 
@@ -56,8 +57,9 @@ async def test_the_instance_table_and_the_links_report_frozen_snapshots() -> Non
     async with running_cluster() as cluster:
         router = cluster.router_app.router
         assert router is not None
-        table = router.instances.statistics()
-        links = router.links.statistics()
+        workers = worker_backend(router)
+        table = workers.instances.statistics()
+        links = workers.links.statistics()
         assert (table.instances, table.prefill_usable, table.decode_usable) == (2, 1, 1)
         assert (table.suspended, table.draining, table.active_prefills, table.leases_out) == (
             0,
@@ -66,9 +68,9 @@ async def test_the_instance_table_and_the_links_report_frozen_snapshots() -> Non
             0,
         )
         assert (links.links, links.connected, links.reconnects, links.hangs) == (2, 2, 0, 0)
-        (decode,) = [i for i in router.instances.values() if i.serves_decode]
-        router.instances.instance_failed(decode, trio.current_time())
-        assert router.instances.statistics().suspended == 1
+        (decode,) = [i for i in workers.instances.values() if i.serves_decode]
+        workers.instances.instance_failed(decode, trio.current_time())
+        assert workers.instances.statistics().suspended == 1
         assert table.suspended == 0  # a snapshot: what it said then
         with pytest.raises(attrs.exceptions.FrozenInstanceError):
             table.suspended = 1  # type: ignore[misc]

@@ -36,6 +36,7 @@ from tests.cluster import (
     wait_for_answer,
     wait_for_stats,
     wait_until_idle,
+    worker_backend,
 )
 from tests.metrics import by_labels, value
 
@@ -264,7 +265,7 @@ async def _tokens_come(proxied: Proxied, on: int, tokens: int = 3) -> None:
     """
     router = proxied.cluster.router_app.router
     assert router is not None
-    link = router.instances[proxied.cluster.workers[1 + on].instance_id].link
+    link = worker_backend(router).instances[proxied.cluster.workers[1 + on].instance_id].link
     assert link is not None
 
     def pushed() -> int:
@@ -516,7 +517,9 @@ async def test_kv_no_decode_can_pull_in_time_is_freed_and_the_request_goes_on_fr
         down.reset_all()
         router = proxied.cluster.router_app.router
         assert router is not None
-        await wait_for_stats(lambda: len(router.instances.decode_links()) == 1, LIVENESS_S)
+        await wait_for_stats(
+            lambda: len(worker_backend(router).instances.decode_links()) == 1, LIVENESS_S
+        )
         events: list[str] = []
 
         async def run() -> None:

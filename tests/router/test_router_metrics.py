@@ -121,11 +121,12 @@ _ONE_ROUTER_PROCESS = textwrap.dedent(
     import os
     from types import SimpleNamespace
 
+    from pdtrio.router.state_metrics import BackendFigures
     from pdtrio.router.metrics import Outcome
     from pdtrio.router.metrics import RouterMetrics
 
     router = SimpleNamespace(
-        instances={}, workers=[], tokens_delivered=3,
+        backend=SimpleNamespace(figures=BackendFigures), tokens_delivered=3,
         egress=SimpleNamespace(spacing_s=0.0, busy_fraction=0.0),
     )
     metrics = RouterMetrics(router)

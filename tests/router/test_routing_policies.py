@@ -5,7 +5,7 @@ from __future__ import annotations
 from pdtrio.config import RouterConfig, SyntheticEngineConfig, WorkerConfig
 from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.worker.server import Worker
-from tests.cluster import client, running_cluster, wait_until_idle
+from tests.cluster import client, running_cluster, wait_until_idle, worker_backend
 
 
 def _worker_of(model: str, role: str) -> Worker:
@@ -42,7 +42,8 @@ async def test_requests_go_to_the_instances_of_the_model_they_name() -> None:
         assert router is not None
         # each decode took only its model's requests (its link's frames say so)
         frames = {
-            worker.instance_id: router.instances[worker.instance_id]
+            worker.instance_id: worker_backend(router)
+            .instances[worker.instance_id]
             .link.statistics()
             .frames_received  # type: ignore[union-attr]
             for worker in (alpha_decode, beta_decode)

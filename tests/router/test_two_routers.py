@@ -14,6 +14,7 @@ from pdtrio.protocol.kv_layout import KvLayout
 from pdtrio.protocol.link.wire import KvHandle
 from pdtrio.router.core import Router
 from pdtrio.router.gil_handoff import GilHandoff
+from tests.cluster import worker_backend
 
 
 def _handle(token: str) -> KvHandle:
@@ -29,13 +30,13 @@ async def test_two_routers_in_one_process_keep_their_own_state() -> None:
     async with httpx.AsyncClient() as http, trio.open_nursery() as nursery:
         first = Router(first_config, nursery, http)
         second = Router(second_config, nursery, http)
-        assert first.leases is not second.leases
+        assert worker_backend(first).leases is not worker_backend(second).leases
         assert first.backend is not second.backend
         assert first.metrics is not second.metrics
         # a lease one router counts is not the other's
         now = trio.current_time()
-        first.leases.received(_handle("grant"), now)
-        assert len(first.leases) == 1 and len(second.leases) == 0
+        worker_backend(first).leases.received(_handle("grant"), now)
+        assert len(worker_backend(first).leases) == 1 and len(worker_backend(second).leases) == 0
         # each router's machines are held to its own settings
         assert first.request_limits.request_timeout_s == first_config.router.request_timeout_s
         assert second.request_limits.request_timeout_s == 7.0

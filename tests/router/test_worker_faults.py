@@ -17,6 +17,7 @@ from tests.cluster import (
     synthetic_worker,
     wait_for_stats,
     wait_until_idle,
+    worker_backend,
 )
 
 
@@ -202,7 +203,7 @@ async def test_a_mended_prefill_returns_to_rotation_after_its_wait() -> None:
             prefills[0].engine.__class__ = SyntheticEngine  # mended
             router = cluster.router_app.router
             assert router is not None
-            suspended = router.instances[prefills[0].instance_id]
+            suspended = worker_backend(router).instances[prefills[0].instance_id]
             assert suspended.suspended_until > 0.0  # out of rotation
             await trio.sleep_until(suspended.suspended_until)  # its time out of it is over
             for _ in range(6):
