@@ -2,9 +2,9 @@
 
 The request shell hands each event and the machine's commands here (only when the
 request is traced), so one reading serves every backend: a span for the request, one
-per prefill attempt, per decode placement (its wait for room included), per decode
-attempt and per wait for a decode to connect; retries, migrations, the first token
-and a client that left are events.  Token batches are not seen: the machine hears of a
+per prefill attempt, per decode attempt (from its placement: the wait for room, then
+``placed`` on an instance, ``accepted`` once its KV is pulled) and per wait for a decode
+to connect; retries, migrations, the first token and a client that left are events.  Token batches are not seen: the machine hears of a
 stream's first and last, nothing between.
 """
 
@@ -51,9 +51,8 @@ class RequestTrace:
         self.span = span = tracing.request_span(f"POST {endpoint}", incoming, attributes)
         self.recording = span.is_recording()
         self.trace_id = f"{span.get_span_context().trace_id:032x}"
-        self.traceparent = traceparent_of(span)
+        self._request_traceparent = self.traceparent = traceparent_of(span)
         self._prefill: Span | None = None
-        self._placement: Span | None = None
         self._decode: Span | None = None
         self._waiting: Span | None = None
         self._prefill_attempts = 0
@@ -89,15 +88,12 @@ class RequestTrace:
             self._prefill = self._close(self._prefill, "no prefill instance takes it")
         elif kind is rm.DecodeStartSent:
             assert isinstance(event, rm.DecodeStartSent)
-            self._placement = self._close(self._placement)
-            self._decode_attempts += 1
-            self._decode = self._open(
-                "decode",
-                {"pdtrio.instance": event.instance, "pdtrio.attempt": self._decode_attempts},
-            )
+            if self._decode is not None:
+                self._decode.set_attribute("pdtrio.instance", event.instance)
+                self._decode.add_event("placed")  # the wait for room is over
         elif kind is rm.DecodeUnavailable:
             assert isinstance(event, rm.DecodeUnavailable)
-            self._placement = self._close(self._placement, _failure_text(event.failure))
+            self._decode = self._close(self._decode, _failure_text(event.failure))
         elif kind is rm.DecodeNotSent:
             assert isinstance(event, rm.DecodeNotSent)
             self._decode = self._close(self._decode, f"not sent: {event.message}")
@@ -156,8 +152,11 @@ class RequestTrace:
                 self.span.add_event(
                     "retry", {"pdtrio.leg": "decode", "pdtrio.reason": command.last_reason}
                 )
-            # the wait for decode room, the pick, and (for pdtrio) the KV handoff's start
-            self._placement = self._open("decode placement", {"pdtrio.retry": command.retry})
+            # from the wait for decode room on: the pick, the KV handoff, the tokens
+            self._decode_attempts += 1
+            self._decode = self._open(
+                "decode", {"pdtrio.attempt": self._decode_attempts, "pdtrio.retry": command.retry}
+            )
         elif kind is rm.WaitForDecode:
             self._waiting = self._open("wait for decode", {})
         elif kind is rm.Migrate:
@@ -182,12 +181,11 @@ class RequestTrace:
             if error is not None:
                 span.set_status(Status(StatusCode.ERROR, error))
             span.end()
-        self.traceparent = traceparent_of(self.span)
+        self.traceparent = self._request_traceparent
         return None
 
     def _close_legs(self, error: str | None) -> None:
         self._prefill = self._close(self._prefill, error)
-        self._placement = self._close(self._placement, error)
         self._decode = self._close(self._decode, error)
         self._waiting = self._close(self._waiting, error)
 
