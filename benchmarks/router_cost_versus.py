@@ -12,6 +12,11 @@ baseline commit, or this tree with tracing off, on at every trace and on at 1 %.
   (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` pointing at a sink in this process that
   answers every export 200 and keeps nothing: the router's spans are made, batched,
   encoded and sent, on its own CPU, as to a Collector; the workers are not traced).
+  Beside it, the **SDK floor**: a process on the router's core that only makes the
+  spans a traced 2-token request makes (the request's, a prefill's, a decode's, their
+  attributes and events, through ``pdtrio.tracing``'s tracer) and exports them the
+  same way: the OpenTelemetry SDK's own CPU per request, which no router can trace
+  below.
 
 The machine is shared and noisy, so the routers take turns: each round runs every row
 on each, the order rotating from round to round, and the table gives each router's
@@ -140,6 +145,75 @@ def span_sink() -> Iterator[str]:
         server.server_close()
 
 
+def sdk_floor(endpoint: str, requests: int) -> float:
+    """CPU seconds per request the OpenTelemetry SDK spends making and exporting the
+    spans of one traced 2-token request (this process, pinned by the caller)."""
+    from pdtrio.config import TracingConfig
+    from pdtrio.tracing._otel import Tracing, traceparent_of
+
+    tracing = Tracing.start(
+        TracingConfig(endpoint=endpoint, sampler_ratio=1.0), endpoint, "router", {}
+    )
+    started = time.process_time()
+    for number in range(requests):
+        request = tracing.request_span(
+            "POST /v1/completions",
+            "",
+            {
+                "pdtrio.request_id": f"floor-{number}",
+                "gen_ai.request.model": "m",
+                "http.route": "/v1/completions",
+            },
+        )
+        traceparent_of(request)
+        prefill = tracing.child_span(
+            "prefill", request, {"pdtrio.attempt": 1, "pdtrio.continuation": False}
+        )
+        traceparent_of(prefill)
+        prefill.set_attribute("pdtrio.instance", "prefill-0")
+        prefill.end()
+        decode = tracing.child_span("decode", request, {"pdtrio.attempt": 1, "pdtrio.retry": False})
+        traceparent_of(decode)
+        decode.set_attribute("pdtrio.instance", "decode-0")
+        decode.add_event("placed")
+        decode.add_event("accepted")
+        request.add_event("first_token")
+        decode.end()
+        for key, value in (
+            ("pdtrio.outcome", "ok"),
+            ("http.response.status_code", 200),
+            ("gen_ai.usage.input_tokens", 16),
+            ("gen_ai.usage.output_tokens", 2),
+            ("pdtrio.prefill.instance", "prefill-0"),
+            ("pdtrio.decode.instance", "decode-0"),
+        ):
+            request.set_attribute(key, value)
+        request.end()
+    tracing._provider.shutdown()  # noqa: SLF001 (the last batches exported, counted)
+    return (time.process_time() - started) / requests
+
+
+def measure_sdk_floor(endpoint: str, cpu: int, requests: int) -> float:
+    """:func:`sdk_floor` in a process of its own on ``cpu``: ms per request."""
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.router_cost_versus",
+            "--role",
+            "sdk-floor",
+            "--spec",
+            f"{endpoint} {requests}",
+        ],
+        cwd=rc.ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
+    )
+    return float(completed.stdout.strip().splitlines()[-1]) * 1000
+
+
 def tracing_routers(endpoint: str) -> list[Router]:
     def traced(ratio: float) -> dict[str, str]:
         return {
@@ -241,17 +315,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="rounds (each router once a round)")
     parser.add_argument("--quick", action="store_true", help="tiny rows (CI): figures mean nothing")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--role", choices=["sdk-floor"], help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.role == "sdk-floor":
+        endpoint, requests = args.spec.split()
+        print(sdk_floor(endpoint, int(requests)))
+        return 0
     sizes = rc.QUICK if args.quick else rc.FULL
     cpus = router_and_load_cpus()
     print(
         f"CPU: {cpu_model()}, {os.cpu_count()} cpus; router on cpu {cpus[0]}, "
         f"workers and load on cpu {cpus[1]}"
     )
+    floor_ms = None
     with contextlib.ExitStack() as stack:
         if args.tracing:
-            routers = tracing_routers(stack.enter_context(span_sink()))
+            sink = stack.enter_context(span_sink())
+            routers = tracing_routers(sink)
             table = rows(sizes, large=False)
+            floor_ms = measure_sdk_floor(sink, cpus[0], 200 if args.quick else 5000)
         else:
             baseline_tree = stack.enter_context(worktree(args.baseline))
             routers = [
@@ -262,9 +345,19 @@ def main(argv: list[str] | None = None) -> int:
         figures = run(sizes, routers, table, args.rounds)
     names = [router.name for router in routers]
     print(render(table, figures, names))
+    if floor_ms is not None:
+        print(
+            f"SDK floor: the OpenTelemetry SDK alone makes and exports one traced 2-token "
+            f"request's spans in {floor_ms:.3f} ms of CPU (on the router's core)"
+        )
     write_json(
         args.json,
-        {"routers": names, "baseline": None if args.tracing else args.baseline, "figures": figures},
+        {
+            "routers": names,
+            "baseline": None if args.tracing else args.baseline,
+            "figures": figures,
+            "sdk_floor_ms_per_request": floor_ms,
+        },
     )
     return 0
 

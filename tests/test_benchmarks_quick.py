@@ -410,6 +410,8 @@ def _router_cost_versus(printed: str, report: Any) -> None:
             len(values) == 2 and all(v and v > 0 for v in values) for values in by_router.values()
         )
     assert "tracing 1.0 (median)" in printed and "/ tracing off" in printed
+    # the SDK's own cost, measured beside them
+    assert report["sdk_floor_ms_per_request"] > 0 and "SDK floor" in printed
 
 
 # --- the list -------------------------------------------------------------------------------
