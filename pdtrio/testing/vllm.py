@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, final
@@ -64,7 +64,12 @@ def vllm_model_dir() -> Path:
 
 
 def vllm_command(
-    python: str, model: Path, port: int, *, kv_config: Mapping[str, Any] | None
+    python: str,
+    model: Path,
+    port: int,
+    *,
+    kv_config: Mapping[str, Any] | None,
+    extra_args: Sequence[str] = (),
 ) -> list[str]:
     command = [
         python,
@@ -86,7 +91,7 @@ def vllm_command(
     ]
     if kv_config is not None:
         command += ["--kv-transfer-config", json.dumps(dict(kv_config))]
-    return command
+    return [*command, *extra_args]
 
 
 @final
@@ -121,6 +126,7 @@ def start_vllm(
     kv_config: Mapping[str, Any] | None = NIXL_KV_CONFIG,
     kv_cache_gib: int = 1,
     extra_env: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
 ) -> VllmServer:
     port = free_port()
     env = {
@@ -136,7 +142,9 @@ def start_vllm(
     log_path = log_dir / f"vllm-{role}-{port}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            vllm_command(vllm_python(), vllm_model_dir(), port, kv_config=kv_config),
+            vllm_command(
+                vllm_python(), vllm_model_dir(), port, kv_config=kv_config, extra_args=extra_args
+            ),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -169,18 +177,43 @@ def wait_ready(servers: list[VllmServer], timeout_s: float = _READY_TIMEOUT_S) -
 
 @contextmanager
 def vllm_pd_pair(
-    log_dir: Path, *, kv_config: Mapping[str, Any] | None = NIXL_KV_CONFIG
+    log_dir: Path,
+    *,
+    kv_config: Mapping[str, Any] | None = NIXL_KV_CONFIG,
+    otlp_traces_endpoint: str = "",
 ) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """A vLLM prefill (core 0) and decode (core 1), ready; both stopped on exit."""
+    """A vLLM prefill (core 0) and decode (core 1), ready; both stopped on exit.
+    ``otlp_traces_endpoint``: where both send their spans (OTLP/HTTP), if anywhere."""
     servers: list[VllmServer] = []
     try:
-        servers.append(start_vllm("prefill", 0, log_dir, kv_config=kv_config))
-        servers.append(start_vllm("decode", 1, log_dir, kv_config=kv_config))
+        for role, cpu in (("prefill", 0), ("decode", 1)):
+            tracing_env, tracing_args = _vllm_tracing(otlp_traces_endpoint, role)
+            servers.append(
+                start_vllm(
+                    role,
+                    cpu,
+                    log_dir,
+                    kv_config=kv_config,
+                    extra_env=tracing_env,
+                    extra_args=tracing_args,
+                )
+            )
         wait_ready(servers)
         yield servers[0], servers[1]
     finally:
         for server in servers:
             server.stop()
+
+
+def _vllm_tracing(endpoint: str, role: str) -> tuple[dict[str, str], list[str]]:
+    """vLLM's environment and flags to send its spans to ``endpoint`` (none: "")."""
+    if not endpoint:
+        return {}, []
+    environment = {
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+        "OTEL_SERVICE_NAME": f"vllm-{role}",
+    }
+    return environment, ["--otlp-traces-endpoint", endpoint]
 
 
 def kv_usage(url: str) -> float:

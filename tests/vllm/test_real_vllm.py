@@ -22,7 +22,7 @@ import openai
 import pytest
 import trio
 
-from pdtrio.config import InstanceConfig, PdtrioConfig
+from pdtrio.config import InstanceConfig, PdtrioConfig, TracingConfig
 from pdtrio.faults.plan import Fault
 from pdtrio.faults.proxy import FaultProxy
 from pdtrio.router.app import RouterApp
@@ -33,15 +33,29 @@ from pdtrio.testing.vllm import (
     kv_usage,
     vllm_pd_pair,
 )
-from tests.cluster import serve_app
+from tests.cluster import serve_app, wait_for_stats
 from tests.router.test_openai_choices import streamed_choices
+from tests.tracing_receiver import TraceReceiver, trace_receiver
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
-    with vllm_pd_pair(tmp_path_factory.mktemp("vllm"), kv_config=NIXL_LEASED_KV_CONFIG) as servers:
+def vllm_traces() -> Iterator[TraceReceiver]:
+    """Where the pair sends its spans (vLLM's --otlp-traces-endpoint)."""
+    with trace_receiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def pair(
+    tmp_path_factory: pytest.TempPathFactory, vllm_traces: TraceReceiver
+) -> Iterator[tuple[VllmServer, VllmServer]]:
+    with vllm_pd_pair(
+        tmp_path_factory.mktemp("vllm"),
+        kv_config=NIXL_LEASED_KV_CONFIG,
+        otlp_traces_endpoint=f"{vllm_traces.url}/v1/traces",
+    ) as servers:
         yield servers
 
 
@@ -53,7 +67,9 @@ class Front:
 
 
 @asynccontextmanager
-async def front(pair: tuple[VllmServer, VllmServer]) -> AsyncIterator[Front]:
+async def front(
+    pair: tuple[VllmServer, VllmServer], tracing: TracingConfig | None = None
+) -> AsyncIterator[Front]:
     """The router over the pair, decode behind a fault proxy (to hold it between the legs)."""
     prefill, decode = pair
     async with trio.open_nursery() as nursery:
@@ -63,7 +79,8 @@ async def front(pair: tuple[VllmServer, VllmServer]) -> AsyncIterator[Front]:
             instances=(
                 InstanceConfig(role="prefill", url=prefill.url, kind="vllm"),
                 InstanceConfig(role="decode", url=f"http://127.0.0.1:{port}", kind="vllm"),
-            )
+            ),
+            tracing=tracing or TracingConfig(),
         )
         yield Front(await serve_app(RouterApp(config), nursery), prefill, proxy)
         nursery.cancel_scope.cancel()
@@ -396,3 +413,46 @@ def test_the_benchmark_runs_quick(pair: tuple[VllmServer, VllmServer], tmp_path:
     assert storm["kv_freed_after_s"] is not None
     # nox -s vllm installs vllm-router beside vLLM: it runs the same rows
     assert report["vllm_router"]["ttft_ms"] > 0
+
+
+# a client's trace (W3C traceparent): the router's spans, and vLLM's, join it
+_CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+_CLIENT_TRACEPARENT = f"00-{_CLIENT_TRACE}-b7ad6b7169203331-01"
+
+
+async def test_vllm_joins_the_routers_trace_under_its_legs(
+    pair: tuple[VllmServer, VllmServer], vllm_traces: TraceReceiver
+) -> None:
+    async with front(pair, TracingConfig(endpoint=vllm_traces.url)) as served:
+        async with httpx.AsyncClient(timeout=120) as http:
+            response = await http.post(
+                f"{served.url}/v1/chat/completions",
+                json={
+                    "model": SERVED_MODEL,
+                    "messages": [{"role": "user", "content": "Name a colour."}],
+                    "max_tokens": 8,
+                    "temperature": 0,
+                },
+                headers={"traceparent": _CLIENT_TRACEPARENT},
+            )
+            assert response.status_code == 200, response.text
+    # (the router's spans are flushed as it stops; vLLM's go within its batch delay, 5 s)
+    await wait_for_stats(
+        lambda: len(_vllm_spans(vllm_traces)) >= 2, 30, what="vLLM's spans of the request"
+    )
+    spans = [s for s in vllm_traces.received() if s.trace_id == _CLIENT_TRACE]
+    legs = {s.span_id: s.name for s in spans if s.service == "pdtrio-router"}
+    assert {"prefill", "decode"} <= set(legs.values()), spans
+    engines = _vllm_spans(vllm_traces)
+    assert {(s.service, legs.get(s.parent_id)) for s in engines} == {
+        ("vllm-prefill", "prefill"),
+        ("vllm-decode", "decode"),
+    }, (engines, _logs(*pair))
+
+
+def _vllm_spans(receiver: TraceReceiver) -> list[Any]:
+    return [
+        s
+        for s in receiver.received()
+        if s.trace_id == _CLIENT_TRACE and s.service.startswith("vllm-")
+    ]
