@@ -159,9 +159,10 @@ class Router:
         """Count (and log) a completion request that ended before its pipeline ran."""
         self.metrics.request_ended(endpoint=endpoint, model=model, outcome=outcome, status=status)
 
-    def metrics_text(self) -> bytes:
-        """``/metrics`` (Prometheus text format; every process's with multiprocess mode)."""
-        return self.metrics.render()
+    def metrics_text(self, *, openmetrics: bool = False) -> bytes:
+        """``/metrics`` (Prometheus text format, or OpenMetrics with exemplars; every
+        process's with multiprocess mode)."""
+        return self.metrics.render(openmetrics=openmetrics)
 
 
 _KEEPALIVE_S = 4.0

@@ -153,6 +153,31 @@ async def test_a_decode_retry_appears_in_the_trace_with_its_reason() -> None:
     assert request.attributes["pdtrio.outcome"] == "ok"
 
 
+async def test_a_traced_requests_trace_id_is_an_exemplar_in_an_openmetrics_scrape() -> None:
+    with trace_receiver() as receiver:
+        async with traced_cluster(receiver.url) as url:
+            assert await stream_chat(url, {"traceparent": CLIENT_TRACEPARENT})
+            async with httpx.AsyncClient(base_url=url, timeout=20) as http:
+                openmetrics = await http.get(
+                    "/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"}
+                )
+                plain = await http.get("/metrics")
+    assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
+    assert openmetrics.text.endswith("# EOF\n")
+    exemplar = f'# {{trace_id="{CLIENT_TRACE}"}}'
+    for histogram in ("pdtrio_time_to_first_token_seconds", "pdtrio_e2e_request_latency_seconds"):
+        buckets = [
+            line
+            for line in openmetrics.text.splitlines()
+            if line.startswith(f"{histogram}_bucket{{") and 'model="synthetic"' in line
+        ]
+        assert [line for line in buckets if exemplar in line], buckets
+    # a plain scrape is the text format as before: no exemplars
+    assert plain.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "pdtrio_e2e_request_latency_seconds_bucket{" in plain.text
+    assert "trace_id" not in plain.text and "# EOF" not in plain.text
+
+
 async def test_a_malformed_traceparent_is_ignored_and_the_request_starts_a_trace(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
