@@ -29,6 +29,7 @@ CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
 REQUEST_SPAN = "POST /v1/chat/completions"
+ROUTER, WORKER = "pdtrio-router", "pdtrio-worker"
 
 
 @asynccontextmanager
@@ -119,6 +120,17 @@ async def test_a_streamed_request_is_one_trace_across_router_prefill_and_decode(
     assert worker_prefill.parent_id == prefill.span_id
     assert worker_prefill.attributes["gen_ai.usage.input_tokens"] > 0
     assert admission.parent_id == decode.span_id
+    # prefill wrote the KV decode pulls; decode ran from admission to the last token
+    [(_, written)] = [(n, a) for n, a in worker_prefill.events if n == "kv_written"]
+    assert written["pdtrio.kv_blocks"] > 0
+    worker_decode = one(spans, "decode", "pdtrio-worker")
+    assert worker_decode.parent_id == decode.span_id
+    assert worker_decode.start_ns <= admission.start_ns <= admission.end_ns <= worker_decode.end_ns
+    assert worker_decode.attributes["pdtrio.finish"] == "length"
+    assert worker_decode.attributes["gen_ai.usage.output_tokens"] == 8
+    # prefill made the first token; decode the rest
+    assert worker_decode.attributes["pdtrio.tokens_generated"] == 7
+    assert worker_decode.error is None and not worker_decode.events  # no span/event a token
     # the access line names the trace
     [access] = [r for r in caplog.records if r.name == "pdtrio.access"]
     assert f"trace_id={CLIENT_TRACE}" in access.getMessage()
@@ -144,7 +156,11 @@ async def test_a_decode_retry_appears_in_the_trace_with_its_reason() -> None:
     assert retry["pdtrio.leg"] == "decode"
     assert retry["pdtrio.reason"]
     decodes = sorted(
-        (s for s in spans if s.trace_id == request.trace_id and s.name == "decode"),
+        (
+            s
+            for s in spans
+            if s.trace_id == request.trace_id and s.name == "decode" and s.service == ROUTER
+        ),
         key=lambda s: s.start_ns,
     )
     assert [d.attributes["pdtrio.attempt"] for d in decodes] == [1, 2]
