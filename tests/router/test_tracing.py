@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import cast
 
 import httpx
 import pytest
@@ -20,9 +21,13 @@ from pdtrio.config import (
     TracingConfig,
     WorkerFaultsConfig,
 )
+from pdtrio.engine.api import Engine
+from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.router.app import RouterApp
 from pdtrio.tracing import parse_traceparent, start_tracing
+from pdtrio.worker.server import Worker
 from tests.cluster import serve_app, synthetic_worker
+from tests.router.test_migration import FailsAStep
 from tests.tracing_receiver import ReceivedSpan, trace_receiver
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -34,16 +39,24 @@ ROUTER, WORKER = "pdtrio-router", "pdtrio-worker"
 
 @asynccontextmanager
 async def traced_cluster(
-    endpoint: str, decodes: tuple[WorkerFaultsConfig, ...] = (WorkerFaultsConfig(),)
+    endpoint: str,
+    decodes: tuple[WorkerFaultsConfig, ...] = (WorkerFaultsConfig(),),
+    *,
+    first_fails_step: int = 0,
 ) -> AsyncIterator[str]:
     """A router, a prefill and decodes, all sending spans to ``endpoint``; on exit every
-    process part has flushed its spans."""
+    process part has flushed its spans (``first_fails_step``: the first decode's engine
+    fails that step, as in test_migration)."""
     tracing = TracingConfig(endpoint=endpoint)
     workers = [synthetic_worker("prefill", worker_overrides={"tracing": tracing})]
     workers += [
         synthetic_worker("decode", faults=faults, worker_overrides={"tracing": tracing})
         for faults in decodes
     ]
+    if first_fails_step:
+        first = workers[1]
+        assert isinstance(first.engine, SyntheticEngine)
+        workers[1] = Worker(first.config, cast(Engine, FailsAStep(first.engine, first_fails_step)))
     async with trio.open_nursery() as nursery:
         instances = []
         for worker in workers:
@@ -167,6 +180,43 @@ async def test_a_decode_retry_appears_in_the_trace_with_its_reason() -> None:
     assert decodes[0].error is not None and "rejected" in decodes[0].error
     assert decodes[1].error is None
     assert request.attributes["pdtrio.outcome"] == "ok"
+
+
+async def test_a_decode_lost_mid_stream_shows_its_migration_and_both_decodes_in_one_trace() -> None:
+    healthy = WorkerFaultsConfig()
+    with trace_receiver() as receiver:
+        async with traced_cluster(
+            receiver.url, decodes=(healthy, healthy), first_fails_step=5
+        ) as url:
+            for _ in range(2):  # (round robin: one of them meets the failing decode)
+                assert await stream_chat(url)
+        spans = receiver.received()
+    [request] = [
+        s for s in spans if s.name == REQUEST_SPAN and any(n == "migration" for n, _ in s.events)
+    ]
+    migration = next(attributes for name, attributes in request.events if name == "migration")
+    assert migration["pdtrio.reason"] == "decode_failed"
+    assert migration["pdtrio.lost_on"]
+    assert request.attributes["pdtrio.outcome"] == "ok"
+    assert request.attributes["gen_ai.usage.output_tokens"] == 8
+    traced = [s for s in spans if s.trace_id == request.trace_id]
+    assert {s.trace_id for s in traced} == {request.trace_id}  # one trace, both decodes in it
+    decodes = sorted(
+        (s for s in traced if s.name == "decode" and s.service == ROUTER),
+        key=lambda s: s.start_ns,
+    )
+    assert [d.attributes["pdtrio.attempt"] for d in decodes] == [1, 2]
+    assert all(d.parent_id == request.span_id for d in decodes)
+    assert decodes[0].attributes["pdtrio.instance"] != decodes[1].attributes["pdtrio.instance"]
+    assert decodes[0].error is not None and decodes[1].error is None
+    assert decodes[0].end_ns <= decodes[1].start_ns
+    # each decode worker's run under its own attempt: the lost one failed, the next finished
+    runs = {s.parent_id: s for s in traced if s.name == "decode" and s.service == WORKER}
+    lost, finished = runs[decodes[0].span_id], runs[decodes[1].span_id]
+    assert lost.attributes["pdtrio.finish"] == "error" and lost.error
+    assert finished.attributes["pdtrio.finish"] == "length"
+    assert finished.attributes["pdtrio.tokens_before"] > 1  # it went on from the lost one
+    assert finished.attributes["gen_ai.usage.output_tokens"] == 8
 
 
 async def test_a_traced_requests_trace_id_is_an_exemplar_in_an_openmetrics_scrape() -> None:
