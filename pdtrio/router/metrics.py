@@ -452,8 +452,7 @@ class RouterMetrics:
         """Count a completion request by how it ended, observe its figures, log its line.
 
         ``status``: the error's HTTP status (None for ok and disconnected); ``trace_id``:
-        its trace's, when it is traced (the access line then names it); ``sampled``: that
-        trace is kept, so its TTFT and end-to-end figures carry it as their exemplars.
+        its trace's, if traced (the access line's; ``sampled``: the TTFT's and e2e's exemplar).
         """
         status_class = "" if status is None else f"{status // 100}xx"
         labels = (endpoint, model, outcome.value, status_class)
