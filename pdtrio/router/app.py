@@ -243,8 +243,17 @@ class RouterApp:
                 await send_bytes(send, 200, router.metrics_text(), METRICS_CONTENT_TYPE)
         except OpenAIError as exc:
             if path in _COMPLETION_PATHS:
-                # refused before the pipeline ran (method, media type, size, validation)
-                router.count_outcome(Outcome.REJECTED, exc.status, endpoint=path)
+                # refused before the pipeline ran (method, key, media type, size, validation)
+                trace_id = ""
+                if router.tracing is not None:
+                    trace_id = router.tracing.refused_request(
+                        header(scope, TRACEPARENT_HEADER) or "",
+                        method=method,
+                        endpoint=path,
+                        status=exc.status,
+                        message=exc.message,
+                    )
+                router.count_outcome(Outcome.REJECTED, exc.status, endpoint=path, trace_id=trace_id)
             headers = [(name.encode(), value.encode()) for name, value in exc.headers]
             await send_json(send, exc.status, exc.to_body(), headers)
         except ClientDisconnected:

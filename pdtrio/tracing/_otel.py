@@ -168,6 +168,24 @@ class Tracing:
             name, context=context, kind=SpanKind.SERVER, attributes=dict(attributes)
         )
 
+    def refused_request(
+        self, incoming: str, *, method: str, endpoint: str, status: int, message: str
+    ) -> str:
+        """The span of a request refused before its pipeline ran (a 401, a body that
+        fails validation, an up-front 429); its trace id (hex) for the access line."""
+        span = self.request_span(
+            f"{method} {endpoint}",
+            incoming,
+            {
+                "http.route": endpoint,
+                "http.response.status_code": status,
+                "pdtrio.outcome": "rejected",
+            },
+        )
+        span.set_status(Status(StatusCode.ERROR, f"{status}: {message}"))
+        span.end()
+        return f"{span.get_span_context().trace_id:032x}"
+
     def child_span(
         self,
         name: str,

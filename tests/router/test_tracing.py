@@ -18,6 +18,7 @@ from pdtrio.config import (
     InstanceConfig,
     PdtrioConfig,
     RouterConfig,
+    SecurityConfig,
     TracingConfig,
     WorkerFaultsConfig,
 )
@@ -43,6 +44,7 @@ async def traced_cluster(
     decodes: tuple[WorkerFaultsConfig, ...] = (WorkerFaultsConfig(),),
     *,
     first_fails_step: int = 0,
+    security: SecurityConfig | None = None,
 ) -> AsyncIterator[str]:
     """A router, a prefill and decodes, all sending spans to ``endpoint``; on exit every
     process part has flushed its spans (``first_fails_step``: the first decode's engine
@@ -66,6 +68,7 @@ async def traced_cluster(
             router=RouterConfig(decode_policy="round_robin"),
             instances=tuple(instances),
             tracing=tracing,
+            security=security or SecurityConfig(),
         )
         yield await serve_app(RouterApp(config), nursery)
         nursery.cancel_scope.cancel()
@@ -217,6 +220,43 @@ async def test_a_decode_lost_mid_stream_shows_its_migration_and_both_decodes_in_
     assert finished.attributes["pdtrio.finish"] == "length"
     assert finished.attributes["pdtrio.tokens_before"] > 1  # it went on from the lost one
     assert finished.attributes["gen_ai.usage.output_tokens"] == 8
+
+
+async def test_requests_refused_before_the_pipeline_get_a_span_with_their_status(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="pdtrio.access")
+    security = SecurityConfig(api_keys=("the-key",))
+    with trace_receiver() as receiver:
+        async with traced_cluster(receiver.url, security=security) as url:
+            async with httpx.AsyncClient(base_url=url, timeout=20) as http:
+                chat = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}]}
+                # no key (the client's trace), then a body that fails validation (a new one)
+                unauthorized = await http.post(
+                    "/v1/chat/completions", json=chat, headers={"traceparent": CLIENT_TRACEPARENT}
+                )
+                invalid = await http.post(
+                    "/v1/chat/completions",
+                    json={**chat, "max_tokens": -1},
+                    headers={"authorization": "Bearer the-key"},
+                )
+        spans = receiver.received()
+    assert (unauthorized.status_code, invalid.status_code) == (401, 400)
+    refused = sorted(
+        (s for s in spans if s.name == REQUEST_SPAN and s.service == ROUTER),
+        key=lambda s: s.start_ns,
+    )
+    assert [s.attributes["http.response.status_code"] for s in refused] == [401, 400]
+    assert all(s.attributes["pdtrio.outcome"] == "rejected" and s.error for s in refused)
+    assert (refused[0].trace_id, refused[0].parent_id) == (CLIENT_TRACE, CLIENT_SPAN)
+    assert refused[1].trace_id != CLIENT_TRACE and refused[1].parent_id == ""
+    assert len(spans) == 2  # nothing else was asked of anyone
+    # each refusal's access line names its trace
+    access = [r.getMessage() for r in caplog.records if r.name == "pdtrio.access"]
+    assert [f"trace_id={s.trace_id}" in line for s, line in zip(refused, access, strict=True)] == [
+        True,
+        True,
+    ]
 
 
 async def test_a_traced_requests_trace_id_is_an_exemplar_in_an_openmetrics_scrape() -> None:
