@@ -36,6 +36,7 @@ from pdtrio.memory import (
     limit_heap_retention,
 )
 from pdtrio.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pdtrio.metrics import OPENMETRICS_CONTENT_TYPE, wants_openmetrics
 from pdtrio.protocol.errors import Reason
 from pdtrio.protocol.link.registration import ROUTER_HEADER
 from pdtrio.protocol.openai import (
@@ -235,12 +236,24 @@ class RouterApp:
                 if reason:
                     answer["reason"] = reason
                 await send_json(send, 200 if ready else 503, answer)
+            elif wants_openmetrics(header(scope, b"accept")):
+                text = router.metrics_text(openmetrics=True)
+                await send_bytes(send, 200, text, OPENMETRICS_CONTENT_TYPE)
             else:
                 await send_bytes(send, 200, router.metrics_text(), METRICS_CONTENT_TYPE)
         except OpenAIError as exc:
             if path in _COMPLETION_PATHS:
-                # refused before the pipeline ran (method, media type, size, validation)
-                router.count_outcome(Outcome.REJECTED, exc.status, endpoint=path)
+                # refused before the pipeline ran (method, key, media type, size, validation)
+                trace_id = ""
+                if router.tracing is not None:
+                    trace_id = router.tracing.refused_request(
+                        header(scope, TRACEPARENT_HEADER) or "",
+                        method=method,
+                        endpoint=path,
+                        status=exc.status,
+                        message=exc.message,
+                    )
+                router.count_outcome(Outcome.REJECTED, exc.status, endpoint=path, trace_id=trace_id)
             headers = [(name.encode(), value.encode()) for name, value in exc.headers]
             await send_json(send, exc.status, exc.to_body(), headers)
         except ClientDisconnected:

@@ -154,14 +154,24 @@ class Router:
         return self.backend.health(len(self.requests))
 
     def count_outcome(
-        self, outcome: Outcome, status: int | None = None, *, endpoint: str, model: str = ""
+        self,
+        outcome: Outcome,
+        status: int | None = None,
+        *,
+        endpoint: str,
+        model: str = "",
+        trace_id: str = "",
     ) -> None:
-        """Count (and log) a completion request that ended before its pipeline ran."""
-        self.metrics.request_ended(endpoint=endpoint, model=model, outcome=outcome, status=status)
+        """Count (and log) a completion request that ended before its pipeline ran
+        (``trace_id``: its refusal's trace, when tracing is on)."""
+        self.metrics.request_ended(
+            endpoint=endpoint, model=model, outcome=outcome, status=status, trace_id=trace_id
+        )
 
-    def metrics_text(self) -> bytes:
-        """``/metrics`` (Prometheus text format; every process's with multiprocess mode)."""
-        return self.metrics.render()
+    def metrics_text(self, *, openmetrics: bool = False) -> bytes:
+        """``/metrics`` (Prometheus text format, or OpenMetrics with exemplars; every
+        process's with multiprocess mode)."""
+        return self.metrics.render(openmetrics=openmetrics)
 
 
 _KEEPALIVE_S = 4.0

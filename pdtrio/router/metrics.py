@@ -447,11 +447,12 @@ class RouterMetrics:
         prefill: str = "-",
         decode: str = "-",
         trace_id: str = "",
+        sampled: bool = False,
     ) -> None:
         """Count a completion request by how it ended, observe its figures, log its line.
 
         ``status``: the error's HTTP status (None for ok and disconnected); ``trace_id``:
-        its trace's, when it is traced (the access line then names it).
+        its trace's, if traced (the access line's; ``sampled``: the TTFT's and e2e's exemplar).
         """
         status_class = "" if status is None else f"{status // 100}xx"
         labels = (endpoint, model, outcome.value, status_class)
@@ -474,9 +475,15 @@ class RouterMetrics:
                 # bucket, not a locked call per figure); other processes' scrapes read
                 # what this one wrote, so under multiprocess mode it is given at once
                 pending = series.pending
-                pending.e2e.observe(total_s)
+                if sampled:
+                    pending.e2e.observe_traced(total_s, trace_id)
+                else:
+                    pending.e2e.observe(total_s)
                 if ttft_ms is not None:
-                    pending.ttft.observe(ttft_ms / 1000)
+                    if sampled:
+                        pending.ttft.observe_traced(ttft_ms / 1000, trace_id)
+                    else:
+                        pending.ttft.observe(ttft_ms / 1000)
                     if figures.prefill_at is not None:
                         placed = self._ttft_by_placement_pending[figures.prefill_at]
                         placed[0] += ttft_ms / 1000
@@ -526,12 +533,15 @@ class RouterMetrics:
                 summary._sum.inc(placed[0])  # noqa: SLF001
                 placed[0] = placed[1] = 0
 
-    def render(self) -> bytes:
-        """``/metrics``: this router's, or with multiprocess mode every process's."""
+    def render(self, *, openmetrics: bool = False) -> bytes:
+        """``/metrics``: this router's, or with multiprocess mode every process's
+        (``openmetrics``: in OpenMetrics, with the exemplars)."""
         self._merge_pending()
         for series in self._series.values():
             series.merge_pending()
-        return exposition(self.registry, (self.state,), multiprocess=self.multiprocess)
+        return exposition(
+            self.registry, (self.state,), multiprocess=self.multiprocess, openmetrics=openmetrics
+        )
 
 
 def _log_access_line(

@@ -114,6 +114,9 @@ class WorkSpan:
     def fail(self, message: str) -> None:
         self.span.set_status(Status(StatusCode.ERROR, message))
 
+    def end(self) -> None:
+        self.span.end()
+
 
 @final
 class Tracing:
@@ -165,6 +168,24 @@ class Tracing:
             name, context=context, kind=SpanKind.SERVER, attributes=dict(attributes)
         )
 
+    def refused_request(
+        self, incoming: str, *, method: str, endpoint: str, status: int, message: str
+    ) -> str:
+        """The span of a request refused before its pipeline ran (a 401, a body that
+        fails validation, an up-front 429); its trace id (hex) for the access line."""
+        span = self.request_span(
+            f"{method} {endpoint}",
+            incoming,
+            {
+                "http.route": endpoint,
+                "http.response.status_code": status,
+                "pdtrio.outcome": "rejected",
+            },
+        )
+        span.set_status(Status(StatusCode.ERROR, f"{status}: {message}"))
+        span.end()
+        return f"{span.get_span_context().trace_id:032x}"
+
     def child_span(
         self,
         name: str,
@@ -181,18 +202,13 @@ class Tracing:
     ) -> Iterator[WorkSpan | None]:
         """A span of this process's work for a request a router traces (``traceparent``:
         the router's leg); None without one (a router that does not trace)."""
-        parent = parse_traceparent(traceparent) if traceparent else None
-        if parent is None:
+        work = self.start_work(name, traceparent, attributes)
+        if work is None:
             yield None
             return
-        span = self.tracer.start_span(
-            name,
-            context=_parent_context(parent),
-            kind=SpanKind.SERVER,
-            attributes=dict(attributes),
-        )
+        span = work.span
         try:
-            yield WorkSpan(span)
+            yield work
         except BaseException as exc:
             if not isinstance(exc, trio.Cancelled):
                 span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
@@ -201,6 +217,21 @@ class Tracing:
             raise
         finally:
             span.end()
+
+    def start_work(
+        self, name: str, traceparent: str, attributes: Mapping[str, str | int | bool]
+    ) -> WorkSpan | None:
+        """``work``'s span for work that outlives one block: its owner ends it."""
+        parent = parse_traceparent(traceparent) if traceparent else None
+        if parent is None:
+            return None
+        span = self.tracer.start_span(
+            name,
+            context=_parent_context(parent),
+            kind=SpanKind.SERVER,
+            attributes=dict(attributes),
+        )
+        return WorkSpan(span)
 
     async def aclose(self) -> None:
         """Send what is left, off the loop, for at most ``SHUTDOWN_GRACE_S``."""

@@ -77,6 +77,7 @@ from pdtrio.worker.fault_hooks import FaultHooks
 from pdtrio.worker.link_sender import DEFAULT_HEARTBEAT_S, Control, LinkSender
 
 if TYPE_CHECKING:
+    from pdtrio.protocol.link.message_base import Usage
     from pdtrio.tracing import Tracing, WorkSpan
 
 log = logging.getLogger("pdtrio.worker.link")
@@ -137,6 +138,9 @@ class RouterConnection:
         # prefills this link asked for whose reply it has not written (a release of one
         # needs no grant; the link's close frees them) -> whether a release stopped it
         self.prefilling: dict[str, bool] = {}
+        # traced decodes' run spans, from admission to their end (see forget), with the
+        # tokens generated before this decode (empty unless the router traces)
+        self.decode_spans: dict[str, tuple[WorkSpan, int]] = {}
 
     def _reply_written(self, request_id: str) -> None:
         self.prefilling.pop(request_id, None)
@@ -265,6 +269,10 @@ class RouterConnection:
                         span.set("gen_ai.usage.input_tokens", answer.prompt_tokens)
                         span.set("pdtrio.cached_tokens", answer.cached_tokens)
                         span.set("pdtrio.kv_leased", answer.kv_handle is not None)
+                        if answer.kv_handle is not None:
+                            # written and leased for decode to pull
+                            blocks = len(answer.kv_handle.block_ids)
+                            span.event("kv_written", {"pdtrio.kv_blocks": blocks})
                     elif span is not None and isinstance(answer, PrefillFailed):
                         span.fail(f"{answer.status} {answer.error_type}: {answer.message}")
                 if isinstance(answer, PrefillReply):
@@ -300,11 +308,47 @@ class RouterConnection:
         }
         return tracing.work(name, traceparent, attributes)
 
+    def _start_decode_span(self, start: DecodeStart) -> WorkSpan | None:
+        """The decode's run span, when the router traces it: ended by ``forget``."""
+        tracing = self._server.tracing
+        traceparent = traceparent_of(start)
+        if tracing is None or not traceparent:
+            return None
+        attributes: dict[str, str | int | bool] = {
+            "pdtrio.request_id": start.request_id,
+            "pdtrio.instance": self._server.instance_id,
+            "pdtrio.tokens_before": start.tokens_generated,
+        }
+        span = tracing.start_work("decode", traceparent, attributes)
+        if span is not None:
+            self.decode_spans[start.request_id] = (span, start.tokens_generated)
+        return span
+
+    def decode_finished(self, request_id: str, finish: str, usage: Usage | None) -> None:
+        """A traced decode's last token: its finish and the tokens it generated."""
+        traced = self.decode_spans.get(request_id)
+        if traced is None:
+            return
+        span, tokens_before = traced
+        span.set("pdtrio.finish", finish)
+        if usage is not None:
+            span.set("gen_ai.usage.output_tokens", usage.completion_tokens)
+            span.set("pdtrio.tokens_generated", usage.completion_tokens - tokens_before)
+
+    def decode_failed(self, request_id: str, message: str) -> None:
+        traced = self.decode_spans.get(request_id)
+        if traced is not None:
+            traced[0].set("pdtrio.finish", "error")
+            traced[0].fail(message)
+
     def abort(self, request_id: str) -> None:
         """The router gave up on a request: only one this link started."""
         if request_id not in self.requests:
             return
         scope = self.requests[request_id]
+        traced = self.decode_spans.get(request_id) if self.decode_spans else None
+        if traced is not None:
+            traced[0].set("pdtrio.finish", "abort")
         if scope is not None:
             scope.cancel()  # the start unwinds, frees what it took, and forgets the request
             return
@@ -317,6 +361,10 @@ class RouterConnection:
         if request_id in self.requests:
             del self.requests[request_id]
             del self._server.owner[request_id]
+        if self.decode_spans:
+            traced = self.decode_spans.pop(request_id, None)
+            if traced is not None:
+                traced[0].end()
 
     async def _start(
         self, start: DecodeStart, scope: trio.CancelScope, received_at: float | None = None
@@ -335,11 +383,16 @@ class RouterConnection:
                 if self._server.draining:
                     decision = Rejected(RejectReason.SHUTTING_DOWN, "decode is draining")
                 else:
+                    run_span = self._start_decode_span(start)
                     # (its KV pull from prefill is part of admission)
                     with self._work("decode admission", start) as span:
                         decision = await admission.admit(start, received_at)
-                        if span is not None and isinstance(decision, Rejected):
-                            span.fail(f"rejected ({decision.reason}): {decision.message}")
+                        if isinstance(decision, Rejected):
+                            refusal = f"rejected ({decision.reason}): {decision.message}"
+                            if span is not None:
+                                span.fail(refusal)
+                            if run_span is not None:
+                                run_span.fail(refusal)
                 if isinstance(decision, Rejected):
                     ending = DecodeRejected(request_id, decision.reason, decision.message)
                 else:
@@ -361,6 +414,7 @@ class RouterConnection:
                     except EngineError as exc:
                         log.error("decode of %s did not start: %s", request_id, exc)
                         ending = DecodeFailed(request_id, f"decode did not start: {exc}")
+                        self.decode_failed(request_id, ending.message)
         finally:
             if not started:
                 if accepted:  # (admission frees what it took on any other way out)
@@ -490,6 +544,8 @@ class RouterLinkServer:
         finished = False
         for entry in entries:
             if entry.finish_reason is not None:
+                if link.decode_spans:
+                    link.decode_finished(entry.request_id, entry.finish_reason, entry.usage)
                 link.forget(entry.request_id)
                 finished = True
         if finished:
@@ -517,6 +573,8 @@ class RouterLinkServer:
             link = self.owner.get(request_id)
             if link is None:
                 continue
+            if link.decode_spans:
+                link.decode_failed(request_id, failed.message)
             link.forget(request_id)
             self.capacity_changed()
             try:

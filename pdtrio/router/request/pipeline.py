@@ -465,6 +465,7 @@ class RequestPipeline:
             prefill="-" if prefill is None else prefill,
             decode="-" if decode is None else decode,
             trace_id="" if self.trace is None else self.trace.trace_id,
+            sampled=self.trace is not None and self.trace.recording,
         )
         if self.trace is not None:
             self.trace.end(
