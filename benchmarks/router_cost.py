@@ -1,6 +1,7 @@
 """Router cost: what pdtrio's router spends per request and per token, beside a trivial SSE app.
 
     python -m benchmarks.router_cost [--quick] [--json PATH] [--plot PATH]
+    python -m benchmarks.router_cost --tracing [--quick] [--json PATH]
 
 Each server runs under ``hypercorn -k trio`` pinned to one core (the first this
 process may use); everything else (the synthetic prefill and decode workers,
@@ -1343,9 +1344,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--plot", type=Path, default=None, help="draw the latency CDFs into this PNG (matplotlib)"
     )
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="only the tracing rows: tracing off, on at 1.0 and at 0.01, in alternated "
+        "rounds, beside the OpenTelemetry SDK's own floor (benchmarks.router_cost_versus)",
+    )
     parser.add_argument("--role", choices=["direct", "floor"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.tracing:
+        from benchmarks import router_cost_versus
+
+        forwarded = ["--tracing", *(["--quick"] if args.quick else [])]
+        return router_cost_versus.main(
+            forwarded + ([] if args.json is None else ["--json", str(args.json)])
+        )
     if args.role == "direct":
         direct_reader(json.loads(args.spec))
         return 0
