@@ -217,11 +217,13 @@ class RouterConnection:
             )
             return
         choice_ids = _choice_ids(message) if isinstance(message, DecodeStartChoices) else ()
-        if request_id in server.owner or any(c in server.owner for c in choice_ids):
+        owners = {server.owner.get(i) for i in (request_id, *choice_ids)} - {None}
+        if owners:
+            # on this link, the router's own mistake; over another, the router lost that
+            # link (its run here ends when this worker sees it go)
+            reason = RejectReason.BAD_REQUEST if owners == {self} else RejectReason.ALREADY_RUNNING
             message_text = f"request {request_id} is already running here"
-            await self.sender.send_control(
-                DecodeRejected(request_id, RejectReason.BAD_REQUEST, message_text)
-            )
+            await self.sender.send_control(DecodeRejected(request_id, reason, message_text))
             return
         scope = trio.CancelScope()
         self.requests[request_id] = scope

@@ -372,6 +372,27 @@ async def test_a_start_for_a_running_request_is_rejected() -> None:
         assert pair.decode.engine.statistics().kv_blocks_in_use == 0
 
 
+async def test_a_start_running_over_another_link_is_rejected_for_another_decode() -> None:
+    # the router lost the first link (this worker has not seen it go yet) and tries again
+    async with running_pair(decode_step_s=0.01) as pair:
+        reply = await _prefill(pair.prefill_url, "again", "prompt", 50)
+        async with (
+            trio_websocket.open_websocket_url(pair.ws_url) as lost,
+            trio_websocket.open_websocket_url(pair.ws_url) as new,
+        ):
+            await lost.send_message(decode_start(reply))
+            assert _strict_unpack(await _next_message(lost))[:2] == [ACCEPTED, "again"]
+            await new.send_message(decode_start(reply))
+            assert _strict_unpack(await _next_message(new))[:3] == [
+                REJECTED,
+                "again",
+                "already_running",
+            ]
+            await lost.send_message(msgpack.packb([ABORT, "again"]))
+        await wait_for_stats(lambda: not pair.decode.stats()["decode_requests"])
+        assert pair.decode.engine.statistics().kv_blocks_in_use == 0
+
+
 async def test_a_start_with_a_foreign_layout_is_rejected_naming_both() -> None:
     prefill = synthetic_worker("prefill", vocab_size=1000)
     decode = synthetic_worker("decode", vocab_size=2000)

@@ -26,6 +26,9 @@ class RejectReason(enum.StrEnum):
     TRANSFER_FAILED = "transfer_failed"
     BAD_REQUEST = "bad_request"
     SHUTTING_DOWN = "shutting_down"
+    # it runs here already, started over another link of the router's, one the router lost
+    # and this worker has not yet seen go: another decode may take it
+    ALREADY_RUNNING = "already_running"
 
 
 def choice_request_id(request_id: str, choice: int) -> str:

@@ -519,4 +519,5 @@ def rejection_is_retryable(rejection: DecodeRejected) -> bool:
         RejectReason.NO_ROOM,
         RejectReason.SHUTTING_DOWN,
         RejectReason.TRANSFER_FAILED,
+        RejectReason.ALREADY_RUNNING,
     )
