@@ -80,7 +80,10 @@ import attrs
 import httpx
 import trio
 
+from benchmarks import soak_goals
 from benchmarks.kit import percentile
+from benchmarks.soak_goals import FaultSpan, RequestRecord
+from pdtrio.config import SyntheticEngineConfig
 from pdtrio.faults import Fault, FaultProxy
 from pdtrio.testing import (
     LOOPBACK,
@@ -119,6 +122,8 @@ KV_FAULT_KINDS = (
     "reset_after_bytes",
     "refuse",
 )
+VOCAB_SIZE = SyntheticEngineConfig().vocab_size
+"""The workers' (their default): what the expected answers are computed with."""
 KV_PULL_MAX_BYTES = 1500
 """About the most one pull moves here (a 200-token synthetic prompt's KV is 832 bytes)."""
 
@@ -161,16 +166,25 @@ class Tally:
     it was cleared (trio clock)."""
     decode_failed_spans: list[tuple[float, float]] = attrs.field(factory=list)
     """When each request that ended ``decode_failed`` ran (trio clock)."""
+    records: list[RequestRecord] = attrs.field(factory=list)
+    """Every request that ended (not the hung): for the per-fault accounting."""
+    spans: list[FaultSpan] = attrs.field(factory=list)
+    """Every fault, labelled, from when it began to when it was cleared (trio clock)."""
+
+
+def _prompt(prompt_tokens: int) -> list[int]:
+    return [1 + (i * 7) % 900 for i in range(prompt_tokens)]
 
 
 def _request(max_tokens: int, stream: bool, prompt_tokens: int) -> bytes:
     body = json.dumps(
         {
             "model": "synthetic",
-            "prompt": [1 + (i * 7) % 900 for i in range(prompt_tokens)],
+            "prompt": _prompt(prompt_tokens),
             "max_tokens": max_tokens,
             "ignore_eos": True,
             "stream": stream,
+            "temperature": 0,  # greedy: each answer has one right text
         }
     ).encode()
     head = (
@@ -237,7 +251,8 @@ async def _one_request(
 ) -> str:
     stream = rng.random() < 0.7
     max_tokens = rng.randint(1, settings.max_tokens)
-    request = _request(max_tokens, stream, rng.randint(4, 200))
+    prompt_tokens = rng.randint(4, 200)
+    request = _request(max_tokens, stream, prompt_tokens)
     roll = rng.random()
     disconnect_after = rng.uniform(0.0, 1.0) if roll < 0.25 else None
     slow = 0.25 <= roll < 0.35
@@ -264,8 +279,16 @@ async def _one_request(
             except (trio.BrokenResourceError, OSError):
                 pass
         if scope.cancelled_caught:
+            tally.records.append(RequestRecord(began, trio.current_time(), "client disconnected"))
             return "client disconnected"
         outcome = _classify(bytes(received), stream)
+        wrong, request_id = None, None
+        if outcome == "ok":
+            request_id, text = soak_goals.answer(bytes(received), stream)
+            wrong = text != soak_goals.expected_text(_prompt(prompt_tokens), max_tokens, VOCAB_SIZE)
+            if wrong:
+                tally.samples.setdefault("wrong answer", text[-160:])
+        tally.records.append(RequestRecord(began, trio.current_time(), outcome, wrong, request_id))
         if outcome != "ok":
             tally.samples.setdefault(outcome, bytes(received[-300:]).decode(errors="replace"))
             tally.causes[_cause(outcome, bytes(received))] += 1
@@ -365,6 +388,7 @@ async def _faults(
         finally:
             busy.discard(index)
             tally.fault_windows.setdefault(index, []).append((began, trio.current_time()))
+            _record_span(tally, targets[index].name, kind, began)
 
     async with trio.open_nursery() as nursery:
         while True:
@@ -379,6 +403,12 @@ async def _faults(
             busy.add(index)
             tally.faults[f"{kind} {targets[index].name}"] += 1
             nursery.start_soon(apply, kind, index)
+
+
+def _record_span(tally: Tally, target: str, kind: str, began: float) -> None:
+    label = f"{target} {kind}"
+    kind_class = soak_goals.fault_kind(target, kind)
+    tally.spans.append(FaultSpan(label, kind_class, began, trio.current_time()))
 
 
 # --- measuring ----------------------------------------------------------------------
@@ -529,7 +559,7 @@ async def _soak(
                 "request_timeout_s": 120.0,
             },
         )
-        router = await trio.to_thread.run_sync(lambda: procs.router(config))
+        router = await trio.to_thread.run_sync(lambda: procs.router(config, output="capture"))
         host, port_text = router.address.rsplit(":", 1)
         address = (host, int(port_text))
         limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
@@ -596,6 +626,7 @@ async def _soak(
         samples=tally.samples,
         causes=dict(tally.causes.most_common()),
         decode_failed=_decode_failed_by_fault(tally, targets),
+        **_accounting(tally, procs.output(router.process), result),
         probes=len(times),
         probe_failures=probe_failures,
         disconnect_to_free_p50_ms=percentile(times, 50) * 1000,
@@ -764,6 +795,7 @@ async def _host_faults(
         finally:
             busy.discard(index)
             tally.fault_windows.setdefault(index, []).append((began, trio.current_time()))
+            _record_span(tally, targets[index].name, kind, began)
 
     async with trio.open_nursery() as nursery:
         while True:
@@ -874,6 +906,7 @@ async def _soak_hosts(
         samples=tally.samples,
         causes=dict(tally.causes.most_common()),
         decode_failed=_decode_failed_by_fault(tally, targets),
+        **_accounting(tally, procs.output(router.process), result),
         probes=len(times),
         probe_failures=probe_failures,
         disconnect_to_free_p50_ms=percentile(times, 50) * 1000,
@@ -951,7 +984,9 @@ def run_on_hosts(settings: Settings) -> dict[str, Any]:
         )
         bind = f"{bed.address('router')}:{ROUTER_PORT}"
         process = procs.start(
-            bed.command("router", router_command(bind)), env={"PDTRIO_CONFIG": str(config)}
+            bed.command("router", router_command(bind)),
+            env={"PDTRIO_CONFIG": str(config)},
+            output="capture",
         )
         router = Service(process, f"http://{bind}")
         with bed.inside("client"):  # the clients' sockets, and trio's threads, are the client's
@@ -1002,6 +1037,26 @@ def _decode_failed_by_fault(
     return {
         "every_decode_faulted": unrecoverable,
         "recoverable": len(tally.decode_failed_spans) - unrecoverable,
+    }
+
+
+def _accounting(tally: Tally, router_output: bytes, result: dict[str, Any]) -> dict[str, Any]:
+    """The per-fault table and the goals, each met or not."""
+    by_label, by_kind = soak_goals.account(
+        tally.records,
+        tally.spans,
+        soak_goals.migrated_request_ids(router_output),
+        settle_s=RECONNECT_S,
+    )
+    # every request, under faults of several classes too
+    everything = soak_goals.Row(wrong=sum(bool(record.wrong) for record in tally.records))
+    met = soak_goals.goals(
+        by_kind, everything, result["leaks"], len(tally.hung), result.get("kv_digest")
+    )
+    return {
+        "per_fault": {label: attrs.asdict(row) for label, row in by_label.items()},
+        "per_goal_class": {kind: attrs.asdict(row) for kind, row in by_kind.items()},
+        "goals": [{"goal": goal, "met": ok} for goal, ok in met],
     }
 
 
@@ -1056,6 +1111,12 @@ def render(r: dict[str, Any]) -> str:
         lines.append(f"  e.g. {outcome}: {sample[-160:]!r}")
     for hung in r["hung"][:5]:
         lines.append(f"  hung: {hung}")
+    rows = {k: soak_goals.Row(**v) for k, v in r["per_fault"].items()}
+    classes = {k: soak_goals.Row(**v) for k, v in r["per_goal_class"].items()}
+    lines += soak_goals.render_table(rows, classes)
+    lines.append("  goals")
+    for goal in r["goals"]:
+        lines.append(f"    {'PASS' if goal['met'] else 'FAIL'}  {goal['goal']}")
     return "\n".join(lines)
 
 
@@ -1089,6 +1150,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
     ok = not result["leaks"] and not result["hung"] and not result["processes"]["left_behind"]
+    ok = ok and all(goal["met"] for goal in result["goals"])
     ok = ok and not result.get("bed", {}).get("namespaces_left")
     return 0 if ok else 1
 
