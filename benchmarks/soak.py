@@ -1,7 +1,9 @@
 """Soak: many clients, random disconnects and faults for a while; then nothing may be left over.
 
 Real processes on loopback: a router (``hypercorn -k trio``, static config) over
-2 prefill and 2 decode synthetic workers, with a :class:`~pdtrio.faults.FaultProxy`
+2 prefill and 3 decode synthetic workers (the third with the ``kv_transfer_corrupt``
+hook on, set at start as hooks are: it flips a byte of each block it pulls, so each of
+its handoffs must be refused by decode's digest check and go on elsewhere), with a :class:`~pdtrio.faults.FaultProxy`
 (run in this process) between the router and each worker's URL, so the router's
 link and health probes to every worker go through it, and one in front of each
 prefill's KV transfer port: prefill binds a port chosen here and advertises the
@@ -38,6 +40,13 @@ every fault is cleared:
   ``/health`` to no active requests;
 - the router's memory (RSS of its process tree) at the start and the end;
 - each process must exit on SIGINT, and nothing below it may outlive it.
+
+Every completed answer is checked against the synthetic engine's (the clients ask for
+greedy answers, one right text each: ``soak_goals.expected_text``); one that differs is
+wrong.  Each request is attributed to the faults active in its life, and the soak prints
+per fault: requests, completed, migrated (the router's access lines), failed, cut (failed
+without a well-formed error) and wrong; then issue 53's goals, PASS or FAIL, and exits 1
+when one is missed (``benchmarks.soak_goals``).
 
 A request whose decode is lost goes on on another (decode migration); one that ends
 ``decode_failed`` all the same is split by whether every decode was under a fault at
@@ -441,12 +450,14 @@ _LEAK_FIELDS = (
 )
 
 
-async def _wait_healthy(http: httpx.AsyncClient, router: Service, within_s: float) -> bool:
+async def _wait_healthy(
+    http: httpx.AsyncClient, router: Service, within_s: float, decodes: int = 2
+) -> bool:
     with trio.move_on_after(within_s):
         while True:
             try:
                 health = (await http.get(f"{router.url}/health")).json()
-                if health["prefill_instances"] == 2 and health["decode_instances"] == 2:
+                if health["prefill_instances"] == 2 and health["decode_instances"] == decodes:
                     return True
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
@@ -472,6 +483,23 @@ async def _leaks(
         if not leaks or trio.current_time() > deadline:
             return leaks
         await trio.sleep(0.2)
+
+
+_DIGEST_MISMATCHES = re.compile(
+    rb"^pdtrio_worker_kv_digest_mismatches_total(?:\{[^}]*\})? (\S+)$", re.M
+)
+
+
+async def _digest_figures(http: httpx.AsyncClient, decodes: list[Service]) -> dict[str, int]:
+    """The pulls the corrupt-a-byte hook damaged and the handoffs decode refused for a
+    digest mismatch, over every decode (the hook is on in one)."""
+    corrupted = mismatches = 0
+    for decode in decodes:
+        info = (await http.get(f"{decode.url}/pd/info")).json()
+        corrupted += info["kv_transport"].get("fault_hooks", {}).get("corrupted_pulls", 0)
+        metrics = (await http.get(f"{decode.url}/metrics")).content
+        mismatches += sum(int(float(v)) for v in _DIGEST_MISMATCHES.findall(metrics))
+    return {"corrupted_pulls": corrupted, "digest_mismatches": mismatches}
 
 
 async def _probe(
@@ -518,8 +546,10 @@ async def _soak(
     kv_ports: list[tuple[int, int] | None],
     settings: Settings,
     tmp: Path,
+    corrupting: int,
 ) -> dict[str, Any]:
-    """``kv_ports``: each prefill's bound and advertised KV transfer port (None: not a prefill)."""
+    """``kv_ports``: each prefill's bound and advertised KV transfer port (None: not a prefill);
+    ``corrupting``: the index of the decode whose every pull is damaged."""
     rng = random.Random(settings.seed)
     tally = Tally()
     stopped: set[int] = set()
@@ -564,8 +594,9 @@ async def _soak(
         address = (host, int(port_text))
         limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
         async with httpx.AsyncClient(timeout=30, limits=limits) as http:
-            if not await _wait_healthy(http, router, 30):
-                raise RuntimeError("the router never saw all four workers")
+            decode_count = sum(w.ready["role"] == "decode" for w in workers)
+            if not await _wait_healthy(http, router, 30, decode_count):
+                raise RuntimeError("the router never saw all its workers")
             # warm up the router before its memory is the baseline
             async with trio.open_nursery() as warmup:
                 for i in range(16):
@@ -574,6 +605,9 @@ async def _soak(
 
             started = trio.current_time()
             until = started + settings.seconds
+            # the corrupting decode damages every pull it makes, all along
+            tally.spans.append(FaultSpan("decode corrupt", soak_goals.KV_PATH, started, until))
+            tally.fault_windows[corrupting] = [(started, until)]  # it can take no request
             try:
                 with trio.CancelScope(deadline=until + settings.hang_bound_s):
                     async with trio.open_nursery() as load:
@@ -589,7 +623,7 @@ async def _soak(
                 for pid in stopped:
                     os.kill(pid, signal.SIGCONT)
             result["soak_s"] = trio.current_time() - started
-            result["healthy_again"] = await _wait_healthy(http, router, 30)
+            result["healthy_again"] = await _wait_healthy(http, router, 30, decode_count)
 
             decodes = [w for w in workers if w.ready["role"] == "decode"]
             times = []
@@ -607,6 +641,7 @@ async def _soak(
             result["kv_leases_expired"] = sum(
                 [(await _stats(http, p)).get("kv_leases_expired", 0) for p in prefills]
             )
+            result["kv_digest"] = await _digest_figures(http, decodes)
         result["kv_connections_proxied"] = sum(
             t.proxy.counters.connections_accepted for t in targets[len(links) :]
         )
@@ -691,13 +726,21 @@ def run(settings: Settings) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, Processes(stop_grace_s=30) as procs:
         started = []
         kv_ports: list[tuple[int, int] | None] = []
-        for role in ("prefill", "prefill", "decode", "decode"):
+        for role, corrupt in (
+            ("prefill", 0),
+            ("prefill", 0),
+            ("decode", 0),
+            ("decode", 0),
+            ("decode", 1),
+        ):
             config = {
                 **synthetic_worker_config(role, decode_step_s=DECODE_STEP_S),
                 "kv_lease_s": KV_LEASE_S,
                 # only TCP pulls can be faulted (NIXL's data bypasses the proxy)
                 "kv_transport": "tcp",
             }
+            if corrupt:  # the corrupt-a-byte fault: the hook is set at start only
+                config["faults"] = {"kv_transfer_corrupt": True}
             ports: tuple[int, int] | None = None
             if role == "prefill":
                 # bound and advertised; the soak's proxy listens on the second
@@ -707,7 +750,8 @@ def run(settings: Settings) -> dict[str, Any]:
             kv_ports.append(ports)
             started.append(procs.start_worker(config))
         workers = [procs.wait_ready(process) for process in started]
-        result = trio.run(_soak, procs, workers, kv_ports, settings, Path(tmp))
+        corrupting = len(workers) - 1
+        result = trio.run(_soak, procs, workers, kv_ports, settings, Path(tmp), corrupting)
     result["settings"] = attrs.asdict(settings)
     return result
 
@@ -1084,6 +1128,12 @@ def render(r: dict[str, Any]) -> str:
         lines.append(f"  namespaces left      {r['bed']['namespaces_left'] or 0}")
     else:
         lines.append(f"  KV pulls proxied     {r['kv_connections_proxied']} connections")
+    if "kv_digest" in r:
+        digest = r["kv_digest"]
+        lines.append(
+            f"  KV digest            {digest['corrupted_pulls']} pulls corrupted, "
+            f"{digest['digest_mismatches']} mismatches detected"
+        )
     lines.append(f"  healthy again        {r['healthy_again']}")
     lines.append(f"  leaks                {r['leaks'] or 0}")
     lines.append(f"  KV leases expired    {r['kv_leases_expired']}")
