@@ -767,6 +767,9 @@ LOSS_PERCENT = 2.0
 LATENCY_MS = 50
 PREFILL_HOSTS = ("prefill", "prefill2")
 DECODE_HOSTS = ("decode", "decode2")
+CORRUPTING_HOST = "decode3"
+"""A third decode, with the ``kv_transfer_corrupt`` hook on: each of its NIXL pulls is
+damaged, so each handoff to it must be refused and go on elsewhere; no network fault."""
 WORKER_HOST_FAULTS = ("cut_link", "cut_blackhole", "cut_drop", "flap")
 NFT_FAULTS = frozenset({"cut_drop", "loss"})
 CUTS: dict[str, Partition] = {"cut_link": "link", "cut_blackhole": "blackhole", "cut_drop": "drop"}
@@ -889,7 +892,7 @@ async def _soak_hosts(
     address = (bed.address("router"), ROUTER_PORT)
     limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
     async with httpx.AsyncClient(timeout=30, limits=limits, trust_env=False) as http:
-        if not await _wait_healthy(http, router, 60):
+        if not await _wait_healthy(http, router, 60, decodes=3):
             raise RuntimeError("the router never saw all four workers in etcd")
         async with trio.open_nursery() as warmup:
             for i in range(16):
@@ -897,6 +900,8 @@ async def _soak_hosts(
         result["router_rss_start_mb"] = _rss_mb(router)
         started = trio.current_time()
         until = started + settings.seconds
+        span = FaultSpan(f"{CORRUPTING_HOST} corrupt", soak_goals.KV_PATH, started, until)
+        tally.spans.append(span)
         try:
             with trio.CancelScope(deadline=until + settings.hang_bound_s):
                 async with trio.open_nursery() as load:
@@ -912,7 +917,7 @@ async def _soak_hosts(
                 for proxy in (p for group in proxies.values() for p in group):
                     await trio.to_thread.run_sync(proxy.control, "clear")
         result["soak_s"] = trio.current_time() - started
-        result["healthy_again"] = await _wait_healthy(http, router, 30)
+        result["healthy_again"] = await _wait_healthy(http, router, 30, decodes=3)
         decodes = [w for w in workers if w.ready["role"] == "decode"]
         times = []
         probe_failures = 0
@@ -934,6 +939,7 @@ async def _soak_hosts(
             info = (await http.get(f"{decode.url}/pd/info")).json()
             pulls.update(info["kv_transport"]["pulls"])
         result["kv_pulls"] = dict(pulls)
+        result["kv_digest"] = await _digest_figures(http, decodes)
     result["kv_connections_proxied"] = "n/a (--hosts: see kv_pulls)"
     result["router_rss_end_mb"] = _rss_mb(router)
     result["processes"] = await trio.to_thread.run_sync(
@@ -977,6 +983,8 @@ def _host_worker_config(bed: Bed, host: str) -> dict[str, Any]:
             "etcd_timeout_s": 1.0,
         },
     }
+    if host == CORRUPTING_HOST:
+        config["faults"] = {"kv_transfer_corrupt": True}
     if role == "prefill":
         config["advertise_port"] = HOST_PORT + 1
         config["advertise_transfer_port"] = HOST_KV_PORT + 1
@@ -989,7 +997,7 @@ def run_on_hosts(settings: Settings) -> dict[str, Any]:
     reason = bed_unavailable()
     if reason is not None:
         raise SystemExit(f"--hosts: no multi-host bed here: {reason}")
-    hosts = ("router", *PREFILL_HOSTS, *DECODE_HOSTS, "etcd", "client")
+    hosts = ("router", *PREFILL_HOSTS, *DECODE_HOSTS, CORRUPTING_HOST, "etcd", "client")
     with (
         tempfile.TemporaryDirectory() as tmp,
         Bed(hosts) as bed,
@@ -1011,7 +1019,7 @@ def run_on_hosts(settings: Settings) -> dict[str, Any]:
                 stdin=True,
                 output="lines",
             )
-            for host in (*PREFILL_HOSTS, *DECODE_HOSTS)
+            for host in (*PREFILL_HOSTS, *DECODE_HOSTS, CORRUPTING_HOST)
         }
         workers = [
             procs.wait_ready(process, host=bed.address(host)) for host, process in started.items()

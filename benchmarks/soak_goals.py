@@ -182,13 +182,16 @@ def goals(
     """Issue 53's goals, each met or not, from the soak's accounting."""
     kv, partition, slow = (by_kind.get(k, Row()) for k in (KV_PATH, PARTITION, SLOW))
     result = [
-        (f"KV-path faults: 0 lost ({kv.failed} of {kv.requests})", kv.failed == 0),
+        (f"KV-path faults: 0 lost ({kv.failed} of {kv.requests} failed)", kv.failed == 0),
         (
             f"partitions: every stream completes or ends well-formed "
-            f"({partition.cut} cut, {hung} hung)",
+            f"({partition.cut} of {partition.requests} cut, {hung} hung)",
             partition.cut == 0 and hung == 0,
         ),
-        (f"latency/loss alone: no failed request ({slow.failed})", slow.failed == 0),
+        (
+            f"latency/loss alone: no failed request ({slow.failed} of {slow.requests})",
+            slow.failed == 0,
+        ),
         (f"0 wrong answers, any fault ({all_rows.wrong})", all_rows.wrong == 0),
         (f"0 leaked on every worker ({len(leaks)} holding)", not leaks),
     ]
