@@ -1053,6 +1053,11 @@ def run_on_hosts(settings: Settings) -> dict[str, Any]:
     return result
 
 
+MIGRATION_BOUND_S = 3 * LINK_TIMEOUT_S + 5.0
+"""How long the router may go on trying to place a request whose decode or prefill was cut
+off: ``migration_limit`` (3) link timeouts, then ``decode_reconnect_wait_s`` (5 s); the
+defaults, which the soak's router runs with."""
+
 RECONNECT_S = 1.0
 """How long a faulted link takes to come back once its fault is cleared: the router
 retries a lost link every 0.5 s, then connects and gets decode's first report."""
@@ -1102,10 +1107,17 @@ def _accounting(tally: Tally, router_output: bytes, result: dict[str, Any]) -> d
     )
     # every request, under faults of several classes too
     everything = soak_goals.Row(wrong=sum(bool(record.wrong) for record in tally.records))
+    failed_s, every_s = soak_goals.after_partition_s(tally.records, tally.spans, RECONNECT_S)
     met = soak_goals.goals(
-        by_kind, everything, result["leaks"], len(tally.hung), result.get("kv_digest")
+        by_kind,
+        everything,
+        result["leaks"],
+        len(tally.hung),
+        result.get("kv_digest"),
+        (failed_s, LINK_TIMEOUT_S + MIGRATION_BOUND_S),
     )
     return {
+        "after_partition_longest_s": {"failed": failed_s, "any": every_s},
         "per_fault": {label: attrs.asdict(row) for label, row in by_label.items()},
         "per_goal_class": {kind: attrs.asdict(row) for kind, row in by_kind.items()},
         "goals": [{"goal": goal, "met": ok} for goal, ok in met],
@@ -1162,6 +1174,12 @@ def render(r: dict[str, Any]) -> str:
         f"{r['decode_failed']['recoverable']} while another decode was up (goal 0), "
         f"{r['decode_failed']['every_decode_faulted']} while every decode was faulted at once"
     )
+    if soak_goals.PARTITION in r["per_goal_class"]:
+        after = r["after_partition_longest_s"]
+        lines.append(
+            f"  after a partition    a request ended at most {after['any']:.1f} s later "
+            f"(a failed one {after['failed']:.1f} s)"
+        )
     lines.append("  failures by cause")
     for cause, count in r["causes"].items():
         lines.append(f"    {count:6d}  {cause[:150]}")

@@ -172,21 +172,54 @@ def goal_classes(classes: set[str]) -> list[str]:
     return rows
 
 
+def after_partition_s(
+    records: Sequence[RequestRecord], spans: Sequence[FaultSpan], settle_s: float
+) -> tuple[float, float]:
+    """How long after the last partition of its life each request under one ended, the
+    longest: of those that failed, and of all."""
+    failed, every = 0.0, 0.0
+    for record in records:
+        starts = [
+            max(span.began, record.began)
+            for span in spans
+            if span.kind == PARTITION
+            and span.began <= record.ended
+            and span.cleared + settle_s >= record.began
+        ]
+        if not starts:
+            continue
+        took = record.ended - max(starts)
+        every = max(every, took)
+        if _failed(record.outcome):
+            failed = max(failed, took)
+    return failed, every
+
+
 def goals(
     by_kind: dict[str, Row],
     all_rows: Row,
     leaks: dict[str, Any],
     hung: int,
     digest: dict[str, int] | None,
+    partition_bound: tuple[float, float] = (0.0, 0.0),
 ) -> list[tuple[str, bool]]:
-    """Issue 53's goals, each met or not, from the soak's accounting."""
+    """Issue 53's goals, each met or not, from the soak's accounting.
+
+    ``partition_bound``: the longest a request that failed under a partition took to end
+    after it began, and the most it may (``link_timeout_s`` plus the migration bound)."""
     kv, partition, slow = (by_kind.get(k, Row()) for k in (KV_PATH, PARTITION, SLOW))
+    took, bound = partition_bound
     result = [
         (f"KV-path faults: 0 lost ({kv.failed} of {kv.requests} failed)", kv.failed == 0),
         (
             f"partitions: every stream completes or ends well-formed "
             f"({partition.cut} of {partition.requests} cut, {hung} hung)",
             partition.cut == 0 and hung == 0,
+        ),
+        (
+            f"partitions: a failure ends within {bound:g} s of the partition "
+            f"(longest {took:.1f} s)",
+            took <= bound,
         ),
         (
             f"latency/loss alone: no failed request ({slow.failed} of {slow.requests})",

@@ -14,6 +14,7 @@ from benchmarks.soak_goals import (
     RequestRecord,
     Row,
     account,
+    after_partition_s,
     answer,
     fault_kind,
     goals,
@@ -51,7 +52,19 @@ def test_a_request_counts_under_each_fault_of_its_life_and_its_goal_rows() -> No
     assert by_kind[KV_PATH].failed == 1 and by_kind[KV_PATH].requests == 1
     assert by_kind[LINK].requests == 1
     met = dict(goals(by_kind, Row(wrong=1), {}, hung=0, digest=None))
-    assert list(met.values()) == [False, True, False, False, True]
+    assert list(met.values()) == [False, True, True, False, False, True]
+
+
+def test_a_failure_under_a_partition_must_end_within_the_bound() -> None:
+    spans = [FaultSpan("decode cut_link", PARTITION, 2.0, 4.0)]
+    records = [
+        RequestRecord(0.0, 9.0, "ok", False),  # 7 s after the cut began
+        RequestRecord(3.0, 5.5, "http 502 decode_failed"),  # 2.5 s after it ran into it
+        RequestRecord(6.0, 7.0, "http 503 service_unavailable"),  # past the settle: none
+    ]
+    assert after_partition_s(records, spans, settle_s=1.0) == (2.5, 7.0)
+    met = goals({}, Row(), {}, 0, None, partition_bound=(2.5, 2.0))
+    assert not met[2][1]
 
 
 def test_every_corrupted_pull_must_be_detected() -> None:
