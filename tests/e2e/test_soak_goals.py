@@ -17,6 +17,7 @@ from benchmarks.soak_goals import (
     after_partition_s,
     answer,
     fault_kind,
+    goal_classes,
     goals,
     migrated_request_ids,
 )
@@ -65,6 +66,13 @@ def test_a_failure_under_a_partition_must_end_within_the_bound() -> None:
     assert after_partition_s(records, spans, settle_s=1.0) == (2.5, 7.0)
     met = goals({}, Row(), {}, 0, None, partition_bound=(2.5, 2.0))
     assert not met[2][1]
+
+
+def test_kv_path_and_latency_faults_together_count_for_both_goals() -> None:
+    assert goal_classes({KV_PATH, SLOW}) == [KV_PATH, SLOW]
+    assert goal_classes({KV_PATH, LINK}) == [LINK]
+    assert goal_classes({PARTITION, LINK}) == [PARTITION]
+    assert goal_classes(set()) == [NO_FAULT]
 
 
 def test_every_corrupted_pull_must_be_detected() -> None:
