@@ -1,7 +1,9 @@
 """Soak: many clients, random disconnects and faults for a while; then nothing may be left over.
 
 Real processes on loopback: a router (``hypercorn -k trio``, static config) over
-2 prefill and 2 decode synthetic workers, with a :class:`~pdtrio.faults.FaultProxy`
+2 prefill and 3 decode synthetic workers (the third with the ``kv_transfer_corrupt``
+hook on, set at start as hooks are: it flips a byte of each block it pulls, so each of
+its handoffs must be refused by decode's digest check and go on elsewhere), with a :class:`~pdtrio.faults.FaultProxy`
 (run in this process) between the router and each worker's URL, so the router's
 link and health probes to every worker go through it, and one in front of each
 prefill's KV transfer port: prefill binds a port chosen here and advertises the
@@ -38,6 +40,13 @@ every fault is cleared:
   ``/health`` to no active requests;
 - the router's memory (RSS of its process tree) at the start and the end;
 - each process must exit on SIGINT, and nothing below it may outlive it.
+
+Every completed answer is checked against the synthetic engine's (the clients ask for
+greedy answers, one right text each: ``soak_goals.expected_text``); one that differs is
+wrong.  Each request is attributed to the faults active in its life, and the soak prints
+per fault: requests, completed, migrated (the router's access lines), failed, cut (failed
+without a well-formed error) and wrong; then issue 53's goals, PASS or FAIL, and exits 1
+when one is missed (``benchmarks.soak_goals``).
 
 A request whose decode is lost goes on on another (decode migration); one that ends
 ``decode_failed`` all the same is split by whether every decode was under a fault at
@@ -80,7 +89,10 @@ import attrs
 import httpx
 import trio
 
+from benchmarks import soak_goals
 from benchmarks.kit import percentile
+from benchmarks.soak_goals import FaultSpan, RequestRecord
+from pdtrio.config import SyntheticEngineConfig
 from pdtrio.faults import Fault, FaultProxy
 from pdtrio.testing import (
     LOOPBACK,
@@ -119,6 +131,8 @@ KV_FAULT_KINDS = (
     "reset_after_bytes",
     "refuse",
 )
+VOCAB_SIZE = SyntheticEngineConfig().vocab_size
+"""The workers' (their default): what the expected answers are computed with."""
 KV_PULL_MAX_BYTES = 1500
 """About the most one pull moves here (a 200-token synthetic prompt's KV is 832 bytes)."""
 
@@ -161,16 +175,25 @@ class Tally:
     it was cleared (trio clock)."""
     decode_failed_spans: list[tuple[float, float]] = attrs.field(factory=list)
     """When each request that ended ``decode_failed`` ran (trio clock)."""
+    records: list[RequestRecord] = attrs.field(factory=list)
+    """Every request that ended (not the hung): for the per-fault accounting."""
+    spans: list[FaultSpan] = attrs.field(factory=list)
+    """Every fault, labelled, from when it began to when it was cleared (trio clock)."""
+
+
+def _prompt(prompt_tokens: int) -> list[int]:
+    return [1 + (i * 7) % 900 for i in range(prompt_tokens)]
 
 
 def _request(max_tokens: int, stream: bool, prompt_tokens: int) -> bytes:
     body = json.dumps(
         {
             "model": "synthetic",
-            "prompt": [1 + (i * 7) % 900 for i in range(prompt_tokens)],
+            "prompt": _prompt(prompt_tokens),
             "max_tokens": max_tokens,
             "ignore_eos": True,
             "stream": stream,
+            "temperature": 0,  # greedy: each answer has one right text
         }
     ).encode()
     head = (
@@ -237,7 +260,8 @@ async def _one_request(
 ) -> str:
     stream = rng.random() < 0.7
     max_tokens = rng.randint(1, settings.max_tokens)
-    request = _request(max_tokens, stream, rng.randint(4, 200))
+    prompt_tokens = rng.randint(4, 200)
+    request = _request(max_tokens, stream, prompt_tokens)
     roll = rng.random()
     disconnect_after = rng.uniform(0.0, 1.0) if roll < 0.25 else None
     slow = 0.25 <= roll < 0.35
@@ -264,8 +288,16 @@ async def _one_request(
             except (trio.BrokenResourceError, OSError):
                 pass
         if scope.cancelled_caught:
+            tally.records.append(RequestRecord(began, trio.current_time(), "client disconnected"))
             return "client disconnected"
         outcome = _classify(bytes(received), stream)
+        wrong, request_id = None, None
+        if outcome == "ok":
+            request_id, text = soak_goals.answer(bytes(received), stream)
+            wrong = text != soak_goals.expected_text(_prompt(prompt_tokens), max_tokens, VOCAB_SIZE)
+            if wrong:
+                tally.samples.setdefault("wrong answer", text[-160:])
+        tally.records.append(RequestRecord(began, trio.current_time(), outcome, wrong, request_id))
         if outcome != "ok":
             tally.samples.setdefault(outcome, bytes(received[-300:]).decode(errors="replace"))
             tally.causes[_cause(outcome, bytes(received))] += 1
@@ -365,6 +397,7 @@ async def _faults(
         finally:
             busy.discard(index)
             tally.fault_windows.setdefault(index, []).append((began, trio.current_time()))
+            _record_span(tally, targets[index].name, kind, began)
 
     async with trio.open_nursery() as nursery:
         while True:
@@ -379,6 +412,12 @@ async def _faults(
             busy.add(index)
             tally.faults[f"{kind} {targets[index].name}"] += 1
             nursery.start_soon(apply, kind, index)
+
+
+def _record_span(tally: Tally, target: str, kind: str, began: float) -> None:
+    label = f"{target} {kind}"
+    kind_class = soak_goals.fault_kind(target, kind)
+    tally.spans.append(FaultSpan(label, kind_class, began, trio.current_time()))
 
 
 # --- measuring ----------------------------------------------------------------------
@@ -411,12 +450,14 @@ _LEAK_FIELDS = (
 )
 
 
-async def _wait_healthy(http: httpx.AsyncClient, router: Service, within_s: float) -> bool:
+async def _wait_healthy(
+    http: httpx.AsyncClient, router: Service, within_s: float, decodes: int = 2
+) -> bool:
     with trio.move_on_after(within_s):
         while True:
             try:
                 health = (await http.get(f"{router.url}/health")).json()
-                if health["prefill_instances"] == 2 and health["decode_instances"] == 2:
+                if health["prefill_instances"] == 2 and health["decode_instances"] == decodes:
                     return True
             except (httpx.HTTPError, ValueError, KeyError):
                 pass
@@ -442,6 +483,23 @@ async def _leaks(
         if not leaks or trio.current_time() > deadline:
             return leaks
         await trio.sleep(0.2)
+
+
+_DIGEST_MISMATCHES = re.compile(
+    rb"^pdtrio_worker_kv_digest_mismatches_total(?:\{[^}]*\})? (\S+)$", re.M
+)
+
+
+async def _digest_figures(http: httpx.AsyncClient, decodes: list[Service]) -> dict[str, int]:
+    """The pulls the corrupt-a-byte hook damaged and the handoffs decode refused for a
+    digest mismatch, over every decode (the hook is on in one)."""
+    corrupted = mismatches = 0
+    for decode in decodes:
+        info = (await http.get(f"{decode.url}/pd/info")).json()
+        corrupted += info["kv_transport"].get("fault_hooks", {}).get("corrupted_pulls", 0)
+        metrics = (await http.get(f"{decode.url}/metrics")).content
+        mismatches += sum(int(float(v)) for v in _DIGEST_MISMATCHES.findall(metrics))
+    return {"corrupted_pulls": corrupted, "digest_mismatches": mismatches}
 
 
 async def _probe(
@@ -488,8 +546,10 @@ async def _soak(
     kv_ports: list[tuple[int, int] | None],
     settings: Settings,
     tmp: Path,
+    corrupting: int,
 ) -> dict[str, Any]:
-    """``kv_ports``: each prefill's bound and advertised KV transfer port (None: not a prefill)."""
+    """``kv_ports``: each prefill's bound and advertised KV transfer port (None: not a prefill);
+    ``corrupting``: the index of the decode whose every pull is damaged."""
     rng = random.Random(settings.seed)
     tally = Tally()
     stopped: set[int] = set()
@@ -529,13 +589,14 @@ async def _soak(
                 "request_timeout_s": 120.0,
             },
         )
-        router = await trio.to_thread.run_sync(lambda: procs.router(config))
+        router = await trio.to_thread.run_sync(lambda: procs.router(config, output="capture"))
         host, port_text = router.address.rsplit(":", 1)
         address = (host, int(port_text))
         limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
         async with httpx.AsyncClient(timeout=30, limits=limits) as http:
-            if not await _wait_healthy(http, router, 30):
-                raise RuntimeError("the router never saw all four workers")
+            decode_count = sum(w.ready["role"] == "decode" for w in workers)
+            if not await _wait_healthy(http, router, 30, decode_count):
+                raise RuntimeError("the router never saw all its workers")
             # warm up the router before its memory is the baseline
             async with trio.open_nursery() as warmup:
                 for i in range(16):
@@ -544,6 +605,9 @@ async def _soak(
 
             started = trio.current_time()
             until = started + settings.seconds
+            # the corrupting decode damages every pull it makes, all along
+            tally.spans.append(FaultSpan("decode corrupt", soak_goals.KV_PATH, started, until))
+            tally.fault_windows[corrupting] = [(started, until)]  # it can take no request
             try:
                 with trio.CancelScope(deadline=until + settings.hang_bound_s):
                     async with trio.open_nursery() as load:
@@ -559,7 +623,7 @@ async def _soak(
                 for pid in stopped:
                     os.kill(pid, signal.SIGCONT)
             result["soak_s"] = trio.current_time() - started
-            result["healthy_again"] = await _wait_healthy(http, router, 30)
+            result["healthy_again"] = await _wait_healthy(http, router, 30, decode_count)
 
             decodes = [w for w in workers if w.ready["role"] == "decode"]
             times = []
@@ -577,6 +641,7 @@ async def _soak(
             result["kv_leases_expired"] = sum(
                 [(await _stats(http, p)).get("kv_leases_expired", 0) for p in prefills]
             )
+            result["kv_digest"] = await _digest_figures(http, decodes)
         result["kv_connections_proxied"] = sum(
             t.proxy.counters.connections_accepted for t in targets[len(links) :]
         )
@@ -596,6 +661,7 @@ async def _soak(
         samples=tally.samples,
         causes=dict(tally.causes.most_common()),
         decode_failed=_decode_failed_by_fault(tally, targets),
+        **_accounting(tally, procs.output(router.process), result),
         probes=len(times),
         probe_failures=probe_failures,
         disconnect_to_free_p50_ms=percentile(times, 50) * 1000,
@@ -660,13 +726,21 @@ def run(settings: Settings) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, Processes(stop_grace_s=30) as procs:
         started = []
         kv_ports: list[tuple[int, int] | None] = []
-        for role in ("prefill", "prefill", "decode", "decode"):
+        for role, corrupt in (
+            ("prefill", 0),
+            ("prefill", 0),
+            ("decode", 0),
+            ("decode", 0),
+            ("decode", 1),
+        ):
             config = {
                 **synthetic_worker_config(role, decode_step_s=DECODE_STEP_S),
                 "kv_lease_s": KV_LEASE_S,
                 # only TCP pulls can be faulted (NIXL's data bypasses the proxy)
                 "kv_transport": "tcp",
             }
+            if corrupt:  # the corrupt-a-byte fault: the hook is set at start only
+                config["faults"] = {"kv_transfer_corrupt": True}
             ports: tuple[int, int] | None = None
             if role == "prefill":
                 # bound and advertised; the soak's proxy listens on the second
@@ -676,7 +750,8 @@ def run(settings: Settings) -> dict[str, Any]:
             kv_ports.append(ports)
             started.append(procs.start_worker(config))
         workers = [procs.wait_ready(process) for process in started]
-        result = trio.run(_soak, procs, workers, kv_ports, settings, Path(tmp))
+        corrupting = len(workers) - 1
+        result = trio.run(_soak, procs, workers, kv_ports, settings, Path(tmp), corrupting)
     result["settings"] = attrs.asdict(settings)
     return result
 
@@ -692,6 +767,9 @@ LOSS_PERCENT = 2.0
 LATENCY_MS = 50
 PREFILL_HOSTS = ("prefill", "prefill2")
 DECODE_HOSTS = ("decode", "decode2")
+CORRUPTING_HOST = "decode3"
+"""A third decode, with the ``kv_transfer_corrupt`` hook on: each of its NIXL pulls is
+damaged, so each handoff to it must be refused and go on elsewhere; no network fault."""
 WORKER_HOST_FAULTS = ("cut_link", "cut_blackhole", "cut_drop", "flap")
 NFT_FAULTS = frozenset({"cut_drop", "loss"})
 CUTS: dict[str, Partition] = {"cut_link": "link", "cut_blackhole": "blackhole", "cut_drop": "drop"}
@@ -764,6 +842,7 @@ async def _host_faults(
         finally:
             busy.discard(index)
             tally.fault_windows.setdefault(index, []).append((began, trio.current_time()))
+            _record_span(tally, targets[index].name, kind, began)
 
     async with trio.open_nursery() as nursery:
         while True:
@@ -813,7 +892,7 @@ async def _soak_hosts(
     address = (bed.address("router"), ROUTER_PORT)
     limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
     async with httpx.AsyncClient(timeout=30, limits=limits, trust_env=False) as http:
-        if not await _wait_healthy(http, router, 60):
+        if not await _wait_healthy(http, router, 60, decodes=3):
             raise RuntimeError("the router never saw all four workers in etcd")
         async with trio.open_nursery() as warmup:
             for i in range(16):
@@ -821,6 +900,8 @@ async def _soak_hosts(
         result["router_rss_start_mb"] = _rss_mb(router)
         started = trio.current_time()
         until = started + settings.seconds
+        span = FaultSpan(f"{CORRUPTING_HOST} corrupt", soak_goals.KV_PATH, started, until)
+        tally.spans.append(span)
         try:
             with trio.CancelScope(deadline=until + settings.hang_bound_s):
                 async with trio.open_nursery() as load:
@@ -836,7 +917,7 @@ async def _soak_hosts(
                 for proxy in (p for group in proxies.values() for p in group):
                     await trio.to_thread.run_sync(proxy.control, "clear")
         result["soak_s"] = trio.current_time() - started
-        result["healthy_again"] = await _wait_healthy(http, router, 30)
+        result["healthy_again"] = await _wait_healthy(http, router, 30, decodes=3)
         decodes = [w for w in workers if w.ready["role"] == "decode"]
         times = []
         probe_failures = 0
@@ -858,6 +939,7 @@ async def _soak_hosts(
             info = (await http.get(f"{decode.url}/pd/info")).json()
             pulls.update(info["kv_transport"]["pulls"])
         result["kv_pulls"] = dict(pulls)
+        result["kv_digest"] = await _digest_figures(http, decodes)
     result["kv_connections_proxied"] = "n/a (--hosts: see kv_pulls)"
     result["router_rss_end_mb"] = _rss_mb(router)
     result["processes"] = await trio.to_thread.run_sync(
@@ -874,6 +956,7 @@ async def _soak_hosts(
         samples=tally.samples,
         causes=dict(tally.causes.most_common()),
         decode_failed=_decode_failed_by_fault(tally, targets),
+        **_accounting(tally, procs.output(router.process), result),
         probes=len(times),
         probe_failures=probe_failures,
         disconnect_to_free_p50_ms=percentile(times, 50) * 1000,
@@ -900,6 +983,8 @@ def _host_worker_config(bed: Bed, host: str) -> dict[str, Any]:
             "etcd_timeout_s": 1.0,
         },
     }
+    if host == CORRUPTING_HOST:
+        config["faults"] = {"kv_transfer_corrupt": True}
     if role == "prefill":
         config["advertise_port"] = HOST_PORT + 1
         config["advertise_transfer_port"] = HOST_KV_PORT + 1
@@ -912,7 +997,7 @@ def run_on_hosts(settings: Settings) -> dict[str, Any]:
     reason = bed_unavailable()
     if reason is not None:
         raise SystemExit(f"--hosts: no multi-host bed here: {reason}")
-    hosts = ("router", *PREFILL_HOSTS, *DECODE_HOSTS, "etcd", "client")
+    hosts = ("router", *PREFILL_HOSTS, *DECODE_HOSTS, CORRUPTING_HOST, "etcd", "client")
     with (
         tempfile.TemporaryDirectory() as tmp,
         Bed(hosts) as bed,
@@ -934,7 +1019,7 @@ def run_on_hosts(settings: Settings) -> dict[str, Any]:
                 stdin=True,
                 output="lines",
             )
-            for host in (*PREFILL_HOSTS, *DECODE_HOSTS)
+            for host in (*PREFILL_HOSTS, *DECODE_HOSTS, CORRUPTING_HOST)
         }
         workers = [
             procs.wait_ready(process, host=bed.address(host)) for host, process in started.items()
@@ -951,7 +1036,9 @@ def run_on_hosts(settings: Settings) -> dict[str, Any]:
         )
         bind = f"{bed.address('router')}:{ROUTER_PORT}"
         process = procs.start(
-            bed.command("router", router_command(bind)), env={"PDTRIO_CONFIG": str(config)}
+            bed.command("router", router_command(bind)),
+            env={"PDTRIO_CONFIG": str(config)},
+            output="capture",
         )
         router = Service(process, f"http://{bind}")
         with bed.inside("client"):  # the clients' sockets, and trio's threads, are the client's
@@ -965,6 +1052,11 @@ def run_on_hosts(settings: Settings) -> dict[str, Any]:
     result["settings"] = attrs.asdict(settings)
     return result
 
+
+MIGRATION_BOUND_S = 3 * LINK_TIMEOUT_S + 5.0
+"""How long the router may go on trying to place a request whose decode or prefill was cut
+off: ``migration_limit`` (3) link timeouts, then ``decode_reconnect_wait_s`` (5 s); the
+defaults, which the soak's router runs with."""
 
 RECONNECT_S = 1.0
 """How long a faulted link takes to come back once its fault is cleared: the router
@@ -1005,6 +1097,33 @@ def _decode_failed_by_fault(
     }
 
 
+def _accounting(tally: Tally, router_output: bytes, result: dict[str, Any]) -> dict[str, Any]:
+    """The per-fault table and the goals, each met or not."""
+    by_label, by_kind = soak_goals.account(
+        tally.records,
+        tally.spans,
+        soak_goals.migrated_request_ids(router_output),
+        settle_s=RECONNECT_S,
+    )
+    # every request, under faults of several classes too
+    everything = soak_goals.Row(wrong=sum(bool(record.wrong) for record in tally.records))
+    failed_s, every_s = soak_goals.after_partition_s(tally.records, tally.spans, RECONNECT_S)
+    met = soak_goals.goals(
+        by_kind,
+        everything,
+        result["leaks"],
+        len(tally.hung),
+        result.get("kv_digest"),
+        (failed_s, LINK_TIMEOUT_S + MIGRATION_BOUND_S),
+    )
+    return {
+        "after_partition_longest_s": {"failed": failed_s, "any": every_s},
+        "per_fault": {label: attrs.asdict(row) for label, row in by_label.items()},
+        "per_goal_class": {kind: attrs.asdict(row) for kind, row in by_kind.items()},
+        "goals": [{"goal": goal, "met": ok} for goal, ok in met],
+    }
+
+
 def _unexplained(outcomes: dict[str, int]) -> dict[str, int]:
     """Outcomes no injected fault accounts for: a bug to look into, though no leak."""
     return {
@@ -1029,6 +1148,12 @@ def render(r: dict[str, Any]) -> str:
         lines.append(f"  namespaces left      {r['bed']['namespaces_left'] or 0}")
     else:
         lines.append(f"  KV pulls proxied     {r['kv_connections_proxied']} connections")
+    if "kv_digest" in r:
+        digest = r["kv_digest"]
+        lines.append(
+            f"  KV digest            {digest['corrupted_pulls']} pulls corrupted, "
+            f"{digest['digest_mismatches']} mismatches detected"
+        )
     lines.append(f"  healthy again        {r['healthy_again']}")
     lines.append(f"  leaks                {r['leaks'] or 0}")
     lines.append(f"  KV leases expired    {r['kv_leases_expired']}")
@@ -1049,6 +1174,12 @@ def render(r: dict[str, Any]) -> str:
         f"{r['decode_failed']['recoverable']} while another decode was up (goal 0), "
         f"{r['decode_failed']['every_decode_faulted']} while every decode was faulted at once"
     )
+    if soak_goals.PARTITION in r["per_goal_class"]:
+        after = r["after_partition_longest_s"]
+        lines.append(
+            f"  after a partition    a request ended at most {after['any']:.1f} s later "
+            f"(a failed one {after['failed']:.1f} s)"
+        )
     lines.append("  failures by cause")
     for cause, count in r["causes"].items():
         lines.append(f"    {count:6d}  {cause[:150]}")
@@ -1056,6 +1187,12 @@ def render(r: dict[str, Any]) -> str:
         lines.append(f"  e.g. {outcome}: {sample[-160:]!r}")
     for hung in r["hung"][:5]:
         lines.append(f"  hung: {hung}")
+    rows = {k: soak_goals.Row(**v) for k, v in r["per_fault"].items()}
+    classes = {k: soak_goals.Row(**v) for k, v in r["per_goal_class"].items()}
+    lines += soak_goals.render_table(rows, classes)
+    lines.append("  goals")
+    for goal in r["goals"]:
+        lines.append(f"    {'PASS' if goal['met'] else 'FAIL'}  {goal['goal']}")
     return "\n".join(lines)
 
 
@@ -1089,6 +1226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
     ok = not result["leaks"] and not result["hung"] and not result["processes"]["left_behind"]
+    ok = ok and all(goal["met"] for goal in result["goals"])
     ok = ok and not result.get("bed", {}).get("namespaces_left")
     return 0 if ok else 1
 

@@ -516,6 +516,11 @@ def test_the_quick_soak_on_hosts_loses_nothing_and_leaves_nothing(tmp_path: Path
     assert result["unexplained_outcomes"] == {}, result["unexplained_outcomes"]
     assert result["processes"]["left_behind"] == []
     assert result["bed"]["namespaces_left"] == []
+    # decode3 damaged each NIXL pull it made, and each was caught: no wrong answer
+    assert result["kv_digest"]["corrupted_pulls"] > 0
+    assert result["kv_digest"]["digest_mismatches"] >= result["kv_digest"]["corrupted_pulls"]
+    missed = [goal["goal"] for goal in result["goals"] if not goal["met"]]
+    assert missed == [], completed.stdout
     assert completed.returncode == 0, completed.stdout
 
 

@@ -2,7 +2,9 @@
 
 It asserts the guarantee, not speed: no leaked blocks, requests or leases, no
 hung stream, no process outliving the group (``python -m benchmarks.soak`` runs it long);
-and that decode's KV pulls went through the faulted proxy in front of prefill's KV port.
+that decode's KV pulls went through the faulted proxy in front of prefill's KV port; that
+every answer was right and every damaged pull caught; and issue 53's goals (the soak's
+exit status says whether each was met).
 """
 
 from __future__ import annotations
@@ -25,4 +27,10 @@ def test_a_quick_soak_leaves_nothing_behind(tmp_path: Path) -> None:
     assert result["leaks"] == {}, result["leaks"]
     assert result["hung"] == [], result["hung"]
     assert result["processes"]["left_behind"] == []
+    # the corrupting decode damaged pulls, and each was caught: no wrong answer
+    assert result["kv_digest"]["corrupted_pulls"] > 0
+    assert result["kv_digest"]["digest_mismatches"] >= result["kv_digest"]["corrupted_pulls"]
+    assert sum(row["wrong"] for row in result["per_fault"].values()) == 0
+    missed = [goal["goal"] for goal in result["goals"] if not goal["met"]]
+    assert missed == [], completed.stdout
     assert completed.returncode == 0, completed.stdout
