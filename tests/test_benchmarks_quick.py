@@ -458,7 +458,12 @@ ELSEWHERE = {
     "benchmarks.engine_reads": "tests/vllm/test_engine_reads.py",  # a pair of its own
 }
 # modules of benchmarks/ that are not benchmarks
-NOT_BENCHMARKS = {"benchmarks.kit", "benchmarks.plotting", "benchmarks.trivial_sse_app"}
+NOT_BENCHMARKS = {
+    "benchmarks.kit",
+    "benchmarks.plotting",
+    "benchmarks.soak_goals",
+    "benchmarks.trivial_sse_app",
+}
 
 
 @pytest.mark.slow
