@@ -102,18 +102,34 @@ def status_of(answer: bytes) -> str:
     return answer[9:12].decode() if answer.startswith(b"HTTP/1.1 ") else "none"
 
 
+_BACK_WITHIN_S = 15.0
+
+
 async def serves(router: Service, pids: dict[str, int]) -> bool:
-    """Every process alive, and the router answers /health and a completion."""
-    if not all(_alive(pid) for pid in pids.values()):
+    """Every process alive, and the router answers /health (within ``_BACK_WITHIN_S``) and
+    a completion."""
+    dead = [name for name, pid in pids.items() if not _alive(pid)]
+    if dead:
+        print(f"not serving: {', '.join(dead)} exited", file=sys.stderr)
         return False
     async with httpx.AsyncClient(base_url=router.url, timeout=10) as http:
-        health = await http.get("/health")
+        # as a load balancer would: a worker just resumed (SIGCONT) is back once its link is
+        with trio.move_on_after(_BACK_WITHIN_S):
+            while (health := await http.get("/health")).status_code != 200:  # noqa: ASYNC110 - asking is the contract
+                await trio.sleep(0.2)
         answer = await http.post(
             "/v1/completions",
             json={"model": "synthetic", "prompt": "hello", "max_tokens": 3},
             headers={"authorization": f"Bearer {KEY}"},
         )
-    return health.status_code == 200 and answer.status_code == 200
+    if health.status_code == 200 and answer.status_code == 200:
+        return True
+    print(
+        f"not serving: /health {health.status_code} {health.text[:300]}; completion "
+        f"{answer.status_code} {answer.text[:300]}",
+        file=sys.stderr,
+    )
+    return False
 
 
 def _alive(pid: int) -> bool:

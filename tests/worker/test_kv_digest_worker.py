@@ -118,5 +118,7 @@ async def test_a_corrupted_handoff_with_one_decode_is_a_503_naming_the_mismatch(
         assert response.status_code == 503, response.text
         message = response.json()["error"]["message"]
         assert "is not what prefill wrote (digest mismatch in prompt blocks 0," in message
-        assert _digest_metrics(cluster.workers[1]) == (1.0, 1.0)
+        # each of the handoff's rounds (a new prefill each) was refused as damaged
+        rounds = float(_NO_OTHER_DECODE.handoff_attempts)
+        assert _digest_metrics(cluster.workers[1]) == (rounds, rounds)
         await _idle(cluster)
