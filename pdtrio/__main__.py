@@ -30,7 +30,7 @@ quick start (from a checkout, with the worker extras installed):
 serves on 127.0.0.1:8000 and, with no configuration, starts and supervises an embedded
 cluster of one prefill and one decode worker (SmolLM2-135M-Instruct on the CPU).
 
-`hypercorn -k trio -b 127.0.0.1:8000 pdtrio.app:app` serves the same router as before
+`hypercorn -k trio -b 127.0.0.1:8000 pdtrio.app:app` serves the same router
 (configured by PDTRIO_CONFIG and the variables `pdtrio serve --help` lists); see
 docs/operating.md for what pdtrio serve adds (exit statuses, supervision).
 """

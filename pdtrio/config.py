@@ -373,15 +373,15 @@ class RouterConfig:
     stream_idle_timeout_s: float = attrs.field(default=120.0, validator=_non_negative)
     # a request whose decode is lost after its first token (link lost or timed out, worker
     # dead, DecodeFailed, stalled) continues on another decode, from a new prefill of its
-    # prompt and the tokens delivered: at most this many times; 0 ends it as before
+    # prompt and the tokens delivered: at most this many times; 0: it ends with an error
     migration_limit: int = attrs.field(default=3, validator=_non_negative)
     # a request whose decode was lost (before or after its first token) and that finds no
     # other decode connected waits this long for one to connect (a link reset, a worker back
-    # from a stop or a restart) before it ends as before; 0: it ends at once
+    # from a stop or a restart) before it goes on without (a new prefill, or an error); 0: no wait
     decode_reconnect_wait_s: float = attrs.field(default=5.0, validator=_non_negative)
     # a handoff that no decode could take (every pull failed, or no room within prefill's
     # lease) goes again from a new prefill, before decode's first token: at most this many
-    # prefill rounds in all (the first among them); 1: it ends as before
+    # prefill rounds in all (the first among them); 1: the first failed round ends it
     handoff_attempts: int = attrs.field(default=3, validator=_positive)
     # a request that finds no prefill instance up waits this long for one to connect before
     # its 503; 0: refused at once

@@ -106,8 +106,8 @@ def freeze_startup_objects() -> None:
 
 # young objects the router may gain, net, before the collector walks them: its request
 # path leaves no cycles (its young collections free nothing), while each walks every
-# object of the requests in flight (~270 us, one every ~10 short requests, at
-# Python's 700); at this, one in ~90 requests
+# object of the requests in flight, so Python's default of 700 runs them far too often
+# (benchmarks.router_cost measures the setting)
 ROUTER_YOUNG_COLLECTION_THRESHOLD: Final = 10_000
 
 

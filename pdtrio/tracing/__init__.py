@@ -6,7 +6,7 @@ collector; ``OTEL_TRACES_SAMPLER`` / ``_ARG`` and ``OTEL_SERVICE_NAME`` are hono
 where the configuration leaves them.  With it off, :func:`start_tracing` answers None
 and nothing of OpenTelemetry is imported: the request path checks one attribute.
 Without the SDK (the ``pdtrio[otel]`` extra), or with a collector that does not take
-spans, requests are served as before and one WARNING says so.
+spans, requests are served as untraced ones are and one WARNING says so.
 
 What each process traces: the router, a span per request and its legs
 (``pdtrio.tracing._request``, fed by the request shell); a worker, its part of a leg

@@ -195,7 +195,7 @@ class MachineState:
     def _lost(
         self, failure: ev.DecodeFailed, now: float, *, torn: bool = False, waited: bool = False
     ) -> list[ev.Command]:
-        """Decode was lost after the first token went out: migrate, or fail as before.
+        """Decode was lost after the first token went out: migrate, or fail.
 
         ``waited``: the request has waited for a decode since the loss was seen (to
         retry on prefill's KV): it waits for what is left of that wait, not a new one.
