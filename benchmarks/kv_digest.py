@@ -34,10 +34,10 @@ from pdtrio.kv.api import KvTransport
 from pdtrio.kv.digest import Coverage, coverage_for, mismatched_blocks, record_written
 from pdtrio.kv.nixl import NixlKvTransport
 from pdtrio.kv.tcp import TcpKvTransport
-from pdtrio.protocol.link.wire import KvDigests, KvHandle
+from pdtrio.protocol.link.wire import KvHandle
 from pdtrio.security import new_access_token
 from pdtrio.testing import Processes
-from pdtrio.worker.leases import KvLeases
+from pdtrio.testing.kv_blocks import LeasedBlocks
 
 LOOPBACK = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[1]
@@ -71,32 +71,6 @@ def num_blocks() -> int:
 # --- the prefill process ------------------------------------------------------------------
 
 
-class Leased:
-    """The KvBlockSource a prefill worker is, reduced to an engine and its leases (as
-    ``tests.kv.blocks.LeasedBlocks``), with what was written recorded as prefill records it."""
-
-    def __init__(self, prefill: SyntheticEngine) -> None:
-        self.engine = prefill
-        self.leases = KvLeases(prefill.free_request)
-
-    def holds(
-        self, request_id: str, block_ids: tuple[int, ...], access_token: str | None = None
-    ) -> bool:
-        return self.leases.holds(request_id, block_ids, access_token)
-
-    async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
-        return await self.engine.read_blocks(block_ids)
-
-    def kv_digests(self, request_id: str, block_ids: tuple[int, ...]) -> KvDigests | None:
-        written = self.leases.written(request_id)
-        if written is None:
-            return None
-        return written.for_grant(block_ids, self.engine.block_generations(block_ids))
-
-    def release(self, request_id: str) -> bool:
-        return self.leases.release(request_id)
-
-
 async def serve_prefill(nbytes: int) -> None:
     """Blocks of ``nbytes`` holding random bytes, served over NIXL and TCP.  On stdin,
     ``lease ID BLOCKS COVERAGE`` leases blocks with prefill's record of them (timed) and
@@ -105,7 +79,7 @@ async def serve_prefill(nbytes: int) -> None:
     prefill = engine(nbytes, blocks)
     pattern = np.random.default_rng(SEED).integers(0, 256, blocks * nbytes, dtype=np.uint8)
     await prefill.write_blocks(tuple(range(blocks)), pattern.tobytes())
-    source = Leased(prefill)
+    source = LeasedBlocks(prefill)
     transport = NixlKvTransport(prefill, required=True)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(source.leases.run_expiry)
@@ -136,7 +110,7 @@ def coverage_named(setting: str) -> Coverage | None:
     return coverage_for(settings[setting])
 
 
-async def lease(source: Leased, request_id: str, count: int, setting: str) -> dict[str, Any]:
+async def lease(source: LeasedBlocks, request_id: str, count: int, setting: str) -> dict[str, Any]:
     prefill = source.engine
     while True:
         try:

@@ -45,10 +45,10 @@ from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.kv.api import KvTransport
 from pdtrio.kv.nixl import NixlKvTransport
 from pdtrio.kv.tcp import TcpKvTransport
-from pdtrio.protocol.link.wire import KvDigests, KvHandle
+from pdtrio.protocol.link.wire import KvHandle
 from pdtrio.security import new_access_token
 from pdtrio.testing import Processes, Service, cpu_seconds, write_router_config
-from pdtrio.worker.leases import KvLeases
+from pdtrio.testing.kv_blocks import LeasedBlocks
 
 LOOPBACK = "127.0.0.1"
 MIB = 1 << 20
@@ -74,29 +74,6 @@ def engine() -> SyntheticEngine:
 # --- the prefill process ------------------------------------------------------------
 
 
-class Leased:
-    """The KvBlockSource a worker is, reduced to an engine and its leases (as
-    ``tests.kv.blocks.LeasedBlocks``): a peer reads only with the lease's grant."""
-
-    def __init__(self, prefill: SyntheticEngine) -> None:
-        self.engine = prefill
-        self.leases = KvLeases(prefill.free_request)
-
-    def holds(
-        self, request_id: str, block_ids: tuple[int, ...], access_token: str | None = None
-    ) -> bool:
-        return self.leases.holds(request_id, block_ids, access_token)
-
-    async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
-        return await self.engine.read_blocks(block_ids)
-
-    def kv_digests(self, request_id: str, block_ids: tuple[int, ...]) -> KvDigests | None:
-        return None  # (bandwidth alone: benchmarks.kv_digest measures the check)
-
-    def release(self, request_id: str) -> bool:
-        return self.leases.release(request_id)
-
-
 async def allocate(prefill: SyntheticEngine, request_id: str, blocks: int) -> tuple[int, ...]:
     """Blocks for a new lease, once the last pull's release has freed room for them."""
     while True:
@@ -114,7 +91,7 @@ async def serve_prefill() -> None:
     await prefill.write_blocks(
         tuple(range(NUM_BLOCKS)), pattern(NUM_BLOCKS * 4 * BLOCK_SIZE).tobytes()
     )
-    source = Leased(prefill)
+    source = LeasedBlocks(prefill, digests=False)
     transport = NixlKvTransport(prefill, required=True)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(source.leases.run_expiry)

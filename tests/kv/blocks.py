@@ -13,9 +13,9 @@ from pdtrio.config import SyntheticEngineConfig
 from pdtrio.engine.synthetic import SyntheticEngine
 from pdtrio.kv.api import KvTransport
 from pdtrio.kv.digest import SAMPLED, Coverage, record_written
-from pdtrio.protocol.link.wire import KvDigests, KvHandle
+from pdtrio.protocol.link.wire import KvHandle
 from pdtrio.security import new_access_token
-from pdtrio.worker.leases import KvLeases
+from pdtrio.testing.kv_blocks import LeasedBlocks
 
 LOOPBACK = "127.0.0.1"
 
@@ -26,42 +26,6 @@ def synthetic(
     return SyntheticEngine(
         SyntheticEngineConfig(vocab_size=vocab_size), num_blocks=num_blocks, block_size=block_size
     )
-
-
-class LeasedBlocks:
-    """The KvBlockSource a worker is, reduced to an engine and its leases; counts releases."""
-
-    def __init__(self, engine: SyntheticEngine) -> None:
-        self.engine = engine
-        self.leases = KvLeases(engine.free_request)
-        self.released: list[tuple[str, bool]] = []
-
-    def holds(
-        self, request_id: str, block_ids: tuple[int, ...], access_token: str | None = None
-    ) -> bool:
-        return self.leases.holds(request_id, block_ids, access_token)
-
-    async def read_blocks(self, block_ids: tuple[int, ...]) -> bytes:
-        return await self.engine.read_blocks(block_ids)
-
-    def kv_digests(self, request_id: str, block_ids: tuple[int, ...]) -> KvDigests | None:
-        written = self.leases.written(request_id)
-        if written is None:
-            return None
-        return written.for_grant(block_ids, self.engine.block_generations(block_ids))
-
-    def release(self, request_id: str) -> bool:
-        released = self.leases.release(request_id)
-        self.released.append((request_id, released))
-        return released
-
-    def release_granted(self, request_id: str, access_token: str) -> bool:
-        if not self.leases.holds(request_id, (), access_token):
-            return False
-        return self.release(request_id)
-
-    def blocks_in_use(self) -> int:
-        return self.engine.statistics().kv_blocks_in_use
 
 
 def fragment(engine: SyntheticEngine, holes: int) -> None:
