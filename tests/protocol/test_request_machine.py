@@ -600,10 +600,29 @@ def test_prefill_is_tried_three_times_and_the_last_failure_is_the_answer() -> No
         [Arrived(), PrefillSent("p0"), failed, PrefillSent("p1"), PrefillLost("gone")]
     )
     sends = [c for c in out if isinstance(c, SendPrefill)]
-    assert sends[-1] == SendPrefill(frozenset({"p0", "p1"}), retry=True)
-    out = machine.handle(PrefillSent("p2"), 0) + machine.handle(failed, 0)
+    # p1 was lost with its link: once back it may take the request again; p0 answered 500
+    assert sends[-1] == SendPrefill(frozenset({"p0"}), retry=True)
+    out = machine.handle(PrefillSent("p1"), 0) + machine.handle(failed, 0)
     end = _ending(out)
     assert end.ending is Ending.REJECTED and end.failure == failed.failure
+
+
+def test_prefills_lost_with_their_links_are_waited_for_and_taken_again_within_the_attempts() -> (
+    None
+):
+    lost = PrefillLost("the worker sent nothing for 1.5s")
+    machine, out = _play([Arrived(), PrefillSent("p0"), lost, PrefillSent("p1"), lost])
+    assert [c for c in out if isinstance(c, SendPrefill)][-1].exclude == frozenset()
+    # neither is up yet: the request waits for one, as it would at its start
+    out = machine.handle(PrefillUnavailable(), 1.0)
+    assert WaitForPrefill(frozenset()) in out
+    assert machine.phase is Phase.AWAITING_PREFILL
+    out = machine.handle(PrefillConnected(), 2.0)
+    assert [c for c in out if isinstance(c, SendPrefill)] == [SendPrefill(frozenset(), retry=True)]
+    # the third attempt was the last
+    out = machine.handle(PrefillSent("p0"), 2.0) + machine.handle(lost, 3.0)
+    end = _ending(out)
+    assert end.ending is Ending.REJECTED and end.failure.reason is Reason.SERVICE_UNAVAILABLE
 
 
 def test_a_4xx_from_prefill_is_not_retried() -> None:
@@ -651,7 +670,7 @@ def test_a_prefill_lost_is_waited_for_but_a_prefills_own_error_is_passed_on_at_o
     # its link went down with the call out: a prefill (it, back, or another) may connect
     machine, out = _play([Arrived(), PrefillSent("p0"), PrefillLost("gone")])
     out = machine.handle(PrefillUnavailable(), 0.0)
-    assert out[-1] == WaitForPrefill(frozenset({"p0"}))
+    assert out[-1] == WaitForPrefill(frozenset())
     failed = PrefillFailed(WorkerFailure(500, "server_error", "boom"))
     machine, out = _play([Arrived(), PrefillSent("p0"), failed, PrefillUnavailable()])
     assert _ending(out).failure == failed.failure

@@ -149,6 +149,7 @@ class RequestMachine(MachineState):
     def _on_prefill_sent(self, event: ev.PrefillSent, now: float) -> list[ev.Command]:
         self.phase = P.PREFILLING
         self._prefill_tried.add(event.instance)
+        self._prefill_sent += 1
         self.prefill_instance = event.instance
         self.lifecycle.handle(Kv.PREFILL_SENT)
         out: list[ev.Command] = []
@@ -189,7 +190,14 @@ class RequestMachine(MachineState):
         self._disarm(ev.Deadline.PREFILL)
         self.lifecycle.handle(Kv.PREFILL_LOST)
         self._prefill_failure = _prefill_lost(event)
+        self._lost_prefill_may_return()
         return self._send_prefill([])
+
+    def _lost_prefill_may_return(self) -> None:
+        """A prefill lost with its link (a partition, a restart) is out of rotation until
+        its link is back; then it may take the request again, within the attempts."""
+        if self.prefill_instance is not None:
+            self._prefill_tried.discard(self.prefill_instance)
 
     def _on_prefill_failed(self, event: ev.PrefillFailed, now: float) -> list[ev.Command]:
         self._disarm(ev.Deadline.PREFILL)
@@ -379,6 +387,7 @@ class RequestMachine(MachineState):
             self._prefill_failure = event.failure
         elif isinstance(event, ev.PrefillLost):
             self._prefill_failure = _prefill_lost(event)
+            self._lost_prefill_may_return()
         return self._send_prefill(out)
 
     def _on_prefill_failed_after_decode_pulled(
@@ -403,6 +412,7 @@ class RequestMachine(MachineState):
         self.migrations.append(early.reason)
         out: list[ev.Command] = [ev.Migrate(early.reason, self.decode_instance)]
         self._prefill_tried = set()
+        self._prefill_sent = 0
         self._prefill_failure = None
         self._prefill_avoid = frozenset()
         return self._send_prefill(out)

@@ -45,7 +45,10 @@ class MachineState:
         self.prefill_instance: str | None = None
         self.decode_instance: str | None = None
         self._decode_connection: Hashable = None
+        # the prefills excluded from its next one, and how many it was sent to (the bound: a
+        # prefill lost with its link may take it again once back, and counts again)
         self._prefill_tried: set[str] = set()
+        self._prefill_sent = 0
         self._prefill_failure: ev.AnyFailure | None = None
         # taken only when no other prefill is left: the one a failed handoff blamed
         self._prefill_avoid: frozenset[str] = frozenset()
@@ -154,7 +157,7 @@ class MachineState:
         return out
 
     def _send_prefill(self, out: list[ev.Command]) -> list[ev.Command]:
-        if len(self._prefill_tried) >= self.limits.prefill_attempts:
+        if self._prefill_sent >= self.limits.prefill_attempts:
             failure = self._prefill_failure or ev.no_prefill()
             return [*out, *self._fail(failure)]
         self.phase = P.PLACING_PREFILL
@@ -162,7 +165,7 @@ class MachineState:
             ev.SendPrefill(
                 frozenset(self._prefill_tried),
                 continuation=bool(self.migrations),
-                retry=bool(self._prefill_tried),
+                retry=self._prefill_sent > 0,
                 avoid=self._prefill_avoid,
             )
         )
@@ -271,6 +274,7 @@ class MachineState:
         blamed = self._kv_blamed
         self._prefill_avoid = frozenset({self.prefill_instance}) if blamed else frozenset()
         self._prefill_tried = set()
+        self._prefill_sent = 0
         self._prefill_failure = None
         if self._new_round_continues:
             reason = ev.MigrationReason.HANDOFF_FAILED
