@@ -89,6 +89,8 @@ class Router:
         self._request_numbers = itertools.count()
         # what each request's state machine is held to
         self.request_limits = request_limits(config.router)
+        self._models_seen: set[str] = set()
+        self._models_listed: list[str] = []
         # where instances come from, for /health
         self.discovery = DiscoveryState(_discovery_kind(config))
         # who may call: clients' API keys and their limits; the credential workers ask for
@@ -134,7 +136,15 @@ class Router:
 
     @property
     def models(self) -> list[str]:
-        return self.backend.models
+        """The models instances offer now, and every one the router has offered before
+        (taken a request for, or listed): one whose instances are all away (a partition,
+        a restart) is still served, and its requests wait for an instance
+        (``prefill_wait_s``) and get a 503, not a 404."""
+        offered = self.backend.models
+        if not self._models_seen.issuperset(offered):
+            self._models_seen.update(offered)
+            self._models_listed = sorted(self._models_seen)
+        return self._models_listed
 
     def _registration_rejected(self, key: str, reason: str) -> None:
         self.metrics.registry_rejected.labels(reason).inc()

@@ -218,6 +218,35 @@ async def test_a_stopped_worker_deregisters_before_it_exits(
         assert (await client.get_prefix(PREFIX))[0] == []
 
 
+async def test_a_model_whose_instances_all_left_is_waited_for_then_refused_with_a_503(
+    etcd: EtcdServer, processes: Processes
+) -> None:
+    """Its instances away (deregistered: a restart, a partition that outlived their
+    leases) a model the router has served is still the router's: a request waits for one (``prefill_wait_s``)
+    and gets a 503 that says why, never a 404 that says the model does not exist."""
+    workers = [
+        await start_worker(processes, worker_config(etcd, role, name))
+        for role, name in (("prefill", "p1"), ("decode", "d1"))
+    ]
+    async with running_router(etcd, prefill_wait_s=1.0) as router:
+        await until(lambda: router.routable() == {"p1", "d1"}, "the router sees both")
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
+            assert (await complete(http)).status_code == 200
+        for worker in workers:
+            worker.process.send_signal(signal.SIGTERM)
+            await trio.to_thread.run_sync(lambda w=worker: w.process.wait(timeout=15))
+        await until(lambda: router.routable() == set(), "both gone from routing")
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
+            started = trio.current_time()
+            answer = await complete(http)
+            waited = trio.current_time() - started
+            listed = (await http.get("/v1/models")).json()["data"]
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["message"] == "no prefill instance is available"
+        assert waited >= 1.0
+        assert [model["id"] for model in listed] == ["synthetic"]
+
+
 # --- several routers, etcd going away ----------------------------------------------------
 
 
