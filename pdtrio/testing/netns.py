@@ -26,6 +26,9 @@ Faults, inside the namespaces:
   them; established connections lose every packet silently (a new ``connect`` on a
   blackholed host fails at once: the kernel's answer to a local sender).  :meth:`Bed.heal`
   undoes any of them.
+- :meth:`Bed.cut_port`: an nftables rule in the host drops every packet to and from one
+  of its TCP ports, silently; the host's other ports go on (a prefill's KV port cut off
+  while its router link lives).  :meth:`Bed.heal_port` undoes it.
 - :meth:`Bed.flap`: the link goes down and up on a period while the block runs.
 - Loss: :meth:`Bed.set_loss` drops that share of the frames the switch forwards, at
   random, each direction (an nftables ``numgen random`` rule in the switch's bridge
@@ -94,6 +97,7 @@ _HOST_NAME: Final = re.compile(r"^[a-z][a-z0-9]{0,11}$")  # "p-<host>" fits IFNA
 
 Partition = Literal["link", "drop", "blackhole"]
 _CUT_TABLE: Final = "pdtcut"
+_PORT_CUT_TABLE: Final = "pdtportcut"
 _LOSS_TABLE: Final = "pdtloss"
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -251,6 +255,7 @@ class Bed:
         self.prefix = f"pdt{os.getpid()}-{next(_beds_made)}"
         self._made: list[str] = []
         self._partitioned: dict[str, Partition] = {}
+        self._ports_cut: set[str] = set()
         self._flaps: list[tuple[threading.Thread, threading.Event]] = []
         self._loss = False
         self._lock = threading.Lock()  # faults may come from several threads at once
@@ -483,11 +488,36 @@ class Bed:
             self._blackholes(before)
         self._partitioned.pop(host, None)
 
+    def cut_port(self, host: str, port: int) -> None:
+        """Drop every packet to and from ``host``'s TCP ``port``, silently (nft)."""
+        with self._lock:
+            if host in self._ports_cut:
+                raise RuntimeError(f"a port of {host} is cut already")
+            _nft(
+                self.namespace(host),
+                f"table inet {_PORT_CUT_TABLE} {{\n"
+                "  chain input { type filter hook input priority 0; policy accept;\n"
+                f'    iifname "eth0" tcp dport {port} drop\n  }}\n'
+                "  chain output { type filter hook output priority 0; policy accept;\n"
+                f'    oifname "eth0" tcp sport {port} drop\n  }}\n'
+                "}\n",
+            )
+            self._ports_cut.add(host)
+
+    def heal_port(self, host: str) -> None:
+        """Undo :meth:`cut_port`."""
+        with self._lock:
+            if host in self._ports_cut:
+                _nft(self.namespace(host), f"delete table inet {_PORT_CUT_TABLE}\n")
+                self._ports_cut.discard(host)
+
     def heal_all(self) -> None:
-        """Undo every partition and the loss (a flap in progress goes on)."""
+        """Undo every partition, port cut and the loss (a flap in progress goes on)."""
         with self._lock:
             for host in list(self._partitioned):
                 self._heal(host)
+        for host in list(self._ports_cut):
+            self.heal_port(host)
         self.set_loss(0)
 
     def set_loss(self, percent: float) -> None:
