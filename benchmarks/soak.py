@@ -54,15 +54,7 @@ one moment of its life (then there was nowhere to go on) or not (a recoverable f
 the goal is none).
 
 ``--hosts`` runs the same clients and checks against a multi-host deployment on one
-machine (root; :class:`pdtrio.testing.netns.Bed`): the router, two prefills, two decodes
-and etcd each on an address of their own in a network namespace, workers registered in
-etcd, KV moved by NIXL over UCX's TCP transport between hosts; the clients run in a host of
-their own.  Its faults are a network's: a worker's or etcd's host cut off silently (its
-switch port down, blackhole routes, or an nftables drop rule), a flapping link (down 0.3 s
-of every second for 2-4 s), 2 % random loss on every link (nftables in the switch), and
-50 ms on a prefill's HTTP and KV ports (the fault proxy in its namespace: this kernel has
-no netem, and UCX's own data connections cannot be reached that way).  It reports the KV
-pulls by transport and the namespaces left (none, or it fails).
+machine (root), one fault class at a time: :mod:`benchmarks.soak_hosts`.
 
 ``python -m benchmarks.soak [--seconds N] [--quick] [--json PATH] [--seed S] [--hosts]``
 """
@@ -99,18 +91,8 @@ from pdtrio.testing import (
     Processes,
     Service,
     alive,
-    router_command,
     synthetic_worker_config,
-    worker_command,
     write_router_config,
-)
-from pdtrio.testing.netns import (
-    Bed,
-    BedProxy,
-    Partition,
-    bed_unavailable,
-    list_namespaces,
-    nft_unavailable,
 )
 
 LINK_TIMEOUT_S = 1.5
@@ -267,6 +249,7 @@ async def _one_request(
     slow = 0.25 <= roll < 0.35
     started = time.monotonic()
     began = trio.current_time()
+    first_event_at: float | None = None
     received = bytearray()
     try:
         sock = await trio.open_tcp_stream(*address)
@@ -284,6 +267,8 @@ async def _one_request(
                     chunk = await sock.receive_some(2048 if slow else 65536)
                     if not chunk:
                         break
+                    if first_event_at is None and b"data: {" in chunk:
+                        first_event_at = trio.current_time()
                     received += chunk
             except (trio.BrokenResourceError, OSError):
                 pass
@@ -297,7 +282,15 @@ async def _one_request(
             wrong = text != soak_goals.expected_text(_prompt(prompt_tokens), max_tokens, VOCAB_SIZE)
             if wrong:
                 tally.samples.setdefault("wrong answer", text[-160:])
-        tally.records.append(RequestRecord(began, trio.current_time(), outcome, wrong, request_id))
+        ended = trio.current_time()
+        ttft_s = tpot_s = None
+        if outcome == "ok" and stream and not slow and first_event_at is not None:
+            ttft_s = first_event_at - began
+            if max_tokens > 1:  # ignore_eos: every stream is max_tokens long
+                tpot_s = (ended - first_event_at) / (max_tokens - 1)
+        tally.records.append(
+            RequestRecord(began, ended, outcome, wrong, request_id, ttft_s, tpot_s)
+        )
         if outcome != "ok":
             tally.samples.setdefault(outcome, bytes(received[-300:]).decode(errors="replace"))
             tally.causes[_cause(outcome, bytes(received))] += 1
@@ -756,303 +749,6 @@ def run(settings: Settings) -> dict[str, Any]:
     return result
 
 
-# --- --hosts: the cluster on several addresses, with a network's faults --------------------
-
-HOST_PORT, HOST_KV_PORT = 8100, 8200
-"""Where each worker binds in its namespace; a prefill advertises the fault proxies' ports
-(one more), in front of these."""
-ROUTER_PORT, ETCD_PORT = 8000, 2379
-HOST_LEASE_TTL_S = 2
-LOSS_PERCENT = 2.0
-LATENCY_MS = 50
-PREFILL_HOSTS = ("prefill", "prefill2")
-DECODE_HOSTS = ("decode", "decode2")
-CORRUPTING_HOST = "decode3"
-"""A third decode, with the ``kv_transfer_corrupt`` hook on: each of its NIXL pulls is
-damaged, so each handoff to it must be refused and go on elsewhere; no network fault."""
-WORKER_HOST_FAULTS = ("cut_link", "cut_blackhole", "cut_drop", "flap")
-NFT_FAULTS = frozenset({"cut_drop", "loss"})
-CUTS: dict[str, Partition] = {"cut_link": "link", "cut_blackhole": "blackhole", "cut_drop": "drop"}
-
-
-@attrs.frozen
-class HostTarget:
-    """A host the faults may hit (``name``: its role, for the decode_failed accounting)."""
-
-    name: str
-    host: str
-    kinds: tuple[str, ...]
-    proxies: tuple[BedProxy, ...] = ()
-
-
-async def _host_fault(kind: str, rng: random.Random, bed: Bed, target: HostTarget) -> None:
-    """One fault on ``target``, held a while, then cleared (also when cancelled)."""
-    host = target.host
-    hold = rng.uniform(0.5, 3.0)  # a cut past link_timeout_s, or not
-    sync = trio.to_thread.run_sync
-    if kind in CUTS:
-        await sync(bed.partition, host, CUTS[kind])
-        try:
-            await trio.sleep(hold)
-        finally:
-            with trio.CancelScope(shield=True):
-                await sync(bed.heal, host)
-    elif kind == "flap":
-        until = trio.current_time() + rng.uniform(2.0, 4.0)
-        while trio.current_time() < until:
-            await sync(bed.partition, host, "link")
-            try:
-                await trio.sleep(0.3)
-            finally:
-                with trio.CancelScope(shield=True):
-                    await sync(bed.heal, host)
-            await trio.sleep(0.7)
-    elif kind == "latency":
-        for proxy in target.proxies:
-            await sync(proxy.control, f"latency {LATENCY_MS}")
-        try:
-            await trio.sleep(hold)
-        finally:
-            with trio.CancelScope(shield=True):
-                for proxy in target.proxies:
-                    await sync(proxy.control, "clear")
-    elif kind == "loss":
-        await sync(bed.set_loss, LOSS_PERCENT)
-        try:
-            await trio.sleep(rng.uniform(1.0, 4.0))
-        finally:
-            with trio.CancelScope(shield=True):
-                await sync(bed.set_loss, 0)
-
-
-async def _host_faults(
-    rng: random.Random,
-    settings: Settings,
-    bed: Bed,
-    targets: list[HostTarget],
-    until: float,
-    tally: Tally,
-) -> None:
-    busy: set[int] = set()
-
-    async def apply(kind: str, index: int) -> None:
-        began = trio.current_time()
-        try:
-            await _host_fault(kind, rng, bed, targets[index])
-        finally:
-            busy.discard(index)
-            tally.fault_windows.setdefault(index, []).append((began, trio.current_time()))
-            _record_span(tally, targets[index].name, kind, began)
-
-    async with trio.open_nursery() as nursery:
-        while True:
-            await trio.sleep(rng.uniform(*settings.fault_gap_s))
-            if trio.current_time() >= until:
-                break
-            free = [i for i in range(len(targets)) if i not in busy]
-            if not free:
-                continue
-            index = rng.choice(free)
-            kind = rng.choice(targets[index].kinds)
-            busy.add(index)
-            tally.faults[f"{kind} {targets[index].host}"] += 1
-            nursery.start_soon(apply, kind, index)
-
-
-def _host_targets(bed: Bed, proxies: dict[str, tuple[BedProxy, ...]]) -> list[HostTarget]:
-    nft = nft_unavailable() is None
-
-    def kinds(*names: str) -> tuple[str, ...]:
-        return tuple(name for name in names if nft or name not in NFT_FAULTS)
-
-    targets = [
-        HostTarget("prefill", host, kinds(*WORKER_HOST_FAULTS, "latency"), proxies[host])
-        for host in PREFILL_HOSTS
-    ]
-    targets += [HostTarget("decode", host, kinds(*WORKER_HOST_FAULTS)) for host in DECODE_HOSTS]
-    targets.append(HostTarget("etcd", "etcd", kinds("cut_link", "cut_drop", "cut_blackhole")))
-    if nft:
-        targets.append(HostTarget("network", "switch", ("loss",)))
-    return targets
-
-
-async def _soak_hosts(
-    procs: Processes,
-    bed: Bed,
-    router: Service,
-    workers: list[Service],
-    proxies: dict[str, tuple[BedProxy, ...]],
-    settings: Settings,
-) -> dict[str, Any]:
-    """The soak's load, probes and checks, from the client host (this thread is in it)."""
-    rng = random.Random(settings.seed)
-    tally = Tally()
-    result: dict[str, Any] = {}
-    targets = _host_targets(bed, proxies)
-    address = (bed.address("router"), ROUTER_PORT)
-    limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
-    async with httpx.AsyncClient(timeout=30, limits=limits, trust_env=False) as http:
-        if not await _wait_healthy(http, router, 60, decodes=3):
-            raise RuntimeError("the router never saw all four workers in etcd")
-        async with trio.open_nursery() as warmup:
-            for i in range(16):
-                warmup.start_soon(_one_request, address, random.Random(i), settings, Tally())
-        result["router_rss_start_mb"] = _rss_mb(router)
-        started = trio.current_time()
-        until = started + settings.seconds
-        span = FaultSpan(f"{CORRUPTING_HOST} corrupt", soak_goals.KV_PATH, started, until)
-        tally.spans.append(span)
-        try:
-            with trio.CancelScope(deadline=until + settings.hang_bound_s):
-                async with trio.open_nursery() as load:
-                    load.start_soon(_host_faults, rng, settings, bed, targets, until, tally)
-                    for _ in range(settings.clients):
-                        seed = rng.randrange(2**32)
-                        load.start_soon(
-                            _client, address, random.Random(seed), settings, until, tally
-                        )
-        finally:
-            with trio.CancelScope(shield=True):  # every fault cleared, whatever happened
-                await trio.to_thread.run_sync(bed.heal_all)
-                for proxy in (p for group in proxies.values() for p in group):
-                    await trio.to_thread.run_sync(proxy.control, "clear")
-        result["soak_s"] = trio.current_time() - started
-        result["healthy_again"] = await _wait_healthy(http, router, 30, decodes=3)
-        decodes = [w for w in workers if w.ready["role"] == "decode"]
-        times = []
-        probe_failures = 0
-        for _ in range(settings.probes):
-            probe = None
-            with trio.move_on_after(15.0):
-                probe = await _probe(http, (bed.address("router"), ROUTER_PORT), decodes)
-            if probe is None:
-                probe_failures += 1
-            else:
-                times.append(probe)
-        result["leaks"] = await _leaks(http, router, workers, KV_LEASE_S * 2 + 10)
-        prefills = [w for w in workers if w.ready["role"] == "prefill"]
-        result["kv_leases_expired"] = sum(
-            [(await _stats(http, p)).get("kv_leases_expired", 0) for p in prefills]
-        )
-        pulls: Counter[str] = Counter()
-        for decode in decodes:
-            info = (await http.get(f"{decode.url}/pd/info")).json()
-            pulls.update(info["kv_transport"]["pulls"])
-        result["kv_pulls"] = dict(pulls)
-        result["kv_digest"] = await _digest_figures(http, decodes)
-    result["kv_connections_proxied"] = "n/a (--hosts: see kv_pulls)"
-    result["router_rss_end_mb"] = _rss_mb(router)
-    result["processes"] = await trio.to_thread.run_sync(
-        lambda: _stop_all(procs, [router, *workers])
-    )
-    result.update(
-        outcomes=dict(tally.outcomes),
-        unexplained_outcomes=_unexplained(tally.outcomes),
-        requests=sum(tally.outcomes.values()),
-        faults=dict(sorted(tally.faults.items())),
-        faults_total=sum(tally.faults.values()),
-        hung=tally.hung,
-        longest_request_s=tally.longest_s,
-        samples=tally.samples,
-        causes=dict(tally.causes.most_common()),
-        decode_failed=_decode_failed_by_fault(tally, targets),
-        **_accounting(tally, procs.output(router.process), result),
-        probes=len(times),
-        probe_failures=probe_failures,
-        disconnect_to_free_p50_ms=percentile(times, 50) * 1000,
-        disconnect_to_free_p99_ms=percentile(times, 99) * 1000,
-        disconnect_to_free_max_ms=max(times, default=float("nan")) * 1000,
-    )
-    return result
-
-
-def _host_worker_config(bed: Bed, host: str) -> dict[str, Any]:
-    role = host.rstrip("0123456789")
-    config: dict[str, Any] = {
-        **synthetic_worker_config(role, decode_step_s=DECODE_STEP_S),
-        "instance_id": host,
-        "host": bed.address(host),
-        "port": HOST_PORT,
-        "transfer_port": HOST_KV_PORT,
-        "kv_lease_s": KV_LEASE_S,
-        # NIXL, over UCX's TCP transport (UCX_TLS=tcp below): KV crosses the bed's links
-        "kv_transport": "nixl",
-        "discovery": {
-            "etcd_endpoints": [f"http://{bed.address('etcd')}:{ETCD_PORT}"],
-            "lease_ttl_s": HOST_LEASE_TTL_S,
-            "etcd_timeout_s": 1.0,
-        },
-    }
-    if host == CORRUPTING_HOST:
-        config["faults"] = {"kv_transfer_corrupt": True}
-    if role == "prefill":
-        config["advertise_port"] = HOST_PORT + 1
-        config["advertise_transfer_port"] = HOST_KV_PORT + 1
-    return config
-
-
-def run_on_hosts(settings: Settings) -> dict[str, Any]:
-    """The soak with each process on its own address (a :class:`~pdtrio.testing.netns.Bed`):
-    router, two prefills, two decodes and etcd; the clients on a host of their own."""
-    reason = bed_unavailable()
-    if reason is not None:
-        raise SystemExit(f"--hosts: no multi-host bed here: {reason}")
-    hosts = ("router", *PREFILL_HOSTS, *DECODE_HOSTS, CORRUPTING_HOST, "etcd", "client")
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        Bed(hosts) as bed,
-        Processes(stop_grace_s=30) as procs,
-    ):
-        made = bed.namespaces()
-        bed.start_etcd(procs, "etcd", Path(tmp) / "etcd", port=ETCD_PORT)
-        proxies = {
-            host: tuple(
-                bed.start_proxy(procs, host, port + 1, port, control_port=9000 + i)
-                for i, port in enumerate((HOST_PORT, HOST_KV_PORT))
-            )
-            for host in PREFILL_HOSTS
-        }
-        started = {
-            host: procs.start(
-                bed.command(host, worker_command(_host_worker_config(bed, host))),
-                env={"UCX_TLS": "tcp"},
-                stdin=True,
-                output="lines",
-            )
-            for host in (*PREFILL_HOSTS, *DECODE_HOSTS, CORRUPTING_HOST)
-        }
-        workers = [
-            procs.wait_ready(process, host=bed.address(host)) for host, process in started.items()
-        ]
-        config = Path(tmp) / "router.toml"
-        config.write_text(
-            "[discovery]\n"
-            f'etcd_endpoints = ["http://{bed.address("etcd")}:{ETCD_PORT}"]\n'
-            "etcd_timeout_s = 1.0\n"
-            "[router]\n"
-            f"link_timeout_s = {LINK_TIMEOUT_S}\n"
-            "link_heartbeat_s = 0.5\n"
-            "request_timeout_s = 120.0\n"
-        )
-        bind = f"{bed.address('router')}:{ROUTER_PORT}"
-        process = procs.start(
-            bed.command("router", router_command(bind)),
-            env={"PDTRIO_CONFIG": str(config)},
-            output="capture",
-        )
-        router = Service(process, f"http://{bind}")
-        with bed.inside("client"):  # the clients' sockets, and trio's threads, are the client's
-            result = trio.run(_soak_hosts, procs, bed, router, workers, proxies, settings)
-        result["frames_lost_last_loss"] = bed.frames_lost()
-    result["bed"] = {
-        "hosts": {host: bed.address(host) for host in hosts},
-        "namespaces_left": sorted(set(made) & set(list_namespaces())),
-        "nft": nft_unavailable() or "yes",
-    }
-    result["settings"] = attrs.asdict(settings)
-    return result
-
-
 MIGRATION_BOUND_S = 3 * LINK_TIMEOUT_S + 5.0
 """How long the router may go on trying to place a request whose decode or prefill was cut
 off: ``migration_limit`` (3) link timeouts, then ``decode_reconnect_wait_s`` (5 s); the
@@ -1080,9 +776,7 @@ def _every_decode_faulted(
     return False
 
 
-def _decode_failed_by_fault(
-    tally: Tally, targets: Sequence[FaultTarget | HostTarget]
-) -> dict[str, int]:
+def _decode_failed_by_fault(tally: Tally, targets: Sequence[FaultTarget]) -> dict[str, int]:
     """The requests that ended ``decode_failed``: while every decode was faulted at once
     (nowhere to continue them), or not (a recoverable fault: there must be none)."""
     windows = [
@@ -1169,11 +863,12 @@ def render(r: dict[str, Any]) -> str:
     processes = r["processes"]
     lines.append(f"  left behind          {processes['left_behind'] or 0}")
     lines.append(f"  exit statuses        {dict(Counter(processes['exit_statuses'].values()))}")
-    lines.append(
-        "  decode_failed        "
-        f"{r['decode_failed']['recoverable']} while another decode was up (goal 0), "
-        f"{r['decode_failed']['every_decode_faulted']} while every decode was faulted at once"
-    )
+    if "decode_failed" in r:
+        lines.append(
+            "  decode_failed        "
+            f"{r['decode_failed']['recoverable']} while another decode was up (goal 0), "
+            f"{r['decode_failed']['every_decode_faulted']} while every decode was faulted at once"
+        )
     if soak_goals.PARTITION in r["per_goal_class"]:
         after = r["after_partition_longest_s"]
         lines.append(
@@ -1189,7 +884,11 @@ def render(r: dict[str, Any]) -> str:
         lines.append(f"  hung: {hung}")
     rows = {k: soak_goals.Row(**v) for k, v in r["per_fault"].items()}
     classes = {k: soak_goals.Row(**v) for k, v in r["per_goal_class"].items()}
-    lines += soak_goals.render_table(rows, classes)
+    lines += soak_goals.render_table(rows, classes, r.get("per_fault_leaked"))
+    if "per_phase" in r:
+        from benchmarks.soak_hosts import render_phases
+
+        lines += render_phases(r)
     lines.append("  goals")
     for goal in r["goals"]:
         lines.append(f"    {'PASS' if goal['met'] else 'FAIL'}  {goal['goal']}")
@@ -1221,7 +920,12 @@ def main(argv: list[str] | None = None) -> int:
         seed=seed,
     )
     print(f"seed {seed}", file=sys.stderr)
-    result = run_on_hosts(settings) if args.hosts else run(settings)
+    if args.hosts:
+        from benchmarks.soak_hosts import run_on_hosts
+
+        result = run_on_hosts(settings)
+    else:
+        result = run(settings)
     print(render(result))
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))

@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from benchmarks.kit import percentile
 from pdtrio.engine.synthetic import prompt_digest, synthetic_text, synthetic_token
 
 KV_PATH = "KV path"
@@ -42,13 +43,16 @@ class FaultSpan:
 @attrs.frozen
 class RequestRecord:
     """One client request: when it ran, how it ended, and whether its answer was wrong
-    (None: no complete answer to check)."""
+    (None: no complete answer to check); for a complete stream read at full speed, its
+    time to first token and per output token after it."""
 
     began: float
     ended: float
     outcome: str
     wrong: bool | None = None
     request_id: str | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
 
 
 def fault_kind(target: str, fault: str) -> str:
@@ -204,11 +208,14 @@ def goals(
     hung: int,
     digest: dict[str, int] | None,
     partition_bound: tuple[float, float] = (0.0, 0.0),
+    judged: Sequence[str] = (),
 ) -> list[tuple[str, bool]]:
     """Issue 53's goals, each met or not, from the soak's accounting.
 
     ``partition_bound``: the longest a request that failed under a partition took to end
-    after it began, and the most it may (``link_timeout_s`` plus the migration bound)."""
+    after it began, and the most it may (``link_timeout_s`` plus the migration bound).
+    ``judged``: the goal classes that must have requests to judge (a goal met by no
+    request is not met)."""
     kv, partition, slow = (by_kind.get(k, Row()) for k in (KV_PATH, PARTITION, SLOW))
     took, bound = partition_bound
     result = [
@@ -230,6 +237,11 @@ def goals(
         (f"0 wrong answers, any fault ({all_rows.wrong})", all_rows.wrong == 0),
         (f"0 leaked on every worker ({len(leaks)} holding)", not leaks),
     ]
+    result += [
+        (f"{kind}: judged on requests ({by_kind.get(kind, Row()).requests})", False)
+        for kind in judged
+        if not by_kind.get(kind, Row()).requests
+    ]
     if digest is not None:
         corrupted, mismatches = digest["corrupted_pulls"], digest["digest_mismatches"]
         result.append(
@@ -241,17 +253,26 @@ def goals(
     return result
 
 
-def render_table(by_label: dict[str, Row], by_kind: dict[str, Row]) -> list[str]:
+def render_table(
+    by_label: dict[str, Row], by_kind: dict[str, Row], leaked: dict[str, int] | None = None
+) -> list[str]:
+    """The per-fault and per-goal rows; ``leaked``: the blocks still held after the phase of
+    each fault (faults one class at a time), when there were phases."""
     head = f"    {'fault':30} {'requests':>8} {'done':>6} {'migr':>5} {'failed':>6} {'cut':>4} {'wrong':>5}"
+    head += f" {'leaked':>6}" if leaked is not None else ""
     lines = ["  per fault (a request under each fault active in its life)", head]
 
-    def row(name: str, r: Row) -> str:
-        return (
+    def row(name: str, r: Row, blocks: int | None = None) -> str:
+        line = (
             f"    {name[:30]:30} {r.requests:8d} {r.completed:6d} {r.migrated:5d} "
             f"{r.failed:6d} {r.cut:4d} {r.wrong:5d}"
         )
+        return line + (f" {blocks:6d}" if blocks is not None else "")
 
-    lines += [row(label, r) for label, r in by_label.items()]
+    lines += [
+        row(label, r, None if leaked is None else leaked.get(label, 0))
+        for label, r in by_label.items()
+    ]
     lines.append("  per goal (the requests each goal is judged on)")
     lines += [row(kind, r) for kind, r in sorted(by_kind.items())]
     return lines
@@ -267,3 +288,114 @@ def migrated_request_ids(router_output: bytes) -> set[str]:
         if fields.get("migrations", "-") != "-":
             found.add(fields["request_id"])
     return found
+
+
+# --- /health, judged against what the bed did -------------------------------------------
+
+
+@attrs.frozen
+class HealthSample:
+    """What the router's ``/health`` said at ``at`` (trio clock)."""
+
+    at: float
+    prefill: int
+    decode: int
+    discovery_connected: bool
+
+
+@attrs.frozen
+class Presence:
+    """``host`` (a ``role``) ran from ``began`` to ``ended``."""
+
+    host: str
+    role: str
+    began: float
+    ended: float
+    faulty: bool = False
+    """Broken on purpose (every handoff to it fails): the router may count it or not."""
+
+
+@attrs.frozen
+class Cut:
+    """``host`` was cut off from ``began`` to ``cleared``; ``steady``: the whole time (a
+    flap's link comes and goes within it)."""
+
+    host: str
+    began: float
+    cleared: float
+    steady: bool = True
+
+
+def _cut_over(cuts: Sequence[Cut], host: str, start: float, end: float) -> bool:
+    """Whether one steady cut of ``host`` covers ``start`` to ``end``."""
+    return any(c.host == host and c.steady and c.began <= start and c.cleared >= end for c in cuts)
+
+
+def _touched(cuts: Sequence[Cut], hosts: Iterable[str], start: float, end: float) -> bool:
+    """Whether a cut of one of ``hosts`` overlaps ``start`` to ``end``."""
+    wanted = set(hosts)
+    return any(c.host in wanted and c.began <= end and c.cleared >= start for c in cuts)
+
+
+def health_lies(
+    samples: Sequence[HealthSample],
+    roster: Sequence[Presence],
+    cuts: Sequence[Cut],
+    *,
+    down_after_s: float,
+    up_after_s: float,
+    registry_host: str = "etcd",
+) -> list[str]:
+    """Where ``/health`` said what the bed makes untrue, each as a line.
+
+    A worker cut off for ``down_after_s`` (the link timeout and its slack) must no longer
+    count, nor one that left (stopped) ``down_after_s`` ago; one that has run untouched for
+    ``up_after_s`` (neither it nor the registry cut off meanwhile: a registration that
+    expired during an etcd cut is made anew) must.  A count between those bounds is true, whatever it is.  The registry must read
+    disconnected once cut off for ``down_after_s`` and connected once untouched for
+    ``up_after_s``."""
+    lies = []
+    for sample in samples:
+        t = sample.at
+        for role, reported in (("prefill", sample.prefill), ("decode", sample.decode)):
+            # one that left less than down_after_s ago may still count
+            present = [
+                p for p in roster if p.role == role and p.began <= t <= p.ended + down_after_s
+            ]
+            settled = [
+                p
+                for p in present
+                if p.began <= t - up_after_s
+                and t <= p.ended
+                and not p.faulty
+                and not _touched(cuts, (p.host, registry_host), t - up_after_s, t)
+            ]
+            down = [p for p in present if _cut_over(cuts, p.host, t - down_after_s, t)]
+            low, high = len(settled), len(present) - len(down)
+            if not low <= reported <= high:
+                lies.append(f"at {t:.1f}: {role} {reported}, true {low}..{high}")
+        registry_down = _cut_over(cuts, registry_host, t - down_after_s, t)
+        registry_up = not _touched(cuts, (registry_host,), t - up_after_s, t)
+        if sample.discovery_connected and registry_down:
+            lies.append(f"at {t:.1f}: discovery connected, etcd cut off")
+        if not sample.discovery_connected and registry_up:
+            lies.append(f"at {t:.1f}: discovery disconnected, etcd reachable")
+    return lies
+
+
+def latency_against(
+    records: Sequence[RequestRecord], baseline: Sequence[RequestRecord]
+) -> dict[str, float]:
+    """TTFT and TPOT p50 and p99 of ``records``' measured streams, and each as a ratio to
+    ``baseline``'s (the clean run's)."""
+
+    figures: dict[str, float] = {}
+    for name in ("ttft_s", "tpot_s"):
+        mine = [v for r in records if (v := getattr(r, name)) is not None]
+        theirs = [v for r in baseline if (v := getattr(r, name)) is not None]
+        figures[f"{name[:-2]}_streams"] = len(mine)
+        for label, q in (("p50", 50), ("p99", 99)):
+            value, base = percentile(mine, q), percentile(theirs, q)
+            figures[f"{name[:-2]}_{label}_ms"] = value * 1000
+            figures[f"{name[:-2]}_{label}_ratio"] = value / base if base else float("nan")
+    return figures

@@ -519,6 +519,12 @@ def test_the_quick_soak_on_hosts_loses_nothing_and_leaves_nothing(tmp_path: Path
     # decode3 damaged each NIXL pull it made, and each was caught: no wrong answer
     assert result["kv_digest"]["corrupted_pulls"] > 0
     assert result["kv_digest"]["digest_mismatches"] >= result["kv_digest"]["corrupted_pulls"]
+    # each fault class ran in a phase of its own, and each had requests to judge
+    phases = {phase["phase"]: phase for phase in result["per_phase"]}
+    assert list(phases) == ["clean", "KV path", "partition", "latency/loss", "clean again"]
+    assert all(phase["requests"] > 0 and phase["leaked"] == 0 for phase in phases.values())
+    assert phases["clean"]["ttft_streams"] > 0 and phases["latency/loss"]["ttft_streams"] > 0
+    assert result["health"]["samples"] > 0 and result["health"]["lies_total"] == 0
     missed = [goal["goal"] for goal in result["goals"] if not goal["met"]]
     assert missed == [], completed.stdout
     assert completed.returncode == 0, completed.stdout

@@ -10,7 +10,10 @@ from benchmarks.soak_goals import (
     NO_FAULT,
     PARTITION,
     SLOW,
+    Cut,
     FaultSpan,
+    HealthSample,
+    Presence,
     RequestRecord,
     Row,
     account,
@@ -19,6 +22,8 @@ from benchmarks.soak_goals import (
     fault_kind,
     goal_classes,
     goals,
+    health_lies,
+    latency_against,
     migrated_request_ids,
 )
 
@@ -98,3 +103,68 @@ def test_migrated_requests_come_from_the_access_lines() -> None:
         b"INFO request_id=cmpl-2 status=200 migrations=- prefill_at=x\n"
     )
     assert migrated_request_ids(output) == {"cmpl-1"}
+
+
+def test_a_goal_no_request_was_judged_on_is_not_met() -> None:
+    judged = (KV_PATH, PARTITION)
+    met = goals({PARTITION: Row(requests=3, completed=3)}, Row(), {}, 0, None, judged=judged)
+    assert [goal for goal, ok in met if not ok] == ["KV path: judged on requests (0)"]
+
+
+def _lies(*samples: HealthSample, cuts: tuple[Cut, ...] = ()) -> list[str]:
+    roster = [
+        Presence("prefill", "prefill", 0.0, 100.0),
+        Presence("decode", "decode", 0.0, 100.0),
+        Presence("decode2", "decode", 0.0, 100.0),
+    ]
+    return health_lies(samples, roster, cuts, down_after_s=3.0, up_after_s=5.0)
+
+
+def test_health_must_drop_a_worker_cut_off_past_the_bound_and_count_it_once_back() -> None:
+    cut = (Cut("decode", 10.0, 20.0),)
+    assert _lies(HealthSample(9.0, 1, 2, True), cuts=cut) == []
+    assert _lies(HealthSample(12.0, 1, 2, True), cuts=cut) == []  # within the bound: either
+    assert _lies(HealthSample(14.0, 1, 2, True), cuts=cut) == ["at 14.0: decode 2, true 1..1"]
+    assert _lies(HealthSample(14.0, 1, 1, True), cuts=cut) == []
+    assert _lies(HealthSample(22.0, 1, 1, True), cuts=cut) == []  # coming back: either
+    assert _lies(HealthSample(26.0, 1, 1, True), cuts=cut) == ["at 26.0: decode 1, true 2..2"]
+
+
+def test_a_worker_that_left_must_be_out_of_health_once_the_bound_has_passed() -> None:
+    roster = [
+        Presence("prefill", "prefill", 0.0, 100.0),
+        Presence("decode", "decode", 0.0, 100.0),
+        Presence("decode3", "decode", 10.0, 20.0),
+    ]
+
+    def lies(at: float, decodes: int) -> list[str]:
+        sample = HealthSample(at, 1, decodes, True)
+        return health_lies([sample], roster, (), down_after_s=3.0, up_after_s=5.0)
+
+    assert lies(12.0, 1) == []  # just joined: either
+    assert lies(16.0, 1) == ["at 16.0: decode 1, true 2..2"]
+    assert lies(21.0, 2) == []  # just left: either
+    assert lies(24.0, 2) == ["at 24.0: decode 2, true 1..1"]
+
+
+def test_a_flap_never_has_to_be_reported_down_and_an_etcd_cut_is_judged_too() -> None:
+    flap = (Cut("decode", 10.0, 20.0, steady=False),)
+    assert _lies(HealthSample(18.0, 1, 2, True), cuts=flap) == []
+    etcd = (Cut("etcd", 10.0, 20.0),)
+    assert _lies(HealthSample(15.0, 1, 2, True), cuts=etcd) == [
+        "at 15.0: discovery connected, etcd cut off"
+    ]
+    assert _lies(HealthSample(22.0, 1, 1, False), cuts=etcd) == []  # registrations come back
+    assert _lies(HealthSample(30.0, 1, 2, False), cuts=etcd) == [
+        "at 30.0: discovery disconnected, etcd reachable"
+    ]
+
+
+def test_latency_is_reported_against_the_clean_run() -> None:
+    clean = [RequestRecord(0, 1, "ok", False, None, 0.010, 0.005) for _ in range(4)]
+    slow = [RequestRecord(0, 1, "ok", False, None, 0.050, 0.006) for _ in range(4)]
+    slow.append(RequestRecord(0, 1, "client disconnected"))  # not measured
+    figures = latency_against(slow, clean)
+    assert figures["ttft_streams"] == 4
+    assert round(figures["ttft_p50_ratio"], 6) == 5.0
+    assert round(figures["tpot_p50_ms"], 6) == 6.0
