@@ -222,3 +222,70 @@ def test_the_embedded_cluster_is_refused(procs: Processes) -> None:
         for line in lines
     ), lines
     assert not descendants(router.pid)
+
+
+def test_under_w_n_each_process_traces_as_an_instance_of_its_own(
+    procs: Processes, tmp_path: Path
+) -> None:
+    """Tracing on by the standard environment (inherited by hypercorn's processes): a trace
+    per request, its router spans from the process that served it, each process (and each
+    worker) with a ``service.instance.id`` of its own, the workers' spans under the router's."""
+    from tests.tracing_receiver import trace_receiver
+
+    with trace_receiver() as receiver:
+        tracing = {"endpoint": receiver.url}
+        started = [
+            procs.start_worker(
+                {**synthetic_worker_config(role, decode_step_s=0.01), "tracing": tracing}
+            )
+            for role in ("prefill", "decode")
+        ]
+        prefill, decode = (procs.wait_ready(process) for process in started)
+        config = write_router_config(
+            tmp_path / "router.toml",
+            [("prefill", prefill.url), ("decode", decode.url)],
+            router={"drain_s": 2},
+        )
+        port = free_port()
+        command = [
+            sys.executable, "-m", "hypercorn", "-k", "trio", "-w", str(PROCESSES),
+            "--graceful-timeout", "10", "-b", f"{LOOPBACK}:{port}", "pdtrio.app:app",
+        ]  # fmt: skip
+        env = {
+            "PDTRIO_CONFIG": str(config),
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"{receiver.url}/v1/traces",
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+        }
+        router = Service(
+            procs.start(command, env=env, output="capture"), f"http://{LOOPBACK}:{port}"
+        )
+        procs.wait_healthy(router)
+        clients = _clients_on_every_process(router, 2)
+        try:
+            for http, _ in clients:
+                assert _outcome(_stream(http, 3)) == "complete"
+        finally:
+            for http, _ in clients:
+                http.close()
+        router.process.send_signal(signal.SIGTERM)  # each process flushes its spans as it stops
+        assert router.process.wait(timeout=60) == 0
+        for worker in (prefill, decode):
+            procs.stop(worker.process)
+        spans = receiver.received()
+
+    requests = [s for s in spans if s.service == "pdtrio-router" and not s.parent_id]
+    assert len(requests) == len(clients), [(s.name, s.service) for s in spans]
+    # one router instance per hypercorn process, each request's spans all from its own
+    assert len({s.instance for s in requests}) == PROCESSES
+    by_id = {s.span_id: s for s in spans}
+    for request in requests:
+        trace = [s for s in spans if s.trace_id == request.trace_id]
+        router_spans = [s for s in trace if s.service == "pdtrio-router"]
+        assert {s.instance for s in router_spans} == {request.instance}
+        worker_spans = [s for s in trace if s.service == "pdtrio-worker"]
+        assert len({s.instance for s in worker_spans}) == 2, worker_spans  # prefill and decode
+        for span in worker_spans:
+            parent = by_id.get(span.parent_id)
+            assert parent is not None and parent.trace_id == request.trace_id
+    worker_instances = {s.instance for s in spans if s.service == "pdtrio-worker"}
+    assert not worker_instances & {s.instance for s in requests}
