@@ -148,8 +148,16 @@ class LegHost(Protocol):
     shaper: Shaper | None
     # decode sent a delta's tokens without the logprobs asked for: said once per request
     logprobs_shortfall_logged: bool
-    # the span a leg sent now is a child of ("": the request is not traced)
-    traceparent: str
+
+    @property
+    def prefill_traceparent(self) -> str:
+        """The span a prefill call sent now is a child of ("": the request is not traced)."""
+        ...
+
+    @property
+    def decode_traceparent(self) -> str:
+        """The span a decode call sent now is a child of ("": the request is not traced)."""
+        ...
 
     async def report(self, event: rm.Event) -> Wait | None:
         """Tell the machine ``event``, write what it emits; the wait it starts, if any."""

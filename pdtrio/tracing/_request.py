@@ -27,8 +27,9 @@ def _failure_text(failure: rm.AnyFailure) -> str:
 
 @final
 class RequestTrace:
-    """One request's spans.  ``traceparent``: what the leg being sent carries on (the
-    request's span, or the prefill or decode attempt open now)."""
+    """One request's spans.  ``prefill_traceparent`` and ``decode_traceparent``: what each
+    leg's calls carry on (its attempt's span while one is open, else the request's; the
+    two may be open at once, as in front of SGLang)."""
 
     def __init__(
         self,
@@ -51,7 +52,8 @@ class RequestTrace:
         self.span = span = tracing.request_span(f"POST {endpoint}", incoming, attributes)
         self.recording = span.is_recording()
         self.trace_id = f"{span.get_span_context().trace_id:032x}"
-        self._request_traceparent = self.traceparent = traceparent_of(span)
+        self._request_traceparent = traceparent_of(span)
+        self.prefill_traceparent = self.decode_traceparent = self._request_traceparent
         self._prefill: Span | None = None
         self._decode: Span | None = None
         self._waiting: Span | None = None
@@ -172,7 +174,10 @@ class RequestTrace:
 
     def _open(self, name: str, attributes: dict[str, str | int | bool]) -> Span:
         span = self._tracing.child_span(name, self.span, attributes)
-        self.traceparent = traceparent_of(span)
+        if name == "prefill":
+            self.prefill_traceparent = traceparent_of(span)
+        else:  # the decode attempt, or the wait for a decode
+            self.decode_traceparent = traceparent_of(span)
         return span
 
     def _close(self, span: Span | None, error: str | None = None) -> Span | None:
@@ -181,7 +186,10 @@ class RequestTrace:
             if error is not None:
                 span.set_status(Status(StatusCode.ERROR, error))
             span.end()
-        self.traceparent = self._request_traceparent
+            if span is self._prefill:
+                self.prefill_traceparent = self._request_traceparent
+            else:
+                self.decode_traceparent = self._request_traceparent
         return None
 
     def _close_legs(self, error: str | None) -> None:

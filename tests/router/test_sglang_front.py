@@ -11,18 +11,19 @@ from typing import Any
 import httpx
 import trio
 
-from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig
+from pdtrio.config import InstanceConfig, PdtrioConfig, RouterConfig, TracingConfig
 from pdtrio.router.app import RouterApp
 from tests.cluster import serve_app
 from tests.router.fake_sglang import FakeSglang
 from tests.router.fake_vllm import MODEL, token_logprob
+from tests.tracing_receiver import trace_receiver
 
 BOOTSTRAP_PORT = 8998
 
 
 @asynccontextmanager
 async def fronted(
-    prefills: int = 1, decodes: int = 1
+    prefills: int = 1, decodes: int = 1, tracing: TracingConfig | None = None
 ) -> AsyncIterator[tuple[str, list[FakeSglang], list[FakeSglang]]]:
     async with trio.open_nursery() as nursery:
         rooms: dict[Any, Any] = {}
@@ -42,6 +43,7 @@ async def fronted(
                 for e in prefill
             )
             + tuple(InstanceConfig(role="decode", url=e.url, kind="sglang") for e in decode),
+            tracing=tracing or TracingConfig(),
         )
         url = await serve_app(RouterApp(config), nursery)
         yield url, prefill, decode
@@ -199,3 +201,29 @@ async def test_a_prefill_refusing_the_request_is_the_clients_error_and_closes_th
             await decode.decode_aborted.wait()  # it waited for KV that never came
         # the client's own error: tried once, on one prefill
         assert len(prefills[0].legs()) + len(prefills[1].legs()) == 1
+
+
+async def test_each_leg_carries_the_requests_trace_to_its_sglang_engine() -> None:
+    """SGLang joins a trace through the ``traceparent`` header (``--enable-trace``): the
+    prefill leg's call and the decode leg's each carry the request's trace, as children
+    of the router's decode attempt, which both run within (SGLang's prefill answers once
+    decode has fetched the KV)."""
+    client_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    with trace_receiver() as receiver:
+        async with fronted(tracing=TracingConfig(endpoint=receiver.url)) as (
+            url,
+            [prefill],
+            [decode],
+        ):
+            async with httpx.AsyncClient(base_url=url) as client:
+                body = {"model": MODEL, "prompt": "a b c", "max_tokens": 3, "stream": True}
+                headers = {"traceparent": f"00-{client_trace}-00f067aa0ba902b7-01"}
+                response = await client.post("/v1/completions", json=body, headers=headers)
+            assert response.status_code == 200, response.text
+        spans = [s for s in receiver.received() if s.trace_id == client_trace]
+    legs = {s.span_id: s.name for s in spans if s.service == "pdtrio-router"}
+    for engine in (prefill, decode):
+        [(_, headers)] = engine.received
+        version, trace_id, parent_id, flags = headers["traceparent"].split("-")
+        assert (version, trace_id, flags) == ("00", client_trace, "01")
+        assert legs.get(parent_id) == "decode", (legs, parent_id)

@@ -410,7 +410,7 @@ class EngineDecodeLeg:
             "POST",
             instance.url + PATHS[self._legs.kind],
             json=leg.body,
-            headers=instance.headers(leg.request_id, self._host.traceparent),
+            headers=instance.headers(leg.request_id, self._host.decode_traceparent),
         ) as response:
             if response.status_code != 200:
                 content = await response.aread()

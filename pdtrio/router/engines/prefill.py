@@ -185,7 +185,10 @@ class EnginePrefillLeg:
         so a request cut meanwhile frees what the calls that answered kept.  What failed,
         if it did."""
         answered = await self._call(
-            instance, prefill_body(self.choice_bodies[choice]), self.choice_request_id(choice)
+            instance,
+            prefill_body(self.choice_bodies[choice]),
+            self.choice_request_id(choice),
+            self._host.prefill_traceparent,
         )
         if not isinstance(answered, httpx.Response):
             return answered
@@ -200,10 +203,14 @@ class EnginePrefillLeg:
         return None
 
     async def _call(
-        self, instance: EngineInstance, body: Mapping[str, Any], request_id: str
+        self,
+        instance: EngineInstance,
+        body: Mapping[str, Any],
+        request_id: str,
+        traceparent: str,
     ) -> httpx.Response | PrefillFailure:
-        """Post a prefill leg (as ``request_id``): its 200 answer, or what the machine hears
-        instead."""
+        """Post a prefill leg (as ``request_id``, a child of ``traceparent``'s span): its
+        200 answer, or what the machine hears instead."""
         pool = self._pool
         instance.in_flight += 1
         try:
@@ -211,7 +218,7 @@ class EnginePrefillLeg:
                 response = await pool.http.post(
                     instance.url + PATHS[self._legs.kind],
                     json=body,
-                    headers=instance.headers(request_id, self._host.traceparent),
+                    headers=instance.headers(request_id, traceparent),
                 )
         except BackendUnreachable as exc:
             self._failed(instance, f"prefill unreachable: {exc}")
@@ -238,10 +245,14 @@ class EnginePrefillLeg:
         self, instance: EngineInstance, body: Mapping[str, Any], request_id: str
     ) -> PrefillFailure | None:
         """SGLang: a choice's prefill call on ``instance`` (``body``: its room's), beside its
-        decode stream (bounded by the prefill timeout); what failed, if it did."""
+        decode stream (bounded by the prefill timeout); what failed, if it did.  It runs
+        within the decode attempt (SGLang's prefill answers once decode has fetched the
+        KV), so its trace parent is that attempt's span."""
         started = time.perf_counter()
         with trio.move_on_after(self._host.router.config.router.prefill_timeout_s):
-            answered = await self._call(instance, prefill_leg_body(body), request_id)
+            answered = await self._call(
+                instance, prefill_leg_body(body), request_id, self._host.decode_traceparent
+            )
             if not isinstance(answered, httpx.Response):
                 return answered
             self._pool.served(instance)

@@ -104,7 +104,6 @@ class RequestPipeline:
         self.request_id = router.new_request_id(shape.id_prefix)
         # its spans (None: tracing is off); what its legs carry on as their spans' parent
         self.trace = self._start_trace(incoming_traceparent, key_id)
-        self.traceparent = "" if self.trace is None else self.trace.traceparent
         # what /metrics and the access line say of it, recorded as it goes
         self.figures = router.metrics.figures(request.model)
         # the request on the instances: its prefill calls and its decode run
@@ -193,6 +192,16 @@ class RequestPipeline:
             # alive until then is traversed, and promoted, by the collections it meets)
             del self.prefill, self.decode
 
+    @property
+    def prefill_traceparent(self) -> str:
+        trace = self.trace
+        return "" if trace is None else trace.prefill_traceparent
+
+    @property
+    def decode_traceparent(self) -> str:
+        trace = self.trace
+        return "" if trace is None else trace.decode_traceparent
+
     def _start_trace(self, incoming_traceparent: str, key_id: str) -> RequestTrace | None:
         """The request's spans, under the client's trace if it sent one; None: tracing
         is off."""
@@ -247,7 +256,6 @@ class RequestPipeline:
         trace = self.trace
         if trace is not None:
             trace.observe(event, commands)
-            self.traceparent = trace.traceparent
         for command in commands:
             kind = type(command)
             if kind is rm.WaitUntil:

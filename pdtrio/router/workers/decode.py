@@ -275,7 +275,7 @@ class DecodeLeg:
         choices = running_choices(reply)
         if host.request.sampling.n > 1:
             start = DecodeStartChoices.of(start, choices)
-        start = traced_start(start, host.traceparent)
+        start = traced_start(start, host.decode_traceparent)
         self._choice_ids = [choice_request_id(prefill.wire_id, c) for c, _ in choices if c]
         try:
             stream = await link.start(

@@ -173,7 +173,7 @@ class PrefillLeg:
         instance.prefill_started()
         try:
             # a cancelled call releases the request on prefill itself
-            answer = await instance.link.prefill(traced_call(call, host.traceparent))
+            answer = await instance.link.prefill(traced_call(call, host.prefill_traceparent))
         except BackendUnreachable:
             return await host.report(rm.PrefillNotSent())  # it never saw it: another may
         except BackendLost as exc:
