@@ -19,6 +19,9 @@
    the second token, what the handoff adds to it against colocated, and the
    decode's own mean pull time (``/pd/info``).
 3. The CPU an idle worker uses, over a few seconds of /proc/PID/stat.
+4. The verified handoff's cost at SmolLM2's sizes (``benchmarks.kv_digest``, also run on
+   its own): prefill's record of what it wrote, the pull and decode's check, over NIXL and
+   TCP, ``kv_digest`` off, sampled and full in the same run.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import httpx
 import numpy as np
 import trio
 
+from benchmarks import kv_digest
 from benchmarks.kit import aligned_table, percentile, stream_completion, write_json
 from pdtrio.config import SyntheticEngineConfig
 from pdtrio.engine.api import NoRoom
@@ -461,6 +465,9 @@ def main() -> None:
         return
     result = trio.run(run, args.quick)
     print_tables(result)
+    result["kv_digest"] = trio.run(kv_digest.run, args.quick)
+    print()
+    kv_digest.print_tables(result["kv_digest"])
     write_json(args.json, result)
 
 
