@@ -191,3 +191,40 @@ def test_the_only_decode_killed_mid_stream_is_restarted_and_its_stream_goes_on(
     metrics = httpx.get(f"{router.url}/metrics", timeout=30).text
     assert 'pdtrio_migrations_total{reason="link_lost"} 1.0' in metrics
     assert any(int(count) >= 1 for _, count in _RESTARTS.findall(metrics))
+
+
+def test_the_embedded_workers_trace_with_the_routers_environment(procs: Processes) -> None:
+    """``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` on the router alone: its embedded workers
+    inherit it, each a ``service.instance.id`` of its own, their spans under the router's."""
+    from pdtrio.testing import LOOPBACK, free_port, router_command
+    from tests.tracing_receiver import trace_receiver
+
+    with trace_receiver() as receiver:
+        port = free_port()
+        env = {
+            "PDTRIO_CONFIG": str(SYNTHETIC_CONFIG),
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"{receiver.url}/v1/traces",
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+        }
+        process = procs.start(router_command(f"{LOOPBACK}:{port}"), env=env, output="capture")
+        router = Service(process, f"http://{LOOPBACK}:{port}")
+        procs.wait_healthy(router)
+        body = {
+            "model": "synthetic",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", f"{router.url}/v1/chat/completions", json=body, timeout=30
+        ) as response:
+            assert [line for line in response.iter_lines() if line][-1] == "data: [DONE]"
+        router.process.send_signal(signal.SIGINT)  # every process flushes as it stops
+        assert router.process.wait(timeout=30) == 0
+        spans = receiver.received()
+    [request] = [s for s in spans if s.service == "pdtrio-router" and not s.parent_id]
+    trace = [s for s in spans if s.trace_id == request.trace_id]
+    workers = {s.instance for s in trace if s.service == "pdtrio-worker"}
+    assert len(workers) == 2 and request.instance not in workers, trace
+    by_id = {s.span_id: s for s in trace}
+    assert all(s.parent_id in by_id for s in trace if s.service == "pdtrio-worker")
