@@ -457,12 +457,15 @@ ELSEWHERE = {
     "benchmarks.soak": "tests/e2e/test_soak.py",
     "benchmarks.front_vllm": "tests/vllm/test_real_vllm.py",  # a real vLLM: nox -s vllm
     "benchmarks.engine_reads": "tests/vllm/test_engine_reads.py",  # a pair of its own
+    # in benchmarks.kv_transfer's quick run, whose check is _kv_digest's too (_kv_transfer)
+    "benchmarks.kv_digest": "tests/test_benchmarks_quick.py",
 }
 # modules of benchmarks/ that are not benchmarks
 NOT_BENCHMARKS = {
     "benchmarks.kit",
     "benchmarks.plotting",
     "benchmarks.soak_goals",
+    "benchmarks.soak_hosts",  # benchmarks.soak --hosts (tests/e2e/test_multihost.py)
     "benchmarks.trivial_sse_app",
 }
 
