@@ -400,8 +400,10 @@ async def _phases(
                 FaultSpan(f"{CORRUPTING_HOST} corrupt", soak_goals.KV_PATH, started, ended)
             )
             extra["kv_digest"] = await _digest_figures(http, [corrupting, *_decodes(cluster)])
-            record.roster[-1] = attrs.evolve(record.roster[-1], ended=trio.current_time())
             stopped = await trio.to_thread.run_sync(_stop_all, cluster.procs, [corrupting])
+            # gone once its process has exited: it drains (and serves, as far as the
+            # router knows) until then
+            record.roster[-1] = attrs.evolve(record.roster[-1], ended=trio.current_time())
             extra["corrupting_decode"] = stopped
         with trio.CancelScope(shield=True):  # every fault cleared, whatever happened
             await trio.to_thread.run_sync(bed.heal_all)
