@@ -388,12 +388,13 @@ async def _phases(
         decodes = 2
         corrupting: Service | None = None
         if phase.name == soak_goals.KV_PATH:
+            # in the roster from its start: the router may count it as soon as it registers
+            joined = trio.current_time()
+            record.roster.append(Presence(CORRUPTING_HOST, "decode", joined, 0.0, faulty=True))
             corrupting = await _start_corrupting_decode(cluster)
             decodes = 3
             if not await _wait_for(http, router, 30, 2, decodes):
                 raise RuntimeError("the router never saw decode3")
-            joined = trio.current_time()
-            record.roster.append(Presence(CORRUPTING_HOST, "decode", joined, 0.0, faulty=True))
         started, ended = await _run_phase(phase, settings, rng, address, tally, length_s)
         if corrupting is not None:
             tally.spans.append(
@@ -401,8 +402,7 @@ async def _phases(
             )
             extra["kv_digest"] = await _digest_figures(http, [corrupting, *_decodes(cluster)])
             stopped = await trio.to_thread.run_sync(_stop_all, cluster.procs, [corrupting])
-            # gone once its process has exited: it drains (and serves, as far as the
-            # router knows) until then
+            # gone once its process has exited (it drains, still registered, until then)
             record.roster[-1] = attrs.evolve(record.roster[-1], ended=trio.current_time())
             extra["corrupting_decode"] = stopped
         with trio.CancelScope(shield=True):  # every fault cleared, whatever happened
