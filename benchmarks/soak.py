@@ -791,8 +791,14 @@ def _decode_failed_by_fault(tally: Tally, targets: Sequence[FaultTarget]) -> dic
     }
 
 
-def _accounting(tally: Tally, router_output: bytes, result: dict[str, Any]) -> dict[str, Any]:
-    """The per-fault table and the goals, each met or not."""
+def _accounting(
+    tally: Tally,
+    router_output: bytes,
+    result: dict[str, Any],
+    judged: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The per-fault table and the goals, each met or not (``judged``: the goal classes
+    that must have had requests)."""
     by_label, by_kind = soak_goals.account(
         tally.records,
         tally.spans,
@@ -809,6 +815,7 @@ def _accounting(tally: Tally, router_output: bytes, result: dict[str, Any]) -> d
         len(tally.hung),
         result.get("kv_digest"),
         (failed_s, LINK_TIMEOUT_S + MIGRATION_BOUND_S),
+        judged=judged,
     )
     return {
         "after_partition_longest_s": {"failed": failed_s, "any": every_s},

@@ -51,8 +51,6 @@ from benchmarks.soak import (
     DECODE_STEP_S,
     KV_LEASE_S,
     LINK_TIMEOUT_S,
-    MIGRATION_BOUND_S,
-    RECONNECT_S,
     Settings,
     Tally,
     _client,
@@ -65,6 +63,7 @@ from benchmarks.soak import (
     _stop_all,
     _unexplained,
 )
+from benchmarks.soak import _accounting as soak_accounting
 from benchmarks.soak_goals import Cut, FaultSpan, HealthSample, Presence
 from pdtrio.testing import (
     Processes,
@@ -534,7 +533,6 @@ def _accounting(
 ) -> dict[str, Any]:
     """The per-phase and per-fault tables, /health's truth, and the goals, each met or not."""
     migrated = soak_goals.migrated_request_ids(router_output)
-    by_label, by_kind = soak_goals.account(tally.records, tally.spans, migrated, RECONNECT_S)
     phases = []
     # the baseline: both clean phases (the first meets every peer for the first time)
     clean = [
@@ -564,32 +562,24 @@ def _accounting(
         down_after_s=HEALTH_DOWN_AFTER_S,
         up_after_s=HEALTH_UP_AFTER_S,
     )
-    everything = soak_goals.Row(wrong=sum(bool(r.wrong) for r in tally.records))
-    failed_s, every_s = soak_goals.after_partition_s(tally.records, tally.spans, RECONNECT_S)
-    met = soak_goals.goals(
-        by_kind,
-        everything,
-        result["leaks"],
-        len(tally.hung),
-        result.get("kv_digest"),
-        (failed_s, LINK_TIMEOUT_S + MIGRATION_BOUND_S),
+    accounted = soak_accounting(
+        tally,
+        router_output,
+        result,
         judged=(soak_goals.KV_PATH, soak_goals.PARTITION, soak_goals.SLOW),
     )
-    met.append(
-        (
-            f"/health tells the truth ({len(lies)} of {len(record.health)} samples wrong, "
-            f"{record.health_errors} unanswered)",
-            not lies and not record.health_errors,
-        )
+    accounted["goals"].append(
+        {
+            "goal": f"/health tells the truth ({len(lies)} of {len(record.health)} samples "
+            f"wrong, {record.health_errors} unanswered)",
+            "met": not lies and not record.health_errors,
+        }
     )
     return {
-        "after_partition_longest_s": {"failed": failed_s, "any": every_s},
-        "per_fault": {label: attrs.asdict(row) for label, row in by_label.items()},
+        **accounted,
         "per_fault_leaked": leaked_by_label,
-        "per_goal_class": {kind: attrs.asdict(row) for kind, row in by_kind.items()},
         "per_phase": phases,
         "health": {"samples": len(record.health), "lies": lies[:20], "lies_total": len(lies)},
-        "goals": [{"goal": goal, "met": ok} for goal, ok in met],
     }
 
 
